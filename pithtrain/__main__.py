@@ -1,0 +1,5 @@
+"""Allows `python -m pithtrain ...`."""
+
+from pithtrain.cli import main
+
+main()

@@ -1,0 +1,1 @@
+"""PithTrain models package."""
