@@ -1,1 +1,21 @@
-"""PithTrain models package."""
+"""Model families. `config_from_hf` is the one place that maps an HF `model_type` to a model file."""
+
+from __future__ import annotations
+
+
+def config_from_hf(hf: dict):
+    """The family config for an HF `config.json` dict."""
+    model_type = hf.get("model_type")
+    if model_type == "qwen3_moe":
+        from pithtrain.models.qwen3_moe import Qwen3MoeConfig
+
+        return Qwen3MoeConfig.from_hf(hf)
+    elif model_type == "deepseek_v2":
+        from pithtrain.models.deepseek_v2 import DeepseekV2Config
+
+        return DeepseekV2Config.from_hf(hf)
+    elif model_type == "gpt_oss":
+        from pithtrain.models.gpt_oss import GptOssConfig
+
+        return GptOssConfig.from_hf(hf)
+    raise ValueError(f"model_type {model_type!r} is not supported; supported: qwen3_moe, deepseek_v2, gpt_oss")

@@ -1,0 +1,200 @@
+"""Typed run configuration: dataclasses, `--set` overrides and validation with clear errors.
+
+A run is a Python file that defines `CONFIG = RunConfig(...)`. The model part is the model
+family's own dataclass (its fields are the Hugging Face `config.json` schema), so an HF config
+works as is. Everything is validated before any expensive work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import runpy
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config problem; the message names the field and the fix."""
+
+
+@dataclass
+class DataConfig:
+    path: str = ""  # dataset directory written by `pithtrain tokenize`
+    seq_len: int = 256
+    pack_documents: bool = False  # attention restricted to each document (cu_seqlens-style)
+    seed: int = 1234  # sample order
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
+    schedule: str = "cosine"  # cosine | wsd | constant
+    warmup_steps: int = 0
+    decay_fraction: float = 0.2  # wsd: share of the steps spent in the final linear decay
+    weight_decay: float = 0.1  # not applied to norms, biases and embeddings
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch_size: int = 8  # samples per optimizer step, over all data-parallel ranks
+    micro_batch_size: int = 8  # samples per forward/backward on one rank
+    seed: int = 0  # parameter initialisation
+    init_from: str = ""  # HF directory or PithTrain checkpoint to start from (continued pretraining)
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: str = "auto"  # auto (bf16 compute on GPU, fp32 on CPU) | fp32 | bf16
+    lb_coef: float = 1e-3  # MoE load-balance loss coefficient; 0 disables
+    lb_type: str = "micro"  # micro | global | seq (load-balance loss statistics scope)
+    log_every: int = 1
+    checkpoint_every: int = 0  # 0: only at the end
+    keep_checkpoints: int = 2
+    tensorboard: bool = True  # when tensorboard is installed
+    compile: bool = False  # torch.compile the dense stages
+
+
+@dataclass
+class ParallelConfig:
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    timeout_s: float = 600.0  # collective timeout
+
+
+@dataclass
+class RunConfig:
+    model: Any  # a model family config dataclass, e.g. qwen3_moe.Qwen3MoeConfig
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist; pass a run file such as examples/qwen3_tiny.py")
+    namespace = runpy.run_path(str(path))
+    config = namespace.get("CONFIG")
+    if not isinstance(config, RunConfig):
+        raise ConfigError(f"{path} must define CONFIG = RunConfig(...) (found {type(config).__name__})")
+    return config
+
+
+def _parse_value(text: str, annotation: Any, name: str) -> Any:
+    origin = typing.get_origin(annotation)
+    args = typing.get_args(annotation)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        if text.lower() in ("none", "null") and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _parse_value(text, inner[0], name)
+    if annotation is bool:
+        if text.lower() in ("1", "true", "yes", "on"):
+            return True
+        if text.lower() in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"--set {name}={text}: expected a bool (true/false)")
+    if annotation in (int, float, str):
+        try:
+            return annotation(text)
+        except ValueError:
+            raise ConfigError(f"--set {name}={text}: expected {annotation.__name__}") from None
+    if origin in (list, tuple) or annotation is Any:
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            if annotation is Any:
+                return text
+            raise ConfigError(f"--set {name}={text}: expected a JSON list such as [0,3]") from None
+        if origin in (list, tuple) and not isinstance(value, list):
+            raise ConfigError(f"--set {name}={text}: expected a JSON list such as [0,3]")
+        return value
+    raise ConfigError(f"--set {name}: fields of type {annotation} cannot be set from the command line")
+
+
+def apply_override(config: RunConfig, assignment: str) -> None:
+    """Apply one `a.b=value` override, type-checked against the dataclass field."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected the form section.field=value, e.g. train.steps=10")
+    key, text = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    target = config
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(target):
+            raise ConfigError(f"--set {key}: {'.'.join(parts[:i])} is not a config section")
+        names = [f.name for f in dataclasses.fields(target)]
+        if part not in names:
+            raise ConfigError(f"--set {key}: unknown field {part!r}; valid fields here: {', '.join(names)}")
+        if i == len(parts) - 1:
+            hints = typing.get_type_hints(type(target))
+            setattr(target, part, _parse_value(text, hints[part], key))
+        else:
+            target = getattr(target, part)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+def validate(config: RunConfig, world_size: int = 1) -> None:
+    """Refuse an invalid config before any work starts; each message names the field and the fix."""
+    t, o, d, p = config.train, config.optim, config.data, config.parallel
+    config.model.validate()
+    _check(t.steps >= 1, f"train.steps={t.steps}: must be at least 1")
+    _check(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be at least 1")
+    _check(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
+    _check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype={t.dtype!r}: use auto, fp32 or bf16")
+    _check(t.lb_type in ("micro", "global", "seq"), f"train.lb_type={t.lb_type!r}: use micro, global or seq")
+    _check(t.lb_coef >= 0, f"train.lb_coef={t.lb_coef}: must be >= 0 (0 disables the load-balance loss)")
+    _check(t.log_every >= 1, f"train.log_every={t.log_every}: must be at least 1")
+    _check(t.checkpoint_every >= 0, f"train.checkpoint_every={t.checkpoint_every}: must be >= 0 (0: only at the end)")
+    _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be at least 1")
+    for name in ("pp", "cp", "ep"):
+        _check(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)}: must be at least 1")
+    model_parallel = p.pp * p.cp * p.ep
+    _check(
+        world_size % model_parallel == 0,
+        f"mesh pp={p.pp} x cp={p.cp} x ep={p.ep} = {model_parallel} does not divide the {world_size} processes; "
+        f"choose --nproc as a multiple of {model_parallel}",
+    )
+    dp = world_size // model_parallel
+    num_experts = config.model.num_routed_experts()
+    _check(
+        num_experts % p.ep == 0,
+        f"parallel.ep={p.ep} does not divide the {num_experts} experts; choose ep among the divisors of {num_experts}",
+    )
+    data_ranks = dp * p.ep  # cp ranks share samples; ep ranks hold different samples
+    _check(
+        t.global_batch_size % (t.micro_batch_size * data_ranks) == 0,
+        f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size "
+        f"({t.micro_batch_size}) x data-parallel ranks ({data_ranks} = dp {dp} x ep {p.ep}); "
+        f"use a multiple of {t.micro_batch_size * data_ranks}",
+    )
+    _check(
+        not t.init_from or Path(t.init_from).exists(),
+        f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''",
+    )
+    _check(d.seq_len >= 2, f"data.seq_len={d.seq_len}: must be at least 2")
+    max_len = config.model.max_position_embeddings
+    _check(
+        d.seq_len <= max_len,
+        f"data.seq_len={d.seq_len} is longer than the model supports (model.max_position_embeddings={max_len}); "
+        f"lower data.seq_len or raise model.max_position_embeddings",
+    )
+    _check(d.seq_len % (2 * p.cp) == 0 or p.cp == 1, f"data.seq_len={d.seq_len} must be divisible by 2*cp={2 * p.cp}")
+    _check(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
+    _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
+    _check(o.schedule in ("cosine", "wsd", "constant"), f"optim.schedule={o.schedule!r}: use cosine, wsd or constant")
+    _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
+    _check(0 < o.decay_fraction <= 1, f"optim.decay_fraction={o.decay_fraction}: must be in (0, 1]")
+    _check(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables clipping)")
+    _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")

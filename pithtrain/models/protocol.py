@@ -1,0 +1,60 @@
+"""The 5-stage decoder-layer contract every model family implements, and RoutingInfo.
+
+A MoE decoder layer is cut at the expert-parallel communication boundaries:
+
+  stage 1  norm -> attention -> norm -> (shared experts) -> router          (model, compute)
+  stage 2  dispatch: each token to the ranks holding its experts           (engine, communication)
+  stage 3  expert computation on tokens grouped by local expert            (model, compute)
+  stage 4  combine: one row per (token, chosen expert) back home           (engine, communication)
+  stage 5  weighted sum of expert outputs + shared output + residual       (model, compute)
+
+A model layer provides `stage1(x, attn) -> Stage1Out`, `stage3(tokens, counts) -> tokens` and
+`stage5(s1, combined) -> x`. Dense layers (no routed experts) return `routing=None` from stage 1
+and their output in `residual`. `run_layer` below is the plain sequential composition; the
+pipeline engine interleaves the same calls of two micro-batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class RoutingInfo:
+    topk_ids: torch.Tensor  # [T, k] int64, global expert ids chosen per token
+    topk_weights: torch.Tensor  # [T, k] combine weights
+    scores: torch.Tensor  # [T, E] router probabilities (softmax or sigmoid), for the load-balance loss
+    num_experts: int
+
+
+@dataclass
+class Stage1Out:
+    residual: torch.Tensor  # [B, S, H] hidden state after attention (the layer output for dense layers)
+    moe_input: torch.Tensor | None  # [T, H] normed tokens sent to the experts
+    shared: torch.Tensor | None  # [T, H] shared-expert output, added in stage 5
+    routing: RoutingInfo | None
+
+
+class DecoderLayer(Protocol):
+    layer_id: int
+
+    def stage1(self, x: torch.Tensor, attn) -> Stage1Out: ...
+
+    def stage3(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
+
+    def stage5(self, s1: Stage1Out, combined: torch.Tensor) -> torch.Tensor: ...
+
+
+def run_layer(layer, x: torch.Tensor, attn, engine) -> torch.Tensor:
+    """Stages 1..5 in order; `engine` provides dispatch/combine and records routing statistics."""
+    s1 = layer.stage1(x, attn)
+    if s1.routing is None:
+        return s1.residual
+    engine.record_routing(layer.layer_id, s1.routing)
+    tokens, counts, handle = engine.dispatch(s1.moe_input, s1.routing)
+    expert_out = layer.stage3(tokens, counts)
+    combined = engine.combine(expert_out, handle)
+    return layer.stage5(s1, combined)

@@ -1,0 +1,385 @@
+"""Qwen3-MoE: config (HF `config.json` schema), the 5-stage decoder layer, the model, HF conversion.
+
+Self-contained on purpose: GQA attention with per-head q/k RMSNorm and RoPE, a softmax top-k
+router (optionally renormalised over the chosen k), experts as stacked weights run by a grouped
+GEMM, and dense MLP layers where `mlp_only_layers` / `decoder_sparse_step` say so.
+`reference_forward` is a plain, independent implementation (eager attention, a loop over
+experts) used as the oracle in tests.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import asdict, dataclass, field, fields
+from typing import ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pithtrain.config import ConfigError
+from pithtrain.models.protocol import RoutingInfo, Stage1Out, run_layer
+from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin, swiglu
+from pithtrain.ops.grouped_gemm import grouped_mm
+
+
+@dataclass
+class Qwen3MoeConfig:
+    vocab_size: int = 151936
+    hidden_size: int = 2048
+    intermediate_size: int = 6144  # dense-MLP layers
+    moe_intermediate_size: int = 768  # each expert
+    num_hidden_layers: int = 48
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 4
+    head_dim: int | None = None  # None: hidden_size // num_attention_heads
+    num_experts: int = 128
+    num_experts_per_tok: int = 8
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    max_position_embeddings: int = 40960
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    model_type: ClassVar[str] = "qwen3_moe"
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (
+            self.num_experts > 0
+            and layer_id not in self.mlp_only_layers
+            and (layer_id + 1) % self.decoder_sparse_step == 0
+        )
+
+    def num_routed_experts(self) -> int:
+        return self.num_experts
+
+    def validate(self) -> None:
+        def check(cond, message):
+            if not cond:
+                raise ConfigError(message)
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
+            check(getattr(self, name) >= 1, f"model.{name}={getattr(self, name)}: must be at least 1")
+        check(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"model.num_attention_heads={self.num_attention_heads} is not divisible by model.num_key_value_heads="
+            f"{self.num_key_value_heads}; choose a divisor of the query heads",
+        )
+        check(
+            self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
+            f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
+            f"{self.num_attention_heads}; set model.head_dim explicitly or change the sizes",
+        )
+        check(self.dim_per_head % 2 == 0, f"model head dim {self.dim_per_head} must be even for RoPE")
+        check(self.hidden_act == "silu", f"model.hidden_act={self.hidden_act!r}: only 'silu' is supported")
+        check(self.decoder_sparse_step >= 1, "model.decoder_sparse_step must be at least 1")
+        if self.num_experts > 0:
+            check(
+                1 <= self.num_experts_per_tok <= self.num_experts,
+                f"model.num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]",
+            )
+        bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
+        check(not bad, f"model.mlp_only_layers has layer ids {bad} outside [0, {self.num_hidden_layers})")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "Qwen3MoeConfig":
+        rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise ConfigError(f"qwen3_moe: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in hf.items() if k in known and v is not None}
+        if "num_experts" not in values and hf.get("num_local_experts") is not None:
+            values["num_experts"] = hf["num_local_experts"]  # transformers 5 writes this alias
+        if "rope_theta" in rope:
+            values["rope_theta"] = rope["rope_theta"]
+        if isinstance(values.get("eos_token_id"), list):
+            values["eos_token_id"] = values["eos_token_id"][0]
+        return cls(**values)
+
+    def to_hf(self) -> dict:
+        out = asdict(self)
+        out["head_dim"] = self.dim_per_head
+        out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        out.update(model_type=self.model_type, architectures=["Qwen3MoeForCausalLM"], dtype="float32")
+        return out
+
+    def build_model(self, layer_ids=None, embed: bool = True, head: bool = True) -> "Qwen3MoeModel":
+        return Qwen3MoeModel(self, layer_ids, embed, head)
+
+
+class AttnInputs(NamedTuple):
+    cos: torch.Tensor  # [B, S, D]
+    sin: torch.Tensor
+    mask: torch.Tensor | None  # None: plain causal
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def qkv(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, attn: AttnInputs):
+        q, k, v = self.qkv(x, attn.cos, attn.sin)
+        return self.o_proj(attention(q, k, v, attn.mask, self.head_dim**-0.5))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Stacked expert weights: gate_up [E, H, 2I] (gate then up), down [E, I, H]."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter))
+        self.down = nn.Parameter(torch.empty(num_experts, inter, hidden))
+
+    def forward(self, tokens, counts):
+        # Under autocast the grouped GEMM is not cast for us: run it in the autocast dtype.
+        kind = tokens.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tokens.dtype
+        h = grouped_mm(tokens.to(dtype), self.gate_up.to(dtype), counts)
+        return grouped_mm(swiglu(h), self.down.to(dtype), counts)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.topk, self.norm_topk_prob, self.num_experts = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.num_experts
+
+    def forward(self, x) -> RoutingInfo:
+        probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.topk, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        return RoutingInfo(ids, weights, probs, self.num_experts)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.is_moe_layer(layer_id)
+        self.mlp = MoE(cfg) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def stage1(self, x, attn: AttnInputs) -> Stage1Out:
+        h = x + self.self_attn(self.input_layernorm(x), attn)
+        normed = self.post_attention_layernorm(h)
+        if not self.is_moe:
+            return Stage1Out(h + self.mlp(normed), None, None, None)
+        tokens = normed.flatten(0, 1)
+        return Stage1Out(h, tokens, None, self.mlp.gate(tokens))
+
+    def stage3(self, tokens, counts):
+        return self.mlp.experts(tokens, counts)
+
+    def stage5(self, s1: Stage1Out, combined):
+        weights = s1.routing.topk_weights.to(combined.dtype)
+        moe_out = (combined * weights.unsqueeze(-1)).sum(1)
+        return s1.residual + moe_out.view_as(s1.residual).to(s1.residual.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: Qwen3MoeConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+
+class Qwen3MoeModel(nn.Module):
+    """A contiguous run of layers; the full model by default. `layer_ids`/`embed`/`head` select
+    a pipeline chunk; layers keep their global ids as names so checkpoints do not depend on it."""
+
+    def __init__(self, cfg: Qwen3MoeConfig, layer_ids=None, embed: bool = True, head: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        layer_ids = range(cfg.num_hidden_layers) if layer_ids is None else layer_ids
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layer_ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
+        # With tied embeddings the head reads embed_tokens.weight (a pipeline puts both on one rank).
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head and not cfg.tie_word_embeddings else None
+        hd = cfg.dim_per_head
+        self.register_buffer("inv_freq", 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2).double() / hd), persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases; seeded per
+        parameter name so every pipeline chunk or shard draws the same values."""
+        for name, p in self.named_parameters():
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * self.cfg.initializer_range)
+
+    def head_weight(self, embed_weight=None):
+        return self.lm_head.weight if self.lm_head is not None else (embed_weight if embed_weight is not None else self.embed_tokens.weight)
+
+    def attn_inputs(self, position_ids, doc_ids, dtype) -> AttnInputs:
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, dtype=dtype)
+        return AttnInputs(cos, sin, attention_mask(doc_ids, position_ids.shape[1], position_ids.device))
+
+    def forward(self, x, position_ids, engine, doc_ids=None):
+        """x: token ids [B, S] if this chunk embeds, else hidden states [B, S, H]. Returns logits
+        [B, S, V] if this chunk holds the head, else hidden states."""
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        attn = self.attn_inputs(position_ids, doc_ids, x.dtype)
+        for layer in self.layers.values():
+            x = run_layer(layer, x, attn, engine)
+        if self.norm is not None:
+            x = F.linear(self.norm(x), self.head_weight())
+        return x
+
+    @torch.no_grad()
+    def reference_forward(self, input_ids, position_ids=None, doc_ids=None):
+        """Plain oracle: eager softmax attention with an explicit mask and a loop over experts."""
+        cfg = self.cfg
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s).expand(b, s)
+        x = self.embed_tokens(input_ids)
+        freqs = position_ids[..., None].double() * self.inv_freq.double()
+        cos, sin = torch.cat([freqs, freqs], -1).cos().to(x.dtype), torch.cat([freqs, freqs], -1).sin().to(x.dtype)
+        pos = torch.arange(s)
+        allowed = (pos[None, :] <= pos[:, None]).expand(b, s, s)
+        if doc_ids is not None:
+            allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+        for layer in self.layers.values():
+            a = layer.self_attn
+            q, k, v = a.qkv(layer.input_layernorm(x), cos, sin)
+            rep = a.heads // a.kv_heads
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            scores = (q @ k.transpose(-1, -2)) / math.sqrt(a.head_dim)
+            scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+            out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
+            x = x + a.o_proj(out)
+            h = layer.post_attention_layernorm(x)
+            if not layer.is_moe:
+                x = x + layer.mlp(h)
+                continue
+            flat = h.reshape(-1, cfg.hidden_size)
+            probs = torch.softmax(flat @ layer.mlp.gate.weight.T, -1)
+            w, ids = probs.topk(cfg.num_experts_per_tok, -1)
+            if cfg.norm_topk_prob:
+                w = w / w.sum(-1, keepdim=True)
+            moe = torch.zeros_like(flat)
+            ex = layer.mlp.experts
+            for e in range(cfg.num_experts):
+                tok, slot = (ids == e).nonzero(as_tuple=True)
+                if tok.numel():
+                    g, u = (flat[tok] @ ex.gate_up[e]).chunk(2, -1)
+                    moe.index_add_(0, tok, ((F.silu(g) * u) @ ex.down[e]) * w[tok, slot, None])
+            x = x + moe.view_as(x)
+        return F.linear(self.norm(x), self.head_weight())
+
+    # ---- Hugging Face conversion (this model's names <-> HF's per-expert names) ----
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in self.state_dict().items():
+            if ".mlp.experts." in name:
+                continue
+            out["lm_head.weight" if name == "lm_head.weight" else f"model.{name}"] = t
+        inter = self.cfg.moe_intermediate_size
+        for lid, layer in self.layers.items():
+            if not layer.is_moe:
+                continue
+            ex = layer.mlp.experts
+            for e in range(ex.gate_up.shape[0]):
+                pre = f"model.layers.{lid}.mlp.experts.{e}"
+                out[f"{pre}.gate_proj.weight"] = ex.gate_up[e, :, :inter].T.contiguous()
+                out[f"{pre}.up_proj.weight"] = ex.gate_up[e, :, inter:].T.contiguous()
+                out[f"{pre}.down_proj.weight"] = ex.down[e].T.contiguous()
+        return out
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
+        """Load HF tensors; raises naming any missing or unexpected key."""
+        used = set()
+
+        def take(key):
+            if key not in hf:
+                raise KeyError(f"HF checkpoint is missing {key}")
+            used.add(key)
+            return hf[key]
+
+        for name, t in self.state_dict().items():
+            if ".mlp.experts." in name:
+                continue
+            t.copy_(take("lm_head.weight" if name == "lm_head.weight" else f"model.{name}"))
+        for lid, layer in self.layers.items():
+            if not layer.is_moe:
+                continue
+            ex = layer.mlp.experts
+            for e in range(ex.gate_up.shape[0]):
+                pre = f"model.layers.{lid}.mlp.experts.{e}"
+                if f"model.layers.{lid}.mlp.experts.gate_up_proj" in hf:  # fused in-memory HF layout [E, 2I, H]
+                    ex.gate_up[e].copy_(take(f"model.layers.{lid}.mlp.experts.gate_up_proj")[e].T)
+                    ex.down[e].copy_(take(f"model.layers.{lid}.mlp.experts.down_proj")[e].T)
+                    continue
+                ex.gate_up[e].copy_(torch.cat([take(f"{pre}.gate_proj.weight").T, take(f"{pre}.up_proj.weight").T], 1))
+                ex.down[e].copy_(take(f"{pre}.down_proj.weight").T)
+        layer_keys = {k for k in hf if k.startswith("model.layers.")}
+        own_layers = {f"model.layers.{lid}." for lid in self.layers}
+        ignored = {k for k in layer_keys if not any(k.startswith(p) for p in own_layers)}
+        if self.lm_head is None and "lm_head.weight" in hf:
+            ignored.add("lm_head.weight")  # tied: HF may store a copy
+        extra = set(hf) - used - ignored
+        if self.embed_tokens is None:
+            extra.discard("model.embed_tokens.weight")
+        if self.norm is None:
+            extra -= {"model.norm.weight", "lm_head.weight"}
+        if extra:
+            raise KeyError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}")

@@ -1,0 +1,69 @@
+"""Plain-PyTorch operators shared by the model files: RMSNorm, RoPE, attention, SwiGLU, cross-entropy.
+
+These are the reference implementations: they run on the CPU and are the oracle that GPU kernels
+are tested against. Each is written so that torch.compile(fullgraph=True) can trace it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 and cast back before the weight, as the HF reference does.
+    dtype = x.dtype
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(dtype)
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0, dtype=None):
+    """cos/sin tables [B, S, D] for the rotate-half RoPE layout (frequencies repeated twice)."""
+    freqs = position_ids[..., None].float() * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    return (cos, sin) if dtype is None else (cos.to(dtype), sin.to(dtype))
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, heads, S, D]; cos/sin: [B, S, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention_mask(doc_ids: torch.Tensor | None, seq_len: int, device, sliding_window: int | None = None):
+    """Boolean mask [B or 1, 1, S, S] (True = attend) or None when plain causal attention suffices."""
+    if doc_ids is None and sliding_window is None:
+        return None
+    pos = torch.arange(seq_len, device=device)
+    mask = pos[None, :] <= pos[:, None]
+    if sliding_window is not None:
+        mask = mask & (pos[:, None] - pos[None, :] < sliding_window)
+    mask = mask[None, None]
+    if doc_ids is not None:
+        mask = mask & (doc_ids[:, None, :, None] == doc_ids[:, None, None, :])
+    return mask
+
+
+def attention(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """Causal GQA attention. q: [B, Hq, S, D], k/v: [B, Hkv, S, D]; returns [B, S, Hq*Dv]."""
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    return out.transpose(1, 2).flatten(2)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a [.., 2I] tensor holding gate then up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over labels != -100, computed in fp32."""
+    return F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=-100, reduction="sum")

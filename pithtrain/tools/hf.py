@@ -1,0 +1,131 @@
+"""Hugging Face directories <-> PithTrain checkpoints, loading a model from either, and evaluation.
+
+An HF directory is `config.json` plus `model.safetensors` or sharded `*.safetensors` with
+`model.safetensors.index.json`. A PithTrain checkpoint is a DCP directory with `config.json`
+(see train/checkpoint.py). Conversion goes through the model file's own
+`hf_state_dict` / `load_hf_state_dict`, which raise on any missing or unexpected key.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from pithtrain.models import config_from_hf
+from pithtrain.ops.core import cross_entropy_sum
+from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
+from pithtrain.train import checkpoint as ckpt
+
+SHARD_BYTES = 4 * 2**30
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    path = Path(path)
+    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
+
+
+def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+    state = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return state
+
+
+def load_model(path: str | Path):
+    """A model with weights from an HF directory, a PithTrain checkpoint, or a run directory (latest)."""
+    path = Path(path)
+    if is_hf_dir(path):
+        cfg = config_from_hf(json.loads((path / "config.json").read_text()))
+        model = cfg.build_model()
+        model.load_hf_state_dict(read_hf_state(path))
+        return model
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; pass an HF directory, a checkpoint or a run directory")
+    ck = ckpt.resolve_checkpoint(path)
+    cfg = config_from_hf(json.loads((ck / "config.json").read_text()))
+    model = cfg.build_model()
+    ckpt.read_model_state(ck, model)
+    return model
+
+
+def write_hf_dir(model, out: str | Path, tokenizer_file: str | None = None) -> Path:
+    """config.json + safetensors (sharded at 4 GiB with an index), written to a temp dir then renamed."""
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().cpu().contiguous() for k, v in model.hf_state_dict().items()}
+    shards, current, size = [], {}, 0
+    for k in sorted(state):
+        nbytes = state[k].numel() * state[k].element_size()
+        if current and size + nbytes > SHARD_BYTES:
+            shards.append(current)
+            current, size = {}, 0
+        current[k], size = state[k], size + nbytes
+    shards.append(current)
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / name), metadata={"format": "pt"})
+            weight_map.update({k: name for k in shard})
+        total = sum(v.numel() * v.element_size() for v in state.values())
+        (tmp / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+        )
+    (tmp / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
+    if tokenizer_file:
+        shutil.copy(tokenizer_file, tmp / "tokenizer.json")
+    shutil.rmtree(out, ignore_errors=True)
+    tmp.rename(out)
+    return out
+
+
+def convert(src: str | Path, dst: str | Path) -> Path:
+    """HF directory -> PithTrain checkpoint, or PithTrain checkpoint/run directory -> HF directory."""
+    src, dst = Path(src), Path(dst)
+    if is_hf_dir(src):
+        model = load_model(src)
+        return ckpt.write_checkpoint(dst, {"model": model.state_dict()}, {"step": 0, "source": str(src)}, model.cfg.to_hf())
+    model = load_model(src)
+    return write_hf_dir(model, dst)
+
+
+def load_tokens(path: str | Path) -> torch.Tensor:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"token file {path} does not exist")
+    arr = np.load(path)
+    if arr.ndim != 2 or arr.shape[1] < 2 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{path}: expected an integer array of shape [batch, seq] with seq >= 2, got {arr.dtype} {arr.shape}")
+    return torch.from_numpy(arr.astype(np.int64))
+
+
+@torch.no_grad()
+def evaluate(model, tokens: torch.Tensor, batch_size: int = 8, device: str | torch.device = "cpu") -> tuple[float, int]:
+    """Mean next-token cross-entropy over tokens [B, S] (predicting tokens[:, 1:]); returns (loss, count)."""
+    vocab = model.cfg.vocab_size
+    if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
+        raise ValueError(f"token ids must lie in [0, {vocab}); found {int(tokens.min())}..{int(tokens.max())}")
+    model.eval().to(device)
+    total, count = 0.0, 0
+    for i in range(0, tokens.shape[0], batch_size):
+        chunk = tokens[i : i + batch_size].to(device)
+        b, s = chunk.shape
+        pos = torch.arange(s - 1, device=device).expand(b, s - 1)
+        logits = model(chunk[:, :-1], pos, ExpertEngine(LocalDispatch()))
+        total += cross_entropy_sum(logits, chunk[:, 1:]).double().item()
+        count += b * (s - 1)
+    return total / count, count

@@ -1,0 +1,279 @@
+"""`pithtrain tokenize`: turn text files into a token dataset (see pithtrain/train/data.py).
+
+Reads plain-text files, directories and JSON Lines, optionally trains a byte-level BPE tokenizer
+on them first, tokenizes with Hugging Face `tokenizers` and writes the dataset. `--stdlib` uses
+Python's own standard library sources as a ready-made corpus that needs no download.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import sysconfig
+import tempfile
+import time
+import warnings
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+
+from pithtrain.train.data import TokenDataset, check_output_dir, dtype_for_vocab, write_dataset
+
+EOS_TOKEN = "<|endoftext|>"
+_EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # common names of an end-of-document token
+_JSON_LINES_SUFFIXES = (".jsonl", ".json")
+
+
+def _walk_files(root: Path) -> Iterator[Path]:
+    """Files under `root`, recursively, sorted, skipping hidden files and directories."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # in place: prunes the walk
+        for name in sorted(filenames):
+            if not name.startswith("."):
+                yield Path(dirpath) / name
+
+
+def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
+    """Documents from files and directories: JSON Lines files (.jsonl/.json) give obj[text_field]
+    per line, any other file gives its whole text. Non-UTF-8 (binary) files and empty documents
+    are skipped; the number of skipped files is reported with a warning."""
+    paths = [Path(p) for p in inputs]
+    for path in paths:  # check all up front so a typo fails before hours of work
+        if not path.exists():
+            raise FileNotFoundError(f"input {path} not found")
+    skipped = []
+    for path in paths:
+        for file in _walk_files(path) if path.is_dir() else [path]:
+            try:
+                text = file.read_bytes().decode("utf-8")
+            except UnicodeDecodeError:
+                skipped.append(file)
+                continue
+            if file.suffix.lower() in _JSON_LINES_SUFFIXES:
+                yield from _json_lines_texts(file, text, text_field)
+            elif text:
+                yield text
+    if skipped:
+        warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text, e.g. {skipped[0]}", stacklevel=2)
+
+
+def _json_lines_texts(file: Path, text: str, text_field: str) -> Iterator[str]:
+    for line_no, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file}:{line_no}: not valid JSON ({e.msg}); expected one JSON object per line") from None
+        if not isinstance(obj, dict) or text_field not in obj:
+            raise ValueError(f"{file}:{line_no}: no field {text_field!r}; pass --text-field with the field that holds the text")
+        value = obj[text_field]
+        if not isinstance(value, str):
+            raise ValueError(f"{file}:{line_no}: field {text_field!r} is {type(value).__name__}, expected a string")
+        if value:
+            yield value
+
+
+def stdlib_corpus_files(max_bytes: int = 20_000_000) -> list[str]:
+    """The standard library's .py files (sorted, site-packages excluded), up to `max_bytes` in total."""
+    # Inside a venv sys.prefix points at the venv; the stdlib sources live under the base prefix.
+    base = sys.base_prefix
+    stdlib = Path(sysconfig.get_paths(vars={"base": base, "installed_base": base, "platbase": base})["stdlib"])
+    files, total = [], 0
+    if stdlib.is_dir():
+        for dirpath, dirnames, filenames in os.walk(stdlib):
+            dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__") and not d.startswith("."))
+            for name in sorted(filenames):
+                if not name.endswith(".py"):
+                    continue
+                if total >= max_bytes:
+                    return files
+                file = os.path.join(dirpath, name)
+                files.append(file)
+                total += os.path.getsize(file)
+    if not files:
+        raise FileNotFoundError(f"no .py files found in the standard library directory {stdlib}; pass text files as INPUT instead of --stdlib")
+    return files
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out_file: str, eos_token: str = EOS_TOKEN) -> str:
+    """Train a byte-level BPE tokenizer on `texts` and save it as `out_file` (tokenizer.json).
+
+    Byte-level means every string round-trips exactly through encode/decode. `eos_token` is the
+    only special token and gets id 0; the 256 byte symbols follow, then the learned merges.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 1:
+        raise ValueError(f"vocab_size {vocab_size} is too small for byte-level BPE: need at least {len(alphabet) + 1} (256 bytes + EOS)")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token], initial_alphabet=alphabet, show_progress=False)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
+    if tokenizer.get_vocab_size() < vocab_size:  # BPE stops when no pair occurs twice: a tiny corpus
+        warnings.warn(f"the corpus only supported {tokenizer.get_vocab_size()} of the {vocab_size} requested tokens; use more text", stacklevel=2)
+    Path(out_file).parent.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out_file))
+    return str(out_file)
+
+
+class Progress:
+    """One status line on stderr, redrawn at most ~10x/s on a terminal (every 30 s otherwise)."""
+
+    def __init__(self, enabled: bool = True, stream=None):
+        self.stream = stream or sys.stderr
+        self.enabled = enabled
+        self.interval = 0.1 if getattr(self.stream, "isatty", lambda: False)() else 30.0
+        self.docs = self.bytes = self.tokens = 0
+        self.start = self.last = time.perf_counter()
+        self.width = 0  # of the last line drawn, so a shorter redraw can blank its tail
+
+    def update(self, docs: int, nbytes: int, tokens: int) -> None:
+        self.docs += docs
+        self.bytes += nbytes
+        self.tokens += tokens
+        now = time.perf_counter()
+        if self.enabled and now - self.last >= self.interval:
+            self.last = now
+            self._draw(now, end="\r" if self.interval < 1 else "\n")
+
+    def close(self) -> None:
+        if self.enabled:
+            self._draw(time.perf_counter(), end="\n")
+
+    def _draw(self, now: float, end: str) -> None:
+        elapsed = max(now - self.start, 1e-9)
+        line = (
+            f"tokenize: {self.docs:,} docs ({self.docs / elapsed:,.0f}/s)  {self.bytes / 1e6:,.1f} MB "
+            f"({self.bytes / 1e6 / elapsed:,.1f} MB/s)  {self.tokens:,} tokens  {elapsed:.1f}s"
+        )
+        self.stream.write(line.ljust(self.width) + end)
+        self.width = len(line)
+        self.stream.flush()
+
+
+def _find_eos_id(tokenizer) -> int | None:
+    for token in _EOS_CANDIDATES:
+        token_id = tokenizer.token_to_id(token)
+        if token_id is not None:
+            return token_id
+    return None
+
+
+def _batched(texts: Iterable[str], size: int, max_chars: int = 1 << 22) -> Iterator[list[str]]:
+    """Lists of up to `size` texts and about `max_chars` characters: bounded memory with huge files."""
+    batch, chars = [], 0
+    for text in texts:
+        batch.append(text)
+        chars += len(text)
+        if len(batch) == size or chars >= max_chars:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def tokenize_to_dataset(
+    inputs: list[str], tokenizer_file: str, out_dir: str, text_field: str = "text", batch_size: int = 1000, progress: bool = True
+) -> dict:
+    """Tokenize every document of `inputs` with `tokenizer_file` into a dataset at `out_dir`; returns its meta.
+
+    Special tokens (BOS etc.) are not added; documents are separated only by the EOS token
+    (`<|endoftext|>` or another common EOS name found in the vocabulary; none if absent).
+    """
+    from tokenizers import Tokenizer
+
+    if not Path(tokenizer_file).is_file():
+        raise FileNotFoundError(f"tokenizer file {tokenizer_file} not found")
+    tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    vocab_size = tokenizer.get_vocab_size()
+    dtype = dtype_for_vocab(vocab_size)
+    status = Progress(enabled=progress)
+    # encode_batch_fast (tokenizers >= 0.21) skips computing character offsets we do not need.
+    encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+
+    def token_arrays() -> Iterator[np.ndarray]:
+        for texts in _batched(iter_documents(inputs, text_field), batch_size):
+            encodings = encode(texts, add_special_tokens=False)  # parallel in Rust
+            arrays = [np.array(e.ids, dtype=dtype) for e in encodings]
+            status.update(len(texts), sum(len(t.encode("utf-8")) for t in texts), sum(a.size for a in arrays))
+            yield from arrays
+
+    try:
+        return write_dataset(out_dir, token_arrays(), vocab_size, _find_eos_id(tokenizer), tokenizer_file=str(tokenizer_file))
+    finally:
+        status.close()
+
+
+def unigram_entropy(dataset: TokenDataset) -> float:
+    """Entropy (nats/token) of the dataset's token frequencies: the loss of the best model that
+    ignores context, so a trained model's loss must go below it."""
+    counts = np.zeros(dataset.vocab_size, dtype=np.int64)
+    chunk = 1 << 23  # bincount widens to int64: 8M tokens = 64 MB at a time
+    for start in range(0, dataset.num_tokens, chunk):
+        counts += np.bincount(dataset.tokens[start : start + chunk], minlength=dataset.vocab_size)[: dataset.vocab_size]
+    p = counts[counts > 0] / dataset.num_tokens
+    return float(-(p * np.log(p)).sum())
+
+
+def add_tokenize_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("inputs", nargs="*", metavar="INPUT", help="text files, directories (recursive) or .jsonl files")
+    parser.add_argument("--out", required=True, metavar="DIR", help="dataset directory to write")
+    parser.add_argument("--tokenizer", metavar="FILE", help="an existing tokenizer.json")
+    parser.add_argument("--train-tokenizer", action="store_true", help="train a byte-level BPE on the inputs first (saved as OUT/tokenizer.json)")
+    parser.add_argument("--vocab-size", type=int, metavar="N", help="vocabulary size for --train-tokenizer (default 4096)")
+    parser.add_argument("--stdlib", action="store_true", help="add Python's standard library sources as inputs")
+    parser.add_argument("--max-bytes", type=int, default=20_000_000, help="with --stdlib: take at most this many bytes (default 20 MB)")
+    parser.add_argument("--text-field", default="text", help="JSON Lines field holding the text (default: text)")
+
+
+def _argument_error(args) -> str | None:
+    """What is wrong with the arguments, checked before any expensive work; None if all is fine."""
+    if not args.inputs and not args.stdlib:
+        return "give INPUT files/directories or --stdlib"
+    if bool(args.tokenizer) == bool(args.train_tokenizer):
+        return "give exactly one of --tokenizer FILE or --train-tokenizer"
+    if args.vocab_size is not None and not args.train_tokenizer:
+        return "--vocab-size only applies with --train-tokenizer (an existing tokenizer fixes its own vocabulary)"
+    if args.tokenizer and not Path(args.tokenizer).is_file():
+        return f"--tokenizer {args.tokenizer} not found"
+    missing = [p for p in args.inputs if not Path(p).exists()]
+    if missing:
+        return f"input {missing[0]} not found"
+    try:
+        check_output_dir(args.out)
+    except FileExistsError as e:
+        return f"--out: {e}"
+    return None
+
+
+def run_tokenize(args) -> int:
+    """Run `pithtrain tokenize`; returns 0 on success, 2 (after a message on stderr) on bad arguments."""
+    error = _argument_error(args)
+    if error:
+        print(f"pithtrain tokenize: error: {error}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    inputs = list(args.inputs) + (stdlib_corpus_files(args.max_bytes) if args.stdlib else [])
+    with tempfile.TemporaryDirectory() as scratch:
+        tokenizer_file = args.tokenizer
+        if args.train_tokenizer:
+            vocab_size = args.vocab_size or 4096
+            print(f"training byte-level BPE (vocab {vocab_size}) on {len(inputs)} input(s) ...", file=sys.stderr)
+            # Trained into scratch space; write_dataset copies it to OUT/tokenizer.json with the data.
+            tokenizer_file = train_bpe(iter_documents(inputs, args.text_field), vocab_size, os.path.join(scratch, "tokenizer.json"))
+        meta = tokenize_to_dataset(inputs, tokenizer_file, args.out, text_field=args.text_field)
+    entropy = unigram_entropy(TokenDataset(args.out))
+    print(
+        f"wrote {args.out}: {meta['num_docs']:,} docs, {meta['num_tokens']:,} tokens ({meta['dtype']}), "
+        f"vocab {meta['vocab_size']}, eos_id {meta['eos_id']}\n"
+        f"unigram entropy {entropy:.4f} nats/token ({entropy / math.log(2):.3f} bits): a trained model's loss should go below this\n"
+        f"elapsed {time.perf_counter() - started:.1f}s"
+    )
+    return 0

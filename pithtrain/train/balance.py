@@ -1,0 +1,52 @@
+"""MoE load-balance losses (micro-batch, global-batch and sequence variants).
+
+For one MoE layer with E experts, top-k routing and T tokens:
+    f_e = (tokens routed to e) / (T * k)        (no gradient)
+    P_e = mean over tokens of the normalised router score for e
+    L   = E * sum_e f_e * P_e                   (1.0 when perfectly balanced)
+The variants differ only in the scope of the statistics:
+  micro   f and P over the tokens of this micro-batch (all CP ranks of it, once CP exists);
+  global  f summed over every data-parallel rank's current micro-batch (an all-reduce of the
+          counts), P local: balance is asked of the global batch, not each micro-batch; on one
+          process it equals `micro`;
+  seq     f and P per sequence, L averaged over sequences (DeepSeek-V3's sequence-wise loss).
+The logged `lb_loss` is the mean of L over MoE layers; `train.lb_coef` scales it in the loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from pithtrain.models.protocol import RoutingInfo
+
+
+def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    return torch.bincount(topk_ids.flatten(), minlength=num_experts)
+
+
+class LoadBalance:
+    def __init__(self, lb_type: str, count_group: dist.ProcessGroup | None = None):
+        self.lb_type = lb_type
+        self.count_group = count_group  # ranks whose counts `global` sums (None: this process alone)
+
+    def layer_loss(self, routing: RoutingInfo, batch: int, seq: int) -> torch.Tensor:
+        num_experts, topk = routing.num_experts, routing.topk_ids.shape[1]
+        scores = routing.scores.float()
+        probs = scores / scores.sum(-1, keepdim=True)
+        if self.lb_type == "seq":
+            ids = routing.topk_ids.view(batch, seq * topk)
+            counts = torch.zeros(batch, num_experts, device=ids.device).scatter_add_(
+                1, ids, torch.ones_like(ids, dtype=torch.float)
+            )
+            f = counts / (seq * topk)
+            p = probs.view(batch, seq, num_experts).mean(1)
+            return num_experts * (f * p).sum(-1).mean()
+        counts = expert_counts(routing.topk_ids, num_experts).float()
+        total = torch.tensor(float(routing.topk_ids.numel()), device=counts.device)
+        if self.lb_type == "global" and self.count_group is not None:
+            stats = torch.cat([counts, total[None]])
+            dist.all_reduce(stats, group=self.count_group)
+            counts, total = stats[:-1], stats[-1]
+        f = counts / total
+        return num_experts * (f * probs.mean(0)).sum()

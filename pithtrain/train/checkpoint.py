@@ -1,0 +1,110 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), written atomically, found and resumed automatically.
+
+Layout of a run directory:  OUT/checkpoints/step_00000100/{DCP files, meta.json, config.json}
+A checkpoint is written into `step_N.tmp` and renamed when complete, so a crash mid-save leaves
+the previous checkpoint as the latest usable one. `config.json` is the HF model config, so a
+checkpoint can be converted or evaluated on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / "meta.json").is_file()]
+    return [p for _, p in sorted(found)]
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    return (Path(path) / "meta.json").is_file() and (Path(path) / ".metadata").is_file()
+
+
+def write_checkpoint(final: str | Path, state: dict, meta: dict, hf_config: dict) -> Path:
+    """Write a DCP checkpoint to `final` atomically: into `final.tmp`, then one rename."""
+    final = Path(final)
+    tmp = final.with_name(final.name + ".tmp")
+    if _is_main():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    dcp.save(state, checkpoint_id=str(tmp))
+    _barrier()
+    if _is_main():
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        for f in tmp.iterdir():  # make the data durable before the rename publishes it
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+    _barrier()
+    return final
+
+
+def save_checkpoint(run_dir, step: int, state: dict, meta: dict, hf_config: dict, keep: int) -> Path:
+    """Save `state` (a DCP state dict) after `step` optimizer steps; prune to the newest `keep`."""
+    final = write_checkpoint(Path(run_dir) / "checkpoints" / f"step_{step:08d}", state, dict(meta, step=step), hf_config)
+    if _is_main():
+        for old in list_checkpoints(run_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_meta(ckpt: str | Path) -> dict:
+    return json.loads((Path(ckpt) / "meta.json").read_text())
+
+
+def load_checkpoint(ckpt: str | Path, state: dict) -> dict:
+    """Load in place into `state` (only the keys it holds); returns meta.json."""
+    if not is_checkpoint(ckpt):
+        raise FileNotFoundError(f"{ckpt} is not a PithTrain checkpoint (no meta.json/.metadata); "
+                                f"pass a directory under RUN/checkpoints/ or a run directory")
+    dcp.load(state, checkpoint_id=str(ckpt))
+    return read_meta(ckpt)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or the latest checkpoint of a run directory."""
+    path = Path(path)
+    if is_checkpoint(path):
+        return path
+    found = list_checkpoints(path)
+    if not found:
+        raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with checkpoints")
+    return found[-1]
+
+
+def model_state(model: torch.nn.Module) -> dict:
+    return {k: v for k, v in model.state_dict().items()}
+
+
+def read_model_state(ckpt: str | Path, model: torch.nn.Module) -> dict:
+    state = {"model": model_state(model)}
+    meta = load_checkpoint(ckpt, state)
+    model.load_state_dict(state["model"])
+    return meta

@@ -1,0 +1,299 @@
+"""Token datasets on disk and the batches the trainer reads from them.
+
+A dataset is a directory written by `write_dataset` (usually via `pithtrain tokenize`):
+  tokens.bin       every document's tokens back to back (each followed by EOS if the dataset
+                   has one), raw, in the smallest unsigned dtype that holds the vocabulary
+  doc_offsets.npy  int64 [num_docs + 1]; doc i is tokens[doc_offsets[i]:doc_offsets[i + 1]]
+  meta.json        {"format": "pithtrain-tokens-v1", "dtype", "vocab_size", "num_tokens",
+                    "num_docs", "eos_id", "max_token_id", "tokenizer"}
+  tokenizer.json   optional copy of the tokenizer ("tokenizer" in meta names it)
+
+`BatchLoader` cuts the token stream into fixed windows of seq_len + 1 tokens and serves them in
+a seeded, per-epoch shuffled order that is a pure function of the step: any step can be
+re-created after a restart without replaying history.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from array import array
+from pathlib import Path
+from typing import Iterable, Sequence
+
+import numpy as np
+import torch
+
+FORMAT = "pithtrain-tokens-v1"
+TOKENS_FILE, OFFSETS_FILE, META_FILE, TOKENIZER_FILE = "tokens.bin", "doc_offsets.npy", "meta.json", "tokenizer.json"
+DATASET_FILES = {TOKENS_FILE, OFFSETS_FILE, META_FILE, TOKENIZER_FILE}
+_FLUSH_TOKENS = 1 << 20  # buffer about a million tokens between writes: few syscalls, bounded memory
+_RETOKENIZE = "re-run `pithtrain tokenize` to rebuild the dataset"
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """Smallest unsigned dtype that can store every id in [0, vocab_size)."""
+    if vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    for dtype in (np.uint8, np.uint16, np.uint32):
+        if vocab_size <= np.iinfo(dtype).max + 1:
+            return np.dtype(dtype)
+    raise ValueError(f"vocab_size {vocab_size} does not fit in uint32 token ids")
+
+
+def check_output_dir(path) -> None:
+    """Refuse to overwrite a directory that holds anything besides a previous dataset."""
+    path = Path(path)
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise FileExistsError(f"{path} exists and is not a directory; choose another output path")
+    foreign = sorted(p.name for p in path.iterdir() if p.name not in DATASET_FILES)
+    if foreign:
+        raise FileExistsError(
+            f"{path} already holds files that are not part of a pithtrain dataset ({', '.join(foreign[:5])}); "
+            "choose an empty or new output directory"
+        )
+
+
+def write_dataset(
+    path,
+    docs: Iterable[Sequence[int] | np.ndarray],
+    vocab_size: int,
+    eos_id: int | None,
+    tokenizer_file: str | None = None,
+) -> dict:
+    """Stream `docs` (lists/arrays of token ids) into a dataset directory at `path`; returns its meta.
+
+    EOS (if not None) is appended after every document. The dataset is built in a hidden temporary
+    directory next to `path` and renamed into place at the end, so a crash never leaves a half
+    dataset; an existing dataset at `path` is replaced.
+    """
+    path = Path(os.path.abspath(path))  # absolute, so "." or "out/" still has a name and a parent to rename in
+    dtype = dtype_for_vocab(vocab_size)
+    if eos_id is not None and not 0 <= eos_id < vocab_size:
+        raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {vocab_size})")
+    if tokenizer_file is not None and not Path(tokenizer_file).is_file():
+        raise FileNotFoundError(f"tokenizer file {tokenizer_file} not found")
+    check_output_dir(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        eos = None if eos_id is None else np.array([eos_id], dtype=dtype)
+        offsets = array("q", [0])
+        num_tokens, max_token_id = 0, -1
+        buffer, buffered = [], 0
+        with open(tmp / TOKENS_FILE, "wb") as out:
+            for index, doc in enumerate(docs):
+                ids = np.asarray(doc)
+                if ids.ndim != 1:
+                    raise ValueError(f"document {index}: expected a 1-D sequence of token ids, got shape {ids.shape}")
+                if ids.size:
+                    if ids.dtype.kind not in "iu":
+                        raise ValueError(f"document {index}: token ids must be integers, got dtype {ids.dtype}")
+                    low, high = int(ids.min()), int(ids.max())
+                    if low < 0 or high >= vocab_size:
+                        bad = low if low < 0 else high
+                        raise ValueError(
+                            f"document {index}: token id {bad} is outside the vocabulary [0, {vocab_size}); "
+                            "check that vocab_size matches the tokenizer"
+                        )
+                    max_token_id = max(max_token_id, high)
+                    buffer.append(ids.astype(dtype, copy=False))
+                if eos is not None:
+                    buffer.append(eos)
+                length = ids.size + (eos is not None)
+                num_tokens += length
+                buffered += length
+                offsets.append(num_tokens)
+                if buffered >= _FLUSH_TOKENS:
+                    out.write(np.concatenate(buffer).tobytes())
+                    buffer, buffered = [], 0
+            if buffer:
+                out.write(np.concatenate(buffer).tobytes())
+        if num_tokens == 0:
+            raise ValueError(f"no tokens to write to {path}: the corpus is empty (no documents, or all empty without EOS)")
+        if eos_id is not None:
+            max_token_id = max(max_token_id, eos_id)
+        np.save(tmp / OFFSETS_FILE, np.frombuffer(offsets, dtype=np.int64))
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
+        meta = {
+            "format": FORMAT,
+            "dtype": dtype.name,
+            "vocab_size": int(vocab_size),
+            "num_tokens": num_tokens,
+            "num_docs": len(offsets) - 1,
+            "eos_id": eos_id,
+            "max_token_id": max_token_id,
+            "tokenizer": None if tokenizer_file is None else TOKENIZER_FILE,
+        }
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        _install(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def _install(tmp: Path, path: Path) -> None:
+    """Rename the finished temporary directory to `path`, replacing a previous dataset there."""
+    if not path.exists():
+        tmp.rename(path)
+        return
+    check_output_dir(path)  # re-check: something may have appeared while we were writing
+    old = path.parent / f".{path.name}.old-{os.getpid()}"
+    path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+class TokenDataset:
+    """A dataset directory opened read-only; `tokens` is memory-mapped, so opening is cheap."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise FileNotFoundError(f"dataset directory {self.path} not found; create it with `pithtrain tokenize`")
+        meta_path = self.path / META_FILE
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{meta_path} not found: {self.path} is not a pithtrain dataset; {_RETOKENIZE}")
+        try:
+            meta = json.loads(meta_path.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{meta_path} is not valid JSON ({e}); {_RETOKENIZE}") from None
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            found = meta.get("format") if isinstance(meta, dict) else None
+            raise ValueError(f"{meta_path}: format is {found!r}, expected {FORMAT!r}; {_RETOKENIZE}")
+        missing = [k for k in ("dtype", "vocab_size", "num_tokens", "num_docs", "eos_id", "max_token_id") if k not in meta]
+        if missing:
+            raise ValueError(f"{meta_path} lacks {', '.join(missing)}; {_RETOKENIZE}")
+        if meta["dtype"] not in ("uint8", "uint16", "uint32"):
+            raise ValueError(f"{meta_path}: dtype {meta['dtype']!r} is not uint8/uint16/uint32; {_RETOKENIZE}")
+        self.meta = meta
+        self.vocab_size = int(meta["vocab_size"])
+        self.eos_id = meta["eos_id"]
+        self.num_tokens = int(meta["num_tokens"])
+        self.num_docs = int(meta["num_docs"])
+        self.max_token_id = int(meta["max_token_id"])
+        dtype = np.dtype(meta["dtype"])
+
+        tokens_path = self.path / TOKENS_FILE
+        if not tokens_path.is_file():
+            raise FileNotFoundError(f"{tokens_path} not found; {_RETOKENIZE}")
+        size, expected = tokens_path.stat().st_size, self.num_tokens * dtype.itemsize
+        if size != expected:
+            kind = "truncated" if size < expected else "larger than expected"
+            raise ValueError(
+                f"{tokens_path} is {kind} (size mismatch: {size} bytes, meta.json says {self.num_tokens} "
+                f"{dtype.name} tokens = {expected} bytes); {_RETOKENIZE}"
+            )
+        self.tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(self.num_tokens,))
+
+        offsets_path = self.path / OFFSETS_FILE
+        if not offsets_path.is_file():
+            raise FileNotFoundError(f"{offsets_path} not found; {_RETOKENIZE}")
+        offsets = np.load(offsets_path)
+        if (
+            offsets.ndim != 1
+            or offsets.dtype != np.int64
+            or len(offsets) != self.num_docs + 1
+            or offsets[0] != 0
+            or offsets[-1] != self.num_tokens
+            or np.any(np.diff(offsets) < 0)
+        ):
+            raise ValueError(
+                f"{offsets_path} is inconsistent (need int64 of length num_docs+1 = {self.num_docs + 1}, "
+                f"non-decreasing from 0 to num_tokens = {self.num_tokens}); {_RETOKENIZE}"
+            )
+        self.doc_offsets = offsets
+
+        self.tokenizer_file = None
+        if meta.get("tokenizer"):
+            self.tokenizer_file = str((self.path / meta["tokenizer"]).resolve())
+            if not os.path.isfile(self.tokenizer_file):
+                raise FileNotFoundError(f"{self.tokenizer_file} (named by {meta_path}) not found; {_RETOKENIZE}")
+
+    def check_vocab(self, model_vocab_size: int) -> None:
+        """Fail early if the data holds ids the model's embedding table cannot look up."""
+        if self.max_token_id >= model_vocab_size:
+            raise ValueError(
+                f"dataset {self.path} contains token id {self.max_token_id} but the model's vocab_size is "
+                f"{model_vocab_size}; set model vocab_size >= {self.max_token_id + 1} "
+                f"(the tokenizer's vocab_size is {self.vocab_size}) or re-tokenize with a smaller tokenizer"
+            )
+
+    def __repr__(self) -> str:
+        return f"TokenDataset({str(self.path)!r}, num_tokens={self.num_tokens}, num_docs={self.num_docs}, vocab_size={self.vocab_size})"
+
+
+class BatchLoader:
+    """Global batches of fixed windows, shuffled per epoch; batch `step` depends only on (seed, step).
+
+    Sample i is the window tokens[i*seq_len : i*seq_len + seq_len + 1] (inputs and shifted labels
+    share it). The stream of samples is epoch after epoch, each a fresh permutation seeded by
+    (seed, epoch); global batch `step` is stream positions [step*G, (step+1)*G).
+    """
+
+    def __init__(self, dataset: TokenDataset, seq_len: int, global_batch_size: int, seed: int, pack_documents: bool = False):
+        if seq_len < 1 or global_batch_size < 1:
+            raise ValueError(f"data.seq_len ({seq_len}) and train.global_batch_size ({global_batch_size}) must be >= 1")
+        self.dataset, self.seq_len, self.global_batch_size = dataset, seq_len, global_batch_size
+        self.seed, self.pack_documents = seed, pack_documents
+        self.num_samples = (dataset.num_tokens - 1) // seq_len
+        if self.num_samples < global_batch_size:
+            raise ValueError(
+                f"corpus of {dataset.num_tokens} tokens gives {self.num_samples} samples of seq_len {seq_len}, "
+                f"fewer than one global batch of {global_batch_size}; "
+                "use more data or a smaller data.seq_len / train.global_batch_size"
+            )
+        self._perms: dict[int, np.ndarray] = {}  # at most two epochs: a batch can straddle a boundary
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if epoch not in self._perms:
+            if len(self._perms) >= 2:
+                self._perms.pop(max(self._perms, key=lambda e: abs(e - epoch)))  # drop the farthest epoch
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+        return self._perms[epoch]
+
+    def sample_index(self, k: int) -> int:
+        """Window index of the k-th sample of the stream."""
+        epoch, position = divmod(int(k), self.num_samples)
+        return int(self._permutation(epoch)[position])
+
+    def _sample_indices(self, stream_positions: np.ndarray) -> np.ndarray:
+        epochs, positions = np.divmod(stream_positions, self.num_samples)
+        indices = np.empty_like(stream_positions)
+        for epoch in np.unique(epochs):
+            mask = epochs == epoch
+            indices[mask] = self._permutation(int(epoch))[positions[mask]]
+        return indices
+
+    def global_batch(self, step: int) -> dict[str, torch.Tensor]:
+        """CPU int64 tensors [G, S]: input_ids, labels, position_ids (+ doc_ids when packing)."""
+        G, S = self.global_batch_size, self.seq_len
+        indices = self._sample_indices(np.arange(step * G, (step + 1) * G, dtype=np.int64))
+        starts = indices * S
+        token_positions = starts[:, None] + np.arange(S + 1, dtype=np.int64)  # [G, S+1] absolute positions
+        windows = self.dataset.tokens[token_positions].astype(np.int64)
+        batch = {"input_ids": windows[:, :-1], "labels": windows[:, 1:].copy()}
+        if not self.pack_documents:
+            batch["position_ids"] = np.broadcast_to(np.arange(S, dtype=np.int64), (G, S)).copy()
+        else:
+            offsets = self.dataset.doc_offsets
+            docs = np.searchsorted(offsets, token_positions, side="right") - 1  # document of each token
+            input_docs, label_docs = docs[:, :-1], docs[:, 1:]
+            segment_start = np.maximum(offsets[input_docs], starts[:, None])
+            batch["position_ids"] = token_positions[:, :-1] - segment_start
+            # Count document changes along the row so segments are numbered 0, 1, 2, ... without gaps.
+            changes = (input_docs[:, 1:] != input_docs[:, :-1]).astype(np.int64)
+            batch["doc_ids"] = np.concatenate([np.zeros((G, 1), np.int64), np.cumsum(changes, axis=1)], axis=1)
+            batch["labels"][label_docs != input_docs] = -100  # a document's last token must not predict the next doc
+        return {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in batch.items()}
+
+    def epoch_of_step(self, step) -> float:
+        """Epochs completed after `step` global batches (samples consumed / num_samples)."""
+        return step * self.global_batch_size / self.num_samples

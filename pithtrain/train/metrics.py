@@ -1,0 +1,60 @@
+"""Per-step metrics: one JSON object per line in OUT/metrics.jsonl, one readable line on stdout,
+and TensorBoard scalars when tensorboard is installed."""
+
+from __future__ import annotations
+
+import json
+import resource
+from pathlib import Path
+
+import torch
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def format_line(m: dict, total_steps: int) -> str:
+    tps = m["tokens_per_s"]
+    tps_text = f"{tps / 1e3:.1f}k" if tps >= 1e3 else f"{tps:.0f}"
+    return (
+        f"step {m['step']}/{total_steps} | loss {m['loss']:.4f} | lb {m['lb_loss']:.4f} | lr {m['lr']:.2e} | "
+        f"gnorm {m['grad_norm']:.3f} | {tps_text} tok/s | {m['step_time_s']:.3f} s/step | "
+        f"mem {m['peak_mem_bytes'] / 2**30:.2f} GiB"
+    )
+
+
+class MetricsLog:
+    def __init__(self, out_dir: str | Path, tensorboard: bool, enabled: bool = True):
+        self.enabled = enabled
+        self.path = Path(out_dir) / "metrics.jsonl"
+        self.writer = None
+        if enabled and tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+            except ImportError:
+                pass  # tensorboard is optional
+
+    def log(self, metrics: dict, total_steps: int, echo: bool = True) -> None:
+        if not self.enabled:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")  # json writes floats with full precision (repr)
+        if echo:
+            print(format_line(metrics, total_steps), flush=True)
+        if self.writer is not None:
+            for k, v in metrics.items():
+                if k != "step" and isinstance(v, (int, float)):
+                    self.writer.add_scalar(f"train/{k}", v, metrics["step"])
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

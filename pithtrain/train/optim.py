@@ -1,0 +1,41 @@
+"""AdamW with decay/no-decay parameter groups, and the learning-rate schedules (warmup + cosine, WSD, constant)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from pithtrain.config import OptimConfig
+
+
+def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConfig, device_type: str):
+    """Weight decay skips norms, biases and embeddings (1-D tensors and the embedding table)."""
+    decay, no_decay = [], []
+    for name, p in params:
+        (no_decay if p.ndim < 2 or "embed" in name or "norm" in name else decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = device_type == "cuda"  # the fused kernel is the fastest on GPUs; foreach on the CPU
+    return torch.optim.AdamW(
+        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None, foreach=None if fused else True
+    )
+
+
+def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
+    """Learning rate for optimizer step `step` (0-based)."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    min_lr = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "constant":
+        return cfg.lr
+    if cfg.schedule == "cosine":
+        span = max(1, total_steps - cfg.warmup_steps - 1)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return min_lr + (cfg.lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
+    # wsd: warmup, stable at lr, then a linear decay to min_lr over the last decay_fraction of the steps
+    decay_steps = max(1, round(cfg.decay_fraction * total_steps))
+    decay_start = total_steps - decay_steps
+    if step < decay_start:
+        return cfg.lr
+    progress = min(1.0, (step - decay_start + 1) / decay_steps)
+    return cfg.lr + (min_lr - cfg.lr) * progress

@@ -1,0 +1,300 @@
+"""Token dataset format, batch order, document packing and the tokenize tool, against plain-Python references."""
+
+import argparse
+import json
+import math
+import warnings
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from pithtrain.tools.tokenize import (
+    add_tokenize_args,
+    iter_documents,
+    run_tokenize,
+    stdlib_corpus_files,
+    tokenize_to_dataset,
+    train_bpe,
+    unigram_entropy,
+)
+from pithtrain.train.data import BatchLoader, TokenDataset, dtype_for_vocab, write_dataset
+
+
+def random_docs(rng, n_docs, vocab_size, max_len=40, allow_empty=False):
+    low = 0 if allow_empty else 1
+    return [rng.integers(0, vocab_size, size=int(rng.integers(low, max_len))).tolist() for _ in range(n_docs)]
+
+
+def flat_reference(docs, eos_id):
+    """Concatenated tokens and per-token document index, built the slow obvious way."""
+    tokens, owner = [], []
+    for d, doc in enumerate(docs):
+        for t in list(doc) + ([] if eos_id is None else [eos_id]):
+            tokens.append(t)
+            owner.append(d)
+    return tokens, owner
+
+
+def make_dataset(tmp_path, docs, vocab_size=1000, eos_id=0, name="ds"):
+    write_dataset(tmp_path / name, docs, vocab_size, eos_id)
+    return TokenDataset(tmp_path / name)
+
+
+def test_dtype_for_vocab():
+    assert dtype_for_vocab(2) == np.uint8
+    assert dtype_for_vocab(256) == np.uint8
+    assert dtype_for_vocab(257) == np.uint16
+    assert dtype_for_vocab(65536) == np.uint16
+    assert dtype_for_vocab(65537) == np.uint32
+    with pytest.raises(ValueError):
+        dtype_for_vocab(0)
+
+
+@pytest.mark.parametrize("vocab_size,eos_id", [(200, 199), (50_000, None), (100_000, 99_999)])
+def test_round_trip(tmp_path, vocab_size, eos_id):
+    rng = np.random.default_rng(1)
+    docs = random_docs(rng, 50, vocab_size, allow_empty=eos_id is not None)
+    as_arrays = (np.array(d, dtype=np.int64) for d in docs)  # a generator: write_dataset must stream
+    meta = write_dataset(tmp_path / "ds", as_arrays, vocab_size, eos_id)
+    ds = TokenDataset(tmp_path / "ds")
+    tokens, _ = flat_reference(docs, eos_id)
+    assert ds.tokens.dtype == dtype_for_vocab(vocab_size) and meta["dtype"] == ds.tokens.dtype.name
+    assert ds.tokens.tolist() == tokens
+    assert ds.num_tokens == len(tokens) == meta["num_tokens"]
+    assert ds.num_docs == len(docs) and ds.vocab_size == vocab_size and ds.eos_id == eos_id
+    assert ds.max_token_id == max(tokens)
+    for i, doc in enumerate(docs):
+        span = ds.tokens[ds.doc_offsets[i] : ds.doc_offsets[i + 1]].tolist()
+        assert span == list(doc) + ([] if eos_id is None else [eos_id])
+    assert ds.tokenizer_file is None
+    assert (tmp_path / "ds" / "tokens.bin").stat().st_size == len(tokens) * ds.tokens.dtype.itemsize
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no temp dir left behind
+
+
+def test_windows_and_labels_match_reference(tmp_path):
+    rng = np.random.default_rng(2)
+    docs = random_docs(rng, 60, 1000)
+    ds = make_dataset(tmp_path, docs, eos_id=999)
+    tokens, _ = flat_reference(docs, 999)
+    S, G, seed = 16, 5, 7
+    loader = BatchLoader(ds, S, G, seed)
+    n = (len(tokens) - 1) // S
+    assert loader.num_samples == n
+    for step in range(3 * n // G):
+        batch = loader.global_batch(step)
+        assert set(batch) == {"input_ids", "labels", "position_ids"}
+        for name in batch:
+            assert batch[name].shape == (G, S) and str(batch[name].dtype) == "torch.int64"
+        for row in range(G):
+            k = step * G + row
+            index = np.random.default_rng([seed, k // n]).permutation(n)[k % n]
+            assert loader.sample_index(k) == index
+            window = tokens[index * S : index * S + S + 1]
+            assert batch["input_ids"][row].tolist() == window[:-1]
+            assert batch["labels"][row].tolist() == window[1:]
+            assert batch["position_ids"][row].tolist() == list(range(S))
+
+
+def test_determinism_and_resumability(tmp_path):
+    ds = make_dataset(tmp_path, random_docs(np.random.default_rng(3), 80, 500), vocab_size=500)
+    a, b, other = BatchLoader(ds, 8, 4, seed=11), BatchLoader(ds, 8, 4, seed=11), BatchLoader(ds, 8, 4, seed=12)
+    in_order = [a.global_batch(step)["input_ids"] for step in range(40)]
+    for step in [37, 3, 0, 25, 39, 3]:  # any call history gives the same batch for a step
+        assert b.global_batch(step)["input_ids"].equal(in_order[step])
+    assert not all(other.global_batch(step)["input_ids"].equal(in_order[step]) for step in range(5))
+
+
+def test_epoch_wrap(tmp_path):
+    ds = make_dataset(tmp_path, random_docs(np.random.default_rng(4), 10, 300), vocab_size=300)
+    loader = BatchLoader(ds, 4, 3, seed=5)
+    n = loader.num_samples
+    assert n % 3 != 0  # so some batch straddles an epoch boundary
+    steps = 2 * n // 3 + 2
+    by_stream = [loader.sample_index(k) for k in range(steps * 3)]
+    assert sorted(by_stream[:n]) == list(range(n)) and sorted(by_stream[n : 2 * n]) == list(range(n))
+    assert by_stream[:n] != by_stream[n : 2 * n]  # each epoch reshuffles
+    fresh = BatchLoader(ds, 4, 3, seed=5)
+    for step in range(steps):
+        starts = fresh.global_batch(step)["input_ids"][:, 0].tolist()
+        assert starts == [int(ds.tokens[i * 4]) for i in by_stream[step * 3 : step * 3 + 3]]
+    assert loader.epoch_of_step(0) == 0 and loader.epoch_of_step(n) == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("eos_id", [0, None])
+def test_packing_matches_slow_reference(tmp_path, eos_id):
+    rng = np.random.default_rng(6)
+    docs = random_docs(rng, 120, 700, max_len=30, allow_empty=True)  # empty docs (no EOS) must leave no gap in doc_ids
+    ds = make_dataset(tmp_path, docs, vocab_size=700, eos_id=eos_id)
+    tokens, owner = flat_reference(docs, eos_id)
+    S, G = 24, 6
+    packed, plain = BatchLoader(ds, S, G, seed=1, pack_documents=True), BatchLoader(ds, S, G, seed=1)
+    masked_total = 0
+    for step in range(packed.num_samples // G):
+        batch, unpacked = packed.global_batch(step), plain.global_batch(step)
+        assert "doc_ids" not in unpacked and (unpacked["labels"] >= 0).all()
+        assert batch["input_ids"].equal(unpacked["input_ids"])
+        for row in range(G):
+            start = packed.sample_index(step * G + row) * S
+            positions, doc_ids, labels = [], [], []
+            position, segment = 0, 0
+            for t in range(start, start + S):
+                if t > start and owner[t] != owner[t - 1]:
+                    position, segment = 0, segment + 1
+                positions.append(position)
+                doc_ids.append(segment)
+                labels.append(tokens[t + 1] if owner[t + 1] == owner[t] else -100)
+                position += 1
+            assert batch["position_ids"][row].tolist() == positions
+            assert batch["doc_ids"][row].tolist() == doc_ids
+            assert batch["labels"][row].tolist() == labels
+            masked_total += labels.count(-100)
+    assert masked_total > 0
+
+
+def test_write_errors(tmp_path):
+    with pytest.raises(ValueError, match="no tokens"):
+        write_dataset(tmp_path / "a", [], 100, eos_id=None)
+    with pytest.raises(ValueError, match="no tokens"):
+        write_dataset(tmp_path / "a", [[], []], 100, eos_id=None)
+    with pytest.raises(ValueError, match="document 2: token id 100"):
+        write_dataset(tmp_path / "a", [[1, 2], [3], [5, 100, 7]], 100, eos_id=None)
+    with pytest.raises(ValueError, match="document 0: token id -1"):
+        write_dataset(tmp_path / "a", [[-1, 2]], 100, eos_id=None)
+    with pytest.raises(ValueError, match="eos_id"):
+        write_dataset(tmp_path / "a", [[1]], 100, eos_id=100)
+    assert list(tmp_path.iterdir()) == []  # failures leave neither dataset nor temp dir
+
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="notes.txt"):
+        write_dataset(tmp_path / "busy", [[1]], 100, eos_id=None)
+
+
+def test_crash_mid_write_keeps_previous_dataset(tmp_path):
+    write_dataset(tmp_path / "ds", [[1, 2, 3]], 10, eos_id=None)
+
+    def exploding():
+        yield [4, 5]
+        raise RuntimeError("disk on fire")
+
+    with pytest.raises(RuntimeError):
+        write_dataset(tmp_path / "ds", exploding(), 10, eos_id=None)
+    assert TokenDataset(tmp_path / "ds").tokens.tolist() == [1, 2, 3]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+    write_dataset(tmp_path / "ds", [[6, 7]], 10, eos_id=None)  # replacing a dataset is allowed
+    assert TokenDataset(tmp_path / "ds").tokens.tolist() == [6, 7]
+
+
+def test_read_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="pithtrain tokenize"):
+        TokenDataset(tmp_path / "nowhere")
+    ds = make_dataset(tmp_path, random_docs(np.random.default_rng(8), 5, 300), vocab_size=300)
+
+    with pytest.raises(ValueError, match="vocab_size is 200"):
+        ds.check_vocab(200)
+    ds.check_vocab(300)
+
+    with pytest.raises(ValueError, match="fewer than one global batch of 1000"):
+        BatchLoader(ds, 8, 1000, seed=0)
+
+    tokens_file = ds.path / "tokens.bin"
+    tokens_file.write_bytes(tokens_file.read_bytes()[:-2])
+    with pytest.raises(ValueError, match=r"tokens\.bin is truncated.*pithtrain tokenize"):
+        TokenDataset(ds.path)
+
+    meta_file = ds.path / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "format": "something-else"}))
+    with pytest.raises(ValueError, match="meta.json: format"):
+        TokenDataset(ds.path)
+    meta_file.unlink()
+    with pytest.raises(FileNotFoundError, match="meta.json"):
+        TokenDataset(ds.path)
+
+
+def test_iter_documents(tmp_path):
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    (root / ".hidden").mkdir()
+    (root / "b.txt").write_text("bravo")
+    (root / "a.txt").write_text("alpha")
+    (root / "sub" / "c.md").write_text("charlie ünïcode")
+    (root / "sub" / "empty.txt").write_text("")
+    (root / ".secret.txt").write_text("hidden file")
+    (root / ".hidden" / "x.txt").write_text("hidden dir")
+    (root / "blob.bin").write_bytes(bytes([0xFF, 0xFE, 0x80, 0x00]))
+    rows = [{"text": "first"}, {"text": "second", "id": 2}]
+    (root / "sub" / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    with pytest.warns(UserWarning, match="skipped 1 file"):
+        assert list(iter_documents([str(root)])) == ["alpha", "bravo", "charlie ünïcode", "first", "second"]
+
+    single = tmp_path / "one.jsonl"
+    single.write_text(json.dumps({"body": "x"}) + "\n")
+    assert list(iter_documents([str(single)], text_field="body")) == ["x"]
+    with pytest.raises(ValueError, match=r"one\.jsonl:1: no field 'text'"):
+        list(iter_documents([str(single)]))
+    single.write_text(json.dumps({"text": "ok"}) + "\n{not json\n")
+    with pytest.raises(ValueError, match=r"one\.jsonl:2: not valid JSON"):
+        list(iter_documents([str(single)]))
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        list(iter_documents([str(root), str(tmp_path / "missing.txt")]))
+
+
+def test_bpe_tokenize_round_trip(tmp_path):
+    from tokenizers import Tokenizer
+
+    files = stdlib_corpus_files(max_bytes=300_000)
+    assert files and all(f.endswith(".py") and "site-packages" not in f for f in files)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        texts = list(iter_documents(files))
+        tokenizer_file = train_bpe(iter_documents(files), 512, str(tmp_path / "tok" / "tokenizer.json"))
+        meta = tokenize_to_dataset(files, tokenizer_file, str(tmp_path / "ds"), progress=False)
+    tokenizer = Tokenizer.from_file(tokenizer_file)
+    assert tokenizer.get_vocab_size() == 512 and tokenizer.token_to_id("<|endoftext|>") == 0
+    ds = TokenDataset(tmp_path / "ds")
+    assert meta["eos_id"] == ds.eos_id == 0 and ds.vocab_size == 512 and ds.tokens.dtype == np.uint16
+    assert ds.num_docs == len(texts)
+    assert ds.tokenizer_file == str((tmp_path / "ds" / "tokenizer.json").resolve())
+    for i, text in enumerate(texts):
+        ids = ds.tokens[ds.doc_offsets[i] : ds.doc_offsets[i + 1]].tolist()
+        assert ids[-1] == 0 and 0 not in ids[:-1]
+        assert tokenizer.decode(ids[:-1]) == text
+    assert ds.num_tokens < sum(len(t.encode()) for t in texts) / 2  # merges actually compress
+
+
+def test_unigram_entropy(tmp_path):
+    rng = np.random.default_rng(9)
+    docs = [rng.zipf(1.5, size=int(rng.integers(1, 200))) % 300 for _ in range(50)]
+    ds = make_dataset(tmp_path, docs, vocab_size=300, eos_id=None)
+    counts = Counter(int(t) for doc in docs for t in doc)
+    n = sum(counts.values())
+    expected = -sum(c / n * math.log(c / n) for c in counts.values())
+    assert unigram_entropy(ds) == pytest.approx(expected, rel=1e-12)
+
+
+def test_cli(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_tokenize_args(parser)
+    out = str(tmp_path / "out")
+    assert run_tokenize(parser.parse_args(["--out", out, "--train-tokenizer"])) == 2
+    assert "INPUT" in capsys.readouterr().err
+    assert run_tokenize(parser.parse_args(["x.txt", "--out", out])) == 2
+    assert "--tokenizer" in capsys.readouterr().err
+    assert run_tokenize(parser.parse_args([str(tmp_path / "nope.txt"), "--out", out, "--train-tokenizer"])) == 2
+    assert "nope.txt" in capsys.readouterr().err
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(10)
+    words = ["alpha", "beta", "gamma", "delta", "mixture", "expert", "router"]
+    for i in range(20):
+        (corpus / f"{i:02d}.txt").write_text(" ".join(rng.choice(words, size=200)))
+    args = parser.parse_args([str(corpus), "--out", out, "--train-tokenizer", "--vocab-size", "300"])
+    with pytest.warns(UserWarning, match="of the 300 requested"):  # 7 words cannot fill 300 tokens
+        assert run_tokenize(args) == 0
+    printed = capsys.readouterr().out
+    assert "20 docs" in printed and "unigram entropy" in printed
+    ds = TokenDataset(out)
+    assert ds.num_docs == 20 and 257 < ds.vocab_size < 300 and ds.tokenizer_file is not None
