@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -89,7 +90,9 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         code = args.func(args)
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
+        if os.environ.get("PITHTRAIN_DEBUG"):
+            raise
+        print(f"error: {e}\n(set PITHTRAIN_DEBUG=1 to see the traceback)", file=sys.stderr)
         code = 2
     sys.exit(code)

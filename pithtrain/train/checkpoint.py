@@ -12,11 +12,13 @@ import json
 import os
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -51,7 +53,9 @@ def write_checkpoint(final: str | Path, state: dict, meta: dict, hf_config: dict
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
+    with warnings.catch_warnings():  # single-process saves are intended; DCP warns about them
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save(state, checkpoint_id=str(tmp))
     _barrier()
     if _is_main():
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
@@ -84,7 +88,9 @@ def load_checkpoint(ckpt: str | Path, state: dict) -> dict:
     if not is_checkpoint(ckpt):
         raise FileNotFoundError(f"{ckpt} is not a PithTrain checkpoint (no meta.json/.metadata); "
                                 f"pass a directory under RUN/checkpoints/ or a run directory")
-    dcp.load(state, checkpoint_id=str(ckpt))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(ckpt))
     return read_meta(ckpt)
 
 
@@ -107,4 +113,18 @@ def read_model_state(ckpt: str | Path, model: torch.nn.Module) -> dict:
     state = {"model": model_state(model)}
     meta = load_checkpoint(ckpt, state)
     model.load_state_dict(state["model"])
+    return meta
+
+
+def training_state(model: torch.nn.Module, optimizer) -> dict:
+    """Model and optimizer state keyed by parameter names (the optimizer's moments are created
+    first if no step has run yet, so that loading fills them)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def load_training_state(ckpt: str | Path, model: torch.nn.Module, optimizer) -> dict:
+    state = training_state(model, optimizer)
+    meta = load_checkpoint(ckpt, state)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return meta

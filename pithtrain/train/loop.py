@@ -86,10 +86,7 @@ def train(
 
     start = 0
     if found:
-        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
-        meta = ckpt.load_checkpoint(found[-1], state)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optim"])
+        meta = ckpt.load_training_state(found[-1], model, optimizer)
         start = meta["step"]
         if echo:
             print(f"resumed from {found[-1]} (step {start})", flush=True)
@@ -109,7 +106,7 @@ def train(
         )
 
     def save(step):
-        state = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        state = ckpt.training_state(model, optimizer)
         meta = {"samples_consumed": step * t.global_batch_size, "config": _plain(config)}
         ckpt.save_checkpoint(out_dir, step, state, meta, config.model.to_hf(), t.keep_checkpoints)
 

@@ -1,0 +1,31 @@
+# PithTrain: `make train` runs the embedded default job, `make test` the whole test suite.
+# Both set up .venv first (torch pinned to TORCH_VERSION, the CPU build on the CI machine).
+# On a machine whose Python already has torch (the GPU image), run the same with PYTHONPATH=. instead.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: setup train test test-gpu clean
+
+$(VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	@# torch is pinned first: an open range would pull a multi-GB CUDA build onto a CPU-only machine
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.ready
+
+train: setup
+	$(PY) examples/quickstart.py
+
+test: setup
+	$(PY) -m pytest -q -p no:cacheprovider tests
+
+test-gpu: setup
+	$(PY) -m pytest -q tests/gpu
+
+clean:
+	rm -rf runs data

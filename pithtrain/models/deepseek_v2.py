@@ -1,0 +1,590 @@
+"""DeepSeek-V2 (and V2-Lite): config (HF `config.json` schema), the 5-stage decoder layer, the model,
+HF conversion.
+
+Self-contained on purpose, like qwen3_moe.py:
+  - Multi-head Latent Attention (MLA). Queries come from `q_proj`, or with `q_lora_rank` from the
+    low-rank path q_a_proj -> q_a_layernorm -> q_b_proj. Keys and values come from one compressed
+    latent: `kv_a_proj_with_mqa` gives the latent (kv_lora_rank) plus a rope key shared by all
+    heads; the latent is normed (`kv_a_layernorm`) and expanded per head by `kv_b_proj` into the
+    non-rope key part and the value. Each head's query/key = [nope part, rope part]; the value
+    head dim may differ from the query/key head dim.
+  - RoPE on the rope parts only, with DeepSeek's layout: rotated pairs are adjacent dimensions
+    (x0, x1), (x2, x3), ... (HF applies it as complex multiplication). Optional YaRN with its
+    cos/sin factor and the softmax-scale correction mscale(factor, mscale_all_dim)^2.
+  - MoE layers: routed experts as stacked weights run by a grouped GEMM (stage 3), shared
+    experts computed in stage 1 and added in stage 5, routing from `routing.py` (softmax or
+    sigmoid scores, greedy / group-limited / bias-corrected selection). Dense MLP layers for
+    the first `first_k_dense_replace` layers and where `moe_layer_freq` says so.
+`reference_forward` is a plain, independent implementation (eager attention, complex-number
+RoPE, a loop over experts) used as the oracle in tests.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import asdict, dataclass, fields
+from typing import ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pithtrain.config import ConfigError
+from pithtrain.models.protocol import RoutingInfo, Stage1Out, run_layer
+from pithtrain.models.routing import select_experts
+from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin, swiglu
+from pithtrain.ops.grouped_gemm import grouped_mm
+
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps (as DeepSeek and HF do)
+
+
+@dataclass
+class DeepseekV2Config:
+    vocab_size: int = 102400
+    hidden_size: int = 4096
+    intermediate_size: int = 11008  # dense-MLP layers
+    moe_intermediate_size: int = 1407  # each routed expert; shared experts are n_shared_experts times this
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # MLA expands keys/values per head: must equal num_attention_heads
+    q_lora_rank: int | None = 1536  # None: a full-rank q_proj
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    n_routed_experts: int = 64
+    n_shared_experts: int | None = 2
+    num_experts_per_tok: int = 6
+    first_k_dense_replace: int = 0  # the first k layers use a dense MLP
+    moe_layer_freq: int = 1  # later layers are MoE when layer_id % moe_layer_freq == 0
+    # Routing. topk_method: greedy (plain top-k), group_limited_greedy (V2: best topk_group of
+    # n_group groups by their best expert), noaux_tc (V3: groups by the sum of their top-2 scores,
+    # plus a per-expert `e_score_correction_bias` used only for selection and moved by the
+    # aux-loss-free rule, routing.update_correction_bias, instead of by gradients).
+    topk_method: str = "greedy"
+    n_group: int | None = None
+    topk_group: int | None = None
+    scoring_func: str = "softmax"  # softmax (V2) | sigmoid (V3)
+    norm_topk_prob: bool = False  # renormalise the chosen k weights to sum 1 (before the scaling)
+    routed_scaling_factor: float = 1.0
+    bias_update_speed: float = 0.001  # noaux_tc: the `rate` the training loop passes to update_correction_bias
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # None or {"type": "yarn", "factor", "original_max_position_embeddings", beta_fast, beta_slow, mscale, mscale_all_dim}
+    max_position_embeddings: int = 2048
+    attention_bias: bool = False  # biases on q_a_proj, kv_a_proj_with_mqa and o_proj (the HF layout)
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    model_type: ClassVar[str] = "deepseek_v2"
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def uses_correction_bias(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
+    @property
+    def yarn(self) -> dict | None:
+        rope = self.rope_scaling or {}
+        return rope if rope.get("type", rope.get("rope_type")) == "yarn" else None
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer_id >= self.first_k_dense_replace
+            and layer_id % self.moe_layer_freq == 0
+        )
+
+    def num_routed_experts(self) -> int:
+        return self.n_routed_experts
+
+    def validate(self) -> None:
+        def check(cond, message):
+            if not cond:
+                raise ConfigError(message)
+
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
+                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_layer_freq"):
+            check(getattr(self, name) >= 1, f"model.{name}={getattr(self, name)}: must be at least 1")
+        check(
+            self.num_key_value_heads in (None, self.num_attention_heads),
+            f"model.num_key_value_heads={self.num_key_value_heads}: MLA expands keys and values for every head; "
+            f"set it to num_attention_heads={self.num_attention_heads} (or leave it unset)",
+        )
+        check(self.q_lora_rank is None or self.q_lora_rank >= 1,
+              f"model.q_lora_rank={self.q_lora_rank}: must be at least 1, or None for a full-rank q_proj")
+        check(self.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
+        check(self.hidden_act == "silu", f"model.hidden_act={self.hidden_act!r}: only 'silu' is supported")
+        check(self.n_routed_experts >= 0, f"model.n_routed_experts={self.n_routed_experts}: must be >= 0 (0: dense)")
+        check((self.n_shared_experts or 0) >= 0, f"model.n_shared_experts={self.n_shared_experts}: must be >= 0")
+        check(0 <= self.first_k_dense_replace <= self.num_hidden_layers,
+              f"model.first_k_dense_replace={self.first_k_dense_replace} must be in [0, num_hidden_layers]")
+        check(self.topk_method in TOPK_METHODS, f"model.topk_method={self.topk_method!r}: use one of {', '.join(TOPK_METHODS)}")
+        check(self.scoring_func in ("softmax", "sigmoid"), f"model.scoring_func={self.scoring_func!r}: use softmax or sigmoid")
+        check(self.routed_scaling_factor > 0, f"model.routed_scaling_factor={self.routed_scaling_factor}: must be > 0")
+        check(self.bias_update_speed >= 0, f"model.bias_update_speed={self.bias_update_speed}: must be >= 0")
+        if self.n_routed_experts > 0:
+            experts, k = self.n_routed_experts, self.num_experts_per_tok
+            check(1 <= k <= experts, f"model.num_experts_per_tok={k} must be in [1, n_routed_experts={experts}]")
+            if self.topk_method != "greedy":
+                groups, kept = self.n_group or 1, self.topk_group or 1
+                check(experts % groups == 0,
+                      f"model.n_group={groups} does not divide n_routed_experts={experts}; choose a divisor")
+                check(1 <= kept <= groups, f"model.topk_group={kept} must be in [1, n_group={groups}]")
+                check(k <= kept * (experts // groups),
+                      f"model.num_experts_per_tok={k} exceeds the {kept * (experts // groups)} experts of the "
+                      f"topk_group={kept} kept groups; raise topk_group or lower num_experts_per_tok")
+                check(self.topk_method != "noaux_tc" or groups == 1 or experts // groups >= 2,
+                      f"model.topk_method='noaux_tc' scores a group by its top-2 experts: n_group={groups} leaves "
+                      f"{experts // groups} per group; use fewer groups")
+        rope = self.rope_scaling or {}
+        rope_type = rope.get("type", rope.get("rope_type", "default"))
+        check(rope_type in ("default", "yarn"),
+              f"model.rope_scaling type {rope_type!r} is not supported; use None (plain RoPE) or type 'yarn'")
+        if rope_type == "yarn":
+            for key in ("factor", "original_max_position_embeddings"):
+                check(rope.get(key) is not None and rope[key] > 0, f"model.rope_scaling['{key}'] must be set and > 0 for YaRN")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DeepseekV2Config":
+        if hf.get("mlp_bias"):
+            raise ConfigError("deepseek_v2: mlp_bias=true is not supported (DeepSeek models have no MLP biases)")
+        nullable = {f.name for f in fields(cls) if "None" in str(f.type)}  # there None means something (q_lora_rank: full rank)
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in hf.items() if k in known and (v is not None or k in nullable)}
+        # HF 5 writes `rope_parameters` (with rope_theta inside); DeepSeek's own configs `rope_scaling` + `rope_theta`.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", hf.get("rope_theta"))
+        if theta is not None:
+            values["rope_theta"] = theta
+        rope_type = rope.pop("rope_type", None) or rope.get("type") or "default"
+        rope.pop("type", None)
+        values["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **rope}
+        if isinstance(values.get("eos_token_id"), list):
+            values["eos_token_id"] = values["eos_token_id"][0]
+        return cls(**values)
+
+    def to_hf(self) -> dict:
+        """HF deepseek_v2 config.json. transformers' deepseek_v2 reads softmax greedy/group_limited_greedy
+        routing only: it ignores scoring_func, moe_layer_freq and norm_topk_prob, and has no
+        e_score_correction_bias; configs using those options run in PithTrain but not in transformers."""
+        out = asdict(self)
+        rope = dict(self.rope_scaling or {})
+        rope_type = rope.pop("type", None) or rope.pop("rope_type", "default")
+        rope.pop("rope_type", None)
+        out.pop("rope_scaling")
+        out.pop("rope_theta")
+        out["rope_parameters"] = {"rope_type": rope_type, "rope_theta": self.rope_theta, **rope}
+        out["head_dim"] = self.qk_rope_head_dim  # what HF stores there for MLA configs
+        out.update(model_type=self.model_type, architectures=["DeepseekV2ForCausalLM"], dtype="float32")
+        return out
+
+    def build_model(self, layer_ids=None, embed: bool = True, head: bool = True) -> "DeepseekV2Model":
+        return DeepseekV2Model(self, layer_ids, embed, head)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_setup(cfg: DeepseekV2Config) -> tuple[torch.Tensor, float, float]:
+    """(inv_freq [rope_dim/2] fp32, cos/sin factor, softmax scale), YaRN included.
+
+    YaRN (arXiv 2309.00071, DeepSeek's variant): frequencies with fewer than beta_slow rotations
+    over the original context are interpolated (divided by `factor`), those with more than
+    beta_fast kept, a linear ramp in between. cos/sin are scaled by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) and the softmax scale by
+    mscale(factor, mscale_all_dim)^2. Computed in fp32 in HF's order so the tables match bit for bit.
+    """
+    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    softmax_scale = cfg.qk_head_dim**-0.5
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    yarn = cfg.yarn
+    if yarn is None:
+        return 1.0 / pos_freqs, 1.0, softmax_scale
+    factor, original = yarn["factor"], yarn["original_max_position_embeddings"]
+    mscale, mscale_all_dim = yarn.get("mscale"), yarn.get("mscale_all_dim")
+    cos_sin_factor = yarn.get("attention_factor")
+    if cos_sin_factor is None:
+        cos_sin_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim else yarn_mscale(factor)
+    if mscale_all_dim:
+        softmax_scale *= yarn_mscale(factor, mscale_all_dim) ** 2
+
+    def dim_with_rotations(rotations):  # the frequency index that turns `rotations` times over the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_with_rotations(yarn.get("beta_fast") or 32), dim_with_rotations(yarn.get("beta_slow") or 1)
+    if yarn.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # share of the original (extrapolated) frequency
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, float(cos_sin_factor), softmax_scale
+
+
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """[.., (d0 d1) (d2 d3) ..] -> [.., d0 d2 .., d1 d3 ..]: DeepSeek's adjacent-pair RoPE becomes the
+    rotate-half layout. Queries and keys get the same permutation, so their dot products are unchanged."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2).flatten(-2)
+
+
+class AttnInputs(NamedTuple):
+    cos: torch.Tensor  # [B, S, rope_dim], YaRN factor included
+    sin: torch.Tensor
+    mask: torch.Tensor | None  # None: plain causal
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    """Multi-head Latent Attention."""
+
+    def __init__(self, cfg: DeepseekV2Config, softmax_scale: float):
+        super().__init__()
+        self.heads, self.nope, self.rope, self.v_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank, self.q_lora_rank, self.scale = cfg.kv_lora_rank, cfg.q_lora_rank, softmax_scale
+        hidden, bias, q_out = cfg.hidden_size, cfg.attention_bias, self.heads * cfg.qk_head_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, cfg.kv_lora_rank + self.rope, bias=bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.heads * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(self.heads * self.v_dim, hidden, bias=bias)
+
+    def project_q(self, x):
+        if self.q_lora_rank is None:
+            return self.q_proj(x)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+
+    def qkv(self, x, cos, sin):
+        """q, k: [B, heads, S, nope + rope] (rope part in rotate-half layout); v: [B, heads, S, v_dim]."""
+        b, s, _ = x.shape
+        q = self.project_q(x).view(b, s, self.heads, self.nope + self.rope).transpose(1, 2)
+        q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, self.heads, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        q_rope = apply_rope(deinterleave(q_rope), cos, sin)
+        k_rope = apply_rope(deinterleave(k_rope).unsqueeze(1), cos, sin)  # one rope key shared by all heads
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(b, self.heads, s, self.rope)], dim=-1)
+        return q, k, v
+
+    def forward(self, x, attn: AttnInputs):
+        q, k, v = self.qkv(x, attn.cos, attn.sin)
+        return self.o_proj(attention(q, k, v, attn.mask, self.scale))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """Stacked routed-expert weights: gate_up [E, H, 2I] (gate then up), down [E, I, H]."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter))
+        self.down = nn.Parameter(torch.empty(num_experts, inter, hidden))
+
+    def forward(self, tokens, counts):
+        # Under autocast the grouped GEMM is not cast for us: run it in the autocast dtype.
+        kind = tokens.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tokens.dtype
+        h = grouped_mm(tokens.to(dtype), self.gate_up.to(dtype), counts)
+        return grouped_mm(swiglu(h), self.down.to(dtype), counts)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: DeepseekV2Config):
+        super().__init__()
+        self.cfg, self.num_experts = cfg, cfg.n_routed_experts
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
+        if cfg.uses_correction_bias:  # a buffer: saved with the model, moved by the aux-free rule, never by the optimizer
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x) -> RoutingInfo:
+        cfg = self.cfg
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):  # routing decisions in full precision, as HF does
+            logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        grouped = cfg.topk_method != "greedy"
+        ids, weights, scores = select_experts(
+            logits,
+            cfg.num_experts_per_tok,
+            score_func=cfg.scoring_func,
+            correction_bias=self.e_score_correction_bias,
+            n_group=(cfg.n_group or 1) if grouped else 1,
+            topk_group=(cfg.topk_group or 1) if grouped else 1,
+            group_score="top2sum" if cfg.topk_method == "noaux_tc" else "max",
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+        )
+        return RoutingInfo(ids, weights, scores, self.num_experts)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: DeepseekV2Config):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        shared = cfg.n_shared_experts or 0
+        self.shared_experts = DenseMLP(cfg.hidden_size, cfg.moe_intermediate_size * shared) if shared else None
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekV2Config, layer_id: int, softmax_scale: float):
+        super().__init__()
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, softmax_scale)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.is_moe = cfg.is_moe_layer(layer_id)
+        self.mlp = MoE(cfg) if self.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def stage1(self, x, attn: AttnInputs) -> Stage1Out:
+        h = x + self.self_attn(self.input_layernorm(x), attn)
+        normed = self.post_attention_layernorm(h)
+        if not self.is_moe:
+            return Stage1Out(h + self.mlp(normed), None, None, None)
+        tokens = normed.flatten(0, 1)
+        shared = self.mlp.shared_experts(tokens) if self.mlp.shared_experts is not None else None
+        return Stage1Out(h, tokens, shared, self.mlp.gate(tokens))
+
+    def stage3(self, tokens, counts):
+        return self.mlp.experts(tokens, counts)
+
+    def stage5(self, s1: Stage1Out, combined):
+        weights = s1.routing.topk_weights.to(combined.dtype)
+        moe_out = (combined * weights.unsqueeze(-1)).sum(1)
+        if s1.shared is not None:
+            moe_out = moe_out + s1.shared.to(moe_out.dtype)
+        return s1.residual + moe_out.view_as(s1.residual).to(s1.residual.dtype)
+
+
+class DeepseekV2Model(nn.Module):
+    """A contiguous run of layers; the full model by default. `layer_ids`/`embed`/`head` select
+    a pipeline chunk; layers keep their global ids as names so checkpoints do not depend on it."""
+
+    def __init__(self, cfg: DeepseekV2Config, layer_ids=None, embed: bool = True, head: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        layer_ids = range(cfg.num_hidden_layers) if layer_ids is None else layer_ids
+        inv_freq, self.rope_factor, softmax_scale = rope_setup(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, softmax_scale) for i in layer_ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
+        # With tied embeddings the head reads embed_tokens.weight (a pipeline puts both on one rank).
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head and not cfg.tie_word_embeddings else None
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases and for the
+        routing correction biases; seeded per parameter name so every pipeline chunk or shard
+        draws the same values."""
+        for name, p in self.named_parameters():
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * self.cfg.initializer_range)
+        for bias in self.correction_biases().values():
+            bias.zero_()
+
+    def correction_biases(self) -> dict[int, torch.Tensor]:
+        """layer id -> e_score_correction_bias [E] of this chunk's MoE layers (empty unless
+        topk_method='noaux_tc'); the training loop updates them with routing.update_correction_bias."""
+        return {
+            int(lid): layer.mlp.gate.e_score_correction_bias
+            for lid, layer in self.layers.items()
+            if layer.is_moe and layer.mlp.gate.e_score_correction_bias is not None
+        }
+
+    def head_weight(self, embed_weight=None):
+        return self.lm_head.weight if self.lm_head is not None else (embed_weight if embed_weight is not None else self.embed_tokens.weight)
+
+    def attn_inputs(self, position_ids, doc_ids, dtype) -> AttnInputs:
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, scale=self.rope_factor, dtype=dtype)
+        return AttnInputs(cos, sin, attention_mask(doc_ids, position_ids.shape[1], position_ids.device))
+
+    def forward(self, x, position_ids, engine, doc_ids=None):
+        """x: token ids [B, S] if this chunk embeds, else hidden states [B, S, H]. Returns logits
+        [B, S, V] if this chunk holds the head, else hidden states."""
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        attn = self.attn_inputs(position_ids, doc_ids, x.dtype)
+        for layer in self.layers.values():
+            x = run_layer(layer, x, attn, engine)
+        if self.norm is not None:
+            x = F.linear(self.norm(x), self.head_weight())
+        return x
+
+    @torch.no_grad()
+    def reference_forward(self, input_ids, position_ids=None, doc_ids=None):
+        """Plain oracle: eager softmax attention with an explicit mask, RoPE as complex
+        multiplication of adjacent pairs, routing written out, and a loop over experts."""
+        cfg = self.cfg
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s).expand(b, s)
+        x = self.embed_tokens(input_ids)
+        angles = position_ids[..., None].float() * self.inv_freq.float()  # [B, S, rope/2]
+        rotation = torch.polar(torch.full_like(angles, self.rope_factor), angles)[:, None]  # broadcast over heads
+
+        def rotate(t):  # t: [B, h, S, rope], pairs (t0, t1), (t2, t3), ... are complex numbers
+            pairs = torch.view_as_complex(t.to(torch.promote_types(t.dtype, torch.float32)).unflatten(-1, (-1, 2)).contiguous())
+            return torch.view_as_real(pairs * rotation).flatten(-2).to(t.dtype)
+
+        pos = torch.arange(s)
+        allowed = (pos[None, :] <= pos[:, None]).expand(b, s, s)
+        if doc_ids is not None:
+            allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
+        nope, rope, heads = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.num_attention_heads
+        for layer in self.layers.values():
+            a = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = a.project_q(h).view(b, s, heads, nope + rope).transpose(1, 2)
+            compressed = a.kv_a_proj_with_mqa(h)
+            latent, k_rope = compressed[..., : cfg.kv_lora_rank], compressed[..., cfg.kv_lora_rank :]
+            kv = a.kv_b_proj(a.kv_a_layernorm(latent)).view(b, s, heads, nope + cfg.v_head_dim).transpose(1, 2)
+            k_rope = rotate(k_rope[:, None]).expand(b, heads, s, rope)
+            q = torch.cat([q[..., :nope], rotate(q[..., nope:])], -1)
+            k = torch.cat([kv[..., :nope], k_rope], -1)
+            v = kv[..., nope:]
+            scores = (q @ k.transpose(-1, -2)) * a.scale
+            scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+            out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
+            x = x + a.o_proj(out)
+            h = layer.post_attention_layernorm(x)
+            if not layer.is_moe:
+                x = x + layer.mlp(h)
+                continue
+            flat = h.reshape(-1, cfg.hidden_size)
+            ids, w = _reference_routing(cfg, flat.float() @ layer.mlp.gate.weight.float().T, layer.mlp.gate.e_score_correction_bias)
+            moe = torch.zeros_like(flat)
+            ex = layer.mlp.experts
+            for e in range(cfg.n_routed_experts):
+                tok, slot = (ids == e).nonzero(as_tuple=True)
+                if tok.numel():
+                    g, u = (flat[tok] @ ex.gate_up[e]).chunk(2, -1)
+                    moe.index_add_(0, tok, ((F.silu(g) * u) @ ex.down[e]) * w[tok, slot, None].to(flat.dtype))
+            if layer.mlp.shared_experts is not None:
+                moe = moe + layer.mlp.shared_experts(flat)
+            x = x + moe.view_as(x)
+        return F.linear(self.norm(x), self.head_weight())
+
+    # ---- Hugging Face conversion (this model's names <-> HF's per-expert names) ----
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in self.state_dict().items():
+            if ".mlp.experts." in name:
+                continue
+            out["lm_head.weight" if name == "lm_head.weight" else f"model.{name}"] = t
+        inter = self.cfg.moe_intermediate_size
+        for lid, layer in self.layers.items():
+            if not layer.is_moe:
+                continue
+            ex = layer.mlp.experts
+            for e in range(ex.gate_up.shape[0]):
+                pre = f"model.layers.{lid}.mlp.experts.{e}"
+                out[f"{pre}.gate_proj.weight"] = ex.gate_up[e, :, :inter].T.contiguous()
+                out[f"{pre}.up_proj.weight"] = ex.gate_up[e, :, inter:].T.contiguous()
+                out[f"{pre}.down_proj.weight"] = ex.down[e].T.contiguous()
+        return out
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
+        """Load HF tensors (per-expert keys as saved, or the fused in-memory layout); raises
+        naming any missing or unexpected key."""
+        used = set()
+
+        def take(key):
+            if key not in hf:
+                raise KeyError(f"HF checkpoint is missing {key}")
+            used.add(key)
+            return hf[key]
+
+        for name, t in self.state_dict().items():
+            if ".mlp.experts." in name:
+                continue
+            t.copy_(take("lm_head.weight" if name == "lm_head.weight" else f"model.{name}"))
+        for lid, layer in self.layers.items():
+            if not layer.is_moe:
+                continue
+            ex = layer.mlp.experts
+            fused = f"model.layers.{lid}.mlp.experts.gate_up_proj"
+            for e in range(ex.gate_up.shape[0]):
+                if fused in hf:  # HF's in-memory layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]
+                    ex.gate_up[e].copy_(take(fused)[e].T)
+                    ex.down[e].copy_(take(f"model.layers.{lid}.mlp.experts.down_proj")[e].T)
+                    continue
+                pre = f"model.layers.{lid}.mlp.experts.{e}"
+                ex.gate_up[e].copy_(torch.cat([take(f"{pre}.gate_proj.weight").T, take(f"{pre}.up_proj.weight").T], 1))
+                ex.down[e].copy_(take(f"{pre}.down_proj.weight").T)
+        own_layers = tuple(f"model.layers.{lid}." for lid in self.layers)
+        ignored = {k for k in hf if k.startswith("model.layers.") and not k.startswith(own_layers)}
+        if self.lm_head is None and "lm_head.weight" in hf:
+            ignored.add("lm_head.weight")  # tied: HF may store a copy
+        extra = set(hf) - used - ignored
+        if self.embed_tokens is None:
+            extra.discard("model.embed_tokens.weight")
+        if self.norm is None:
+            extra -= {"model.norm.weight", "lm_head.weight"}
+        if extra:
+            raise KeyError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}")
+
+
+def _reference_routing(cfg: DeepseekV2Config, logits: torch.Tensor, bias: torch.Tensor | None):
+    """The router written out for the oracle: (ids [T, k], weights [T, k])."""
+    scores = logits.softmax(-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
+    biased = scores if bias is None else scores + bias
+    if cfg.topk_method != "greedy" and (cfg.n_group or 1) > 1:
+        per_group = biased.view(len(biased), cfg.n_group, -1)
+        if cfg.topk_method == "noaux_tc":
+            group_rank = per_group.sort(-1, descending=True).values[..., :2].sum(-1)
+        else:
+            group_rank = per_group.max(-1).values
+        best_groups = group_rank.argsort(-1, descending=True)[:, : cfg.topk_group]
+        allowed = torch.zeros_like(group_rank).scatter(1, best_groups, 1.0).bool()
+        biased = per_group.masked_fill(~allowed[..., None], float("-inf")).flatten(1)
+    ids = biased.argsort(-1, descending=True)[:, : cfg.num_experts_per_tok]
+    w = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return ids, w * cfg.routed_scaling_factor

@@ -1,0 +1,539 @@
+"""GPT-OSS (gpt-oss-20b / -120b): config (HF `config.json` schema), the 5-stage decoder layer, the model,
+HF conversion including the MXFP4 expert weights of hub checkpoints.
+
+What differs from Qwen3-MoE:
+  - attention has biases and one learnable "sink" logit per head that joins the softmax denominator
+    (it takes probability mass, then is dropped). SDPA has no sinks, so `sink_attention` is plain
+    PyTorch, differentiable in q, k, v and the sinks;
+  - layers use sliding-window (the last `sliding_window` tokens, the current one included) or full
+    causal attention, per `layer_types`; both combine with the packed-document mask;
+  - YaRN RoPE in HF's GPT-OSS form: the two halves of each head rotate against each other (the same
+    numbers as rotate-half) and cos/sin are scaled by the YaRN attention factor;
+  - the router has a bias and softmaxes over the chosen k logits only;
+  - experts have biases and a clamped SwiGLU: gate <= limit, |up| <= limit,
+    out = (up + 1) * gate * sigmoid(alpha * gate).
+HF fuses gate/up with the two INTERLEAVED along the last dim (even columns gate, odd up); here they are
+stored gate then up (the convention of every family's `Experts`) and converted on import/export.
+`reference_forward` is an independent eager implementation (complex-number RoPE, log-sum-exp sinks,
+a loop over experts) used as the oracle in tests.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import asdict, dataclass, field, fields
+from typing import ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pithtrain.config import ConfigError
+from pithtrain.models.protocol import RoutingInfo, Stage1Out, run_layer
+from pithtrain.ops.core import apply_rope, attention_mask, rope_cos_sin
+from pithtrain.ops.grouped_gemm import grouped_mm
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _default_rope() -> dict:
+    # HF's GptOssConfig default: what gpt-oss-20b/120b were trained with.
+    return {
+        "rope_type": "yarn",
+        "rope_theta": 150000.0,
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    }
+
+
+@dataclass
+class GptOssConfig:
+    vocab_size: int = 201088
+    hidden_size: int = 2880
+    intermediate_size: int = 2880  # each expert
+    num_hidden_layers: int = 36
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 8
+    head_dim: int = 64
+    num_local_experts: int = 128
+    num_experts_per_tok: int = 4
+    sliding_window: int | None = 128
+    layer_types: list[str] | None = None  # None: sliding, full, sliding, full, ... (HF's default)
+    rope_parameters: dict = field(default_factory=_default_rope)  # HF 5 layout, rope_theta inside
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 131072
+    attention_bias: bool = True
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+
+    model_type: ClassVar[str] = "gpt_oss"
+
+    def layer_type(self, layer_id: int) -> str:
+        if self.layer_types is not None:
+            return self.layer_types[layer_id]
+        return SLIDING if layer_id % 2 == 0 else FULL
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return True  # every GPT-OSS layer is MoE
+
+    def num_routed_experts(self) -> int:
+        return self.num_local_experts
+
+    def validate(self) -> None:
+        def check(cond, message):
+            if not cond:
+                raise ConfigError(message)
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "num_local_experts"):
+            check(getattr(self, name) >= 1, f"model.{name}={getattr(self, name)}: must be at least 1")
+        check(
+            self.num_attention_heads % self.num_key_value_heads == 0,
+            f"model.num_attention_heads={self.num_attention_heads} is not divisible by model.num_key_value_heads="
+            f"{self.num_key_value_heads}; choose a divisor of the query heads",
+        )
+        check(self.head_dim % 2 == 0, f"model.head_dim={self.head_dim}: must be even for RoPE")
+        check(
+            1 <= self.num_experts_per_tok <= self.num_local_experts,
+            f"model.num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_local_experts="
+            f"{self.num_local_experts}]",
+        )
+        if self.layer_types is not None:
+            check(
+                len(self.layer_types) == self.num_hidden_layers,
+                f"model.layer_types has {len(self.layer_types)} entries but model.num_hidden_layers="
+                f"{self.num_hidden_layers}; give one per layer or set layer_types=None (alternating)",
+            )
+            bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
+            check(not bad, f"model.layer_types has {bad}; use {SLIDING!r} or {FULL!r}")
+        if any(self.layer_type(i) == SLIDING for i in range(self.num_hidden_layers)):
+            check(
+                self.sliding_window is not None and self.sliding_window >= 1,
+                f"model.sliding_window={self.sliding_window}: sliding layers need a window of at least 1 token",
+            )
+        check(self.swiglu_limit > 0, f"model.swiglu_limit={self.swiglu_limit}: must be > 0")
+        rope = self.rope_parameters
+        kind = rope.get("rope_type")
+        check(kind in ("yarn", "default"), f"model.rope_parameters rope_type={kind!r}: use 'yarn' (GPT-OSS) or 'default'")
+        check(rope.get("rope_theta", 0) > 0, "model.rope_parameters needs rope_theta > 0")
+        if kind == "yarn":
+            for key in ("factor", "original_max_position_embeddings"):
+                check(rope.get(key) is not None, f"model.rope_parameters: yarn needs {key!r}")
+            check(rope["factor"] >= 1, f"model.rope_parameters factor={rope['factor']}: must be >= 1")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "GptOssConfig":
+        known = {f.name for f in fields(cls)}
+        values = {k: v for k, v in hf.items() if k in known and v is not None}
+        # Aliases: hub config.json files also carry `experts_per_token`; HF maps `num_experts`.
+        if "num_experts_per_tok" not in values and hf.get("experts_per_token") is not None:
+            values["num_experts_per_tok"] = hf["experts_per_token"]
+        if "num_local_experts" not in values and hf.get("num_experts") is not None:
+            values["num_local_experts"] = hf["num_experts"]
+        # Hub files use transformers-4 names (`rope_scaling` + top-level `rope_theta`); HF 5 writes
+        # `rope_parameters` with rope_theta inside. Absent both, HF uses GPT-OSS's YaRN default.
+        rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or _default_rope())
+        if "type" in rope:
+            rope.setdefault("rope_type", rope.pop("type"))
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", hf.get("rope_theta", 150000.0))
+        values["rope_parameters"] = rope
+        if isinstance(values.get("eos_token_id"), list):
+            values["eos_token_id"] = values["eos_token_id"][0]
+        return cls(**values)
+
+    def to_hf(self) -> dict:
+        out = asdict(self)
+        out["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
+        out.update(model_type=self.model_type, architectures=["GptOssForCausalLM"], dtype="float32")
+        return out
+
+    def build_model(self, layer_ids=None, embed: bool = True, head: bool = True) -> "GptOssModel":
+        return GptOssModel(self, layer_ids, embed, head)
+
+
+def rope_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, float]:
+    """inverse frequencies [head_dim/2] (fp32, same operations as HF so the tables agree bit for bit)
+    and the factor cos/sin are scaled by (YaRN's attention factor; 1 for default RoPE)."""
+    base = rope["rope_theta"]
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
+    if rope["rope_type"] == "default":
+        return 1.0 / pos_freqs, 1.0
+    factor, orig = rope["factor"], rope["original_max_position_embeddings"]
+
+    def mscale(scale_coef):
+        return 1.0 if factor <= 1 else 0.1 * scale_coef * math.log(factor) + 1.0
+
+    scale = rope.get("attention_factor")
+    if scale is None:
+        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
+        scale = mscale(m) / mscale(m_all) if m and m_all else mscale(1)
+
+    def dim_of(rotations):  # the dim index whose frequency turns `rotations` times over the original context
+        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(rope.get("beta_fast") or 32), dim_of(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):  # HF's default when the key is absent
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: fast dims keep their frequency (extrapolate); 0: slow dims are divided by factor
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep, float(scale)
+
+
+def sink_attention(q, k, v, sinks, mask, scale: float) -> torch.Tensor:
+    """Causal GQA attention whose softmax denominator also holds one learnable logit per head.
+    q: [B, Hq, S, D], k/v: [B, Hkv, S, D], sinks: [Hq], mask: bool [B or 1, 1, S, S] (True = attend).
+    Returns [B, S, Hq*Dv]. Scores and softmax in fp32; gradients reach q, k, v and the sinks."""
+    b, hq, s, d = q.shape
+    hkv = k.shape[1]
+    rep = hq // hkv
+    # Query heads h*rep .. h*rep+rep-1 share kv head h: group them instead of repeating k/v.
+    scores = (q.view(b, hkv, rep, s, d) @ k.unsqueeze(2).transpose(-1, -2)).float() * scale
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
+    sink = sinks.float().view(1, hkv, rep, 1, 1).expand(b, hkv, rep, s, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]  # the sink's share is dropped
+    out = probs.to(v.dtype) @ v.unsqueeze(2)  # [B, Hkv, rep, S, Dv]
+    return out.reshape(b, hq, s, -1).transpose(1, 2).flatten(2)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS activation on a [.., 2I] tensor holding gate then up."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+# ---- MXFP4 (hub checkpoints store the experts this way) ----
+
+# FP4 E2M1 code -> value: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; exponent 0 is subnormal.
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """blocks: uint8 [..., G, 16], two FP4 E2M1 codes per byte, the LOW nibble the earlier element;
+    scales: uint8 [..., G], an E8M0 exponent per block of 32 values (value = code * 2**(scale - 127)).
+    Returns [..., G*32]. For a GPT-OSS expert tensor stored as [E, out, G, 16] this is [E, out, in]:
+    transpose the last two dims for HF's [E, in, out] parameter."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks/scales must be uint8, got {blocks.dtype}/{scales.dtype}")
+    if blocks.shape[-1] != 16 or blocks.shape[:-1] != scales.shape:
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} must be scales {tuple(scales.shape)} + (16,)")
+    table = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    flat_blocks, flat_scales = blocks.reshape(-1, 16), scales.reshape(-1, 1).to(torch.int32) - 127
+    out = torch.empty(flat_blocks.shape[0], 32, dtype=dtype, device=blocks.device)
+    step = 1 << 20  # rows per chunk: bounds the int64 index temporaries for 20B-sized tensors
+    for i in range(0, flat_blocks.shape[0], step):
+        chunk = flat_blocks[i : i + step]
+        codes = torch.stack([chunk & 0x0F, chunk >> 4], dim=-1).flatten(-2).long()  # [rows, 32]
+        out[i : i + step] = torch.ldexp(table[codes], flat_scales[i : i + step]).to(dtype)
+    return out.view(*scales.shape[:-1], scales.shape[-1] * 32)
+
+
+def _interleave(t):  # gate then up -> HF's gate/up interleaved along the last dim
+    return torch.stack(t.chunk(2, dim=-1), dim=-1).flatten(-2)
+
+
+def _deinterleave(t):
+    return torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+
+
+# ---- the model ----
+
+
+class AttnInputs(NamedTuple):
+    cos: torch.Tensor  # [B, S, D]
+    sin: torch.Tensor
+    full_mask: torch.Tensor  # bool [B or 1, 1, S, S]: causal (and same document)
+    sliding_mask: torch.Tensor | None  # also within the window; None when no layer slides
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        # HF's GPT-OSS order: the weight multiplies in fp32, then the cast back (Llama casts first).
+        x32 = x.float()
+        return (self.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps))).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GptOssConfig, layer_id: int):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.sinks = nn.Parameter(torch.zeros(self.heads))
+        self.sliding = cfg.layer_type(layer_id) == SLIDING
+
+    def qkv(self, x, cos, sin):
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, attn: AttnInputs):
+        q, k, v = self.qkv(x, attn.cos, attn.sin)
+        mask = attn.sliding_mask if self.sliding else attn.full_mask
+        return self.o_proj(sink_attention(q, k, v, self.sinks, mask, self.head_dim**-0.5))
+
+
+class Experts(nn.Module):
+    """Stacked expert weights: gate_up [E, H, 2I] (gate then up), gate_up_bias [E, 2I], down [E, I, H],
+    down_bias [E, H]."""
+
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__()
+        e, h, i = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
+        self.gate_up = nn.Parameter(torch.empty(e, h, 2 * i))
+        self.gate_up_bias = nn.Parameter(torch.empty(e, 2 * i))
+        self.down = nn.Parameter(torch.empty(e, i, h))
+        self.down_bias = nn.Parameter(torch.empty(e, h))
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+
+    def forward(self, tokens, counts):
+        # Under autocast the grouped GEMM is not cast for us: run it in the autocast dtype.
+        kind = tokens.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tokens.dtype
+        # Each row's expert, to add that expert's biases; output_size avoids a device->host sync.
+        experts = torch.arange(counts.numel(), device=counts.device)
+        row_expert = torch.repeat_interleave(experts, counts, output_size=tokens.shape[0])
+        h = grouped_mm(tokens.to(dtype), self.gate_up.to(dtype), counts) + self.gate_up_bias.to(dtype)[row_expert]
+        out = grouped_mm(clamped_swiglu(h, self.alpha, self.limit), self.down.to(dtype), counts)
+        return out + self.down_bias.to(dtype)[row_expert]
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_local_experts, cfg.hidden_size))
+        self.bias = nn.Parameter(torch.empty(cfg.num_local_experts))
+        self.topk, self.num_experts = cfg.num_experts_per_tok, cfg.num_local_experts
+
+    def forward(self, x) -> RoutingInfo:
+        logits = F.linear(x, self.weight, self.bias).float()
+        top, ids = torch.topk(logits, self.topk, dim=-1)
+        # Combine weights: softmax over the chosen k only. `scores` (all experts) feed the balance loss.
+        return RoutingInfo(ids, top.softmax(-1), logits.softmax(-1), self.num_experts)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: GptOssConfig):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: GptOssConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MoE(cfg)
+
+    def stage1(self, x, attn: AttnInputs) -> Stage1Out:
+        h = x + self.self_attn(self.input_layernorm(x), attn)
+        tokens = self.post_attention_layernorm(h).flatten(0, 1)
+        return Stage1Out(h, tokens, None, self.mlp.router(tokens))
+
+    def stage3(self, tokens, counts):
+        return self.mlp.experts(tokens, counts)
+
+    def stage5(self, s1: Stage1Out, combined):
+        weights = s1.routing.topk_weights.to(combined.dtype)
+        moe_out = (combined * weights.unsqueeze(-1)).sum(1)
+        return s1.residual + moe_out.view_as(s1.residual).to(s1.residual.dtype)
+
+
+class GptOssModel(nn.Module):
+    """A contiguous run of layers; the full model by default. `layer_ids`/`embed`/`head` select
+    a pipeline chunk; layers keep their global ids as names so checkpoints do not depend on it."""
+
+    def __init__(self, cfg: GptOssConfig, layer_ids=None, embed: bool = True, head: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        layer_ids = range(cfg.num_hidden_layers) if layer_ids is None else layer_ids
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layer_ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
+        # With tied embeddings the head reads embed_tokens.weight (a pipeline puts both on one rank).
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head and not cfg.tie_word_embeddings else None
+        inv_freq, self.rope_scale = rope_frequencies(cfg.rope_parameters, cfg.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Normal(0, initializer_range) for matrices and sinks, ones for norms, zeros for biases; seeded
+        per parameter name so every pipeline chunk or shard draws the same values."""
+        for name, p in self.named_parameters():
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * self.cfg.initializer_range)
+
+    def head_weight(self, embed_weight=None):
+        return self.lm_head.weight if self.lm_head is not None else (embed_weight if embed_weight is not None else self.embed_tokens.weight)
+
+    def attn_inputs(self, position_ids, doc_ids, dtype) -> AttnInputs:
+        cos, sin = rope_cos_sin(position_ids, self.inv_freq, self.rope_scale, dtype=dtype)
+        s, device = position_ids.shape[1], position_ids.device
+        full = attention_mask(doc_ids, s, device)
+        if full is None:  # sink attention always takes an explicit mask
+            full = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None, None]
+        sliding = None
+        if any(layer.self_attn.sliding for layer in self.layers.values()):
+            sliding = attention_mask(doc_ids, s, device, self.cfg.sliding_window)
+        return AttnInputs(cos, sin, full, sliding)
+
+    def forward(self, x, position_ids, engine, doc_ids=None):
+        """x: token ids [B, S] if this chunk embeds, else hidden states [B, S, H]. Returns logits
+        [B, S, V] if this chunk holds the head, else hidden states."""
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        attn = self.attn_inputs(position_ids, doc_ids, x.dtype)
+        for layer in self.layers.values():
+            x = run_layer(layer, x, attn, engine)
+        if self.norm is not None:
+            x = F.linear(self.norm(x), self.head_weight())
+        return x
+
+    @torch.no_grad()
+    def reference_forward(self, input_ids, position_ids=None, doc_ids=None):
+        """Plain oracle: RoPE as a complex rotation, sinks through log-sum-exp, an explicit mask,
+        a loop over experts."""
+        cfg = self.cfg
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s).expand(b, s)
+        x = self.embed_tokens(input_ids)
+        angles = position_ids[..., None].double() * self.inv_freq.double()  # [B, S, D/2]
+        rotation = torch.polar(torch.full_like(angles, self.rope_scale), angles)[:, None]
+
+        def rope(t):  # (first half, second half) as (real, imaginary), rotated and scaled
+            half = t.shape[-1] // 2
+            z = torch.complex(t[..., :half].double(), t[..., half:].double()) * rotation
+            return torch.cat([z.real, z.imag], -1).to(t.dtype)
+
+        i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+        causal = (j <= i).expand(b, s, s)
+        if doc_ids is not None:
+            causal = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])
+        windowed = causal & (i - j < (cfg.sliding_window or s))
+        inter = cfg.intermediate_size
+        for layer in self.layers.values():
+            a = layer.self_attn
+            hn = layer.input_layernorm(x)
+            q, k, v = (p(hn).view(b, s, -1, a.head_dim).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))
+            q, k = rope(q), rope(k)
+            rep = a.heads // a.kv_heads
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(a.head_dim)
+            allowed = windowed if a.sliding else causal
+            scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+            # The sink joins the normaliser only: p = exp(score - log(sum exp(scores) + exp(sink))).
+            lse = torch.logaddexp(torch.logsumexp(scores, -1, keepdim=True), a.sinks.view(1, -1, 1, 1))
+            out = torch.einsum("bhqk,bhkd->bqhd", torch.exp(scores - lse), v).reshape(b, s, -1)
+            x = x + a.o_proj(out)
+            flat = layer.post_attention_layernorm(x).reshape(-1, cfg.hidden_size)
+            logits = flat @ layer.mlp.router.weight.T + layer.mlp.router.bias
+            top, ids = logits.topk(cfg.num_experts_per_tok, -1)
+            w = torch.exp(top - torch.logsumexp(top, -1, keepdim=True))
+            moe = torch.zeros_like(flat)
+            ex = layer.mlp.experts
+            for e in range(cfg.num_local_experts):
+                tok, slot = (ids == e).nonzero(as_tuple=True)
+                if not tok.numel():
+                    continue
+                g = flat[tok] @ ex.gate_up[e, :, :inter] + ex.gate_up_bias[e, :inter]
+                u = flat[tok] @ ex.gate_up[e, :, inter:] + ex.gate_up_bias[e, inter:]
+                g, u = g.clamp(max=cfg.swiglu_limit), u.clamp(-cfg.swiglu_limit, cfg.swiglu_limit)
+                act = (u + 1) * g / (1 + torch.exp(-cfg.swiglu_alpha * g))
+                moe.index_add_(0, tok, (act @ ex.down[e] + ex.down_bias[e]) * w[tok, slot, None])
+            x = x + moe.view_as(x)
+        return F.linear(self.norm(x), self.head_weight())
+
+    # ---- Hugging Face conversion (gate then up here <-> interleaved in HF; MXFP4 on import) ----
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in self.state_dict().items():
+            if ".mlp.experts." in name:
+                continue
+            out["lm_head.weight" if name == "lm_head.weight" else f"model.{name}"] = t
+        for lid, layer in self.layers.items():
+            ex, pre = layer.mlp.experts, f"model.layers.{lid}.mlp.experts."
+            out[pre + "gate_up_proj"] = _interleave(ex.gate_up.detach())
+            out[pre + "gate_up_proj_bias"] = _interleave(ex.gate_up_bias.detach())
+            out[pre + "down_proj"] = ex.down.detach()
+            out[pre + "down_proj_bias"] = ex.down_bias.detach()
+        return out
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
+        """Load HF tensors (plain or MXFP4 `*_blocks`/`*_scales` experts); raises naming any missing or
+        unexpected key or mismatched shape."""
+        used = set()
+
+        def take(key):
+            if key not in hf:
+                raise KeyError(f"HF checkpoint is missing {key}")
+            used.add(key)
+            return hf[key]
+
+        def put(param, value, key):
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(f"HF tensor {key} has shape {tuple(value.shape)}, the model expects "
+                                 f"{tuple(param.shape)}; does config.json match the weights?")
+            param.copy_(value)
+
+        def expert_matrix(key):  # HF layout [E, in, out], from plain weights or MXFP4 [E, out, G, 16]
+            if key in hf or key + "_blocks" not in hf:
+                return take(key)
+            return dequantize_mxfp4(take(key + "_blocks"), take(key + "_scales")).transpose(1, 2)
+
+        for name, t in self.state_dict().items():
+            if ".mlp.experts." in name:
+                continue
+            key = "lm_head.weight" if name == "lm_head.weight" else f"model.{name}"
+            put(t, take(key), key)
+        for lid, layer in self.layers.items():
+            ex, pre = layer.mlp.experts, f"model.layers.{lid}.mlp.experts."
+            put(ex.gate_up, _deinterleave(expert_matrix(pre + "gate_up_proj")), pre + "gate_up_proj")
+            put(ex.gate_up_bias, _deinterleave(take(pre + "gate_up_proj_bias")), pre + "gate_up_proj_bias")
+            put(ex.down, expert_matrix(pre + "down_proj"), pre + "down_proj")
+            put(ex.down_bias, take(pre + "down_proj_bias"), pre + "down_proj_bias")
+        layer_keys = {k for k in hf if k.startswith("model.layers.")}
+        own_layers = {f"model.layers.{lid}." for lid in self.layers}
+        ignored = {k for k in layer_keys if not any(k.startswith(p) for p in own_layers)}
+        if self.lm_head is None and "lm_head.weight" in hf:
+            ignored.add("lm_head.weight")  # tied: HF may store a copy
+        extra = set(hf) - used - ignored
+        if self.embed_tokens is None:
+            extra.discard("model.embed_tokens.weight")
+        if self.norm is None:
+            extra -= {"model.norm.weight", "lm_head.weight"}
+        if extra:
+            raise KeyError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}")

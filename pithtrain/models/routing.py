@@ -1,0 +1,86 @@
+"""DeepSeek-style expert selection as plain functions any model family can call.
+
+`select_experts` covers the router variants of the DeepSeek line:
+  - scores: softmax over experts (DeepSeek-V2) or an independent sigmoid per expert (DeepSeek-V3);
+  - an optional correction bias (V3's auxiliary-loss-free balancing) that is added to the scores
+    only to *choose* experts; the combine weights always come from the unbiased scores;
+  - optional group-limited selection: experts are split into `n_group` equal groups, each token
+    keeps its best `topk_group` groups and picks its top-k experts inside them. A group's score is
+    its best expert ("max", V2's group_limited_greedy) or the sum of its best two ("top2sum",
+    V3's noaux_tc);
+  - optional renormalisation of the chosen k weights, then a constant `routed_scaling_factor`.
+
+`update_correction_bias` is the aux-loss-free balancing rule that moves the bias between steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def select_experts(
+    logits: torch.Tensor,
+    topk: int,
+    score_func: str = "softmax",
+    correction_bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    group_score: str = "max",
+    norm_topk_prob: bool = False,
+    routed_scaling_factor: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits: [T, E] router logits. Returns topk_ids [T, k] (int64), topk_weights [T, k] and
+    scores [T, E] (the unbiased softmax/sigmoid scores, for the load-balance loss).
+
+    Computed in at least fp32 (routing decisions are sensitive to rounding). Gradients reach the
+    logits through the weights; selection and the bias carry none.
+    """
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    if score_func == "softmax":
+        scores = logits.softmax(dim=-1)
+    elif score_func == "sigmoid":
+        scores = logits.sigmoid()
+    else:
+        raise ValueError(f"score_func={score_func!r}: use 'softmax' or 'sigmoid'")
+    with torch.no_grad():
+        choice = scores if correction_bias is None else scores + correction_bias.to(scores.dtype)
+        if n_group > 1:
+            num_tokens, num_experts = choice.shape
+            grouped = choice.view(num_tokens, n_group, num_experts // n_group)
+            if group_score == "max":
+                per_group = grouped.amax(dim=-1)
+            elif group_score == "top2sum":
+                per_group = grouped.topk(2, dim=-1).values.sum(dim=-1)
+            else:
+                raise ValueError(f"group_score={group_score!r}: use 'max' or 'top2sum'")
+            kept = per_group.topk(topk_group, dim=-1).indices
+            keep = torch.zeros_like(per_group, dtype=torch.bool).scatter_(1, kept, True)
+            choice = choice.masked_fill(~keep.repeat_interleave(num_experts // n_group, dim=1), float("-inf"))
+        topk_ids = choice.topk(topk, dim=-1).indices
+    weights = scores.gather(1, topk_ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # epsilon as in DeepSeek-V3
+    return topk_ids, weights * routed_scaling_factor, scores
+
+
+@torch.no_grad()
+def update_correction_bias(bias: torch.Tensor, expert_loads: torch.Tensor, rate: float) -> None:
+    """Aux-loss-free balancing (DeepSeek-V3, "bias update speed" gamma), in place:
+
+        bias += rate * sign(mean(load) - load)
+
+    so overloaded experts become less likely to be chosen and underloaded ones more likely.
+
+    Call contract (for the training loop):
+      - once per optimizer step, after the step, for every MoE layer that has a bias
+        (`model.correction_biases()` -> {layer_id: bias});
+      - `expert_loads` [E] is the number of (token, slot) assignments per expert over the *whole
+        global batch*: summed over the step's micro-batches and all-reduced over every rank that
+        holds a replica of this router (data- and expert-parallel ranks), so that each replica
+        applies the identical update and the biases stay equal everywhere;
+      - the bias is a buffer, not a parameter: the optimizer, weight decay and gradient clipping
+        never see it. It is saved with the model state (and exported to HF as
+        `mlp.gate.e_score_correction_bias`).
+    """
+    load = expert_loads.to(device=bias.device, dtype=torch.float32)
+    bias.add_(torch.sign(load.mean() - load).to(bias.dtype), alpha=rate)

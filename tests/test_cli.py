@@ -1,0 +1,85 @@
+"""The command line end to end: tokenize -> train -> convert (both ways) -> eval, checked against transformers."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from pithtrain.cli import main
+
+
+def run_cli(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    out = capsys.readouterr().out
+    assert exit_info.value.code == 0, out
+    return out
+
+
+def test_tokenize_train_convert_eval(tmp_path, capsys):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    rng = np.random.default_rng(3)
+    words = ["alpha", "beta", "gamma", "delta", "mixture", "expert", "router", "token", "layer", "train"]
+    for i in range(30):
+        (corpus / f"doc{i}.txt").write_text(" ".join(rng.choice(words, size=200)) + "\n")
+    (tmp_path / "more.jsonl").write_text("".join(json.dumps({"text": " ".join(rng.choice(words, 50))}) + "\n" for _ in range(20)))
+    data = tmp_path / "data"
+    run_cli(["tokenize", str(corpus), str(tmp_path / "more.jsonl"), "--train-tokenizer", "--vocab-size", "300",
+             "--out", str(data)], capsys)
+    meta = json.loads((data / "meta.json").read_text())
+    assert meta["num_docs"] == 50 and meta["dtype"] == "uint16"
+
+    run = tmp_path / "run"
+    out = run_cli(["train", "examples/qwen3_tiny.py", "--out", str(run), "--steps", "3", "--set", f"data.path={data}",
+                   "--set", f"model.vocab_size={meta['vocab_size']}", "--set", "data.seq_len=32",
+                   "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=2",
+                   "--set", "train.tensorboard=false", "--set", "train.log_every=1"], capsys)
+    assert "step 3/3 | loss" in out and "tok/s" in out
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+
+    hf_dir = tmp_path / "hf"
+    run_cli(["convert", str(run), str(hf_dir)], capsys)
+    tokens = rng.integers(0, meta["vocab_size"], size=(3, 20))
+    np.save(tmp_path / "tokens.npy", tokens)
+    results = {}
+    for name, path in (("run", run), ("hf", hf_dir)):
+        results[name] = json.loads(run_cli(["eval", str(path), "--tokens", str(tmp_path / "tokens.npy"), "--json"], capsys))
+    assert results["run"]["tokens"] == 3 * 19
+    assert results["run"]["loss"] == pytest.approx(results["hf"]["loss"], rel=1e-6)
+
+    # HF -> PithTrain checkpoint -> eval again, and transformers' own loss on the export
+    run_cli(["convert", str(hf_dir), str(tmp_path / "ckpt")], capsys)
+    back = json.loads(run_cli(["eval", str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "tokens.npy"), "--json"], capsys))
+    assert back["loss"] == pytest.approx(results["hf"]["loss"], rel=1e-6)
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+    ids = torch.from_numpy(tokens)
+    with torch.no_grad():
+        logits = model(ids[:, :-1]).logits
+    ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).item()
+    assert results["hf"]["loss"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_bad_inputs_give_clear_errors(tmp_path, capsys):
+    np.save(tmp_path / "bad.npy", np.arange(5))
+    np.save(tmp_path / "good.npy", np.arange(10).reshape(2, 5))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", str(tmp_path / "nowhere"), "--tokens", str(tmp_path / "good.npy")])
+    assert exit_info.value.code == 2 and "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", str(tmp_path / "nowhere"), "--tokens", str(tmp_path / "bad.npy")])
+    assert exit_info.value.code == 2 and "shape [batch, seq]" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tokenize", "--out", str(tmp_path / "d")])
+    assert exit_info.value.code == 2 and "--stdlib" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point():
+    out = subprocess.run([sys.executable, "-m", "pithtrain", "--help"], capture_output=True, text=True, check=True).stdout
+    for command in ("train", "tokenize", "convert", "eval"):
+        assert command in out

@@ -1,0 +1,70 @@
+"""Config validation and `--set` overrides: each bad input names the field and the fix."""
+
+import pytest
+
+from conftest import tiny_config
+from pithtrain.cli import main
+from pithtrain.config import ConfigError, apply_override, load_run_config, validate
+
+
+def test_overrides_are_type_checked(tmp_path):
+    cfg = tiny_config(tmp_path)
+    apply_override(cfg, "train.steps=17")
+    apply_override(cfg, "optim.lr=0.01")
+    apply_override(cfg, "data.pack_documents=true")
+    apply_override(cfg, "model.mlp_only_layers=[0,1]")
+    apply_override(cfg, "model.head_dim=none")
+    assert (cfg.train.steps, cfg.optim.lr, cfg.data.pack_documents) == (17, 0.01, True)
+    assert cfg.model.mlp_only_layers == [0, 1] and cfg.model.head_dim is None
+    with pytest.raises(ConfigError, match="expected int"):
+        apply_override(cfg, "train.steps=ten")
+    with pytest.raises(ConfigError, match="expected a bool"):
+        apply_override(cfg, "data.pack_documents=maybe")
+    with pytest.raises(ConfigError, match="unknown field 'stpes'.*steps"):
+        apply_override(cfg, "train.stpes=3")
+    with pytest.raises(ConfigError, match="unknown field 'trian'"):
+        apply_override(cfg, "trian.steps=3")
+    with pytest.raises(ConfigError, match="section.field=value"):
+        apply_override(cfg, "train.steps")
+
+
+@pytest.mark.parametrize(
+    "override, world, message",
+    [
+        ("model.num_key_value_heads=3", 1, "num_attention_heads=4 is not divisible by model.num_key_value_heads=3"),
+        ("train.global_batch_size=6", 1, "global_batch_size=6 is not divisible by train.micro_batch_size"),
+        ("train.global_batch_size=12", 2, r"data-parallel ranks \(2"),
+        ("data.seq_len=512", 1, "longer than the model supports.*max_position_embeddings=128"),
+        ("train.lb_type=tokens", 1, "train.lb_type='tokens'"),
+        ("optim.schedule=linear", 1, "optim.schedule='linear'"),
+        ("parallel.ep=3", 3, "parallel.ep=3 does not divide the 4 experts"),
+        ("parallel.pp=2", 3, "does not divide the 3 processes"),
+        ("model.num_experts_per_tok=5", 1, "num_experts_per_tok=5"),
+        ("train.init_from=/nonexistent/ckpt", 1, "train.init_from"),
+    ],
+)
+def test_invalid_configs_are_refused(tmp_path, override, world, message):
+    cfg = tiny_config(tmp_path)
+    validate(cfg, 1)
+    apply_override(cfg, override)
+    with pytest.raises(ConfigError, match=message):
+        validate(cfg, world)
+
+
+def test_run_file_and_cli_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.py"
+    bad.write_text("X = 1\n")
+    with pytest.raises(ConfigError, match="must define CONFIG"):
+        load_run_config(bad)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "examples/qwen3_tiny.py", "--set", "train.micro_batch_size=3"])
+    assert exit_info.value.code == 2
+    assert "train.global_batch_size=16 is not divisible by train.micro_batch_size (3)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", str(tmp_path / "missing.py")])
+    assert exit_info.value.code == 2
+
+
+def test_example_configs_validate():
+    for path in ("examples/qwen3_tiny.py", "examples/qwen3_30b_a3b.py"):
+        validate(load_run_config(path), 1)

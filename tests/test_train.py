@@ -1,0 +1,133 @@
+"""The single-process training loop: loss, accumulation invariance, bit-exact resume, atomic checkpoints,
+non-finite stop, schedules and load-balance losses."""
+
+import math
+import shutil
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from conftest import tiny_config
+from pithtrain.config import OptimConfig
+from pithtrain.models.protocol import RoutingInfo
+from pithtrain.train import checkpoint as ckpt
+from pithtrain.train import loop
+from pithtrain.train.balance import LoadBalance
+from pithtrain.train.metrics import read_metrics
+from pithtrain.train.optim import lr_at
+
+
+def test_loss_falls_and_metrics_are_logged(tmp_path, dataset_dir):
+    history = loop.train(tiny_config(dataset_dir, steps=25), tmp_path, echo=False)
+    assert history[-1]["loss"] < history[0]["loss"] - 0.5
+    logged = read_metrics(tmp_path / "metrics.jsonl")
+    assert logged == history  # full-precision floats survive the JSON round trip
+    for key in ("step", "loss", "lb_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_bytes"):
+        assert key in logged[0]
+    assert [m["step"] for m in logged] == list(range(1, 26))
+    assert 0.9 < logged[0]["lb_loss"] < 4  # E * sum f P is 1 when balanced, at most E
+
+
+def test_accumulation_does_not_change_the_step(tmp_path, dataset_dir):
+    # seq-wise balance loss is independent of how the batch is cut; micro-batch size must not matter
+    runs = []
+    for micro in (8, 2):
+        cfg = tiny_config(dataset_dir, steps=3, micro_batch_size=micro, lb_type="seq")
+        cfg.data.pack_documents = True
+        runs.append(loop.train(cfg, tmp_path / f"m{micro}", echo=False))
+    for a, b in zip(*runs):
+        for key in ("loss", "lb_loss", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key
+
+
+def test_resume_after_crash_is_bit_exact(tmp_path, dataset_dir):
+    full = loop.train(tiny_config(dataset_dir, steps=6, checkpoint_every=2), tmp_path / "a", echo=False)
+    run = tmp_path / "b"
+    loop.train(tiny_config(dataset_dir, steps=6, checkpoint_every=2), run, echo=False, stop_after=4)
+    # simulate a crash after step 4 that lost the step-4 checkpoint, and a half-written save
+    shutil.rmtree(ckpt.list_checkpoints(run)[-1])
+    (run / "checkpoints" / "step_00000006.tmp").mkdir()
+    assert ckpt.read_meta(ckpt.list_checkpoints(run)[-1])["step"] == 2
+    loop.train(tiny_config(dataset_dir, steps=6, checkpoint_every=2), run, echo=False)
+    resumed = read_metrics(run / "metrics.jsonl")
+    assert [m["step"] for m in resumed] == list(range(1, 7))
+    for a, b in zip(full, resumed):
+        assert (a["loss"], a["lb_loss"], a["grad_norm"]) == (b["loss"], b["lb_loss"], b["grad_norm"])
+    model_a = tiny_config(dataset_dir).model.build_model()
+    model_b = tiny_config(dataset_dir).model.build_model()
+    ckpt.read_model_state(ckpt.resolve_checkpoint(tmp_path / "a"), model_a)
+    ckpt.read_model_state(ckpt.resolve_checkpoint(run), model_b)
+    for (n, x), (_, y) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
+        assert torch.equal(x, y), n
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, dataset_dir, monkeypatch):
+    loop.train(tiny_config(dataset_dir, steps=4, checkpoint_every=2), tmp_path, echo=False, stop_after=2)
+    good = ckpt.list_checkpoints(tmp_path)
+    assert len(good) == 1
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(dcp, "save", crash)
+    with pytest.raises(OSError):
+        loop.train(tiny_config(dataset_dir, steps=4, checkpoint_every=2), tmp_path, echo=False)
+    assert ckpt.list_checkpoints(tmp_path) == good
+    monkeypatch.undo()
+    history = loop.train(tiny_config(dataset_dir, steps=4, checkpoint_every=2), tmp_path, echo=False)
+    assert [m["step"] for m in history] == [3, 4]
+
+
+def test_non_finite_loss_stops_with_a_clear_error(tmp_path, dataset_dir, monkeypatch):
+    monkeypatch.setattr(loop, "cross_entropy_sum", lambda logits, labels: logits.sum() * float("nan"))
+    with pytest.raises(FloatingPointError, match="non-finite loss"):
+        loop.train(tiny_config(dataset_dir, steps=2), tmp_path, echo=False)
+    assert ckpt.list_checkpoints(tmp_path) == []
+
+
+def test_lr_schedules():
+    cos = OptimConfig(lr=1.0, min_lr_ratio=0.1, schedule="cosine", warmup_steps=4)
+    assert [lr_at(s, cos, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(19, cos, 20) == pytest.approx(0.1)
+    mid = 4 + (20 - 4 - 1) / 2
+    assert lr_at(int(mid), cos, 20) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * int(mid - 4) / 15)))
+    wsd = OptimConfig(lr=1.0, min_lr_ratio=0.0, schedule="wsd", warmup_steps=2, decay_fraction=0.25)
+    values = [lr_at(s, wsd, 20) for s in range(20)]
+    assert values[2:15] == [1.0] * 13 and values[-1] == 0.0
+    assert all(a > b for a, b in zip(values[15:], values[16:]))
+    assert lr_at(10, OptimConfig(lr=0.5, schedule="constant"), 20) == 0.5
+
+
+def test_load_balance_losses_match_formulas():
+    torch.manual_seed(0)
+    b, s, e, k = 3, 10, 6, 2
+    logits = torch.randn(b * s, e, dtype=torch.float64, requires_grad=True)
+    probs = logits.softmax(-1)
+    ids = probs.topk(k, -1).indices
+    routing = RoutingInfo(ids, probs.gather(1, ids), probs, e)
+    # micro: E * sum_e f_e P_e over all tokens
+    counts = torch.stack([(ids == i).sum() for i in range(e)]).double()
+    expect_micro = e * ((counts / (b * s * k)) * probs.mean(0)).sum()
+    got = LoadBalance("micro").layer_loss(routing, b, s)
+    assert got.item() == pytest.approx(expect_micro.item(), rel=1e-6)
+    g1 = torch.autograd.grad(got, logits, retain_graph=True)[0]
+    g2 = torch.autograd.grad(expect_micro, logits, retain_graph=True)[0]
+    assert torch.allclose(g1, g2.float() if g1.dtype == torch.float32 else g2, rtol=1e-5, atol=1e-7)
+    # seq: the same per sequence, averaged over sequences
+    per_seq = []
+    for r in range(b):
+        rows = slice(r * s, (r + 1) * s)
+        c = torch.stack([(ids[rows] == i).sum() for i in range(e)]).double()
+        per_seq.append(e * ((c / (s * k)) * probs[rows].mean(0)).sum())
+    expect_seq = torch.stack(per_seq).mean()
+    got_seq = LoadBalance("seq").layer_loss(routing, b, s)
+    assert got_seq.item() == pytest.approx(expect_seq.item(), rel=1e-6)
+    assert got_seq.item() != pytest.approx(got.item(), rel=1e-6)
+    # global on one process equals micro
+    assert LoadBalance("global").layer_loss(routing, b, s).item() == pytest.approx(got.item(), rel=1e-12)
+
+
+def test_lb_coef_zero_disables_the_loss(tmp_path, dataset_dir):
+    history = loop.train(tiny_config(dataset_dir, steps=1, lb_coef=0.0), tmp_path, echo=False)
+    assert history[0]["lb_loss"] == 0.0
