@@ -213,7 +213,7 @@ def test_load_mxfp4_checkpoint(tmp_path):
     hidden, inter, experts = 64, 32, 3
     cfg = GptOssConfig(vocab_size=50, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=experts,
-                       num_experts_per_tok=2, sliding_window=4, max_position_embeddings=256)
+                       num_experts_per_tok=2, sliding_window=4)
     source = cfg.build_model()
     source.init_weights(1)
     state = source.hf_state_dict()
@@ -257,15 +257,44 @@ def test_eval_cli_on_hf_dir(hf_dir, tmp_path):
 
 
 def test_config_from_hub_style_json():
-    """transformers-4 names as in the published gpt-oss-20b config.json."""
+    """The published gpt-oss-20b config.json (transformers-4 names: rope_scaling, top-level rope_theta,
+    experts_per_token) gives exactly the model of examples/gpt_oss_20b.py, so train.init_from accepts it."""
+    from pithtrain.config import load_run_config
     from pithtrain.models import config_from_hf
 
-    hub = {"model_type": "gpt_oss", "num_hidden_layers": 24, "num_local_experts": 32, "experts_per_token": 4,
-           "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "eos_token_id": 200002,
-           "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
-                            "original_max_position_embeddings": 4096, "rope_type": "yarn", "truncate": False}}
+    hub = {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+        "eos_token_id": 200002, "experts_per_token": 4, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880,
+        "initial_context_length": 4096, "initializer_range": 0.02, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+        "num_key_value_heads": 8, "num_local_experts": 32, "output_router_logits": False, "pad_token_id": 199999,
+        "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                           "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05, "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "swiglu_limit": 7.0, "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+    }
     cfg = config_from_hf(hub)
     cfg.validate()
-    assert cfg.num_experts_per_tok == 4 and cfg.rope_parameters["rope_theta"] == 150000
-    assert [cfg.layer_type(i) for i in range(3)] == ["sliding_attention", "full_attention", "sliding_attention"]
-    assert GptOssConfig.from_hf(cfg.to_hf()) == cfg or GptOssConfig.from_hf(cfg.to_hf()).to_hf() == cfg.to_hf()
+    assert cfg == load_run_config("examples/gpt_oss_20b.py").model
+    assert GptOssConfig.from_hf(cfg.to_hf()) == cfg
+    del hub["num_experts_per_tok"], hub["layer_types"]
+    alias = config_from_hf(hub)
+    assert alias.num_experts_per_tok == 4 and alias.layer_types is None and alias == cfg
+    # HF's YaRN truncates when the key is absent; the config writes that default out
+    assert GptOssConfig(rope_parameters={"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8}
+                        ).rope_parameters == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8,
+                                              "rope_theta": 150000.0, "truncate": True}
+
+
+def test_config_errors_name_the_field():
+    from pithtrain.config import ConfigError
+
+    for bad, field_name in ((dict(layer_types=["full_attention"]), "layer_types"),
+                            (dict(num_experts_per_tok=200), "num_experts_per_tok"),
+                            (dict(sliding_window=None), "sliding_window"),
+                            (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1.0}), "rope_type")):
+        with pytest.raises(ConfigError, match=field_name):
+            GptOssConfig(**bad).validate()

@@ -295,7 +295,13 @@ class Attention(nn.Module):
 
     def forward(self, x, attn: AttnInputs):
         q, k, v = self.qkv(x, attn.cos, attn.sin)
-        return self.o_proj(attention(q, k, v, attn.mask, self.scale))
+        pad = q.shape[-1] - v.shape[-1]
+        if pad <= 0:
+            return self.o_proj(attention(q, k, v, attn.mask, self.scale))
+        # Fused SDPA kernels (flash on GPU, the CPU one too) need one head dim for q, k and v; the
+        # unfused fallback is ~10x slower. Zero columns of v leave the real ones unchanged.
+        out = attention(q, k, F.pad(v, (0, pad)), attn.mask, self.scale)
+        return self.o_proj(out.unflatten(-1, (self.heads, -1))[..., : self.v_dim].flatten(2))
 
 
 class DenseMLP(nn.Module):

@@ -77,6 +77,21 @@ class GptOssConfig:
 
     model_type: ClassVar[str] = "gpt_oss"
 
+    def __post_init__(self):
+        # One spelling of the RoPE dict: HF 5 keys, with HF's implicit defaults written out.
+        rope = dict(self.rope_parameters or _default_rope())  # None: HF's GPT-OSS default
+        if "type" in rope:
+            rope.setdefault("rope_type", rope.pop("type"))
+        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_theta", 150000.0)
+        if rope["rope_type"] == "yarn":
+            rope.setdefault("truncate", True)  # what HF's YaRN assumes when the key is absent
+        self.rope_parameters = rope
+
+    def __eq__(self, other):
+        # Same model, same answer: layer_types=None equals the explicit list HF writes.
+        return isinstance(other, GptOssConfig) and self.to_hf() == other.to_hf()
+
     def layer_type(self, layer_id: int) -> str:
         if self.layer_types is not None:
             return self.layer_types[layer_id]
@@ -142,10 +157,8 @@ class GptOssConfig:
         # Hub files use transformers-4 names (`rope_scaling` + top-level `rope_theta`); HF 5 writes
         # `rope_parameters` with rope_theta inside. Absent both, HF uses GPT-OSS's YaRN default.
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or _default_rope())
-        if "type" in rope:
-            rope.setdefault("rope_type", rope.pop("type"))
-        rope.setdefault("rope_type", "default")
-        rope.setdefault("rope_theta", hf.get("rope_theta", 150000.0))
+        if hf.get("rope_theta") is not None:
+            rope.setdefault("rope_theta", hf["rope_theta"])
         values["rope_parameters"] = rope
         if isinstance(values.get("eos_token_id"), list):
             values["eos_token_id"] = values["eos_token_id"][0]

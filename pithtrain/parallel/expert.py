@@ -8,6 +8,7 @@ handle) triple the all-to-all dispatcher does, so the model code does not know w
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from pithtrain.models.protocol import RoutingInfo
 
@@ -51,3 +52,85 @@ class ExpertEngine:
 
     def lb_loss(self) -> torch.Tensor | None:
         return torch.stack(self.lb_terms).mean() if self.lb_terms else None
+
+
+class _AllToAll(torch.autograd.Function):
+    """all_to_all_single with autograd: the backward sends gradients along the reverse splits."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+def all_to_all(x, out_splits, in_splits, group):
+    return _AllToAll.apply(x, out_splits, in_splits, group)
+
+
+class AllToAllDispatch:
+    """Expert parallelism over `group` (size ep): rank r holds experts [r*E/ep, (r+1)*E/ep).
+
+    Dispatch sends each token ONCE to every rank that holds at least one of its chosen experts
+    (deduplication), with the local expert ids of its slots there; the receiver expands the rows
+    to one per (token, expert) and groups them by local expert. Combine returns one row per
+    (token, chosen expert) to the token's home rank, where stage 5 does the weighted sum, so the
+    arithmetic is the same as on one rank.
+
+    Host synchronisations: one per MoE layer in forward, the `.tolist()` of the exchanged split
+    sizes (all_to_all_single needs them on the host); the backward reuses them. The grouped GEMM
+    takes its group offsets on the device (no sync); its CPU fallback loop syncs once more.
+    """
+
+    def __init__(self, group, num_experts: int):
+        self.group = group
+        self.ep = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.local_experts = num_experts // self.ep
+
+    def dispatch(self, x: torch.Tensor, routing: RoutingInfo):
+        ids = routing.topk_ids
+        num_tokens, topk = ids.shape
+        dest = ids // self.local_experts  # [T, k] rank of each chosen expert
+        on_rank = torch.zeros(num_tokens, self.ep, dtype=torch.bool, device=ids.device)
+        on_rank.scatter_(1, dest, True)  # [T, ep] token goes to rank r at most once
+        send_rank, send_token = on_rank.T.nonzero(as_tuple=True)  # rows ordered by destination rank
+        # local expert id per slot for the receiving rank, -1 where that slot lives elsewhere
+        slot_meta = torch.where(dest[send_token] == send_rank[:, None], ids[send_token] % self.local_experts, -1)
+        rows_per_rank = on_rank.sum(0)
+        pairs_per_rank = torch.bincount(dest.flatten(), minlength=self.ep)
+        send_counts = torch.stack([rows_per_rank, pairs_per_rank], 1)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        counts = torch.cat([send_counts, recv_counts], 1).tolist()  # the one host sync of the layer
+        send_rows, send_pairs = [c[0] for c in counts], [c[1] for c in counts]
+        recv_rows, recv_pairs = [c[2] for c in counts], [c[3] for c in counts]
+
+        rows = all_to_all(x.index_select(0, send_token), recv_rows, send_rows, self.group)
+        meta = torch.empty((sum(recv_rows), topk), dtype=slot_meta.dtype, device=slot_meta.device)
+        dist.all_to_all_single(meta, slot_meta.contiguous(), recv_rows, send_rows, group=self.group)
+        # expand to one row per (received token, local expert), grouped by local expert
+        row_idx, slot_idx = (meta >= 0).nonzero(as_tuple=True)  # (row, slot) order == source-rank order
+        experts = meta[row_idx, slot_idx]
+        order = torch.argsort(experts, stable=True)
+        tokens = rows.index_select(0, row_idx[order])
+        local_counts = torch.bincount(experts, minlength=self.local_experts)
+        # home side: where each returning (token, slot) pair lands in the [T*k] layout
+        home_slot = (dest[send_token] == send_rank[:, None]).nonzero(as_tuple=True)
+        home_index = send_token[home_slot[0]] * topk + home_slot[1]
+        return tokens, local_counts, (order, recv_pairs, send_pairs, home_index, num_tokens, topk)
+
+    def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
+        order, recv_pairs, send_pairs, home_index, num_tokens, topk = handle
+        by_source = expert_out.new_zeros(expert_out.shape).index_copy(0, order, expert_out)  # undo expert grouping
+        back = all_to_all(by_source, send_pairs, recv_pairs, self.group)
+        out = back.new_zeros((num_tokens * topk, back.shape[1])).index_copy(0, home_index, back)
+        return out.view(num_tokens, topk, -1)

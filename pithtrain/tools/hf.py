@@ -98,7 +98,7 @@ def convert(src: str | Path, dst: str | Path) -> Path:
     src, dst = Path(src), Path(dst)
     if is_hf_dir(src):
         model = load_model(src)
-        return ckpt.write_checkpoint(dst, {"model": model.state_dict()}, {"step": 0, "source": str(src)}, model.cfg.to_hf())
+        return ckpt.write_checkpoint(dst, {"model": ckpt.canonical_model_state(model)}, {"step": 0, "source": str(src)}, model.cfg.to_hf())
     model = load_model(src)
     return write_hf_dir(model, dst)
 

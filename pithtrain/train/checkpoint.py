@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -105,26 +106,99 @@ def resolve_checkpoint(path: str | Path) -> Path:
     return found[-1]
 
 
-def model_state(model: torch.nn.Module) -> dict:
-    return {k: v for k, v in model.state_dict().items()}
+def canonical_model_state(model: torch.nn.Module) -> dict:
+    """A whole model's weights in the checkpoint layout (for writing a weights-only checkpoint)."""
+    return _split_experts(model.state_dict(), None)
 
 
 def read_model_state(ckpt: str | Path, model: torch.nn.Module) -> dict:
-    state = {"model": model_state(model)}
+    """Load only the model weights of a checkpoint into a whole (unsharded) model."""
+    live = model.state_dict()
+    state = {"model": _split_experts(live, None)}
     meta = load_checkpoint(ckpt, state)
-    model.load_state_dict(state["model"])
+    model.load_state_dict(_join_experts(state["model"], live, None))
     return meta
 
 
-def training_state(model: torch.nn.Module, optimizer) -> dict:
-    """Model and optimizer state keyed by parameter names (the optimizer's moments are created
-    first if no step has run yet, so that loading fills them)."""
+def _expert_offset(mesh, local_experts: int) -> int:
+    return (mesh.ep_rank if mesh is not None else 0) * local_experts
+
+
+def _split_experts(sd: dict, mesh) -> dict:
+    """Canonical layout: each expert parameter (dim 0 = local expert) becomes one entry per
+    GLOBAL expert id, `<name>.<e>`; dense entries stay (DTensors under FSDP reshard by DCP)."""
+    out = {}
+    for name, value in sd.items():
+        if ".experts." not in name:
+            out[name] = value
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        base = _expert_offset(mesh, full.shape[0])
+        for i in range(full.shape[0]):
+            out[f"{name}.{base + i}"] = full[i]
+    return out
+
+
+def _join_experts(canonical: dict, template: dict, mesh) -> dict:
+    """Inverse of _split_experts against `template` (the live state dict's tensors and placements)."""
+    out = {}
+    for name, value in template.items():
+        if ".experts." not in name:
+            out[name] = canonical[name]
+            continue
+        local = value.shape[0] if not isinstance(value, DTensor) else value.full_tensor().shape[0]
+        base = _expert_offset(mesh, local)
+        full = torch.stack([canonical[f"{name}.{base + i}"] for i in range(local)])
+        if isinstance(value, DTensor):  # back to this rank's FSDP shard, by local slicing
+            full = distribute_tensor(full.to(value.device), value.device_mesh, value.placements, src_data_rank=None)
+        out[name] = full
+    return out
+
+
+def training_state(model: torch.nn.Module, optimizer, mesh=None) -> dict:
+    """Model and optimizer state in the canonical, parallelism-independent layout: parameter
+    names with global layer ids, one entry per global expert. (Optimizer moments are created
+    first if no step has run yet, so that loading fills them.)"""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd}
+    optim_state = {}
+    for name, entry in optim_sd["state"].items():
+        if ".experts." not in name:
+            optim_state[name] = entry
+            continue
+        moments = {k: v for k, v in entry.items() if k != "step"}
+        for expert_name, _ in _split_experts({name: next(iter(moments.values()))}, mesh).items():
+            optim_state[expert_name] = {"step": entry["step"].clone()}
+        for key, value in moments.items():
+            for expert_name, row in _split_experts({name: value}, mesh).items():
+                optim_state[expert_name][key] = row
+    return {"model": _split_experts(model_sd, mesh), "optim": {"state": optim_state}}
 
 
-def load_training_state(ckpt: str | Path, model: torch.nn.Module, optimizer) -> dict:
-    state = training_state(model, optimizer)
+def load_training_state(ckpt: str | Path, model: torch.nn.Module, optimizer, mesh=None) -> dict:
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = training_state(model, optimizer, mesh)
     meta = load_checkpoint(ckpt, state)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    native_state = {}
+    for name, entry in optim_sd["state"].items():
+        if ".experts." not in name:
+            native_state[name] = state["optim"]["state"][name]
+            continue
+        base = _expert_offset(mesh, entry["exp_avg"].shape[0] if not isinstance(entry["exp_avg"], DTensor)
+                              else entry["exp_avg"].full_tensor().shape[0])
+        native = {"step": state["optim"]["state"][f"{name}.{base}"]["step"]}
+        for key, value in entry.items():
+            if key != "step":
+                flat = {f"{name}.{e}": v[key] for e, v in _expert_entries(state["optim"]["state"], name).items()}
+                native[key] = _join_experts(flat, {name: value}, mesh)[name]
+        native_state[name] = native
+    set_state_dict(
+        model, optimizer,
+        model_state_dict=_join_experts(state["model"], model_sd, mesh),
+        optim_state_dict={"state": native_state, "param_groups": optim_sd["param_groups"]},
+    )
     return meta
+
+
+def _expert_entries(optim_state: dict, name: str) -> dict:
+    prefix = name + "."
+    return {int(k[len(prefix):]): v for k, v in optim_state.items() if k.startswith(prefix) and k[len(prefix):].isdigit()}

@@ -20,7 +20,9 @@ import torch
 
 from pithtrain.config import RunConfig, validate
 from pithtrain.ops.core import cross_entropy_sum
-from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
+from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispatch
+from pithtrain.parallel.fsdp import clip_grads, global_grad_norm, keep_local_experts, shard_model
+from pithtrain.parallel.mesh import Mesh
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, TokenDataset
@@ -52,24 +54,39 @@ def forward_loss(model, micro: dict, engine: ExpertEngine, device, dtype):
     return cross_entropy_sum(logits, micro["labels"].to(device)), engine.lb_loss()
 
 
-def split_micro(batch: dict, size: int) -> list[dict]:
+def rank_micro_batches(batch: dict, size: int, data_rank: int, data_ranks: int) -> list[dict]:
+    """This data rank's micro-batches: micro-batch j of the global batch goes to rank j % data_ranks,
+    so the union over ranks of micro-step i is one contiguous block of samples (the `global`
+    load-balance scope on R ranks equals the `micro` scope of one process with R-times larger
+    micro-batches)."""
     n = batch["input_ids"].shape[0]
-    return [{k: v[i : i + size] for k, v in batch.items()} for i in range(0, n, size)]
+    starts = range(data_rank * size, n, size * data_ranks)
+    return [{k: v[i : i + size] for k, v in batch.items()} for i in starts]
 
 
 def train(
-    config: RunConfig, out_dir: str | Path, steps: int | None = None, echo: bool = True, stop_after: int | None = None
+    config: RunConfig,
+    out_dir: str | Path,
+    steps: int | None = None,
+    echo: bool = True,
+    stop_after: int | None = None,
+    mesh: Mesh | None = None,
 ) -> list[dict]:
     """Train (resuming from the latest checkpoint in out_dir); returns this run's per-step metrics.
-    `stop_after` ends the run early (with a checkpoint) without changing the schedule of `train.steps`."""
+    `stop_after` ends the run early (with a checkpoint) without changing the schedule of `train.steps`.
+    `mesh` is None for one process; launched runs pass the mesh built by `init_mesh`."""
     if steps is not None:
         config.train.steps = steps
-    validate(config, world_size=1)
-    t, o = config.train, config.optim
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    device, dtype = pick_device(t.device), None
+    t, o, p = config.train, config.optim, config.parallel
+    device = pick_device(t.device)
+    mesh = mesh or Mesh.single(device)
+    validate(config, world_size=mesh.world)
+    device = mesh.device
     dtype = compute_dtype(t.dtype, device)
+    echo = echo and mesh.is_main
+    out_dir = Path(out_dir)
+    if mesh.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
 
     dataset = TokenDataset(config.data.path)
     dataset.check_vocab(config.model.vocab_size)
@@ -80,38 +97,46 @@ def train(
     found = ckpt.list_checkpoints(out_dir)
     if t.init_from and not found:
         _init_from(model, t.init_from)
-    model.to(device)  # fp32 master weights; bf16 compute comes from autocast
+    n_params = sum(p.numel() for p in model.parameters())
+    keep_local_experts(model, mesh.ep_rank, mesh.ep)
+    model.to(device)  # fp32 master weights; bf16 compute from autocast (one process) or FSDP's policy
+    if mesh.world > 1:
+        shard_model(model, mesh, bf16_params=dtype == torch.bfloat16)
     optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
-    balance = LoadBalance(t.lb_type) if t.lb_coef > 0 else None
+    count_group = mesh.data_group if t.lb_type == "global" else None
+    balance = LoadBalance(t.lb_type, count_group) if t.lb_coef > 0 else None
+    num_experts = config.model.num_routed_experts()
+    dispatcher = AllToAllDispatch(mesh.ep_group, num_experts) if mesh.ep > 1 else LocalDispatch()
 
     start = 0
     if found:
-        meta = ckpt.load_training_state(found[-1], model, optimizer)
+        meta = ckpt.load_training_state(found[-1], model, optimizer, mesh)
         start = meta["step"]
         if echo:
             print(f"resumed from {found[-1]} (step {start})", flush=True)
     metrics_path = out_dir / "metrics.jsonl"
-    if metrics_path.exists():  # drop steps after the checkpoint we resume from
-        kept = [m for m in read_metrics(metrics_path) if m["step"] <= start]
-        metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept))
-    (out_dir / "config.json").write_text(json.dumps(config.model.to_hf(), indent=2))
-    log = MetricsLog(out_dir, t.tensorboard)
+    if mesh.is_main:
+        if metrics_path.exists():  # drop steps after the checkpoint we resume from
+            kept = [m for m in read_metrics(metrics_path) if m["step"] <= start]
+            metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+        (out_dir / "config.json").write_text(json.dumps(config.model.to_hf(), indent=2))
+    log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main)
     if echo and start == 0:
-        n_params = sum(p.numel() for p in model.parameters())
         print(
-            f"model {config.model.model_type}: {n_params / 1e6:.2f}M parameters | device {device} | compute {dtype} | "
-            f"{loader.num_samples} samples of {config.data.seq_len} tokens | {t.steps} steps of "
-            f"{t.global_batch_size} samples",
+            f"model {config.model.model_type}: {n_params / 1e6:.2f}M parameters | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
+            f"device {device} | compute {dtype} | {loader.num_samples} samples of {config.data.seq_len} tokens | "
+            f"{t.steps} steps of {t.global_batch_size} samples",
             flush=True,
         )
 
     def save(step):
-        state = ckpt.training_state(model, optimizer)
+        state = ckpt.training_state(model, optimizer, mesh)
         meta = {"samples_consumed": step * t.global_batch_size, "config": _plain(config)}
         ckpt.save_checkpoint(out_dir, step, state, meta, config.model.to_hf(), t.keep_checkpoints)
 
     history = []
     model.train()
+    params = list(model.parameters())
     end = t.steps if stop_after is None else min(t.steps, stop_after)
     for step in range(start, end):
         t0 = time.perf_counter()
@@ -121,28 +146,30 @@ def train(
         for group in optimizer.param_groups:
             group["lr"] = lr
         batch = loader.global_batch(step)
-        n_label = int((batch["labels"] != -100).sum())
-        micros = split_micro(batch, t.micro_batch_size)
-        loss_sum = torch.zeros((), dtype=torch.float64)
-        lb_sum = torch.zeros((), dtype=torch.float64)
+        n_label = int((batch["labels"] != -100).sum())  # over the whole global batch
+        micros = rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)
+        n_micro_global = len(micros) * mesh.data_ranks
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # [cross-entropy sum, lb sum] of this rank
         for micro in micros:
             b, s = micro["input_ids"].shape
-            engine = ExpertEngine(LocalDispatch(), balance, b, s)
+            engine = ExpertEngine(dispatcher, balance, b, s)
             ce, lb = forward_loss(model, micro, engine, device, dtype)
             total = ce / max(n_label, 1)
             if lb is not None:
-                total = total + t.lb_coef * lb / len(micros)
-                lb_sum += lb.detach().double().cpu()
+                total = total + t.lb_coef * lb / n_micro_global
+                sums[1] += lb.detach().double()
             total.backward()
-            loss_sum += ce.detach().double().cpu()
-        loss = loss_sum.item() / max(n_label, 1)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip if o.grad_clip > 0 else math.inf)
-        grad_norm = float(grad_norm)
+            sums[0] += ce.detach().double()
+        if mesh.data_group is not None:
+            torch.distributed.all_reduce(sums, group=mesh.data_group)
+        loss = sums[0].item() / max(n_label, 1)
+        grad_norm = global_grad_norm(params, mesh)
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             raise FloatingPointError(
                 f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {step + 1}; the last good checkpoint "
                 f"is kept. Lower optim.lr, raise optim.warmup_steps or check the data, then resume."
             )
+        clip_grads(params, o.grad_clip, grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
@@ -151,7 +178,7 @@ def train(
         m = {
             "step": step + 1,
             "loss": loss,
-            "lb_loss": lb_sum.item() / len(micros),
+            "lb_loss": sums[1].item() / n_micro_global,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": batch["input_ids"].numel() / dt,

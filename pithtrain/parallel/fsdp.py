@@ -1,0 +1,91 @@
+"""Expert sharding and FSDP2: dense weights sharded over dp x cp x ep, expert weights over dp x cp.
+
+Gradient semantics: every rank backpropagates its share of the GLOBAL mean loss (its token
+cross-entropy sum divided by the global token count), so the true gradient is the SUM over
+ranks. FSDP2 averages by default; we set the divide factor to 1 (with sum reduction forced,
+since gloo has no PREMUL_SUM). Expert gradients first gather every EP rank's tokens through the
+combine/dispatch all-to-all backward, then are summed over dp x cp: no ep-fold error.
+
+With `hsdp`, weights are replicated over dp and sharded within (cp x ep) for dense weights and
+within cp for experts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from pithtrain.parallel.mesh import Mesh
+
+
+def expert_modules(model: torch.nn.Module):
+    """Modules named `experts`: all their parameters are stacked with the expert index in dim 0."""
+    return [m for name, m in model.named_modules() if name.split(".")[-1] == "experts"]
+
+
+def is_expert_param(name: str) -> bool:
+    return ".experts." in name
+
+
+@torch.no_grad()
+def keep_local_experts(model: torch.nn.Module, ep_rank: int, ep: int) -> None:
+    """Slice every expert parameter to this EP rank's contiguous block of experts."""
+    if ep == 1:
+        return
+    for module in expert_modules(model):
+        for name, p in list(module.named_parameters(recurse=False)):
+            per_rank = p.shape[0] // ep
+            local = p[ep_rank * per_rank : (ep_rank + 1) * per_rank].clone()
+            setattr(module, name, torch.nn.Parameter(local, requires_grad=p.requires_grad))
+
+
+def shard_model(model: torch.nn.Module, mesh: Mesh, bf16_params: bool) -> None:
+    """fully_shard the expert modules, each decoder layer, then the root."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else MixedPrecisionPolicy()
+    dense, expert = _fsdp_meshes(mesh)
+    units = []
+    for module in expert_modules(model):
+        units.append(fully_shard(module, mesh=expert, mp_policy=policy))
+    for layer in model.layers.values():
+        units.append(fully_shard(layer, mesh=dense, mp_policy=policy))
+    units.append(fully_shard(model, mesh=dense, mp_policy=policy))
+    for unit in units:
+        unit.set_gradient_divide_factor(1.0)
+        unit.set_force_sum_reduction_for_comms(True)
+
+
+def _fsdp_meshes(mesh: Mesh):
+    if not mesh.hsdp:
+        return mesh.dense_mesh, mesh.expert_mesh
+    dm = mesh.device_mesh
+    dm["cp", "ep"]._flatten("cp_ep")
+    return dm["dp", "cp_ep"], dm["dp", "cp"]
+
+
+@torch.no_grad()
+def global_grad_norm(params, mesh: Mesh) -> float:
+    """sqrt of the sum of squares of every gradient element counted once across the mesh."""
+    local = torch.zeros((), dtype=torch.float64, device=mesh.device)
+    for p in params:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            local += g.double().pow(2).sum()
+    if mesh.world > 1:
+        dist.all_reduce(local)
+        # every element lives on exactly one rank of each pipeline stage... except replicas:
+        local /= mesh.dp if mesh.hsdp else 1
+    return math.sqrt(local.item())
+
+
+@torch.no_grad()
+def clip_grads(params, max_norm: float, total_norm: float) -> None:
+    if max_norm > 0 and total_norm > max_norm:
+        scale = max_norm / (total_norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
