@@ -10,19 +10,62 @@ import sys
 
 def _cmd_train(args) -> int:
     from pithtrain.config import apply_override, load_run_config, validate
-    from pithtrain.train.loop import train
 
     config = load_run_config(args.config)
     for assignment in args.set or []:
         apply_override(config, assignment)
     if args.steps is not None:
         config.train.steps = args.steps
-    validate(config, world_size=1)
+    for name in ("pp", "cp", "ep"):
+        if getattr(args, name) is not None:
+            setattr(config.parallel, name, getattr(args, name))
+    if args.hsdp:
+        config.parallel.hsdp = True
     out = args.out or f"runs/{config.model.model_type}"
-    history = train(config, out, stop_after=args.stop_after)
-    if history:
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # a worker under torchrun/srun/our launcher
+    world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
+    validate(config, world_size=world)  # refuse an impossible mesh before any process starts
+    if not launched and args.nproc > 1:
+        return _launch_local(args)
+    from pithtrain.train.loop import train
+
+    mesh = None
+    if launched:
+        from pithtrain.parallel.mesh import init_mesh
+        from pithtrain.train.loop import pick_device
+
+        device = pick_device(config.train.device)
+        mesh = init_mesh(config.parallel.pp, config.parallel.cp, config.parallel.ep, device.type,
+                         config.parallel.timeout_s, config.parallel.hsdp)
+    history = train(config, out, stop_after=args.stop_after, mesh=mesh)
+    if history and (mesh is None or mesh.is_main):
         print(f"done: {len(history)} steps, final loss {history[-1]['loss']:.4f}; metrics in {out}/metrics.jsonl, "
               f"checkpoints in {out}/checkpoints")
+    if mesh is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+def _launch_local(args) -> int:
+    """Start --nproc local worker processes with PyTorch's elastic launcher (what torchrun uses);
+    if one fails, the others are stopped and its error is reported."""
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    worker_args = args.argv
+    launch = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=str(uuid.uuid4()),
+        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
+    )
+    try:
+        elastic_launch(launch, sys.executable)("-m", "pithtrain", *worker_args)
+    except ChildFailedError as e:
+        print(f"error: a worker process failed; the job was stopped.\n{e.format_msg()}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -63,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, help="override train.steps")
     p.add_argument("--set", action="append", metavar="A.B=VALUE", help="override a config field (repeatable)")
     p.add_argument("--stop-after", type=int, help="stop after this step (schedule unchanged); resume later")
+    p.add_argument("--nproc", type=int, default=1, help="local processes to launch (one per GPU on GPU machines)")
+    p.add_argument("--pp", type=int, help="pipeline-parallel size (parallel.pp)")
+    p.add_argument("--cp", type=int, help="context-parallel size (parallel.cp)")
+    p.add_argument("--ep", type=int, help="expert-parallel size (parallel.ep); dp = nproc / (pp*cp*ep)")
+    p.add_argument("--hsdp", action="store_true", help="replicate weights over dp, shard within cp x ep")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("tokenize", help="text files, directories or JSONL -> token dataset")
@@ -85,7 +133,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(_main)(argv)  # under a launcher, a failing worker's traceback goes to the error report
+
+
+def _main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
+    args.argv = argv
     from pithtrain.config import ConfigError
 
     try:

@@ -65,7 +65,8 @@ class ParallelConfig:
     pp: int = 1
     cp: int = 1
     ep: int = 1
-    timeout_s: float = 600.0  # collective timeout
+    hsdp: bool = False  # replicate over dp, shard within cp x ep (dense) and cp (experts)
+    timeout_s: float = 600.0  # collective timeout: a hung rank fails the job after this long
 
 
 @dataclass
@@ -160,6 +161,8 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be at least 1")
     for name in ("pp", "cp", "ep"):
         _check(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)}: must be at least 1")
+    _check(p.pp == 1, f"parallel.pp={p.pp}: pipeline parallelism is not available yet; use pp=1")
+    _check(p.cp == 1, f"parallel.cp={p.cp}: context parallelism is not available yet; use cp=1")
     model_parallel = p.pp * p.cp * p.ep
     _check(
         world_size % model_parallel == 0,

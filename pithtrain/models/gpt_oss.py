@@ -342,7 +342,9 @@ class Router(nn.Module):
         self.topk, self.num_experts = cfg.num_experts_per_tok, cfg.num_local_experts
 
     def forward(self, x) -> RoutingInfo:
-        logits = F.linear(x, self.weight, self.bias).float()
+        # Routing is sensitive to rounding (bf16 logits tie and flip experts): this small GEMM stays fp32.
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.float(), self.weight.float(), self.bias.float())
         top, ids = torch.topk(logits, self.topk, dim=-1)
         # Combine weights: softmax over the chosen k only. `scores` (all experts) feed the balance loss.
         return RoutingInfo(ids, top.softmax(-1), logits.softmax(-1), self.num_experts)

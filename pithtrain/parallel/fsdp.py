@@ -13,6 +13,7 @@ within cp for experts.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -44,8 +45,10 @@ def keep_local_experts(model: torch.nn.Module, ep_rank: int, ep: int) -> None:
 
 def shard_model(model: torch.nn.Module, mesh: Mesh, bf16_params: bool) -> None:
     """fully_shard the expert modules, each decoder layer, then the root."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
+    # Stage outputs include views (flattened tokens); we never modify them in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else MixedPrecisionPolicy()
     dense, expert = _fsdp_meshes(mesh)
     units = []
@@ -53,6 +56,9 @@ def shard_model(model: torch.nn.Module, mesh: Mesh, bf16_params: bool) -> None:
         units.append(fully_shard(module, mesh=expert, mp_policy=policy))
     for layer in model.layers.values():
         units.append(fully_shard(layer, mesh=dense, mp_policy=policy))
+        # the engine calls the stages, not forward(): let FSDP gather the weights around them
+        register_fsdp_forward_method(layer, "stage1")
+        register_fsdp_forward_method(layer, "stage5")
     units.append(fully_shard(model, mesh=dense, mp_policy=policy))
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
