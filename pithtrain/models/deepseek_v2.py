@@ -37,7 +37,7 @@ from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, 
 from pithtrain.ops.grouped_gemm import grouped_mm
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps (as DeepSeek and HF do)
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek and HF use this default, not rms_norm_eps
 
 
 @dataclass
@@ -72,7 +72,9 @@ class DeepseekV2Config:
     bias_update_speed: float = 0.001  # noaux_tc: the `rate` the training loop passes to update_correction_bias
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None  # None or {"type": "yarn", "factor", "original_max_position_embeddings", beta_fast, beta_slow, mscale, mscale_all_dim}
+    # None (plain RoPE) or {"type": "yarn", "factor", "original_max_position_embeddings",
+    # optional "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
+    rope_scaling: dict | None = None
     max_position_embeddings: int = 2048
     attention_bias: bool = False  # biases on q_a_proj, kv_a_proj_with_mqa and o_proj (the HF layout)
     tie_word_embeddings: bool = False
@@ -127,8 +129,10 @@ class DeepseekV2Config:
         check((self.n_shared_experts or 0) >= 0, f"model.n_shared_experts={self.n_shared_experts}: must be >= 0")
         check(0 <= self.first_k_dense_replace <= self.num_hidden_layers,
               f"model.first_k_dense_replace={self.first_k_dense_replace} must be in [0, num_hidden_layers]")
-        check(self.topk_method in TOPK_METHODS, f"model.topk_method={self.topk_method!r}: use one of {', '.join(TOPK_METHODS)}")
-        check(self.scoring_func in ("softmax", "sigmoid"), f"model.scoring_func={self.scoring_func!r}: use softmax or sigmoid")
+        check(self.topk_method in TOPK_METHODS,
+              f"model.topk_method={self.topk_method!r}: use one of {', '.join(TOPK_METHODS)}")
+        check(self.scoring_func in ("softmax", "sigmoid"),
+              f"model.scoring_func={self.scoring_func!r}: use softmax or sigmoid")
         check(self.routed_scaling_factor > 0, f"model.routed_scaling_factor={self.routed_scaling_factor}: must be > 0")
         check(self.bias_update_speed >= 0, f"model.bias_update_speed={self.bias_update_speed}: must be >= 0")
         if self.n_routed_experts > 0:
@@ -151,13 +155,15 @@ class DeepseekV2Config:
               f"model.rope_scaling type {rope_type!r} is not supported; use None (plain RoPE) or type 'yarn'")
         if rope_type == "yarn":
             for key in ("factor", "original_max_position_embeddings"):
-                check(rope.get(key) is not None and rope[key] > 0, f"model.rope_scaling['{key}'] must be set and > 0 for YaRN")
+                check(rope.get(key) is not None and rope[key] > 0,
+                      f"model.rope_scaling['{key}'] must be set and > 0 for YaRN")
 
     @classmethod
     def from_hf(cls, hf: dict) -> "DeepseekV2Config":
         if hf.get("mlp_bias"):
             raise ConfigError("deepseek_v2: mlp_bias=true is not supported (DeepSeek models have no MLP biases)")
-        nullable = {f.name for f in fields(cls) if "None" in str(f.type)}  # there None means something (q_lora_rank: full rank)
+        # In nullable fields None means something (q_lora_rank=None: a full-rank q_proj), so keep it.
+        nullable = {f.name for f in fields(cls) if "None" in str(f.type)}
         known = {f.name for f in fields(cls)}
         values = {k: v for k, v in hf.items() if k in known and (v is not None or k in nullable)}
         # HF 5 writes `rope_parameters` (with rope_theta inside); DeepSeek's own configs `rope_scaling` + `rope_theta`.
@@ -213,8 +219,10 @@ def rope_setup(cfg: DeepseekV2Config) -> tuple[torch.Tensor, float, float]:
     factor, original = yarn["factor"], yarn["original_max_position_embeddings"]
     mscale, mscale_all_dim = yarn.get("mscale"), yarn.get("mscale_all_dim")
     cos_sin_factor = yarn.get("attention_factor")
-    if cos_sin_factor is None:
-        cos_sin_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim else yarn_mscale(factor)
+    if cos_sin_factor is None and mscale and mscale_all_dim:
+        cos_sin_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    elif cos_sin_factor is None:
+        cos_sin_factor = yarn_mscale(factor)
     if mscale_all_dim:
         softmax_scale *= yarn_mscale(factor, mscale_all_dim) ** 2
 
@@ -260,7 +268,8 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: DeepseekV2Config, softmax_scale: float):
         super().__init__()
-        self.heads, self.nope, self.rope, self.v_dim = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.heads, self.v_dim = cfg.num_attention_heads, cfg.v_head_dim
+        self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.kv_lora_rank, self.q_lora_rank, self.scale = cfg.kv_lora_rank, cfg.q_lora_rank, softmax_scale
         hidden, bias, q_out = cfg.hidden_size, cfg.attention_bias, self.heads * cfg.qk_head_dim
         if cfg.q_lora_rank is None:
@@ -336,7 +345,7 @@ class Router(nn.Module):
         super().__init__()
         self.cfg, self.num_experts = cfg, cfg.n_routed_experts
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
-        if cfg.uses_correction_bias:  # a buffer: saved with the model, moved by the aux-free rule, never by the optimizer
+        if cfg.uses_correction_bias:  # a buffer: saved with the model, moved by the aux-free rule, not the optimizer
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
         else:
             self.e_score_correction_bias = None
@@ -473,7 +482,8 @@ class DeepseekV2Model(nn.Module):
         rotation = torch.polar(torch.full_like(angles, self.rope_factor), angles)[:, None]  # broadcast over heads
 
         def rotate(t):  # t: [B, h, S, rope], pairs (t0, t1), (t2, t3), ... are complex numbers
-            pairs = torch.view_as_complex(t.to(torch.promote_types(t.dtype, torch.float32)).unflatten(-1, (-1, 2)).contiguous())
+            wide = t.to(torch.promote_types(t.dtype, torch.float32))
+            pairs = torch.view_as_complex(wide.unflatten(-1, (-1, 2)).contiguous())
             return torch.view_as_real(pairs * rotation).flatten(-2).to(t.dtype)
 
         pos = torch.arange(s)
@@ -501,7 +511,8 @@ class DeepseekV2Model(nn.Module):
                 x = x + layer.mlp(h)
                 continue
             flat = h.reshape(-1, cfg.hidden_size)
-            ids, w = _reference_routing(cfg, flat.float() @ layer.mlp.gate.weight.float().T, layer.mlp.gate.e_score_correction_bias)
+            gate = layer.mlp.gate
+            ids, w = _reference_routing(cfg, flat.float() @ gate.weight.float().T, gate.e_score_correction_bias)
             moe = torch.zeros_like(flat)
             ex = layer.mlp.experts
             for e in range(cfg.n_routed_experts):

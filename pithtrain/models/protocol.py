@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.utils._pytree
 
 
 @dataclass
@@ -36,6 +37,13 @@ class Stage1Out:
     moe_input: torch.Tensor | None  # [T, H] normed tokens sent to the experts
     shared: torch.Tensor | None  # [T, H] shared-expert output, added in stage 5
     routing: RoutingInfo | None
+
+
+# Registered as pytrees so that FSDP2 sees the tensors inside a stage's output and gathers the
+# layer's weights before ANY gradient reaches them (the load-balance loss reads `scores`
+# without passing through stage 5).
+torch.utils._pytree.register_dataclass(RoutingInfo)
+torch.utils._pytree.register_dataclass(Stage1Out)
 
 
 class DecoderLayer(Protocol):

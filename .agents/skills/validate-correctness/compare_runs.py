@@ -1,0 +1,75 @@
+"""Compare two training runs step by step; ends with PASS or FAIL.
+
+Run one config on two meshes (or two code versions) and compare:
+  python .agents/skills/validate-correctness/compare_runs.py CONFIG --steps 4 \
+      --a "--nproc 1" --b "--nproc 2 --ep 2" [--set train.dtype=fp32 ...] [--rtol 1e-5]
+Or compare two existing metrics files:
+  python .agents/skills/validate-correctness/compare_runs.py --metrics RUN_A/metrics.jsonl RUN_B/metrics.jsonl
+"""
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+KEYS = ("loss", "lb_loss", "grad_norm")
+
+
+def read(path):
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def compare(a, b, rtol):
+    ok = len(a) == len(b) and len(a) > 0
+    if not ok:
+        print(f"step counts differ or are empty: {len(a)} vs {len(b)}")
+    worst = 0.0
+    for ma, mb in zip(a, b):
+        for key in KEYS:
+            err = abs(ma[key] - mb[key]) / max(abs(ma[key]), 1e-12)
+            worst = max(worst, err)
+            flag = "" if err <= rtol else "   <-- over tolerance"
+            if flag or key == "loss":
+                print(f"step {ma['step']:>4} {key:>9}: {ma[key]:.8f} vs {mb[key]:.8f} (rel {err:.1e}){flag}")
+            ok &= err <= rtol
+    print(f"worst relative difference {worst:.2e} (tolerance {rtol:.0e})")
+    return ok
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?")
+    parser.add_argument("--a", default="--nproc 1", help="extra `pithtrain train` arguments of run A")
+    parser.add_argument("--b", default="--nproc 2 --ep 2", help="extra `pithtrain train` arguments of run B")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--set", action="append", default=[], help="config overrides for both runs")
+    parser.add_argument("--rtol", type=float, default=1e-5, help="fp32: 1e-5; bf16: about 2e-2")
+    parser.add_argument("--metrics", nargs=2, metavar=("A", "B"), help="compare two metrics.jsonl files instead")
+    args = parser.parse_args()
+    if args.metrics:
+        ok = compare(read(args.metrics[0]), read(args.metrics[1]), args.rtol)
+    else:
+        if not args.config:
+            parser.error("give CONFIG or --metrics A B")
+        work = Path(tempfile.mkdtemp(prefix="validate-"))
+        runs = []
+        for name, extra in (("a", args.a), ("b", args.b)):
+            cmd = [sys.executable, "-m", "pithtrain", "train", args.config, "--out", str(work / name),
+                   "--steps", str(args.steps), *shlex.split(extra)]
+            for s in args.set:
+                cmd += ["--set", s]
+            print("$", " ".join(cmd), flush=True)
+            if subprocess.run(cmd).returncode != 0:
+                print("FAIL: run", name, "did not finish")
+                return 1
+            runs.append(read(work / name / "metrics.jsonl"))
+        ok = compare(*runs, args.rtol)
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
