@@ -41,3 +41,31 @@ def tiny_config(data_path, **train) -> RunConfig:
     defaults.update(train)
     return RunConfig(model=model, data=DataConfig(path=str(data_path), seq_len=32),
                      optim=OptimConfig(lr=3e-3, warmup_steps=2), train=TrainConfig(**defaults))
+
+
+def tiny_deepseek_config(data_path, **train) -> RunConfig:
+    """DeepSeek-V2 with MLA (q-LoRA), a shared expert, a dense first layer and V3-style sigmoid
+    routing with the aux-loss-free correction bias."""
+    from pithtrain.models.deepseek_v2 import DeepseekV2Config
+
+    cfg = tiny_config(data_path, **train)
+    cfg.model = DeepseekV2Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                 num_hidden_layers=3, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+                                 n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+                                 topk_method="noaux_tc", scoring_func="sigmoid", n_group=2, topk_group=1,
+                                 norm_topk_prob=True, routed_scaling_factor=1.5, bias_update_speed=0.01,
+                                 max_position_embeddings=128, rope_theta=10000.0)
+    return cfg
+
+
+def tiny_gpt_oss_config(data_path, **train) -> RunConfig:
+    """GPT-OSS with sinks, alternating sliding-window/full attention and clamped SwiGLU."""
+    from pithtrain.models.gpt_oss import GptOssConfig
+
+    cfg = tiny_config(data_path, **train)
+    cfg.model = GptOssConfig(vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                             num_experts_per_tok=2, sliding_window=8, swiglu_limit=3.0,
+                             max_position_embeddings=128)
+    return cfg

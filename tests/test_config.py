@@ -66,5 +66,6 @@ def test_run_file_and_cli_errors(tmp_path, capsys):
 
 
 def test_example_configs_validate():
-    for path in ("examples/qwen3_tiny.py", "examples/qwen3_30b_a3b.py"):
+    for path in ("examples/qwen3_tiny.py", "examples/qwen3_30b_a3b.py", "examples/deepseek_v2_tiny.py",
+                 "examples/deepseek_v2_lite.py", "examples/gpt_oss_tiny.py", "examples/gpt_oss_20b.py"):
         validate(load_run_config(path), 1)

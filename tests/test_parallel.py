@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from conftest import tiny_config
+from conftest import tiny_config, tiny_deepseek_config, tiny_gpt_oss_config
 from dist_util import run_world
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.loop import train
@@ -25,9 +25,9 @@ from pithtrain.train.optim import build_optimizer
 STEPS = 4
 
 
-def mesh_config(dataset_dir, ep=1, hsdp=False, steps=STEPS, **train_kw):
+def mesh_config(dataset_dir, ep=1, hsdp=False, steps=STEPS, family=tiny_config, **train_kw):
     train_kw = {"global_batch_size": 8, "micro_batch_size": 2, **train_kw}
-    cfg = tiny_config(dataset_dir, steps=steps, **train_kw)
+    cfg = family(dataset_dir, steps=steps, **train_kw)
     cfg.parallel.ep, cfg.parallel.hsdp = ep, hsdp
     return cfg
 
@@ -50,6 +50,9 @@ def runs(tmp_path_factory, dataset_dir):
         (mesh_config(dataset_dir, ep=1, steps=2, lb_type="global", lb_coef=0.5), root / "global_dp2", {}),
         (mesh_config(dataset_dir, ep=2, steps=2, lb_type="seq", lb_coef=0.5), root / "seq_ep2", {}),
         (mesh_config(dataset_dir, ep=2, steps=8, checkpoint_every=2), chain, {"stop_after": 6}),
+        (mesh_config(dataset_dir, ep=2, steps=3, family=tiny_deepseek_config), root / "ds_ep2", {}),
+        (mesh_config(dataset_dir, ep=1, steps=3, family=tiny_deepseek_config), root / "ds_dp2", {}),
+        (mesh_config(dataset_dir, ep=2, steps=3, family=tiny_gpt_oss_config), root / "oss_ep2", {}),
     ]
     run_world(4, four)
     run_world(2, two)
@@ -61,6 +64,8 @@ def runs(tmp_path_factory, dataset_dir):
         "ref_global": train(mesh_config(dataset_dir, steps=2, lb_type="micro", lb_coef=0.5, micro_batch_size=4),
                             root / "ref_global", echo=False),
         "ref_seq": train(mesh_config(dataset_dir, steps=2, lb_type="seq", lb_coef=0.5), root / "ref_seq", echo=False),
+        "ds_ref": train(mesh_config(dataset_dir, steps=3, family=tiny_deepseek_config), root / "ds_ref", echo=False),
+        "oss_ref": train(mesh_config(dataset_dir, steps=3, family=tiny_gpt_oss_config), root / "oss_ref", echo=False),
     }
     return root, refs
 
@@ -72,8 +77,8 @@ def assert_same_curve(reference, other, rel=1e-5):
             assert b[key] == pytest.approx(a[key], rel=rel), (a["step"], key)
 
 
-def final_weights(run_dir, dataset_dir):
-    model = mesh_config(dataset_dir).model.build_model()
+def final_weights(run_dir, dataset_dir, family=tiny_config):
+    model = mesh_config(dataset_dir, family=family).model.build_model()
     ckpt.read_model_state(ckpt.resolve_checkpoint(run_dir), model)
     return model.state_dict()
 
@@ -86,6 +91,24 @@ def test_loss_curve_and_weights_do_not_depend_on_the_mesh(runs, dataset_dir, nam
     for key in ref_w:
         # Adam turns ~1e-7 gradient differences on near-zero gradients into ~1e-6 weight differences
         assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), key
+
+
+@pytest.mark.parametrize("family, ref, names", [
+    (tiny_deepseek_config, "ds_ref", ["ds_ep2", "ds_dp2"]),
+    (tiny_gpt_oss_config, "oss_ref", ["oss_ep2"]),
+])
+def test_other_families_and_aux_free_bias_do_not_depend_on_the_mesh(runs, dataset_dir, family, ref, names):
+    root, refs = runs
+    ref_w = final_weights(root / ref, dataset_dir, family)
+    biases = [k for k in ref_w if k.endswith("e_score_correction_bias")]
+    assert (family is tiny_gpt_oss_config) or (biases and all(ref_w[k].abs().sum() > 0 for k in biases))
+    for name in names:
+        assert_same_curve(refs[ref], read_metrics(root / name / "metrics.jsonl"))
+        got_w = final_weights(root / name, dataset_dir, family)
+        for key in ref_w:
+            assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), (name, key)
+        for key in biases:  # updated from integer loads summed over ranks and micro-batches: exact
+            assert torch.equal(got_w[key], ref_w[key]), (name, key)
 
 
 def test_load_balance_variants_across_ranks(runs):
@@ -119,7 +142,7 @@ def test_a_failing_rank_stops_the_job_with_its_error(tmp_path, dataset_dir):
     config.write_text(textwrap.dedent(f"""
         import os, sys
         sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
-        from conftest import tiny_config
+        from conftest import tiny_config, tiny_deepseek_config, tiny_gpt_oss_config
         if os.environ.get("RANK") == "1":
             raise RuntimeError("boom on rank 1")
         CONFIG = tiny_config({str(dataset_dir)!r})

@@ -263,6 +263,10 @@ class Qwen3MoeModel(nn.Module):
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * self.cfg.initializer_range)
 
+    def correction_biases(self) -> dict:
+        """No aux-loss-free routing bias in this family (see deepseek_v2.py)."""
+        return {}
+
     def head_weight(self, embed_weight=None):
         return self.lm_head.weight if self.lm_head is not None else (embed_weight if embed_weight is not None else self.embed_tokens.weight)
 

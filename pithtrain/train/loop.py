@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from pithtrain.config import RunConfig, validate
+from pithtrain.models.routing import update_correction_bias
 from pithtrain.ops.core import cross_entropy_sum
 from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispatch
 from pithtrain.parallel.fsdp import clip_grads, global_grad_norm, keep_local_experts, shard_model
@@ -150,10 +151,13 @@ def train(
         micros = rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)
         n_micro_global = len(micros) * mesh.data_ranks
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # [cross-entropy sum, lb sum] of this rank
+        step_loads = {}  # layer id -> tokens per expert over this rank's micro-batches
         for micro in micros:
             b, s = micro["input_ids"].shape
             engine = ExpertEngine(dispatcher, balance, b, s)
             ce, lb = forward_loss(model, micro, engine, device, dtype)
+            for layer_id, load in engine.expert_loads.items():
+                step_loads[layer_id] = step_loads.get(layer_id, 0) + load
             total = ce / max(n_label, 1)
             if lb is not None:
                 total = total + t.lb_coef * lb / n_micro_global
@@ -172,6 +176,7 @@ def train(
         clip_grads(params, o.grad_clip, grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        update_routing_biases(model, step_loads, mesh, config.model)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
@@ -194,6 +199,21 @@ def train(
         save(end)
     log.close()
     return history
+
+
+@torch.no_grad()
+def update_routing_biases(model, step_loads: dict, mesh: Mesh, model_cfg) -> None:
+    """Aux-loss-free balancing: once per optimizer step, move each `e_score_correction_bias`
+    from the expert loads of the WHOLE global batch (all micro-batches, all data ranks)."""
+    biases = model.correction_biases()
+    if not biases:
+        return
+    layer_ids = sorted(biases)
+    loads = torch.stack([step_loads[i].float() for i in layer_ids])
+    if mesh.data_group is not None:
+        torch.distributed.all_reduce(loads, group=mesh.data_group)
+    for layer_id, load in zip(layer_ids, loads):
+        update_correction_bias(biases[layer_id], load, model_cfg.bias_update_speed)
 
 
 def _plain(config: RunConfig) -> dict:
