@@ -1,0 +1,199 @@
+"""DualPipeV pipeline parallelism: V-shaped placement and the schedule.
+
+Placement: the model is cut into 2*pp chunks; rank r holds chunk r (phase 0, the way down) and
+chunk 2pp-1-r (phase 1, the way back up), so rank 0 holds both the embedding (chunk 0) and the
+LM head (chunk 2pp-1). Edge chunks get fewer layers since they also carry embedding and head.
+
+Schedule: per rank, a list of operations on (phase, micro-batch):
+  F   forward of that rank's chunk of the phase
+  B   backward for the inputs (the expert weight gradients may be deferred to a W)
+  W   the deferred weight-gradient work of one earlier B
+  FB  the forward of one micro-batch overlapped with the backward of another, on the two
+      chunks of the rank (phase 0 forward with phase 1 backward, or the reverse)
+The list is produced by simulating the pipeline in unit time with DualPipeV's rules: warm-up
+with forwards bounded per phase, a steady state of overlapped FB pairs, W work only where the
+rank would otherwise idle (or at the end), and the W queue empty at the end of the step.
+`simulate` replays any schedule against the dependencies and reports its bubble fraction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def split_layers(num_layers: int, pp: int) -> list[list[int]]:
+    """Global layer ids of each of the 2*pp chunks, in model order; edge chunks get fewer."""
+    n = 2 * pp
+    sizes = [num_layers // n] * n
+    inner_first = sorted(range(n), key=lambda c: -min(c, n - 1 - c))  # innermost chunks first
+    for c in inner_first[: num_layers % n]:
+        sizes[c] += 1
+    if n > 2:
+        for edge in (0, n - 1):  # the embedding / head count as extra work: move a layer inward
+            inner = min(range(1, n - 1), key=lambda c: sizes[c])
+            if sizes[edge] > 0 and sizes[edge] >= sizes[inner]:
+                sizes[edge] -= 1
+                sizes[inner] += 1
+    chunks, start = [], 0
+    for size in sizes:
+        chunks.append(list(range(start, start + size)))
+        start += size
+    return chunks
+
+
+def rank_chunks(pp: int, rank: int) -> tuple[int, int]:
+    """(phase-0 chunk, phase-1 chunk) of a rank."""
+    return rank, 2 * pp - 1 - rank
+
+
+@dataclass(frozen=True)
+class Op:
+    kind: str  # "F", "B", "W" or "FB"
+    phase: int = -1  # F, B, W: the phase; FB: the phase of the forward (the backward is the other)
+    mb: int = -1  # F, B, W: the micro-batch; FB: the forward's
+    mb_b: int = -1  # FB: the backward's micro-batch
+
+
+def _chunk_of(pp: int, rank: int, phase: int) -> int:
+    return rank if phase == 0 else 2 * pp - 1 - rank
+
+
+def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int, str, int, int]]:
+    """(rank, kind, phase, mb) that must finish before this op can start."""
+    chunk = _chunk_of(pp, rank, phase)
+    deps = []
+    if kind == "F" and chunk > 0:
+        prev = chunk - 1
+        deps.append((prev if prev < pp else 2 * pp - 1 - prev, "F", 0 if prev < pp else 1, mb))
+    if kind == "B":
+        deps.append((rank, "F", phase, mb))
+        if chunk < 2 * pp - 1:
+            nxt = chunk + 1
+            deps.append((nxt if nxt < pp else 2 * pp - 1 - nxt, "B", 0 if nxt < pp else 1, mb))
+    return deps
+
+
+def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> list[list[Op]]:
+    """The per-rank operation lists for `num_micro` >= 2*pp micro-batches."""
+    if num_micro < 2 * pp:
+        raise ValueError(f"DualPipeV needs at least 2*pp = {2 * pp} micro-batches per step, got {num_micro}; "
+                         f"raise train.global_batch_size or lower train.micro_batch_size")
+    done: dict[tuple[int, str, int, int], int] = {}  # op -> finish time
+    next_f = [[0, 0] for _ in range(pp)]  # next forward micro-batch per rank and phase
+    next_b = [[0, 0] for _ in range(pp)]
+    wqueue: list[list[tuple[int, int]]] = [[] for _ in range(pp)]
+    busy_until = [0] * pp
+    lists: list[list[Op]] = [[] for _ in range(pp)]
+    # warm-up bound on forwards in flight per phase (DualPipeV fills rank r with 2pp-r-1 / r+1)
+    cap = [[2 * pp - r - 1, r + 1] for r in range(pp)]
+    remaining = pp * 2 * num_micro * (3 if defer_w else 2)
+    t = 0
+
+    def ready(rank, kind, phase, mb):
+        return mb < num_micro and all(done.get(d, 10**9) <= t for d in _deps(pp, rank, kind, phase, mb))
+
+    while remaining:
+        for rank in range(pp):
+            if busy_until[rank] > t:
+                continue
+            f_ok = [ready(rank, "F", p, next_f[rank][p]) and next_f[rank][p] - next_b[rank][p] < cap[rank][p]
+                    for p in (0, 1)]
+            b_ok = [ready(rank, "B", p, next_b[rank][p]) for p in (0, 1)]
+            op, cost = None, 0
+            for pf in (0, 1):  # steady state: a forward overlapped with the other phase's backward
+                if f_ok[pf] and b_ok[1 - pf]:
+                    op, cost = Op("FB", pf, next_f[rank][pf], next_b[rank][1 - pf]), 2 if defer_w else 3
+                    break
+            if op is None:
+                for p in (1, 0):  # backward first: it frees memory and unblocks the other ranks
+                    if b_ok[p]:
+                        op, cost = Op("B", p, next_b[rank][p]), 1 if defer_w else 2
+                        break
+            if op is None:
+                for p in (1, 0):
+                    if f_ok[p]:
+                        op, cost = Op("F", p, next_f[rank][p]), 1
+                        break
+            if op is None and wqueue[rank]:
+                phase, mb = wqueue[rank].pop(0)
+                op, cost = Op("W", phase, mb), 1
+            if op is None:
+                continue
+            lists[rank].append(op)
+            busy_until[rank] = t + cost
+            finished = []
+            if op.kind in ("F", "FB"):
+                finished.append(("F", op.phase, op.mb))
+                next_f[rank][op.phase] += 1
+            if op.kind in ("B", "FB"):
+                phase_b = op.phase if op.kind == "B" else 1 - op.phase
+                mb_b = op.mb if op.kind == "B" else op.mb_b
+                finished.append(("B", phase_b, mb_b))
+                next_b[rank][phase_b] += 1
+                if defer_w:
+                    wqueue[rank].append((phase_b, mb_b))
+            if op.kind == "W":
+                finished.append(("W", op.phase, op.mb))
+            for kind, phase, mb in finished:
+                done[(rank, kind, phase, mb)] = t + cost
+                remaining -= 1
+        t += 1
+        if t > 100 * (num_micro + pp) * 4:
+            raise RuntimeError("pipeline schedule did not converge")  # a bug, never an input problem
+    return lists
+
+
+def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = True,
+             cost_f: float = 1.0, cost_b: float = 1.0, cost_w: float = 1.0) -> dict:
+    """Replay the per-rank lists in order against the dependencies (a rank waits for its next op's
+    inputs). Raises on a missing, repeated or out-of-order op and on deadlock. Returns the makespan
+    and bubble fraction (idle share of rank-time)."""
+    if not defer_w:
+        cost_b += cost_w
+    seen, finish = set(), {}
+    pos, clock = [0] * pp, [0.0] * pp
+    progressed = True
+    while progressed:
+        progressed = False
+        for rank in range(pp):
+            while pos[rank] < len(lists[rank]):
+                op = lists[rank][pos[rank]]
+                parts = []
+                if op.kind in ("F", "FB"):
+                    parts.append(("F", op.phase, op.mb))
+                if op.kind in ("B", "FB"):
+                    parts.append(("B", op.phase if op.kind == "B" else 1 - op.phase, op.mb if op.kind == "B" else op.mb_b))
+                if op.kind == "W":
+                    parts.append(("W", op.phase, op.mb))
+                deps = [d for kind, phase, mb in parts for d in _deps(pp, rank, kind, phase, mb)]
+                if op.kind == "W":
+                    deps.append((rank, "B", op.phase, op.mb))
+                if any(d not in finish for d in deps):
+                    break
+                start = max([clock[rank]] + [finish[d] for d in deps])
+                cost = sum({"F": cost_f, "B": cost_b, "W": cost_w}[k] for k, _, _ in parts)
+                for kind, phase, mb in parts:
+                    key = (rank, kind, phase, mb)
+                    if key in seen:
+                        raise AssertionError(f"rank {rank} runs {kind} phase {phase} mb {mb} twice")
+                    seen.add(key)
+                    finish[key] = start + cost
+                clock[rank] = start + cost
+                pos[rank] += 1
+                progressed = True
+    if any(pos[r] < len(lists[r]) for r in range(pp)):
+        stuck = {r: lists[r][pos[r]] for r in range(pp) if pos[r] < len(lists[r])}
+        raise AssertionError(f"deadlock: ranks wait forever at {stuck}")
+    kinds = ("F", "B", "W") if defer_w else ("F", "B")
+    expected = {(r, k, p, m) for r in range(pp) for k in kinds for p in (0, 1) for m in range(num_micro)}
+    if seen != expected:
+        raise AssertionError(f"missing ops: {sorted(expected - seen)[:5]}, unexpected: {sorted(seen - expected)[:5]}")
+    makespan = max(clock)
+    work = pp * 2 * num_micro * (cost_f + cost_b + (cost_w if defer_w else 0))
+    return {"makespan": makespan, "bubble_fraction": 1 - work / (pp * makespan)}
+
+
+def dualpipev_bubble_formula(pp: int, cost_f: float, cost_b: float, cost_w: float) -> float:
+    """DualPipe's published bubble, (PP/2 - 1)(F&B + B - 3W), for DualPipeV's 2*pp virtual stages:
+    (pp - 1)(F&B + B - 3W) per rank, with F&B the time of an overlapped forward+backward pair."""
+    return (pp - 1) * ((cost_f + cost_b + cost_w) + (cost_b + cost_w) - 3 * cost_w)
