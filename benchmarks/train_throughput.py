@@ -1,0 +1,146 @@
+"""Training throughput on one GPU: PithTrain vs a plain Hugging Face `transformers` loop, same model,
+data and batch. Prints tokens/s, TFLOP/s per GPU, MFU against a bf16 matmul peak measured in the
+same run, peak memory, and the PithTrain/transformers ratio.
+
+    PYTHONPATH=. python benchmarks/train_throughput.py --family qwen3 --layers 4 --seq 4096 --steps 8
+
+Model FLOPs per token = 6 * (active non-embedding parameters) + 6 * hidden * vocab (LM head)
+                        + 6 * layers * seq * head_dim * q_heads (causal attention, fwd+bwd).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+
+def matmul_peak_tflops(n: int = 8192, repeats: int = 20) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        a @ b
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / statistics.median(times) / 1e12
+
+
+def qwen3_config(layers: int):
+    from pithtrain.models.qwen3_moe import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                          num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                          num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960)
+
+
+def flops_per_token(cfg, seq: int) -> float:
+    h, layers = cfg.hidden_size, cfg.num_hidden_layers
+    hd, q, kv = cfg.dim_per_head, cfg.num_attention_heads, cfg.num_key_value_heads
+    attn_params = h * hd * (q + 2 * kv) + q * hd * h
+    expert_params = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size + cfg.num_experts * h
+    active = layers * (attn_params + expert_params)
+    return 6 * active + 6 * h * cfg.vocab_size + 6 * layers * seq * hd * q
+
+
+def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str) -> list[dict]:
+    from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
+    from pithtrain.train.loop import train
+
+    run = RunConfig(model=cfg, data=DataConfig(path=data_dir, seq_len=seq),
+                    optim=OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant"),
+                    train=TrainConfig(steps=steps, global_batch_size=batch, micro_batch_size=batch, lb_coef=1e-3,
+                                      tensorboard=False, checkpoint_every=0, log_every=1))
+    with tempfile.TemporaryDirectory() as out:
+        import pithtrain.train.loop as loop
+
+        original = loop.ckpt.save_checkpoint
+        loop.ckpt.save_checkpoint = lambda *a, **k: None  # measure training, not checkpoint writes
+        try:
+            return train(run, out, echo=True)
+        finally:
+            loop.ckpt.save_checkpoint = original
+
+
+def transformers_run(cfg, seq: int, batch: int, steps: int, tokens: np.ndarray) -> list[dict]:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type", "dtype")})
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).cuda().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    history = []
+    for step in range(steps):
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        ids = torch.from_numpy(tokens[step * batch * seq: (step + 1) * batch * seq].astype(np.int64)).view(batch, seq).cuda()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+        history.append({"step": step + 1, "tokens_per_s": batch * seq / dt, "peak_mem_bytes": torch.cuda.max_memory_allocated()})
+        print(f"transformers step {step + 1}: {batch * seq / dt:.0f} tok/s, loss {loss.item():.3f}", flush=True)
+    del model, opt
+    torch.cuda.empty_cache()
+    return history
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--family", default="qwen3", choices=["qwen3"])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args()
+    from pithtrain.train.data import write_dataset
+
+    cfg = qwen3_config(args.layers)
+    rng = np.random.default_rng(0)
+    need = (args.steps + 2) * args.batch * (args.seq + 1)
+    tokens = rng.integers(0, cfg.vocab_size, size=need, dtype=np.int64)
+    peak = matmul_peak_tflops()
+    print(f"bf16 matmul peak measured now: {peak:.0f} TFLOP/s", flush=True)
+    fpt = flops_per_token(cfg, args.seq)
+    with tempfile.TemporaryDirectory() as data:
+        write_dataset(data, [tokens], cfg.vocab_size, eos_id=None)
+        ours = pithtrain_run(cfg, args.seq, args.batch, args.steps, data)
+    import gc
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    warm = ours[2:] or ours
+    tps = statistics.median(m["tokens_per_s"] for m in warm)
+    result = {"family": args.family, "layers": args.layers, "seq": args.seq, "batch": args.batch,
+              "peak_tflops": peak, "flops_per_token": fpt,
+              "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
+              "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30}
+    if not args.skip_transformers:
+        theirs = transformers_run(cfg, args.seq, args.batch, args.steps, tokens)
+        hf_tps = statistics.median(m["tokens_per_s"] for m in (theirs[2:] or theirs))
+        result.update(transformers_tokens_per_s=hf_tps, transformers_mfu=hf_tps * fpt / 1e12 / peak,
+                      transformers_peak_mem_gib=max(m["peak_mem_bytes"] for m in theirs) / 2**30,
+                      speedup_vs_transformers=tps / hf_tps)
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
