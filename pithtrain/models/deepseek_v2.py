@@ -35,6 +35,7 @@ from pithtrain.models.protocol import RoutingInfo, Stage1Out, run_layer
 from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin, swiglu
 from pithtrain.ops.grouped_gemm import grouped_mm
+from pithtrain.parallel.context import ContextParallel, context_attention_expand
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek and HF use this default, not rms_norm_eps
@@ -251,6 +252,7 @@ class AttnInputs(NamedTuple):
     cos: torch.Tensor  # [B, S, rope_dim], YaRN factor included
     sin: torch.Tensor
     mask: torch.Tensor | None  # None: plain causal
+    cp: ContextParallel | None = None  # context parallel: ring attention, masked from cp's global token indices
 
 
 class RMSNorm(nn.Module):
@@ -288,21 +290,35 @@ class Attention(nn.Module):
             return self.q_proj(x)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
 
-    def qkv(self, x, cos, sin):
-        """q, k: [B, heads, S, nope + rope] (rope part in rotate-half layout); v: [B, heads, S, v_dim]."""
+    def q_and_latent(self, x, cos, sin):
+        """q [B, heads, S, nope + rope], the normed KV latent [B, S, kv_lora_rank] and the rope key
+        shared by all heads [B, 1, S, rope]; rope parts rotated, in rotate-half layout."""
         b, s, _ = x.shape
         q = self.project_q(x).view(b, s, self.heads, self.nope + self.rope).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(b, s, self.heads, self.nope + self.v_dim).transpose(1, 2)
+        q = torch.cat([q_nope, apply_rope(deinterleave(q_rope), cos, sin)], dim=-1)
+        k_rope = apply_rope(deinterleave(k_rope).unsqueeze(1), cos, sin)
+        return q, self.kv_a_layernorm(latent), k_rope
+
+    def expand_kv(self, latent, k_rope, kv_b_weight):
+        """k [B, heads, S, nope + rope] and v [B, heads, S, v_dim] from the normed latent and the shared
+        rope key. A pure function of its arguments: context parallelism rings (latent, k_rope) and calls it."""
+        b, s, _ = latent.shape
+        kv = F.linear(latent, kv_b_weight).view(b, s, self.heads, self.nope + self.v_dim).transpose(1, 2)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-        q_rope = apply_rope(deinterleave(q_rope), cos, sin)
-        k_rope = apply_rope(deinterleave(k_rope).unsqueeze(1), cos, sin)  # one rope key shared by all heads
-        q = torch.cat([q_nope, q_rope], dim=-1)
-        k = torch.cat([k_nope, k_rope.expand(b, self.heads, s, self.rope)], dim=-1)
-        return q, k, v
+        return torch.cat([k_nope, k_rope.expand(b, self.heads, s, self.rope)], dim=-1), v
+
+    def qkv(self, x, cos, sin):
+        """q, k: [B, heads, S, nope + rope] (rope part in rotate-half layout); v: [B, heads, S, v_dim]."""
+        q, latent, k_rope = self.q_and_latent(x, cos, sin)
+        return (q, *self.expand_kv(latent, k_rope, self.kv_b_proj.weight))
 
     def forward(self, x, attn: AttnInputs):
+        if attn.cp is not None:  # the ring carries the latent and rope key (not per-head K/V); each rank expands them
+            q, latent, k_rope = self.q_and_latent(x, attn.cos, attn.sin)
+            out = context_attention_expand(q, (latent, k_rope), self.expand_kv, (self.kv_b_proj.weight,), self.scale, attn.cp)
+            return self.o_proj(out)
         q, k, v = self.qkv(x, attn.cos, attn.sin)
         pad = q.shape[-1] - v.shape[-1]
         if pad <= 0:
@@ -453,16 +469,19 @@ class DeepseekV2Model(nn.Module):
     def head_weight(self, embed_weight=None):
         return self.lm_head.weight if self.lm_head is not None else (embed_weight if embed_weight is not None else self.embed_tokens.weight)
 
-    def attn_inputs(self, position_ids, doc_ids, dtype) -> AttnInputs:
+    def attn_inputs(self, position_ids, doc_ids, dtype, cp: ContextParallel | None = None) -> AttnInputs:
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, scale=self.rope_factor, dtype=dtype)
+        if cp is not None:  # the ring masks by global token index and cp's document ids
+            return AttnInputs(cos, sin, None, cp)
         return AttnInputs(cos, sin, attention_mask(doc_ids, position_ids.shape[1], position_ids.device))
 
-    def forward(self, x, position_ids, engine, doc_ids=None):
+    def forward(self, x, position_ids, engine, doc_ids=None, cp: ContextParallel | None = None):
         """x: token ids [B, S] if this chunk embeds, else hidden states [B, S, H]. Returns logits
-        [B, S, V] if this chunk holds the head, else hidden states."""
+        [B, S, V] if this chunk holds the head, else hidden states. With `cp`, the inputs are this
+        rank's zigzag share of the sequence (parallel/context.py)."""
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
-        attn = self.attn_inputs(position_ids, doc_ids, x.dtype)
+        attn = self.attn_inputs(position_ids, doc_ids, x.dtype, cp)
         for layer in self.layers.values():
             x = run_layer(layer, x, attn, engine)
         if self.norm is not None:

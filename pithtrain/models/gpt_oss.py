@@ -33,6 +33,7 @@ from pithtrain.config import ConfigError
 from pithtrain.models.protocol import RoutingInfo, Stage1Out, run_layer
 from pithtrain.ops.core import apply_rope, attention_mask, rope_cos_sin
 from pithtrain.ops.grouped_gemm import grouped_mm
+from pithtrain.parallel.context import ContextParallel, context_attention
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -268,8 +269,9 @@ def _deinterleave(t):
 class AttnInputs(NamedTuple):
     cos: torch.Tensor  # [B, S, D]
     sin: torch.Tensor
-    full_mask: torch.Tensor  # bool [B or 1, 1, S, S]: causal (and same document)
-    sliding_mask: torch.Tensor | None  # also within the window; None when no layer slides
+    full_mask: torch.Tensor | None  # bool [B or 1, 1, S, S]: causal (and same document); None with cp
+    sliding_mask: torch.Tensor | None  # also within the window; None when no layer slides, or with cp
+    cp: ContextParallel | None = None  # context parallel: ring attention, masked from cp's global token indices
 
 
 class RMSNorm(nn.Module):
@@ -295,6 +297,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.sinks = nn.Parameter(torch.zeros(self.heads))
         self.sliding = cfg.layer_type(layer_id) == SLIDING
+        self.window = cfg.sliding_window if self.sliding else None
 
     def qkv(self, x, cos, sin):
         b, s, _ = x.shape
@@ -305,6 +308,8 @@ class Attention(nn.Module):
 
     def forward(self, x, attn: AttnInputs):
         q, k, v = self.qkv(x, attn.cos, attn.sin)
+        if attn.cp is not None:
+            return self.o_proj(context_attention(q, k, v, self.head_dim**-0.5, attn.cp, self.sinks, self.window))
         mask = attn.sliding_mask if self.sliding else attn.full_mask
         return self.o_proj(sink_attention(q, k, v, self.sinks, mask, self.head_dim**-0.5))
 
@@ -416,8 +421,10 @@ class GptOssModel(nn.Module):
     def head_weight(self, embed_weight=None):
         return self.lm_head.weight if self.lm_head is not None else (embed_weight if embed_weight is not None else self.embed_tokens.weight)
 
-    def attn_inputs(self, position_ids, doc_ids, dtype) -> AttnInputs:
+    def attn_inputs(self, position_ids, doc_ids, dtype, cp: ContextParallel | None = None) -> AttnInputs:
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, self.rope_scale, dtype=dtype)
+        if cp is not None:  # the ring masks by global token index, the window and cp's document ids
+            return AttnInputs(cos, sin, None, None, cp)
         s, device = position_ids.shape[1], position_ids.device
         full = attention_mask(doc_ids, s, device)
         if full is None:  # sink attention always takes an explicit mask
@@ -427,12 +434,13 @@ class GptOssModel(nn.Module):
             sliding = attention_mask(doc_ids, s, device, self.cfg.sliding_window)
         return AttnInputs(cos, sin, full, sliding)
 
-    def forward(self, x, position_ids, engine, doc_ids=None):
+    def forward(self, x, position_ids, engine, doc_ids=None, cp: ContextParallel | None = None):
         """x: token ids [B, S] if this chunk embeds, else hidden states [B, S, H]. Returns logits
-        [B, S, V] if this chunk holds the head, else hidden states."""
+        [B, S, V] if this chunk holds the head, else hidden states. With `cp`, the inputs are this
+        rank's zigzag share of the sequence (parallel/context.py)."""
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
-        attn = self.attn_inputs(position_ids, doc_ids, x.dtype)
+        attn = self.attn_inputs(position_ids, doc_ids, x.dtype, cp)
         for layer in self.layers.values():
             x = run_layer(layer, x, attn, engine)
         if self.norm is not None:

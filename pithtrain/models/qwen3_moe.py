@@ -22,6 +22,7 @@ from pithtrain.config import ConfigError
 from pithtrain.models.protocol import RoutingInfo, Stage1Out, run_layer
 from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin, swiglu
 from pithtrain.ops.grouped_gemm import grouped_mm
+from pithtrain.parallel.context import ContextParallel, context_attention
 
 
 @dataclass
@@ -123,6 +124,7 @@ class AttnInputs(NamedTuple):
     cos: torch.Tensor  # [B, S, D]
     sin: torch.Tensor
     mask: torch.Tensor | None  # None: plain causal
+    cp: ContextParallel | None = None  # context parallel: ring attention, masked from cp's global token indices
 
 
 class RMSNorm(nn.Module):
@@ -156,6 +158,8 @@ class Attention(nn.Module):
 
     def forward(self, x, attn: AttnInputs):
         q, k, v = self.qkv(x, attn.cos, attn.sin)
+        if attn.cp is not None:
+            return self.o_proj(context_attention(q, k, v, self.head_dim**-0.5, attn.cp))
         return self.o_proj(attention(q, k, v, attn.mask, self.head_dim**-0.5))
 
 
@@ -270,16 +274,19 @@ class Qwen3MoeModel(nn.Module):
     def head_weight(self, embed_weight=None):
         return self.lm_head.weight if self.lm_head is not None else (embed_weight if embed_weight is not None else self.embed_tokens.weight)
 
-    def attn_inputs(self, position_ids, doc_ids, dtype) -> AttnInputs:
+    def attn_inputs(self, position_ids, doc_ids, dtype, cp: ContextParallel | None = None) -> AttnInputs:
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, dtype=dtype)
+        if cp is not None:  # the ring masks by global token index and cp's document ids
+            return AttnInputs(cos, sin, None, cp)
         return AttnInputs(cos, sin, attention_mask(doc_ids, position_ids.shape[1], position_ids.device))
 
-    def forward(self, x, position_ids, engine, doc_ids=None):
+    def forward(self, x, position_ids, engine, doc_ids=None, cp: ContextParallel | None = None):
         """x: token ids [B, S] if this chunk embeds, else hidden states [B, S, H]. Returns logits
-        [B, S, V] if this chunk holds the head, else hidden states."""
+        [B, S, V] if this chunk holds the head, else hidden states. With `cp`, the inputs are this
+        rank's zigzag share of the sequence (parallel/context.py)."""
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
-        attn = self.attn_inputs(position_ids, doc_ids, x.dtype)
+        attn = self.attn_inputs(position_ids, doc_ids, x.dtype, cp)
         for layer in self.layers.values():
             x = run_layer(layer, x, attn, engine)
         if self.norm is not None:

@@ -1,0 +1,641 @@
+"""Triton kernels for the GPU fast path, each next to the plain-PyTorch reference it replaces.
+
+Every public function picks its path: Triton when `use_triton(x)` (a CUDA tensor and Triton
+installed), otherwise the reference, which is the code the models and dispatchers run today.
+
+  swiglu(gate_up)                         silu(gate) * up on [.., 2I] (gate then up)
+  clamped_swiglu(gate_up, alpha, limit)   GPT-OSS: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g),
+                                          g = min(gate, limit)
+  permute(x, index)                       x[index]: token rows into the expert-grouped layout
+  unpermute(y, index, num_rows)           zeros(num_rows, H).index_copy(0, index, y): back again
+  dispatch_plan(topk_ids, experts_per_rank, ep)
+                                          AllToAllDispatch's send plan, with no host synchronisation
+  expert_bias_add(x, bias, counts)        x + bias[expert of each row], rows grouped by expert
+  cross_entropy_sum(logits, labels)       sum of token cross-entropies over labels != -100, fp32 math
+
+How it is built:
+  - Each kernel launch is a torch.library.custom_op (opaque to torch.compile, with a fake that gives
+    the output shapes); each differentiable op is a torch.autograd.Function over those launches.
+  - No atomics on floating-point outputs: every program owns the outputs it writes, and sums over
+    rows run in a fixed order in fp32, so gradients are bit-identical run to run.
+  - Triton is optional (GPU only). It is imported and each kernel jit-compiled on its first launch;
+    with TRITON_INTERPRET=1 set by then, the kernels run on CPU tensors through the interpreter.
+"""
+
+from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotations unevaluated
+
+import importlib.util
+import os
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from pithtrain.ops import core
+
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+tl = None  # triton.language; bound on the first kernel launch, where the kernels' bodies need it
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """True when the Triton kernels serve `x`: a CUDA tensor, with Triton installed."""
+    return x.is_cuda and _TRITON_INSTALLED
+
+
+class _Kernel:
+    """A module-level Triton kernel, jit-compiled on its first launch: `_Kernel(fn)[grid](*args)`.
+    One compiled object per TRITON_INTERPRET setting, so interpreter tests and GPU runs can share
+    one process."""
+
+    def __init__(self, fn):
+        self.fn, self.built = fn, {}
+
+    def __getitem__(self, grid):
+        mode = os.environ.get("TRITON_INTERPRET", "0")
+        if mode not in self.built:
+            global tl
+            import triton
+            import triton.language
+
+            tl = triton.language
+            self.built[mode] = triton.jit(self.fn)
+        return self.built[mode][grid]
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+# ---------------------------------------------------------------------------------------------------
+# 1-2. SwiGLU and GPT-OSS's clamped SwiGLU on [N, 2I] (gate then up); backward recomputes the activation
+# ---------------------------------------------------------------------------------------------------
+
+
+def clamped_swiglu_reference(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """The operations of pithtrain.models.gpt_oss.clamped_swiglu (a test checks they agree bit for bit)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
+
+
+@_Kernel
+def _glu_fwd_kernel(x_ptr, out_ptr, rows, inter, alpha, limit,
+                    CLAMPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r < rows)[:, None] & (c < inter)[None, :]
+    gate_at = x_ptr + r.to(tl.int64)[:, None] * (2 * inter) + c[None, :]
+    g = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_at + inter, mask=mask, other=0.0).to(tl.float32)
+    if CLAMPED:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        out = (u + 1.0) * (g * tl.sigmoid(alpha * g))
+    else:
+        out = g * tl.sigmoid(g) * u
+    out_at = out_ptr + r.to(tl.int64)[:, None] * inter + c[None, :]
+    tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_Kernel
+def _glu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, rows, inter, alpha, limit,
+                    CLAMPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    mask = (r < rows)[:, None] & (c < inter)[None, :]
+    gate_at = r.to(tl.int64)[:, None] * (2 * inter) + c[None, :]
+    g = tl.load(x_ptr + gate_at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(x_ptr + gate_at + inter, mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * inter + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    if CLAMPED:
+        gc = tl.minimum(g, limit)
+        uc = tl.minimum(tl.maximum(u, -limit), limit)
+        s = tl.sigmoid(alpha * gc)
+        # d/dg [g * sigmoid(a g)] = s * (1 + a g (1 - s)); clamp passes gradient where it did not clip
+        # (bounds included, as torch.clamp's backward does)
+        dg = tl.where(g <= limit, dy * (uc + 1.0) * s * (1.0 + alpha * gc * (1.0 - s)), 0.0)
+        du = tl.where((u >= -limit) & (u <= limit), dy * gc * s, 0.0)
+    else:
+        s = tl.sigmoid(g)
+        dg = dy * u * s * (1.0 + g * (1.0 - s))
+        du = dy * g * s
+    tl.store(dx_ptr + gate_at, dg.to(dx_ptr.dtype.element_ty), mask=mask)
+    tl.store(dx_ptr + gate_at + inter, du.to(dx_ptr.dtype.element_ty), mask=mask)
+
+
+def _glu_grid(rows: int, inter: int):
+    block_c = min(256, _pow2(inter))
+    block_r = max(1, 2048 // block_c)
+    return (_cdiv(rows, block_r), _cdiv(inter, block_c)), block_r, block_c
+
+
+@torch.library.custom_op("pithtrain::glu_fwd", mutates_args=())
+def _glu_fwd(x: torch.Tensor, alpha: float, limit: float, clamped: bool) -> torch.Tensor:
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = x.new_empty(rows, inter)
+    if out.numel():
+        grid, block_r, block_c = _glu_grid(rows, inter)
+        _glu_fwd_kernel[grid](x, out, rows, inter, alpha, limit, CLAMPED=clamped, BLOCK_R=block_r, BLOCK_C=block_c)
+    return out
+
+
+@_glu_fwd.register_fake
+def _(x, alpha, limit, clamped):
+    return x.new_empty(x.shape[0], x.shape[1] // 2)
+
+
+@torch.library.custom_op("pithtrain::glu_bwd", mutates_args=())
+def _glu_bwd(x: torch.Tensor, grad: torch.Tensor, alpha: float, limit: float, clamped: bool) -> torch.Tensor:
+    rows, inter = x.shape[0], x.shape[1] // 2
+    dx = torch.empty_like(x)
+    if dx.numel():
+        grid, block_r, block_c = _glu_grid(rows, inter)
+        _glu_bwd_kernel[grid](x, grad, dx, rows, inter, alpha, limit, CLAMPED=clamped, BLOCK_R=block_r, BLOCK_C=block_c)
+    return dx
+
+
+@_glu_bwd.register_fake
+def _(x, grad, alpha, limit, clamped):
+    return torch.empty_like(x)
+
+
+class _GLU(torch.autograd.Function):
+    """Saves only the input: the backward recomputes the activation from it."""
+
+    @staticmethod
+    def forward(ctx, gate_up, alpha: float, limit: float, clamped: bool):
+        x = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+        ctx.save_for_backward(x)
+        ctx.args, ctx.shape = (alpha, limit, clamped), gate_up.shape
+        return _glu_fwd(x, alpha, limit, clamped).view(*gate_up.shape[:-1], -1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        dx = _glu_bwd(x, grad.reshape(x.shape[0], -1).contiguous(), *ctx.args)
+        return dx.view(ctx.shape), None, None, None
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a [.., 2I] tensor holding gate then up."""
+    return _GLU.apply(gate_up, 1.0, 0.0, False) if use_triton(gate_up) else core.swiglu(gate_up)
+
+
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS activation on a [.., 2I] tensor holding gate then up."""
+    if use_triton(gate_up):
+        return _GLU.apply(gate_up, float(alpha), float(limit), True)
+    return clamped_swiglu_reference(gate_up, alpha, limit)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 3. Token permutation: gather rows into the expert-grouped layout, scatter them back
+# ---------------------------------------------------------------------------------------------------
+
+
+def permute_reference(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return x.index_select(0, index)  # LocalDispatch.dispatch with index = order // topk
+
+
+def unpermute_reference(y: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    return y.new_zeros((num_rows, y.shape[1])).index_copy(0, index, y)  # LocalDispatch.combine
+
+
+@_Kernel
+def _move_rows_kernel(src_ptr, index_ptr, out_ptr, rows, hidden,
+                      SCATTER: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Gather out[i] = src[index[i]], or (SCATTER) out[index[i]] = src[i]; i < rows."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = (r < rows)[:, None] & (c < hidden)[None, :]
+    other = tl.load(index_ptr + r, mask=r < rows, other=0).to(tl.int64)
+    src_row, out_row = (r.to(tl.int64), other) if SCATTER else (other, r.to(tl.int64))
+    vals = tl.load(src_ptr + src_row[:, None] * hidden + c[None, :], mask=mask)
+    tl.store(out_ptr + out_row[:, None] * hidden + c[None, :], vals, mask=mask)
+
+
+@_Kernel
+def _segment_sum_kernel(src_ptr, perm_ptr, ends_ptr, out_ptr, hidden, BLOCK_H: tl.constexpr):
+    """out[t] = sum of src[perm[j]] over j in [ends[t-1], ends[t]), in fp32 and in that order."""
+    t = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    start = tl.load(ends_ptr + t - 1, mask=t > 0, other=0)
+    end = tl.load(ends_ptr + t)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in range(start, end):
+        row = tl.load(perm_ptr + j).to(tl.int64)
+        acc += tl.load(src_ptr + row * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t.to(tl.int64) * hidden + c, acc.to(out_ptr.dtype.element_ty), mask=c < hidden)
+
+
+def _move_rows(src, index, out, scatter: bool):
+    rows, hidden = index.shape[0], src.shape[1]
+    if rows and hidden:
+        block_h = min(512, _pow2(hidden))
+        block_r = max(1, 4096 // block_h)
+        grid = (_cdiv(rows, block_r), _cdiv(hidden, block_h))
+        _move_rows_kernel[grid](src, index, out, rows, hidden, SCATTER=scatter, BLOCK_R=block_r, BLOCK_H=block_h)
+    return out
+
+
+@torch.library.custom_op("pithtrain::gather_rows", mutates_args=())
+def _gather_rows(src: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return _move_rows(src, index, src.new_empty(index.shape[0], src.shape[1]), scatter=False)
+
+
+@_gather_rows.register_fake
+def _(src, index):
+    return src.new_empty(index.shape[0], src.shape[1])
+
+
+@torch.library.custom_op("pithtrain::scatter_rows", mutates_args=())
+def _scatter_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    # index is a permutation (injective): when it covers every output row nothing needs zeroing
+    full = num_rows == index.shape[0]
+    out = (src.new_empty if full else src.new_zeros)(num_rows, src.shape[1])
+    return _move_rows(src, index, out, scatter=True)
+
+
+@_scatter_rows.register_fake
+def _(src, index, num_rows):
+    return src.new_empty(num_rows, src.shape[1])
+
+
+@torch.library.custom_op("pithtrain::segment_sum", mutates_args=())
+def _segment_sum(src: torch.Tensor, perm: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    out = src.new_empty(ends.shape[0], src.shape[1])
+    if out.numel():
+        block_h = min(1024, _pow2(src.shape[1]))
+        _segment_sum_kernel[(ends.shape[0], _cdiv(src.shape[1], block_h))](src, perm, ends, out, src.shape[1],
+                                                                          BLOCK_H=block_h)
+    return out
+
+
+@_segment_sum.register_fake
+def _(src, perm, ends):
+    return src.new_empty(ends.shape[0], src.shape[1])
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.num_rows = x.shape[0]
+        return _gather_rows(x.contiguous(), index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        # Each row of x gets the sum of its copies' gradients: group the copies by source row (a
+        # stable sort fixes the summation order) and sum each group in fp32, without atomics.
+        perm = torch.argsort(index, stable=True)
+        ends = torch.bincount(index, minlength=ctx.num_rows).cumsum(0).to(torch.int32)
+        return _segment_sum(grad.contiguous(), perm, ends), None
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, index, num_rows: int):
+        ctx.save_for_backward(index)
+        return _scatter_rows(y.contiguous(), index, num_rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        return _gather_rows(grad.contiguous(), index), None, None
+
+
+def permute(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [T, H] -> x[index] [N, H]. With LocalDispatch's `order = argsort(topk_ids.flatten(), stable=True)`,
+    index = order // topk gives the expert-grouped rows. The backward sums each row's copies in fp32."""
+    return _Permute.apply(x, index) if use_triton(x) else permute_reference(x, index)
+
+
+def unpermute(y: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Row i of y [N, H] goes to row index[i] of a [num_rows, H] result (zeros elsewhere); `index`
+    must not repeat. With index = order this is LocalDispatch.combine (before its view to [T, k, H])."""
+    return _Unpermute.apply(y, index, num_rows) if use_triton(y) else unpermute_reference(y, index, num_rows)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4. The deduplicated dispatch plan of AllToAllDispatch
+# ---------------------------------------------------------------------------------------------------
+
+
+class DispatchPlan(NamedTuple):
+    """Send rows are ordered by (destination rank, token). The first `send_counts[:, 0].sum()` rows are
+    real; the rest (up to T*min(k, ep), a bound known without a host sync) are padding with rank ep,
+    token 0 and meta -1: slice them off once the counts are on the host."""
+
+    send_rank: torch.Tensor  # [R] destination rank of each send row
+    send_token: torch.Tensor  # [R] the token the row carries
+    slot_meta: torch.Tensor  # [R, k] each slot's local expert id on that rank, -1 where it lives elsewhere
+    send_counts: torch.Tensor  # [ep, 2] rows and (token, expert) pairs sent to each rank
+    home_index: torch.Tensor  # [T*k] where each returning pair lands in the (token, slot) layout
+
+
+def dispatch_plan_reference(topk_ids: torch.Tensor, experts_per_rank: int, ep: int) -> DispatchPlan:
+    """The torch code of AllToAllDispatch.dispatch, plus the padding."""
+    num_tokens, topk = topk_ids.shape
+    dest = topk_ids // experts_per_rank  # [T, k] rank of each chosen expert
+    on_rank = torch.zeros(num_tokens, ep, dtype=torch.bool, device=topk_ids.device)
+    on_rank.scatter_(1, dest, True)  # [T, ep] token goes to rank r at most once
+    send_rank, send_token = on_rank.T.nonzero(as_tuple=True)
+    here = dest[send_token] == send_rank[:, None]
+    slot_meta = torch.where(here, topk_ids[send_token] % experts_per_rank, -1)
+    send_counts = torch.stack([on_rank.sum(0), torch.bincount(dest.flatten(), minlength=ep)], 1)
+    home_slot = here.nonzero(as_tuple=True)
+    home_index = send_token[home_slot[0]] * topk + home_slot[1]
+    pad = num_tokens * min(topk, ep) - send_rank.shape[0]
+    return DispatchPlan(F.pad(send_rank, (0, pad), value=ep), F.pad(send_token, (0, pad)),
+                        F.pad(slot_meta, (0, 0, 0, pad), value=-1), send_counts, home_index)
+
+
+@_Kernel
+def _plan_count_kernel(ids_ptr, counts_ptr, tokens, topk, experts_per_rank, ep, blocks,
+                       BLOCK_T: tl.constexpr, K: tl.constexpr, EP: tl.constexpr):
+    """Per block of tokens and per rank: tokens sent (rows) and (token, expert) pairs.
+    counts: [2, ep, blocks] (rows, pairs)."""
+    block = tl.program_id(0)
+    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    s = tl.arange(0, K)
+    r = tl.arange(0, EP)
+    valid = (t < tokens)[:, None] & (s < topk)[None, :]
+    ids = tl.load(ids_ptr + t.to(tl.int64)[:, None] * topk + s[None, :], mask=valid, other=0)
+    hit = ((ids // experts_per_rank)[:, None, :] == r[None, :, None]) & valid[:, None, :]  # [BLOCK_T, EP, K]
+    pairs = tl.sum(hit.to(tl.int32), axis=2)
+    rows = (pairs > 0).to(tl.int32)
+    out = counts_ptr + r * blocks + block
+    tl.store(out, tl.sum(rows, axis=0), mask=r < ep)
+    tl.store(out + ep * blocks, tl.sum(pairs, axis=0), mask=r < ep)
+
+
+@_Kernel
+def _plan_write_kernel(ids_ptr, starts_ptr, send_rank_ptr, send_token_ptr, slot_meta_ptr, home_ptr,
+                       tokens, topk, experts_per_rank, ep, blocks,
+                       BLOCK_T: tl.constexpr, K: tl.constexpr, EP: tl.constexpr):
+    """Writes the plan: starts [2, ep, blocks] holds where each (rank, block) begins among the send
+    rows and among the returning pairs; within a block, prefix sums over tokens (and slots) place the rest."""
+    block = tl.program_id(0)
+    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
+    s = tl.arange(0, K)
+    r = tl.arange(0, EP)
+    valid = (t < tokens)[:, None] & (s < topk)[None, :]
+    ids = tl.load(ids_ptr + t.to(tl.int64)[:, None] * topk + s[None, :], mask=valid, other=0)
+    hit = ((ids // experts_per_rank)[:, None, :] == r[None, :, None]) & valid[:, None, :]  # [BLOCK_T, EP, K]
+    hits = hit.to(tl.int32)
+    pairs = tl.sum(hits, axis=2)
+    rows = (pairs > 0).to(tl.int32)
+    start = starts_ptr + r * blocks + block
+    row_start = tl.load(start, mask=r < ep, other=0)
+    pair_start = tl.load(start + ep * blocks, mask=r < ep, other=0)
+    row_at = row_start[None, :] + tl.cumsum(rows, axis=0) - rows  # [BLOCK_T, EP] send row of (token, rank)
+    pair_at = pair_start[None, :] + tl.cumsum(pairs, axis=0) - pairs  # its first returning pair
+    sent = rows > 0
+    tl.store(send_rank_ptr + row_at, (r[None, :] + 0 * row_at).to(tl.int64), mask=sent)
+    tl.store(send_token_ptr + row_at, (t[:, None] + 0 * row_at).to(tl.int64), mask=sent)
+    meta = tl.where(hit, (ids % experts_per_rank)[:, None, :], -1)
+    meta_at = slot_meta_ptr + row_at[:, :, None] * topk + s[None, None, :]
+    tl.store(meta_at, meta.to(tl.int64), mask=sent[:, :, None] & (s < topk)[None, None, :])
+    pair_slot = pair_at[:, :, None] + tl.cumsum(hits, axis=2) - hits
+    home = t.to(tl.int64)[:, None, None] * topk + s[None, None, :] + 0 * pair_slot
+    tl.store(home_ptr + pair_slot, home, mask=hit)
+
+
+@torch.library.custom_op("pithtrain::dispatch_plan", mutates_args=())
+def _dispatch_plan(topk_ids: torch.Tensor, experts_per_rank: int, ep: int) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    num_tokens, topk = topk_ids.shape
+    k_pow2, ep_pow2 = _pow2(topk), _pow2(ep)
+    block_t = max(1, min(_pow2(num_tokens), 4096 // (k_pow2 * ep_pow2)))
+    blocks = _cdiv(num_tokens, block_t)
+    long = dict(dtype=torch.long, device=topk_ids.device)
+    send_rows = num_tokens * min(topk, ep)
+    send_rank, send_token = torch.full((send_rows,), ep, **long), torch.zeros(send_rows, **long)
+    slot_meta, home_index = torch.full((send_rows, topk), -1, **long), torch.empty(num_tokens * topk, **long)
+    if not blocks:
+        return send_rank, send_token, slot_meta, torch.zeros(ep, 2, **long), home_index
+    args = (num_tokens, topk, experts_per_rank, ep, blocks)
+    consts = dict(BLOCK_T=block_t, K=k_pow2, EP=ep_pow2)
+    counts = torch.empty(2, ep, blocks, dtype=torch.int32, device=topk_ids.device)
+    _plan_count_kernel[(blocks,)](topk_ids, counts, *args, **consts)
+    flat = counts.view(2, -1)
+    starts = flat.cumsum(1) - flat  # rank-major exclusive prefix: where each (rank, block) starts
+    _plan_write_kernel[(blocks,)](topk_ids, starts, send_rank, send_token, slot_meta, home_index, *args, **consts)
+    return send_rank, send_token, slot_meta, counts.sum(2).T.contiguous(), home_index
+
+
+@_dispatch_plan.register_fake
+def _(topk_ids, experts_per_rank, ep):
+    num_tokens, topk = topk_ids.shape
+    send_rows = num_tokens * min(topk, ep)
+    new = topk_ids.new_empty
+    return new(send_rows), new(send_rows), new(send_rows, topk), new(ep, 2), new(num_tokens * topk)
+
+
+def dispatch_plan(topk_ids: torch.Tensor, experts_per_rank: int, ep: int) -> DispatchPlan:
+    """What AllToAllDispatch.dispatch computes from the routing before its first exchange (see DispatchPlan)."""
+    if use_triton(topk_ids):
+        return DispatchPlan(*_dispatch_plan(topk_ids.contiguous(), experts_per_rank, ep))
+    return dispatch_plan_reference(topk_ids, experts_per_rank, ep)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 5. Per-expert bias on rows grouped by expert
+# ---------------------------------------------------------------------------------------------------
+
+
+def expert_bias_add_reference(x: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """As GPT-OSS's Experts adds its biases; output_size avoids a device->host sync."""
+    experts = torch.arange(counts.numel(), device=counts.device)
+    row_expert = torch.repeat_interleave(experts, counts, output_size=x.shape[0])
+    return x + bias.to(x.dtype)[row_expert]
+
+
+@_Kernel
+def _bias_add_kernel(x_ptr, bias_ptr, ends_ptr, out_ptr, rows, dim, experts,
+                     SEARCH_STEPS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    # Each row's expert is the first e with ends[e] > row: a binary search over the group ends.
+    lo = tl.zeros([BLOCK_R], dtype=tl.int32)
+    hi = lo + experts
+    for _ in tl.static_range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        end = tl.load(ends_ptr + mid, mask=active, other=0)
+        lo = tl.where(active & (end <= r), mid + 1, lo)
+        hi = tl.where(active & (end > r), mid, hi)
+    mask = (r < rows)[:, None] & (c < dim)[None, :]
+    at = r.to(tl.int64)[:, None] * dim + c[None, :]
+    x = tl.load(x_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    # bias rounded to x's dtype first, as the reference's bias.to(x.dtype)
+    b = tl.load(bias_ptr + lo.to(tl.int64)[:, None] * dim + c[None, :], mask=mask & (lo < experts)[:, None], other=0.0)
+    tl.store(out_ptr + at, (x + b.to(out_ptr.dtype.element_ty).to(tl.float32)).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@_Kernel
+def _bias_grad_kernel(dy_ptr, ends_ptr, dbias_ptr, dim, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dbias[e] = sum of dy over expert e's rows, in fp32 and a fixed order (one program per (e, columns))."""
+    e = tl.program_id(0)
+    c = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(ends_ptr + e)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+    for r0 in range(start, end, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        mask = (r < end)[:, None] & (c < dim)[None, :]
+        acc += tl.load(dy_ptr + r.to(tl.int64)[:, None] * dim + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    tl.store(dbias_ptr + e * dim + c, tl.sum(acc, axis=0).to(dbias_ptr.dtype.element_ty), mask=c < dim)
+
+
+@torch.library.custom_op("pithtrain::expert_bias_add", mutates_args=())
+def _expert_bias_add(x: torch.Tensor, bias: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    rows, dim = x.shape
+    if out.numel():
+        block_d = min(256, _pow2(dim))
+        block_r = max(1, 2048 // block_d)
+        experts = bias.shape[0]
+        _bias_add_kernel[(_cdiv(rows, block_r), _cdiv(dim, block_d))](
+            x, bias, ends, out, rows, dim, experts, SEARCH_STEPS=experts.bit_length(), BLOCK_R=block_r, BLOCK_D=block_d)
+    return out
+
+
+@_expert_bias_add.register_fake
+def _(x, bias, ends):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("pithtrain::expert_bias_grad", mutates_args=())
+def _expert_bias_grad(grad: torch.Tensor, ends: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    experts, dim = ends.shape[0], grad.shape[1]
+    dbias = grad.new_empty(experts, dim, dtype=dtype)
+    if dbias.numel():
+        block_d = min(128, _pow2(dim))
+        _bias_grad_kernel[(experts, _cdiv(dim, block_d))](grad, ends, dbias, dim, BLOCK_R=32, BLOCK_D=block_d)
+    return dbias
+
+
+@_expert_bias_grad.register_fake
+def _(grad, ends, dtype):
+    return grad.new_empty(ends.shape[0], grad.shape[1], dtype=dtype)
+
+
+class _ExpertBiasAdd(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, bias, counts):
+        ends = counts.cumsum(0).to(torch.int32)
+        ctx.save_for_backward(ends)
+        ctx.bias_dtype = bias.dtype
+        return _expert_bias_add(x.contiguous(), bias.contiguous(), ends)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ends,) = ctx.saved_tensors
+        return grad, _expert_bias_grad(grad.contiguous(), ends, ctx.bias_dtype), None
+
+
+def expert_bias_add(x: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [N, D] rows grouped by expert (counts [E], summing to N) plus their expert's row of bias [E, D],
+    in x's dtype. The bias gradient is each expert's row sum (fp32 on the Triton path)."""
+    return _ExpertBiasAdd.apply(x, bias, counts) if use_triton(x) else expert_bias_add_reference(x, bias, counts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 6. Cross-entropy summed over label tokens, race-free
+# ---------------------------------------------------------------------------------------------------
+
+
+@_Kernel
+def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, vocab, row_stride, BLOCK_V: tl.constexpr):
+    """One program per row: log-sum-exp over the vocabulary in chunks (online max rescaling), in fp32."""
+    row = tl.program_id(0)
+    base = logits_ptr + row.to(tl.int64) * row_stride
+    cols = tl.arange(0, BLOCK_V)
+    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    m = tl.max(x, axis=0)
+    total = tl.sum(tl.exp(x - m), axis=0)
+    for v0 in range(BLOCK_V, vocab, BLOCK_V):
+        x = tl.load(base + v0 + cols, mask=v0 + cols < vocab, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+        m = m_new
+    lse = m + tl.log(total)
+    label = tl.load(labels_ptr + row)
+    valid = label != -100
+    target = tl.load(base + label, mask=valid, other=0.0).to(tl.float32)
+    tl.store(loss_ptr + row, tl.where(valid, lse - target, 0.0))
+    tl.store(lse_ptr + row, lse)
+
+
+@_Kernel
+def _ce_bwd_kernel(logits_ptr, labels_ptr, lse_ptr, grad_ptr, dlogits_ptr, vocab, row_stride,
+                   BLOCK_V: tl.constexpr):
+    """d logits = grad * (softmax - onehot(label)), zero on ignored rows; each program owns its chunk."""
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    label = tl.load(labels_ptr + row)
+    scale = tl.where(label != -100, tl.load(grad_ptr), 0.0)
+    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < vocab, other=0.0).to(tl.float32)
+    d = (tl.exp(x - tl.load(lse_ptr + row)) - tl.where(cols == label, 1.0, 0.0)) * scale
+    tl.store(dlogits_ptr + row.to(tl.int64) * vocab + cols, d.to(dlogits_ptr.dtype.element_ty), mask=cols < vocab)
+
+
+@torch.library.custom_op("pithtrain::cross_entropy_fwd", mutates_args=())
+def _ce_fwd(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, vocab = logits.shape
+    losses = logits.new_empty(rows, dtype=torch.float32)
+    lse = torch.empty_like(losses)
+    if rows:
+        block_v = min(4096, _pow2(vocab))
+        _ce_fwd_kernel[(rows,)](logits, labels, losses, lse, vocab, logits.stride(0), BLOCK_V=block_v, num_warps=8)
+    return losses, lse
+
+
+@_ce_fwd.register_fake
+def _(logits, labels):
+    losses = logits.new_empty(logits.shape[0], dtype=torch.float32)
+    return losses, torch.empty_like(losses)
+
+
+@torch.library.custom_op("pithtrain::cross_entropy_bwd", mutates_args=())
+def _ce_bwd(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    rows, vocab = logits.shape
+    dlogits = logits.new_empty(rows, vocab)
+    if dlogits.numel():
+        block_v = min(2048, _pow2(vocab))
+        _ce_bwd_kernel[(rows, _cdiv(vocab, block_v))](logits, labels, lse, grad, dlogits, vocab, logits.stride(0),
+                                                      BLOCK_V=block_v, num_warps=8)
+    return dlogits
+
+
+@_ce_bwd.register_fake
+def _(logits, labels, lse, grad):
+    return logits.new_empty(logits.shape)
+
+
+class _CrossEntropySum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels):
+        x = logits.flatten(0, -2)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        y = labels.flatten().contiguous()
+        losses, lse = _ce_fwd(x, y)
+        ctx.save_for_backward(x, y, lse)
+        ctx.shape = logits.shape
+        return losses.sum()  # a fixed-shape reduction: deterministic
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, y, lse = ctx.saved_tensors
+        return _ce_bwd(x, y, lse, grad.float().reshape(1)).view(ctx.shape), None
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of next-token cross-entropy over labels != -100, in fp32 (logits [.., V] bf16 or fp32)."""
+    return _CrossEntropySum.apply(logits, labels) if use_triton(logits) else core.cross_entropy_sum(logits, labels)
