@@ -161,7 +161,6 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be at least 1")
     for name in ("pp", "cp", "ep"):
         _check(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)}: must be at least 1")
-    _check(p.pp == 1, f"parallel.pp={p.pp}: pipeline parallelism is not available yet; use pp=1")
     _check(p.cp == 1, f"parallel.cp={p.cp}: context parallelism is not available yet; use cp=1")
     model_parallel = p.pp * p.cp * p.ep
     _check(
@@ -185,6 +184,16 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(
         not t.init_from or Path(t.init_from).exists(),
         f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''",
+    )
+    micro_per_rank = t.global_batch_size // max(1, t.micro_batch_size * data_ranks)
+    _check(
+        p.pp == 1 or micro_per_rank >= 2 * p.pp,
+        f"parallel.pp={p.pp} needs at least 2*pp = {2 * p.pp} micro-batches per data rank and step, got "
+        f"{micro_per_rank}; raise train.global_batch_size or lower train.micro_batch_size",
+    )
+    _check(
+        p.pp == 1 or not getattr(config.model, "tie_word_embeddings", False),
+        "model.tie_word_embeddings with parallel.pp > 1 is not supported yet; untie the embeddings",
     )
     _check(d.seq_len >= 2, f"data.seq_len={d.seq_len}: must be at least 2")
     max_len = config.model.max_position_embeddings

@@ -171,12 +171,12 @@ class _GLU(torch.autograd.Function):
         x = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
         ctx.save_for_backward(x)
         ctx.args, ctx.shape = (alpha, limit, clamped), gate_up.shape
-        return _glu_fwd(x, alpha, limit, clamped).view(*gate_up.shape[:-1], -1)
+        return _glu_fwd(x, alpha, limit, clamped).view(*gate_up.shape[:-1], gate_up.shape[-1] // 2)
 
     @staticmethod
     def backward(ctx, grad):
         (x,) = ctx.saved_tensors
-        dx = _glu_bwd(x, grad.reshape(x.shape[0], -1).contiguous(), *ctx.args)
+        dx = _glu_bwd(x, grad.reshape(x.shape[0], x.shape[1] // 2).contiguous(), *ctx.args)
         return dx.view(ctx.shape), None, None, None
 
 
@@ -212,8 +212,11 @@ def _move_rows_kernel(src_ptr, index_ptr, out_ptr, rows, hidden,
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     mask = (r < rows)[:, None] & (c < hidden)[None, :]
-    other = tl.load(index_ptr + r, mask=r < rows, other=0).to(tl.int64)
-    src_row, out_row = (r.to(tl.int64), other) if SCATTER else (other, r.to(tl.int64))
+    indexed = tl.load(index_ptr + r, mask=r < rows, other=0).to(tl.int64)
+    if SCATTER:
+        src_row, out_row = r.to(tl.int64), indexed
+    else:
+        src_row, out_row = indexed, r.to(tl.int64)
     vals = tl.load(src_ptr + src_row[:, None] * hidden + c[None, :], mask=mask)
     tl.store(out_ptr + out_row[:, None] * hidden + c[None, :], vals, mask=mask)
 

@@ -268,8 +268,8 @@ def _ring_backward(ctx, grad_out):
             else:
                 grads = torch.autograd.grad((kb, vb), leaves, (dk.to(kb.dtype), dv.to(vb.dtype)), allow_unused=True)
                 part = [zeros(t) if g is None else g.to(acc) for t, g in zip(leaves, grads)]
-                for acc, g in zip(d_params, part[n_payload:]):
-                    acc += g
+                for total, g in zip(d_params, part[n_payload:]):
+                    total += g
                 part = part[:n_payload]
         # dK/dV of `source`'s block: add ours to what the ranks before us accumulated, pass it on
         if step == 0:
@@ -291,3 +291,11 @@ def _ring_backward(ctx, grad_out):
         d_sinks = -(p_sink * delta).sum((0, 3)).flatten().to(sinks.dtype)
     d_params = [g.to(p.dtype) for g, p in zip(d_params, params)]
     return (dq.flatten(1, 2).to(q.dtype), d_sinks, *d_payload, *d_params)
+
+
+def shard_micro_batch(micro: dict, group) -> tuple[dict, ContextParallel]:
+    """This CP rank's zigzag share of a micro-batch of [B, S] tensors (input_ids, labels,
+    position_ids, doc_ids: already on the device) and the ContextParallel to pass to the model."""
+    seq = micro["input_ids"].shape[1]
+    cp = ContextParallel.zigzag(group, seq, micro.get("doc_ids"), micro["input_ids"].device)
+    return {k: zigzag_split(v, cp.cp, cp.rank) for k, v in micro.items()}, cp

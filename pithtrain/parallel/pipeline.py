@@ -20,6 +20,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 
 def split_layers(num_layers: int, pp: int) -> list[list[int]]:
     """Global layer ids of each of the 2*pp chunks, in model order; edge chunks get fewer."""
@@ -197,3 +200,162 @@ def dualpipev_bubble_formula(pp: int, cost_f: float, cost_b: float, cost_w: floa
     """DualPipe's published bubble, (PP/2 - 1)(F&B + B - 3W), for DualPipeV's 2*pp virtual stages:
     (pp - 1)(F&B + B - 3W) per rank, with F&B the time of an overlapped forward+backward pair."""
     return (pp - 1) * ((cost_f + cost_b + cost_w) + (cost_b + cost_w) - 3 * cost_w)
+
+
+# ---------------------------------------------------------------------------------------------
+# Execution on a (pp, dp, cp, ep) mesh.
+
+
+class ChunkPair(torch.nn.Module):
+    """This rank's two chunks seen as one module with the model's own parameter names (global
+    layer ids, no prefix), for the optimizer, checkpoints and the grad norm. Forward goes
+    through the chunks themselves."""
+
+    def __init__(self, down, up):
+        super().__init__()
+        self.chunks = (down, up)  # a tuple: not registered, so names carry no chunk prefix
+        self.layers = torch.nn.ModuleDict({**down.layers, **up.layers})
+        for name in ("embed_tokens", "norm", "lm_head"):
+            module = getattr(down, name) if getattr(down, name) is not None else getattr(up, name)
+            setattr(self, name, module)
+
+    def correction_biases(self) -> dict:
+        return {**self.chunks[0].correction_biases(), **self.chunks[1].correction_biases()}
+
+
+def build_chunks(cfg, pp: int, pp_rank: int, seed: int):
+    """This rank's phase-0 and phase-1 chunks, initialised like the whole model."""
+    if cfg.tie_word_embeddings and pp > 1:
+        raise ValueError("model.tie_word_embeddings with parallel.pp > 1 is not supported yet; untie the embeddings")
+    placement = split_layers(cfg.num_hidden_layers, pp)
+    first, second = rank_chunks(pp, pp_rank)
+    down = cfg.build_model(placement[first], embed=first == 0, head=False)
+    up = cfg.build_model(placement[second], embed=False, head=second == 2 * pp - 1)
+    for chunk in (down, up):
+        chunk.init_weights(seed)
+    return down, up
+
+
+class PipelineRunner:
+    """Runs one optimizer step's micro-batches through this rank's two chunks in the order of
+    the DualPipeV schedule, exchanging activations and gradients with the neighbouring pipeline
+    ranks. Forward and backward of an FB pair run one after the other (identical numerics)."""
+
+    def __init__(self, down, up, mesh, make_engine, forward_inputs, act_dtype):
+        self.chunks = (down, up)
+        self.act_dtype = act_dtype  # dtype of the activations and gradients exchanged
+        self.mesh = mesh
+        self.make_engine = make_engine  # () -> ExpertEngine for one chunk forward
+        self.forward_inputs = forward_inputs  # micro dict -> (position_ids, doc_ids) on the device
+        pp_mesh = mesh.device_mesh["pp"]
+        self.group = pp_mesh.get_group()
+        self.peer = {d: dist.get_global_rank(self.group, mesh.pp_rank + d) for d in (-1, 1)
+                     if 0 <= mesh.pp_rank + d < mesh.pp}
+
+    def _sends(self, rank_ops: list[Op], rank: int):
+        """Messages a rank sends, in its order: (destination pp rank, kind, phase, mb)."""
+        pp, out = self.mesh.pp, []
+        for op in rank_ops:
+            parts = []
+            if op.kind in ("F", "FB"):
+                parts.append(("act", op.phase, op.mb))
+            if op.kind in ("B", "FB"):
+                parts.append(("grad", op.phase if op.kind == "B" else 1 - op.phase, op.mb if op.kind == "B" else op.mb_b))
+            for kind, phase, mb in parts:
+                step = (1 if phase == 0 else -1) * (1 if kind == "act" else -1)
+                dest = rank + step
+                if 0 <= dest < pp:
+                    out.append((dest, kind, phase, mb))
+        return out
+
+    def run(self, micros: list[dict], loss_fn, lists: list[list[Op]], lb_scale: float):
+        """loss_fn(logits, micro) -> this micro-batch's share of the loss. Each chunk's
+        load-balance terms enter the backward scaled by `lb_scale`. Returns the sum of the
+        per-layer load-balance values of this rank's chunks (detached)."""
+        mesh, rank, dtype = self.mesh, self.mesh.pp_rank, self.act_dtype
+        inbox = {}  # (kind, phase, mb) -> tensor received
+        expected = {d: [m for m in self._sends(lists[rank + d], rank + d) if m[0] == rank]
+                    for d in self.peer}  # what each neighbour sends us, in its order
+        posted = {d: 0 for d in self.peer}
+        pending_recv, pending_send = {}, []
+        saved = {}  # (phase, mb) -> (input leaf or None, outputs, grads-to-outputs template)
+        lb_total = torch.zeros((), dtype=torch.float64, device=mesh.device)
+        b, s = micros[0]["input_ids"].shape
+        hidden = self.chunks[0].cfg.hidden_size
+
+        def receive(kind, phase, mb):
+            source = -1 if (phase == 0) == (kind == "act") else 1
+            key = (kind, phase, mb)
+            while key not in pending_recv:  # post receives in the sender's order (NCCL matches by order)
+                _, k, p, m = expected[source][posted[source]]
+                buf = torch.empty(b, s, hidden, dtype=dtype, device=mesh.device)
+                pending_recv[(k, p, m)] = (buf, dist.irecv(buf, self.peer[source], group=self.group))
+                posted[source] += 1
+            buf, work = pending_recv.pop(key)
+            work.wait()
+            return buf
+
+        def send(tensor, kind, phase):
+            dest = (1 if phase == 0 else -1) * (1 if kind == "act" else -1)
+            if dest in self.peer:
+                pending_send.append((tensor, dist.isend(tensor.contiguous(), self.peer[dest], group=self.group)))
+                return True
+            return False
+
+        def forward(phase, mb):
+            nonlocal lb_total
+            micro, chunk = micros[mb], self.chunks[phase]
+            pos, doc = self.forward_inputs(micro)
+            if phase == 0 and rank == 0:
+                x = micro["input_ids"].to(mesh.device)
+                leaf = None
+            else:
+                x = inbox.pop(("act", phase, mb)) if ("act", phase, mb) in inbox else receive("act", phase, mb)
+                x = x.detach().requires_grad_()
+                leaf = x
+            engine = self.make_engine(b, s)
+            out = chunk(x, pos, engine, doc_ids=doc)
+            outputs, grads = [], []
+            if phase == 1 and rank == 0:
+                outputs.append(loss_fn(out, micro))
+                grads.append(None)
+            else:
+                local = out.detach()
+                if not send(local, "act", phase):  # the last rank feeds its own phase-1 chunk
+                    inbox[("act", 1, mb)] = local
+                outputs.append(out)
+                grads.append("recv")
+            if engine.lb_terms:
+                lb = torch.stack(engine.lb_terms).sum()
+                outputs.append(lb * lb_scale)
+                grads.append(None)
+                lb_total += lb.detach().double()
+            saved[(phase, mb)] = (leaf, outputs, grads)
+
+        def backward(phase, mb):
+            leaf, outputs, grads = saved.pop((phase, mb))
+            tensors = []
+            for out, g in zip(outputs, grads):
+                if g is None:
+                    tensors.append(torch.ones_like(out))
+                elif ("grad", phase, mb) in inbox:
+                    tensors.append(inbox.pop(("grad", phase, mb)))
+                else:
+                    tensors.append(receive("grad", phase, mb))
+            torch.autograd.backward(outputs, tensors)
+            if leaf is not None:
+                grad = leaf.grad.to(dtype)
+                if not send(grad, "grad", phase):  # last rank: phase-1 input grad feeds its phase 0
+                    inbox[("grad", 0, mb)] = grad
+
+        for op in lists[rank]:
+            if op.kind in ("F", "FB"):
+                forward(op.phase, op.mb)
+            if op.kind == "B":
+                backward(op.phase, op.mb)
+            if op.kind == "FB":
+                backward(1 - op.phase, op.mb_b)
+        for _, work in pending_send:
+            work.wait()
+        assert not saved and not pending_recv, "pipeline step ended with work left over"
+        return lb_total

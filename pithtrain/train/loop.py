@@ -24,6 +24,7 @@ from pithtrain.ops.core import cross_entropy_sum
 from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispatch
 from pithtrain.parallel.fsdp import clip_grads, global_grad_norm, keep_local_experts, shard_model
 from pithtrain.parallel.mesh import Mesh
+from pithtrain.parallel.pipeline import ChunkPair, PipelineRunner, build_chunks, dualpipev_schedule
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, TokenDataset
@@ -93,8 +94,13 @@ def train(
     dataset.check_vocab(config.model.vocab_size)
     loader = BatchLoader(dataset, config.data.seq_len, t.global_batch_size, config.data.seed, config.data.pack_documents)
 
-    model = config.model.build_model()
-    model.init_weights(t.seed)
+    if mesh.pp > 1:  # this rank's two DualPipeV chunks, seen as one module for state and optimizer
+        chunks = build_chunks(config.model, mesh.pp, mesh.pp_rank, t.seed)
+        model = ChunkPair(*chunks)
+    else:
+        chunks = None
+        model = config.model.build_model()
+        model.init_weights(t.seed)
     found = ckpt.list_checkpoints(out_dir)
     if t.init_from and not found:
         _init_from(model, t.init_from)
@@ -102,7 +108,8 @@ def train(
     keep_local_experts(model, mesh.ep_rank, mesh.ep)
     model.to(device)  # fp32 master weights; bf16 compute from autocast (one process) or FSDP's policy
     if mesh.world > 1:
-        shard_model(model, mesh, bf16_params=dtype == torch.bfloat16)
+        for part in chunks or (model,):
+            shard_model(part, mesh, bf16_params=dtype == torch.bfloat16)
     optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
     count_group = mesh.data_group if t.lb_type == "global" else None
     balance = LoadBalance(t.lb_type, count_group) if t.lb_coef > 0 else None
@@ -124,7 +131,7 @@ def train(
     log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main)
     if echo and start == 0:
         print(
-            f"model {config.model.model_type}: {n_params / 1e6:.2f}M parameters | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
+            f"model {config.model.model_type}: {n_params / 1e6:.2f}M parameters{' on this rank' if mesh.world > 1 else ''} | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
             f"device {device} | compute {dtype} | {loader.num_samples} samples of {config.data.seq_len} tokens | "
             f"{t.steps} steps of {t.global_batch_size} samples",
             flush=True,
@@ -135,6 +142,15 @@ def train(
         meta = {"samples_consumed": step * t.global_batch_size, "config": _plain(config)}
         ckpt.save_checkpoint(out_dir, step, state, meta, config.model.to_hf(), t.keep_checkpoints)
 
+    n_moe = sum(config.model.is_moe_layer(i) for i in range(config.model.num_hidden_layers))
+    if chunks is not None:
+        runner = PipelineRunner(
+            *chunks, mesh, lambda b, s: ExpertEngine(dispatcher, balance, b, s),
+            lambda micro: (micro["position_ids"].to(device), micro["doc_ids"].to(device) if "doc_ids" in micro else None),
+            act_dtype=dtype,
+        )
+        for part in chunks:
+            part.train()
     history = []
     model.train()
     params = list(model.parameters())
@@ -152,19 +168,25 @@ def train(
         n_micro_global = len(micros) * mesh.data_ranks
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # [cross-entropy sum, lb sum] of this rank
         step_loads = {}  # layer id -> tokens per expert over this rank's micro-batches
-        for micro in micros:
+        engines = []  # one per chunk forward: their expert loads feed the routing-bias update
+        if chunks is not None:
+            sums += pipeline_step(runner, micros, engines, n_label, n_moe, t.lb_coef / (n_moe * n_micro_global), device, dtype)
+        for micro in micros if chunks is None else []:
             b, s = micro["input_ids"].shape
-            engine = ExpertEngine(dispatcher, balance, b, s)
-            ce, lb = forward_loss(model, micro, engine, device, dtype)
-            for layer_id, load in engine.expert_loads.items():
-                step_loads[layer_id] = step_loads.get(layer_id, 0) + load
+            engines.append(ExpertEngine(dispatcher, balance, b, s))
+            ce, lb = forward_loss(model, micro, engines[-1], device, dtype)
             total = ce / max(n_label, 1)
             if lb is not None:
                 total = total + t.lb_coef * lb / n_micro_global
                 sums[1] += lb.detach().double()
             total.backward()
             sums[0] += ce.detach().double()
-        if mesh.data_group is not None:
+        for engine in engines:
+            for layer_id, load in engine.expert_loads.items():
+                step_loads[layer_id] = step_loads.get(layer_id, 0) + load
+        if mesh.pp > 1:  # cross-entropy lives on pipeline rank 0, lb terms on every rank
+            torch.distributed.all_reduce(sums)
+        elif mesh.data_group is not None:
             torch.distributed.all_reduce(sums, group=mesh.data_group)
         loss = sums[0].item() / max(n_label, 1)
         grad_norm = global_grad_norm(params, mesh)
@@ -199,6 +221,28 @@ def train(
         save(end)
     log.close()
     return history
+
+
+def pipeline_step(runner, micros, engines, n_label, n_moe, lb_scale, device, dtype) -> torch.Tensor:
+    """One optimizer step's forward/backward through the pipeline (this rank's part); returns
+    [cross-entropy sum, sum over micro-batches of the layer-mean load-balance loss]."""
+    ce_sums = []
+
+    def loss_fn(logits, micro):
+        ce = cross_entropy_sum(logits, micro["labels"].to(device))
+        ce_sums.append(ce.detach().double())
+        return ce / max(n_label, 1)
+
+    make_engine = runner.make_engine
+    runner.make_engine = lambda b, s: engines.append(make_engine(b, s)) or engines[-1]
+    lists = dualpipev_schedule(runner.mesh.pp, len(micros), defer_w=False)
+    try:
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            lb_total = runner.run(micros, loss_fn, lists, lb_scale)
+    finally:
+        runner.make_engine = make_engine
+    ce = torch.stack(ce_sums).sum() if ce_sums else torch.zeros((), dtype=torch.float64, device=device)
+    return torch.stack([ce, lb_total / max(n_moe, 1)])
 
 
 @torch.no_grad()
