@@ -32,7 +32,7 @@ from torch import nn
 from pithtrain.config import ConfigError
 from pithtrain.models.protocol import RoutingInfo, Stage1Out, run_layer
 from pithtrain.ops.core import apply_rope, attention_mask, rope_cos_sin
-from pithtrain.ops.grouped_gemm import grouped_mm
+from pithtrain.ops.grouped_gemm import expert_mm
 from pithtrain.parallel.context import ContextParallel, context_attention
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -327,15 +327,15 @@ class Experts(nn.Module):
         self.down_bias = nn.Parameter(torch.empty(e, h))
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
 
-    def forward(self, tokens, counts):
+    def forward(self, tokens, counts, weight_queue=None):
         # Under autocast the grouped GEMM is not cast for us: run it in the autocast dtype.
         kind = tokens.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tokens.dtype
         # Each row's expert, to add that expert's biases; output_size avoids a device->host sync.
         experts = torch.arange(counts.numel(), device=counts.device)
         row_expert = torch.repeat_interleave(experts, counts, output_size=tokens.shape[0])
-        h = grouped_mm(tokens.to(dtype), self.gate_up.to(dtype), counts) + self.gate_up_bias.to(dtype)[row_expert]
-        out = grouped_mm(clamped_swiglu(h, self.alpha, self.limit), self.down.to(dtype), counts)
+        h = expert_mm(tokens, self, "gate_up", counts, dtype, weight_queue) + self.gate_up_bias.to(dtype)[row_expert]
+        out = expert_mm(clamped_swiglu(h, self.alpha, self.limit), self, "down", counts, dtype, weight_queue)
         return out + self.down_bias.to(dtype)[row_expert]
 
 
@@ -376,8 +376,8 @@ class DecoderLayer(nn.Module):
         tokens = self.post_attention_layernorm(h).flatten(0, 1)
         return Stage1Out(h, tokens, None, self.mlp.router(tokens))
 
-    def stage3(self, tokens, counts):
-        return self.mlp.experts(tokens, counts)
+    def stage3(self, tokens, counts, weight_queue=None):
+        return self.mlp.experts(tokens, counts, weight_queue)
 
     def stage5(self, s1: Stage1Out, combined):
         weights = s1.routing.topk_weights.to(combined.dtype)

@@ -8,8 +8,9 @@ A MoE decoder layer is cut at the expert-parallel communication boundaries:
   stage 4  combine: one row per (token, chosen expert) back home           (engine, communication)
   stage 5  weighted sum of expert outputs + shared output + residual       (model, compute)
 
-A model layer provides `stage1(x, attn) -> Stage1Out`, `stage3(tokens, counts) -> tokens` and
-`stage5(s1, combined) -> x`. Dense layers (no routed experts) return `routing=None` from stage 1
+A model layer provides `stage1(x, attn) -> Stage1Out`, `stage3(tokens, counts, weight_queue)
+-> tokens` and `stage5(s1, combined) -> x`. With a `weight_queue` (ops/grouped_gemm.py), the
+expert weight gradients are deferred to it (zero-bubble W passes run by the pipeline schedule). Dense layers (no routed experts) return `routing=None` from stage 1
 and their output in `residual`. `run_layer` below is the plain sequential composition; the
 pipeline engine interleaves the same calls of two micro-batches.
 """
@@ -51,7 +52,7 @@ class DecoderLayer(Protocol):
 
     def stage1(self, x: torch.Tensor, attn) -> Stage1Out: ...
 
-    def stage3(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor: ...
+    def stage3(self, tokens: torch.Tensor, counts: torch.Tensor, weight_queue=None) -> torch.Tensor: ...
 
     def stage5(self, s1: Stage1Out, combined: torch.Tensor) -> torch.Tensor: ...
 
@@ -63,6 +64,6 @@ def run_layer(layer, x: torch.Tensor, attn, engine) -> torch.Tensor:
         return s1.residual
     engine.record_routing(layer.layer_id, s1.routing)
     tokens, counts, handle = engine.dispatch(s1.moe_input, s1.routing)
-    expert_out = layer.stage3(tokens, counts)
+    expert_out = layer.stage3(tokens, counts, engine.weight_queue)
     combined = engine.combine(expert_out, handle)
     return layer.stage5(s1, combined)

@@ -21,7 +21,7 @@ from torch import nn
 from pithtrain.config import ConfigError
 from pithtrain.models.protocol import RoutingInfo, Stage1Out, run_layer
 from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin, swiglu
-from pithtrain.ops.grouped_gemm import grouped_mm
+from pithtrain.ops.grouped_gemm import expert_mm
 from pithtrain.parallel.context import ContextParallel, context_attention
 
 
@@ -182,12 +182,12 @@ class Experts(nn.Module):
         self.gate_up = nn.Parameter(torch.empty(num_experts, hidden, 2 * inter))
         self.down = nn.Parameter(torch.empty(num_experts, inter, hidden))
 
-    def forward(self, tokens, counts):
+    def forward(self, tokens, counts, weight_queue=None):
         # Under autocast the grouped GEMM is not cast for us: run it in the autocast dtype.
         kind = tokens.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tokens.dtype
-        h = grouped_mm(tokens.to(dtype), self.gate_up.to(dtype), counts)
-        return grouped_mm(swiglu(h), self.down.to(dtype), counts)
+        h = expert_mm(tokens, self, "gate_up", counts, dtype, weight_queue)
+        return expert_mm(swiglu(h), self, "down", counts, dtype, weight_queue)
 
 
 class Router(nn.Module):
@@ -222,8 +222,8 @@ class DecoderLayer(nn.Module):
         tokens = normed.flatten(0, 1)
         return Stage1Out(h, tokens, None, self.mlp.gate(tokens))
 
-    def stage3(self, tokens, counts):
-        return self.mlp.experts(tokens, counts)
+    def stage3(self, tokens, counts, weight_queue=None):
+        return self.mlp.experts(tokens, counts, weight_queue)
 
     def stage5(self, s1: Stage1Out, combined):
         weights = s1.routing.topk_weights.to(combined.dtype)

@@ -30,3 +30,56 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor) -> torch.
     chunks = x.split(counts.tolist())
     outs = [chunk @ w[e] for e, chunk in enumerate(chunks)]
     return torch.cat(outs) if outs else x.new_zeros(0, w.shape[-1])
+
+
+def grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """dW[e] = x_e^T @ dy_e for rows grouped by expert: [E, K, M]."""
+    if _grouped_mm_applies(x, dy) and x.shape[0] > 0:
+        offs = torch.cumsum(counts, 0).to(device=x.device, dtype=torch.int32)
+        return torch._grouped_mm(x.t(), dy, offs=offs)
+    out = x.new_zeros(num_groups, x.shape[1], dy.shape[1])
+    for e, (xe, dye) in enumerate(zip(x.split(counts.tolist()), dy.split(counts.tolist()))):
+        out[e] = xe.t() @ dye
+    return out
+
+
+class DeferredWeightGrads:
+    """A queue of weight-gradient work postponed by the backward (zero-bubble "W" passes): the
+    pipeline schedule runs it later, in a bubble. `add_grad(param, grad)` receives each result
+    (it knows how the parameter is sharded)."""
+
+    def __init__(self, add_grad):
+        self.work, self.add_grad = [], add_grad
+
+    def run(self) -> None:
+        while self.work:
+            self.work.pop(0)()
+
+
+class _GroupedMMDeferredW(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, counts, queue, module, name):
+        ctx.save_for_backward(x, w, counts)
+        ctx.queue, ctx.module, ctx.name = queue, module, name
+        return grouped_mm(x, w, counts)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, counts = ctx.saved_tensors
+        dx = grouped_mm(dy, w.transpose(-1, -2), counts)
+        queue, module, name, num_groups = ctx.queue, ctx.module, ctx.name, w.shape[0]
+
+        def weight_pass():  # needs only activations: the weights may be resharded by now
+            param = getattr(module, name)
+            queue.add_grad(param, grouped_weight_grad(x, dy, counts, num_groups))
+
+        queue.work.append(weight_pass)
+        return dx, None, None, None, None, None
+
+
+def expert_mm(x, module, name: str, counts, dtype, queue: DeferredWeightGrads | None = None):
+    """x @ module.<name> per expert, in `dtype`; with a queue, the weight gradient is deferred."""
+    w = getattr(module, name).to(dtype)
+    if queue is None:
+        return grouped_mm(x.to(dtype), w, counts)
+    return _GroupedMMDeferredW.apply(x.to(dtype), w.detach(), counts, queue, module, name)

@@ -34,8 +34,9 @@ class ExpertEngine:
     """What the model's layers call between their stages for one forward of one micro-batch:
     dispatch/combine (stages 2 and 4) and the routing bookkeeping (load-balance loss, expert loads)."""
 
-    def __init__(self, dispatcher, balance=None, batch: int = 0, seq: int = 0):
+    def __init__(self, dispatcher, balance=None, batch: int = 0, seq: int = 0, weight_queue=None):
         self.dispatcher, self.balance, self.batch, self.seq = dispatcher, balance, batch, seq
+        self.weight_queue = weight_queue  # DeferredWeightGrads: expert weight gradients run later
         self.lb_terms: list[torch.Tensor] = []
         self.expert_loads: dict[int, torch.Tensor] = {}  # layer id -> tokens per expert (detached)
 

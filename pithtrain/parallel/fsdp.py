@@ -95,3 +95,34 @@ def clip_grads(params, max_norm: float, total_norm: float) -> None:
         for p in params:
             if p.grad is not None:
                 p.grad.mul_(scale)
+
+
+@torch.no_grad()
+def add_grad(param: torch.nn.Parameter, full_grad: torch.Tensor) -> None:
+    """Add a gradient computed for the whole local parameter (e.g. a deferred expert weight
+    gradient) to `param.grad`, reduce-scattering (SUM) over the FSDP shards when `param` is a
+    DTensor sharded on dim 0, and summing over replicas under HSDP."""
+    full_grad = full_grad.to(param.dtype)
+    if not isinstance(param, DTensor):
+        param.grad = full_grad if param.grad is None else param.grad + full_grad
+        return
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = param.device_mesh, param.placements
+    local_shape = param.to_local().shape
+    for dim, placement in enumerate(placements):
+        group = mesh.get_group(dim)
+        if isinstance(placement, Replicate):
+            dist.all_reduce(full_grad, group=group)
+        elif isinstance(placement, Shard) and placement.dim == 0:
+            n = mesh.size(dim)
+            chunk = -(-full_grad.shape[0] // n)  # FSDP2 pads dim 0 to n equal chunks
+            padded = full_grad.new_zeros((chunk * n, *full_grad.shape[1:]))
+            padded[: full_grad.shape[0]] = full_grad
+            out = full_grad.new_empty((chunk, *full_grad.shape[1:]))
+            dist.reduce_scatter_tensor(out, padded, group=group)
+            full_grad = out[: local_shape[0]]
+        else:
+            raise NotImplementedError(f"deferred gradient for placement {placement}")
+    grad = DTensor.from_local(full_grad.contiguous(), mesh, placements, shape=param.shape, stride=param.stride())
+    param.grad = grad if param.grad is None else param.grad + grad

@@ -23,6 +23,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from pithtrain.ops.grouped_gemm import DeferredWeightGrads
+from pithtrain.parallel.fsdp import add_grad
+
 
 def split_layers(num_layers: int, pp: int) -> list[list[int]]:
     """Global layer ids of each of the 2*pp chunks, in model order; edge chunks get fewer."""
@@ -314,6 +317,8 @@ class PipelineRunner:
                 x = x.detach().requires_grad_()
                 leaf = x
             engine = self.make_engine(b, s)
+            if defer_w:
+                engine.weight_queue = DeferredWeightGrads(add_grad)
             out = chunk(x, pos, engine, doc_ids=doc)
             outputs, grads = [], []
             if phase == 1 and rank == 0:
@@ -330,10 +335,12 @@ class PipelineRunner:
                 outputs.append(lb * lb_scale)
                 grads.append(None)
                 lb_total += lb.detach().double()
-            saved[(phase, mb)] = (leaf, outputs, grads)
+            saved[(phase, mb)] = (leaf, outputs, grads, engine.weight_queue)
 
         def backward(phase, mb):
-            leaf, outputs, grads = saved.pop((phase, mb))
+            leaf, outputs, grads, queue = saved.pop((phase, mb))
+            if queue is not None:
+                weight_work[(phase, mb)] = queue
             tensors = []
             for out, g in zip(outputs, grads):
                 if g is None:
@@ -348,6 +355,8 @@ class PipelineRunner:
                 if not send(grad, "grad", phase):  # last rank: phase-1 input grad feeds its phase 0
                     inbox[("grad", 0, mb)] = grad
 
+        weight_work = {}  # (phase, mb) -> its deferred expert weight gradients
+        defer_w = any(op.kind == "W" for op in lists[rank])
         for op in lists[rank]:
             if op.kind in ("F", "FB"):
                 forward(op.phase, op.mb)
@@ -355,7 +364,10 @@ class PipelineRunner:
                 backward(op.phase, op.mb)
             if op.kind == "FB":
                 backward(1 - op.phase, op.mb_b)
+            if op.kind == "W":
+                weight_work.pop((op.phase, op.mb)).run()
         for _, work in pending_send:
             work.wait()
         assert not saved and not pending_recv, "pipeline step ended with work left over"
+        assert not weight_work, "deferred weight gradients left in the queue at the end of the step"
         return lb_total

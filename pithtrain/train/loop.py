@@ -235,7 +235,7 @@ def pipeline_step(runner, micros, engines, n_label, n_moe, lb_scale, device, dty
 
     make_engine = runner.make_engine
     runner.make_engine = lambda b, s: engines.append(make_engine(b, s)) or engines[-1]
-    lists = dualpipev_schedule(runner.mesh.pp, len(micros), defer_w=False)
+    lists = dualpipev_schedule(runner.mesh.pp, len(micros), defer_w=True)  # expert weight grads in W passes
     try:
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             lb_total = runner.run(micros, loss_fn, lists, lb_scale)

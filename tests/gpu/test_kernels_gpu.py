@@ -1,0 +1,142 @@
+"""Triton kernels of pithtrain.ops.kernels on CUDA against their plain-PyTorch references (skipped without
+CUDA or Triton): fresh random inputs, outputs and gradients, empty expert groups, cross-entropy at real
+vocabulary sizes in bf16 and fp32, and bit-identical gradients run to run.
+
+Tolerances: fp32 results agree with the reference (or float64) to ~1e-6 relative; bf16 results to one
+bf16 rounding (the kernels compute in fp32 and round once, the references round after each op), checked
+as relative error against float64 no worse than the reference's own. Gathers, scatters, the dispatch
+plan and the bias add are exact.
+"""
+
+import pytest
+import torch
+
+from pithtrain.ops import core, kernels
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not kernels._TRITON_INSTALLED, reason="needs Triton"),
+]
+BF16, FP32 = torch.bfloat16, torch.float32
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def run(fn, inputs, grad_out):
+    """fn's output and the gradients of its floating-point inputs."""
+    inputs = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = fn(*inputs)
+    return out, torch.autograd.grad(out, [x for x in inputs if x.requires_grad], grad_out)
+
+
+def check_against_float64(fn, ref, inputs, grad_out, dtype):
+    """Kernel vs reference in `dtype`, both measured against the reference in float64."""
+    out, dx = run(fn, inputs, grad_out)
+    ref_out, ref_dx = run(ref, inputs, grad_out)
+    exact_out, exact_dx = run(ref, [x.double() if x.is_floating_point() else x for x in inputs], grad_out.double())
+    assert out.dtype == ref_out.dtype and out.shape == ref_out.shape
+    for a, b, exact in [(out, ref_out, exact_out), *zip(dx, ref_dx, exact_dx)]:
+        if exact.numel() == 0:
+            continue
+        if dtype == FP32:
+            assert rel_err(a, exact) < 2e-6
+        else:
+            assert rel_err(a, exact) < 5e-3 and rel_err(a, exact) <= 1.05 * rel_err(b, exact) + 1e-4
+
+
+def routed_ids(tokens, topk, experts, empty=()):
+    allowed = torch.tensor([e for e in range(experts) if e not in empty], device="cuda")
+    scores = torch.rand(tokens, len(allowed), device="cuda")
+    return allowed[scores.topk(topk, dim=1).indices]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+@pytest.mark.parametrize("shape", [(4099, 2 * 384), (333, 2 * 1440), (0, 64)])
+def test_glu_kernels(dtype, shape):
+    x = torch.randn(shape, device="cuda") * 4  # beyond the clamp limit often
+    dy = torch.randn(shape[0], shape[1] // 2, device="cuda", dtype=dtype)
+    x = x.to(dtype)
+    assert kernels.use_triton(x)
+    check_against_float64(kernels.swiglu, core.swiglu, [x], dy, dtype)
+    check_against_float64(lambda t: kernels.clamped_swiglu(t, 1.702, 7.0),
+                          lambda t: kernels.clamped_swiglu_reference(t, 1.702, 7.0), [x], dy, dtype)
+
+
+@pytest.mark.parametrize("dtype, hidden", [(BF16, 2048), (FP32, 1000)])
+def test_permute_unpermute(dtype, hidden):
+    t, k, e = 4096, 8, 128
+    ids = routed_ids(t, k, e, empty=range(0, e, 8))  # 16 empty expert groups
+    order = torch.argsort(ids.flatten(), stable=True)
+    assert torch.bincount(ids.flatten(), minlength=e)[::8].sum() == 0
+    x = torch.randn(t, hidden, device="cuda", dtype=dtype)
+    dy = torch.randn(t * k, hidden, device="cuda", dtype=dtype)
+    assert torch.equal(kernels.permute(x, order // k), kernels.permute_reference(x, order // k))
+    check_against_float64(kernels.permute, kernels.permute_reference, [x, order // k], dy, dtype)
+    y, (dy_y,) = run(lambda a: kernels.unpermute(a, order, t * k), [dy], dy.flip(0))
+    ref, (ref_dy,) = run(lambda a: kernels.unpermute_reference(a, order, t * k), [dy], dy.flip(0))
+    assert torch.equal(y, ref) and torch.equal(dy_y, ref_dy)
+    # the expert-parallel receiver: 1..k copies per row, rows never picked
+    index = torch.randint(0, t, (3 * t,), device="cuda")
+    check_against_float64(kernels.permute, kernels.permute_reference, [x, index], dy[: 3 * t], dtype)
+    first = run(kernels.permute, [x, index], dy[: 3 * t])[1][0]
+    assert torch.equal(first, run(kernels.permute, [x, index], dy[: 3 * t])[1][0])  # deterministic
+
+
+@pytest.mark.parametrize("tokens, topk, experts, ep, empty", [
+    (4096, 8, 128, 8, ()),
+    (2048, 8, 256, 64, range(8, 16)),  # rank 2 receives nothing
+    (333, 6, 96, 3, ()),
+    (1000, 1, 8, 1, ()),
+    (0, 8, 128, 8, ()),
+])
+def test_dispatch_plan_matches_reference_exactly(tokens, topk, experts, ep, empty):
+    ids = routed_ids(tokens, topk, experts, empty)
+    plan = kernels.dispatch_plan(ids, experts // ep, ep)
+    ref = kernels.dispatch_plan_reference(ids, experts // ep, ep)
+    for name, a, b in zip(plan._fields, plan, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype, dim", [(BF16, 2880), (FP32, 4096)])
+def test_expert_bias_add(dtype, dim):
+    counts = torch.randint(0, 600, (32,), device="cuda")
+    counts[[0, 7, 31]] = 0
+    x = torch.randn(int(counts.sum()), dim, device="cuda", dtype=dtype)
+    bias = torch.randn(32, dim, device="cuda")  # fp32 parameter, rounded to x's dtype as the model does
+    dy = torch.randn_like(x)
+    out, (dx, dbias) = run(kernels.expert_bias_add, [x, bias, counts], dy)
+    ref, (ref_dx, _) = run(kernels.expert_bias_add_reference, [x, bias, counts], dy)
+    assert torch.equal(out, ref) and torch.equal(dx, ref_dx)
+    sums = torch.stack([rows.double().sum(0) for rows in dy.split(counts.tolist())])
+    assert rel_err(dbias, sums) < 1e-6 and (dbias[[0, 7, 31]] == 0).all()
+    assert torch.equal(dbias, run(kernels.expert_bias_add, [x, bias, counts], dy)[1][1])  # deterministic
+
+
+@pytest.mark.parametrize("vocab", [32000, 128000, 200064])
+@pytest.mark.parametrize("dtype", [BF16, FP32])
+def test_cross_entropy(vocab, dtype):
+    logits = (torch.randn(2, 512, vocab, device="cuda") * 2).to(dtype)
+    labels = torch.randint(0, vocab, (2, 512), device="cuda")
+    labels[torch.rand(2, 512, device="cuda") < 0.1] = -100
+    grad_out = torch.tensor(0.37, device="cuda")
+    loss, (dlogits,) = run(kernels.cross_entropy_sum, [logits, labels], grad_out)
+    ref, (ref_dlogits,) = run(core.cross_entropy_sum, [logits, labels], grad_out)
+    assert loss.dtype == FP32 and dlogits.dtype == dtype and dlogits.shape == logits.shape
+    assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
+    # fp32: same softmax to ~1e-6 relative; bf16: the same fp32 values rounded once (at most one ulp apart)
+    rtol = 1e-4 if dtype == FP32 else 1e-2
+    torch.testing.assert_close(dlogits, ref_dlogits, rtol=rtol, atol=1e-7)
+    assert (dlogits[labels == -100] == 0).all()
+
+
+def test_cross_entropy_backward_is_bit_identical_run_to_run():
+    logits = torch.randn(2048, 200064, device="cuda", dtype=BF16)
+    labels = torch.randint(0, 200064, (2048,), device="cuda")
+    labels[::7] = -100
+    one = torch.tensor(1.0, device="cuda")
+    loss1, (g1,) = run(kernels.cross_entropy_sum, [logits, labels], one)
+    loss2, (g2,) = run(kernels.cross_entropy_sum, [logits, labels], one)
+    assert torch.equal(loss1, loss2) and torch.equal(g1, g2)
