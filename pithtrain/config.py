@@ -57,7 +57,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     tensorboard: bool = True  # when tensorboard is installed
-    compile: bool = False  # torch.compile the dense stages
+    profile_step: int = 0  # profile this step (1-based) into OUT/profile/rank<r>.json; 0: off
 
 
 @dataclass

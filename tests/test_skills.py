@@ -22,3 +22,21 @@ def test_validate_correctness_script(tmp_path):
     differ = subprocess.run([sys.executable, SCRIPT, "--metrics", str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")],
                             capture_output=True, text=True)
     assert differ.returncode == 1 and differ.stdout.strip().endswith("FAIL")
+
+
+def test_capture_profile_overlap_measure(tmp_path):
+    # two NCCL kernels (10 + 10 us), compute kernels covering 5 us of the first and all of the second
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllToAll", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllToAll", "ts": 20, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 5, "dur": 5},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 18, "dur": 14},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 40},
+    ]
+    trace = tmp_path / "rank0.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    script = ".agents/skills/capture-profile/profile_step.py"
+    ok = subprocess.run([sys.executable, script, "--trace", str(trace), "--min-overlap", "0.7"], capture_output=True, text=True)
+    assert "overlapped with compute: 75.0%" in ok.stdout and ok.stdout.strip().endswith("PASS")
+    low = subprocess.run([sys.executable, script, "--trace", str(trace), "--min-overlap", "0.8"], capture_output=True, text=True)
+    assert low.returncode == 1 and low.stdout.strip().endswith("FAIL: overlap 75.0% < 80%")

@@ -155,7 +155,10 @@ def train(
     model.train()
     params = list(model.parameters())
     end = t.steps if stop_after is None else min(t.steps, stop_after)
+    profiler = None
     for step in range(start, end):
+        if t.profile_step and step + 1 == t.profile_step:
+            profiler = start_profiler(device)
         t0 = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -214,6 +217,14 @@ def train(
             "tokens": n_label,
         }
         history.append(m)
+        if profiler is not None:
+            profiler.stop()
+            path = out_dir / "profile" / f"rank{mesh.rank}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            profiler.export_chrome_trace(str(path))
+            if echo:
+                print(f"profile of step {step + 1} written to {path.parent}/rank*.json", flush=True)
+            profiler = None
         log.log(m, t.steps, echo=echo and ((step + 1) % t.log_every == 0 or step + 1 == t.steps))
         if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < end:
             save(step + 1)
@@ -221,6 +232,16 @@ def train(
         save(end)
     log.close()
     return history
+
+
+def start_profiler(device: torch.device):
+    """torch.profiler over one step (CPU ops, and CUDA kernels on GPUs); see the capture-profile skill."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    profiler = torch.profiler.profile(activities=activities, record_shapes=False)
+    profiler.start()
+    return profiler
 
 
 def pipeline_step(runner, micros, engines, n_label, n_moe, lb_scale, device, dtype) -> torch.Tensor:

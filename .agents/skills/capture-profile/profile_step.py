@@ -1,0 +1,110 @@
+"""Profile one training step and measure how much communication overlaps computation; PASS/FAIL.
+
+    python .agents/skills/capture-profile/profile_step.py CONFIG --step 3 [--train-args "--nproc 2 --ep 2"]
+        [--set a.b=v ...] [--min-overlap 0.5]
+    python .agents/skills/capture-profile/profile_step.py --trace RUN/profile/rank0.json
+
+Reads the Chrome trace that `train.profile_step` writes. GPU kernels are split into
+communication (NCCL) and computation; the overlap is the share of communication time during
+which a computation kernel runs on another stream. On the CPU (gloo) collectives run inline, so
+the overlap is 0 by construction; the op table is still useful.
+"""
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+
+def intervals(events, predicate):
+    out = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and "dur" in e and predicate(e)]
+    return sorted(out)
+
+
+def merged(spans):
+    out = []
+    for a, b in spans:
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def overlap_time(spans, cover):
+    total, j = 0.0, 0
+    for a, b in spans:
+        for c, d in cover:
+            if d <= a or c >= b:
+                continue
+            total += min(b, d) - max(a, c)
+    return total
+
+
+def analyse(trace_path: Path) -> dict:
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    is_gpu = lambda e: e.get("cat") in ("kernel", "gpu_memcpy")  # noqa: E731
+    is_comm = lambda e: "nccl" in e.get("name", "").lower()  # noqa: E731
+    comm = merged(intervals(events, lambda e: is_gpu(e) and is_comm(e)))
+    compute = merged(intervals(events, lambda e: is_gpu(e) and not is_comm(e)))
+    comm_time = sum(b - a for a, b in comm)
+    top = {}
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and (is_gpu(e) or e.get("cat") == "cpu_op"):
+            key = (e.get("cat"), e["name"][:60])
+            top[key] = top.get(key, 0) + e["dur"]
+    return {
+        "gpu": bool(compute),
+        "comm_us": comm_time,
+        "compute_us": sum(b - a for a, b in compute),
+        "overlap": overlap_time(comm, compute) / comm_time if comm_time else 0.0,
+        "top": sorted(top.items(), key=lambda kv: -kv[1])[:15],
+    }
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config", nargs="?")
+    parser.add_argument("--step", type=int, default=3, help="the step to profile (after warm-up)")
+    parser.add_argument("--train-args", default="", help="extra `pithtrain train` arguments, e.g. '--nproc 2 --ep 2'")
+    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--trace", help="analyse an existing trace instead of running")
+    parser.add_argument("--min-overlap", type=float, default=0.0, help="FAIL below this communication overlap")
+    args = parser.parse_args()
+    if args.trace:
+        trace = Path(args.trace)
+    else:
+        if not args.config:
+            parser.error("give CONFIG or --trace")
+        out = Path(tempfile.mkdtemp(prefix="profile-"))
+        cmd = [sys.executable, "-m", "pithtrain", "train", args.config, "--out", str(out), "--steps", str(args.step),
+               "--set", f"train.profile_step={args.step}", *shlex.split(args.train_args)]
+        for s in args.set:
+            cmd += ["--set", s]
+        print("$", " ".join(cmd), flush=True)
+        if subprocess.run(cmd).returncode != 0:
+            print("FAIL: the run did not finish")
+            return 1
+        trace = out / "profile" / "rank0.json"
+    if not trace.is_file():
+        print(f"FAIL: no trace at {trace}")
+        return 1
+    result = analyse(trace)
+    print(f"trace {trace}")
+    for (cat, name), us in result["top"]:
+        print(f"  {us / 1e3:9.2f} ms  {cat:>10}  {name}")
+    if result["gpu"]:
+        print(f"GPU compute {result['compute_us'] / 1e3:.2f} ms, communication {result['comm_us'] / 1e3:.2f} ms, "
+              f"communication overlapped with compute: {100 * result['overlap']:.1f}%")
+    else:
+        print("no GPU kernels in the trace (CPU run): collectives run inline, overlap 0%")
+    ok = result["overlap"] >= args.min_overlap
+    print("PASS" if ok else f"FAIL: overlap {100 * result['overlap']:.1f}% < {100 * args.min_overlap:.0f}%")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,120 @@
+"""Time each Triton kernel of pithtrain.ops.kernels against its plain-PyTorch reference on one GPU.
+
+    python benchmarks/kernels.py [--repeats 30]
+
+Per op: forward, and forward + backward, median milliseconds over the repeats (CUDA events, after
+warm-up, which includes the Triton compiles), and the peak memory the forward + backward allocates.
+Shapes are those of one micro-batch of 4096 tokens of Qwen3-30B-A3B and GPT-OSS-20B sized layers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
+
+from pithtrain.ops import core, kernels  # noqa: E402
+
+
+def median_ms(fn, repeats: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_mib(fn) -> float:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def forward_backward(fn, inputs):
+    """fn and fn + backward on the floating-point inputs, as closures over fresh leaves."""
+    leaves = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
+    out = fn(*inputs)
+    grad_out = torch.randn_like(out) if out.dim() else None  # a scalar loss takes the implicit 1
+
+    def fwd():
+        with torch.no_grad():
+            fn(*inputs)
+
+    def fwd_bwd():
+        out = fn(*leaves)
+        out.backward(grad_out)
+        for x in leaves:
+            x.grad = None
+
+    return fwd, fwd_bwd
+
+
+def cases():
+    dev, bf16 = "cuda", torch.bfloat16
+    tokens = 4096
+    ids8 = torch.rand(tokens, 128, device=dev).topk(8, dim=1).indices  # Qwen3-30B-A3B: 128 experts, top-8
+    order = torch.argsort(ids8.flatten(), stable=True)
+    counts = torch.bincount(torch.rand(tokens, 32, device=dev).topk(4, dim=1).indices.flatten(), minlength=32)
+    gate_up = torch.randn(tokens * 8, 2 * 768, device=dev, dtype=bf16)
+    gate_up_oss = torch.randn(tokens * 4, 2 * 2880, device=dev, dtype=bf16) * 4
+    x = torch.randn(tokens, 2048, device=dev, dtype=bf16)
+    rows = torch.randn(tokens * 8, 2048, device=dev, dtype=bf16)
+    rows_oss = torch.randn(tokens * 4, 2880, device=dev, dtype=bf16)
+    bias = torch.randn(32, 2880, device=dev, dtype=bf16)
+    labels = torch.randint(0, 151936, (8192,), device=dev)
+    labels_oss = torch.randint(0, 201088, (8192,), device=dev)
+    yield ("swiglu", "[32768, 1536] bf16", core.swiglu, kernels.swiglu, [gate_up])
+    yield ("clamped_swiglu", "[16384, 5760] bf16", lambda t: kernels.clamped_swiglu_reference(t, 1.702, 7.0),
+           lambda t: kernels.clamped_swiglu(t, 1.702, 7.0), [gate_up_oss])
+    yield ("permute", "4096x2048 -> 32768 rows", kernels.permute_reference, kernels.permute, [x, order // 8])
+    yield ("unpermute", "32768 x 2048 bf16", lambda y: kernels.unpermute_reference(y, order, tokens * 8),
+           lambda y: kernels.unpermute(y, order, tokens * 8), [rows])
+    yield ("expert_bias_add", "[16384, 2880] bf16, E=32", kernels.expert_bias_add_reference, kernels.expert_bias_add,
+           [rows_oss, bias, counts])
+    yield ("cross_entropy_sum", "[8192, 151936] bf16", core.cross_entropy_sum, kernels.cross_entropy_sum,
+           [torch.randn(8192, 151936, device=dev, dtype=bf16), labels])
+    yield ("cross_entropy_sum", "[8192, 201088] bf16", core.cross_entropy_sum, kernels.cross_entropy_sum,
+           [torch.randn(8192, 201088, device=dev, dtype=bf16), labels_oss])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or not kernels._TRITON_INSTALLED:
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU and Triton")
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, median of {args.repeats} (ms)")
+    head = f"{'op':<18} {'shape':<26} {'ref fwd':>8} {'tri fwd':>8} {'x':>5} {'ref f+b':>8} {'tri f+b':>8} {'x':>5}" \
+           f" {'ref MiB':>8} {'tri MiB':>8}"
+    print(head + "\n" + "-" * len(head))
+    for name, shape, ref, fast, inputs in cases():
+        ref_fwd, ref_fb = forward_backward(ref, inputs)
+        fast_fwd, fast_fb = forward_backward(fast, inputs)
+        t = [median_ms(f, args.repeats) for f in (ref_fwd, fast_fwd, ref_fb, fast_fb)]
+        mem = [peak_mib(f) for f in (ref_fb, fast_fb)]
+        print(f"{name:<18} {shape:<26} {t[0]:8.3f} {t[1]:8.3f} {t[0] / t[1]:5.2f} {t[2]:8.3f} {t[3]:8.3f}"
+              f" {t[2] / t[3]:5.2f} {mem[0]:8.0f} {mem[1]:8.0f}")
+    # the dispatch plan has no backward; its reference syncs with the host (nonzero) twice
+    for tokens, ep in ((4096, 8), (16384, 64)):
+        ids = torch.rand(tokens, 256, device="cuda").topk(8, dim=1).indices
+        ref_t = median_ms(lambda: kernels.dispatch_plan_reference(ids, 256 // ep, ep), args.repeats)
+        fast_t = median_ms(lambda: kernels.dispatch_plan(ids, 256 // ep, ep), args.repeats)
+        print(f"{'dispatch_plan':<18} {f'T={tokens} k=8 E=256 ep={ep}':<26} {ref_t:8.3f} {fast_t:8.3f} {ref_t / fast_t:5.2f}")
+
+
+if __name__ == "__main__":
+    main()
