@@ -125,7 +125,8 @@ def _attention_cases(rank, world):
 
     # MLA: the ring carries the latent and the shared rope key; k/v are expanded on every rank
     for use_docs in (False, True):
-        q, latent, k_rope, weight = torch.randn(b, 4, s, 8), torch.randn(b, s, 3), torch.randn(b, 1, s, 2), torch.randn(44, 3)
+        q, latent, k_rope = torch.randn(b, 4, s, 8), torch.randn(b, s, 3), torch.randn(b, 1, s, 2)
+        weight = torch.randn(44, 3)
         full = [t.double().requires_grad_() for t in (q, latent, k_rope, weight)]
         want = reference_attention(full[0], *mla_expand(*full[1:]), docs=docs if use_docs else None)
         grad = torch.randn_like(want)

@@ -314,3 +314,37 @@ def test_triton_cross_entropy(interpreter, dtype):
     labels3 = torch.full((2, 3), -100)
     loss, (grad,) = grads(lambda z: kernels._CrossEntropySum.apply(z, labels3), [logits3], torch.tensor(1.0))
     assert loss == 0 and (grad == 0).all() and grad.shape == logits3.shape
+
+
+def test_triton_ops_are_sound_custom_ops_and_compile(interpreter, monkeypatch):
+    """Schemas and fakes of every launch (opaque to torch.compile), then a fullgraph compile through all of them."""
+    ops = torch.ops.pithtrain
+    x, ends = torch.randn(5, 16), torch.tensor([2, 2, 5], dtype=torch.int32)
+    labels = torch.tensor([1, -100, 3, 0, 2])
+    ids = routed_ids(6, 2, 8)
+    for op, args in [
+        (ops.glu_fwd, (x, 1.702, 2.0, True)), (ops.glu_bwd, (x, torch.randn(5, 8), 1.0, 0.0, False)),
+        (ops.gather_rows, (x, torch.tensor([4, 0, 4]))), (ops.scatter_rows, (x, torch.tensor([3, 0, 6, 1, 2]), 7)),
+        (ops.segment_sum, (x, torch.tensor([1, 0, 2, 4, 3]), ends)), (ops.dispatch_plan, (ids, 2, 4)),
+        (ops.expert_bias_add, (x, torch.randn(3, 16), ends)), (ops.expert_bias_grad, (x, ends, torch.float32)),
+        (ops.cross_entropy_fwd, (x, labels)), (ops.cross_entropy_bwd, (x, labels, torch.randn(5), torch.ones(1))),
+    ]:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)  # the Triton path on CPU tensors
+    t, k, e = 16, 2, 8
+    ids = routed_ids(t, k, e, empty=(3,))
+    counts, order = torch.bincount(ids.flatten(), minlength=e), torch.argsort(ids.flatten(), stable=True)
+
+    def layer(x, w, bias, logits):
+        h = kernels.expert_bias_add(kernels.permute(x, order // k) @ w, bias, counts)
+        act = kernels.swiglu(h) + kernels.clamped_swiglu(h, 1.702, 2.0)
+        out = kernels.unpermute(act, order, t * k).view(t, k, -1).sum(1)
+        plan = kernels.dispatch_plan(ids, e // 4, 4)
+        return out.square().sum() + kernels.cross_entropy_sum(logits, labels.repeat(4)[:t]) + plan.send_counts.sum()
+
+    inputs = [torch.randn(t, 8), torch.randn(8, 12), torch.randn(e, 12), torch.randn(t, 40)]
+    eager, eager_grads = grads(layer, inputs, torch.tensor(1.0))
+    compiled, compiled_grads = grads(torch.compile(layer, fullgraph=True, backend="aot_eager"), inputs,
+                                     torch.tensor(1.0))
+    assert torch.equal(eager, compiled) and all(map(torch.equal, eager_grads, compiled_grads))

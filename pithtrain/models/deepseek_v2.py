@@ -317,8 +317,8 @@ class Attention(nn.Module):
     def forward(self, x, attn: AttnInputs):
         if attn.cp is not None:  # the ring carries the latent and rope key (not per-head K/V); each rank expands them
             q, latent, k_rope = self.q_and_latent(x, attn.cos, attn.sin)
-            out = context_attention_expand(q, (latent, k_rope), self.expand_kv, (self.kv_b_proj.weight,), self.scale, attn.cp)
-            return self.o_proj(out)
+            weights = (self.kv_b_proj.weight,)
+            return self.o_proj(context_attention_expand(q, (latent, k_rope), self.expand_kv, weights, self.scale, attn.cp))
         q, k, v = self.qkv(x, attn.cos, attn.sin)
         pad = q.shape[-1] - v.shape[-1]
         if pad <= 0:

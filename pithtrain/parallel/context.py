@@ -25,6 +25,10 @@ function rebuilds K/V from it on every step. MLA sends its normed latent and sha
 payload and of expand's weights come from autograd through `expand`.
 
 Sinks (GPT-OSS): one logit per head joins the softmax denominator once, after the ring.
+
+Use, per micro-batch already on the device:
+    micro, cp = shard_micro_batch(micro, mesh.cp_group)
+    logits = model(micro["input_ids"], micro["position_ids"], engine, doc_ids=micro.get("doc_ids"), cp=cp)
 """
 
 from __future__ import annotations
@@ -64,7 +68,8 @@ class ContextParallel:
     """One micro-batch's CP layout. `positions[r]` [1 or B, S_local] and `doc_ids[r]` [B, S_local]
     (None: no packing) are the global token indices and document ids of CP rank r's tokens; every
     rank knows all of them, since CP ranks read the same samples. Masks come from these, never
-    from position_ids (which restart at each packed document)."""
+    from position_ids (which restart at each packed document). Build one per micro-batch: it
+    caches which blocks are visible."""
 
     group: dist.ProcessGroup | None  # None: cp == 1 (no communication)
     cp: int
