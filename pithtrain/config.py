@@ -161,7 +161,6 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be at least 1")
     for name in ("pp", "cp", "ep"):
         _check(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)}: must be at least 1")
-    _check(p.cp == 1, f"parallel.cp={p.cp}: context parallelism is not available yet; use cp=1")
     model_parallel = p.pp * p.cp * p.ep
     _check(
         world_size % model_parallel == 0,

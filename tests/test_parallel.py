@@ -25,10 +25,11 @@ from pithtrain.train.optim import build_optimizer
 STEPS = 4
 
 
-def mesh_config(dataset_dir, ep=1, hsdp=False, steps=STEPS, family=tiny_config, pp=1, **train_kw):
+def mesh_config(dataset_dir, ep=1, hsdp=False, steps=STEPS, family=tiny_config, pp=1, cp=1, packed=False, **train_kw):
     train_kw = {"global_batch_size": 8, "micro_batch_size": 2, **train_kw}
     cfg = family(dataset_dir, steps=steps, **train_kw)
-    cfg.parallel.ep, cfg.parallel.hsdp, cfg.parallel.pp = ep, hsdp, pp
+    cfg.parallel.ep, cfg.parallel.hsdp, cfg.parallel.pp, cfg.parallel.cp = ep, hsdp, pp, cp
+    cfg.data.pack_documents = packed
     return cfg
 
 
@@ -53,6 +54,10 @@ def runs(tmp_path_factory, dataset_dir):
         (mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config), root / "pp2ep2", {}),
         (mesh_config(dataset_dir, pp=2, steps=3, family=deep_config), root / "pp2dp2", {}),
         (mesh_config(dataset_dir, pp=4, steps=3, family=deep_config), root / "pp4", {}),
+        (mesh_config(dataset_dir, cp=2), root / "cp2", {}),
+        (mesh_config(dataset_dir, cp=4), root / "cp4", {}),
+        (mesh_config(dataset_dir, cp=2, ep=2), root / "cp2ep2", {}),
+        (mesh_config(dataset_dir, cp=2, ep=2, steps=3, packed=True, lb_type="seq"), root / "cp2ep2_packed", {}),
         (mesh_config(dataset_dir, ep=2, steps=8, checkpoint_every=2), chain, {"stop_after": 4}),
     ]
     two = [
@@ -68,6 +73,7 @@ def runs(tmp_path_factory, dataset_dir):
     ]
     run_world(4, four)
     run_world(2, two)
+    run_world(8, [(mesh_config(dataset_dir, pp=2, cp=2, ep=2, steps=3, family=deep_config), root / "pp2cp2ep2", {})])
     train(mesh_config(dataset_dir, steps=8, checkpoint_every=2), chain, echo=False)  # the last leg: one process
     refs = {
         "ref": train(mesh_config(dataset_dir), root / "ref", echo=False),
@@ -76,6 +82,7 @@ def runs(tmp_path_factory, dataset_dir):
         "ref_global": train(mesh_config(dataset_dir, steps=2, lb_type="micro", lb_coef=0.5, micro_batch_size=4),
                             root / "ref_global", echo=False),
         "ref_seq": train(mesh_config(dataset_dir, steps=2, lb_type="seq", lb_coef=0.5), root / "ref_seq", echo=False),
+        "packed_ref": train(mesh_config(dataset_dir, steps=3, packed=True, lb_type="seq"), root / "packed_ref", echo=False),
         "deep_ref": train(mesh_config(dataset_dir, steps=3, family=deep_config), root / "deep_ref", echo=False),
         "ds_ref": train(mesh_config(dataset_dir, steps=3, family=tiny_deepseek_config), root / "ds_ref", echo=False),
         "oss_ref": train(mesh_config(dataset_dir, steps=3, family=tiny_gpt_oss_config), root / "oss_ref", echo=False),
@@ -96,7 +103,7 @@ def final_weights(run_dir, dataset_dir, family=tiny_config):
     return model.state_dict()
 
 
-@pytest.mark.parametrize("name", ["dp2", "ep2", "ep4", "dp2ep2", "hsdp_dp2ep2", "dp4"])
+@pytest.mark.parametrize("name", ["dp2", "ep2", "ep4", "dp2ep2", "hsdp_dp2ep2", "dp4", "cp2", "cp4", "cp2ep2"])
 def test_loss_curve_and_weights_do_not_depend_on_the_mesh(runs, dataset_dir, name):
     root, refs = runs
     assert_same_curve(refs["ref"], read_metrics(root / name / "metrics.jsonl"))
@@ -107,7 +114,8 @@ def test_loss_curve_and_weights_do_not_depend_on_the_mesh(runs, dataset_dir, nam
 
 
 @pytest.mark.parametrize("family, ref, names", [
-    (deep_config, "deep_ref", ["pp2", "pp2ep2", "pp2dp2", "pp4"]),
+    (deep_config, "deep_ref", ["pp2", "pp2ep2", "pp2dp2", "pp4", "pp2cp2ep2"]),
+    (tiny_config, "packed_ref", ["cp2ep2_packed"]),
     (tiny_deepseek_config, "ds_ref", ["ds_ep2", "ds_dp2"]),
     (tiny_gpt_oss_config, "oss_ref", ["oss_ep2"]),
 ])

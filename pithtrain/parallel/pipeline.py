@@ -249,7 +249,7 @@ class PipelineRunner:
         self.act_dtype = act_dtype  # dtype of the activations and gradients exchanged
         self.mesh = mesh
         self.make_engine = make_engine  # () -> ExpertEngine for one chunk forward
-        self.forward_inputs = forward_inputs  # micro dict -> (position_ids, doc_ids) on the device
+        self.forward_inputs = forward_inputs  # micro dict -> (position_ids, doc_ids, ContextParallel or None)
         pp_mesh = mesh.device_mesh["pp"]
         self.group = pp_mesh.get_group()
         self.peer = {d: dist.get_global_rank(self.group, mesh.pp_rank + d) for d in (-1, 1)
@@ -308,9 +308,9 @@ class PipelineRunner:
         def forward(phase, mb):
             nonlocal lb_total
             micro, chunk = micros[mb], self.chunks[phase]
-            pos, doc = self.forward_inputs(micro)
+            pos, doc, cp = self.forward_inputs(micro)
             if phase == 0 and rank == 0:
-                x = micro["input_ids"].to(mesh.device)
+                x = micro["input_ids"]
                 leaf = None
             else:
                 x = inbox.pop(("act", phase, mb)) if ("act", phase, mb) in inbox else receive("act", phase, mb)
@@ -319,7 +319,7 @@ class PipelineRunner:
             engine = self.make_engine(b, s)
             if defer_w:
                 engine.weight_queue = DeferredWeightGrads(add_grad)
-            out = chunk(x, pos, engine, doc_ids=doc)
+            out = chunk(x, pos, engine, doc_ids=doc, cp=cp)
             outputs, grads = [], []
             if phase == 1 and rank == 0:
                 outputs.append(loss_fn(out, micro))

@@ -21,6 +21,7 @@ import torch
 from pithtrain.config import RunConfig, validate
 from pithtrain.models.routing import update_correction_bias
 from pithtrain.ops.core import cross_entropy_sum
+from pithtrain.parallel.context import shard_micro_batch
 from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispatch
 from pithtrain.parallel.fsdp import clip_grads, global_grad_norm, keep_local_experts, shard_model
 from pithtrain.parallel.mesh import Mesh
@@ -47,13 +48,21 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def forward_loss(model, micro: dict, engine: ExpertEngine, device, dtype):
-    """Forward one micro-batch; returns (sum of token cross-entropy, load-balance loss or None)."""
-    ids = micro["input_ids"].to(device)
-    pos = micro["position_ids"].to(device)
-    doc = micro["doc_ids"].to(device) if "doc_ids" in micro else None
+    """Forward one (device-resident, CP-split) micro-batch; returns (sum of token cross-entropy,
+    load-balance loss or None)."""
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        logits = model(ids, pos, engine, doc_ids=doc)
-    return cross_entropy_sum(logits, micro["labels"].to(device)), engine.lb_loss()
+        logits = model(micro["input_ids"], micro["position_ids"], engine, doc_ids=micro.get("doc_ids"), cp=micro.get("cp"))
+    return cross_entropy_sum(logits, micro["labels"]), engine.lb_loss()
+
+
+def prepare_micro(micro: dict, mesh: Mesh) -> dict:
+    """Move a micro-batch to the device and keep this CP rank's zigzag share of its sequences
+    (with the ContextParallel under key "cp")."""
+    micro = {k: v.to(mesh.device) for k, v in micro.items()}
+    if mesh.cp == 1:
+        return micro
+    local, cp = shard_micro_batch(micro, mesh.cp_group)
+    return dict(local, cp=cp)
 
 
 def rank_micro_batches(batch: dict, size: int, data_rank: int, data_ranks: int) -> list[dict]:
@@ -112,7 +121,7 @@ def train(
             shard_model(part, mesh, bf16_params=dtype == torch.bfloat16)
     optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
     count_group = mesh.data_group if t.lb_type == "global" else None
-    balance = LoadBalance(t.lb_type, count_group) if t.lb_coef > 0 else None
+    balance = LoadBalance(t.lb_type, count_group, cp_group=mesh.cp_group) if t.lb_coef > 0 else None
     num_experts = config.model.num_routed_experts()
     dispatcher = AllToAllDispatch(mesh.ep_group, num_experts) if mesh.ep > 1 else LocalDispatch()
 
@@ -146,7 +155,7 @@ def train(
     if chunks is not None:
         runner = PipelineRunner(
             *chunks, mesh, lambda b, s: ExpertEngine(dispatcher, balance, b, s),
-            lambda micro: (micro["position_ids"].to(device), micro["doc_ids"].to(device) if "doc_ids" in micro else None),
+            lambda micro: (micro["position_ids"], micro.get("doc_ids"), micro.get("cp")),
             act_dtype=dtype,
         )
         for part in chunks:
@@ -167,7 +176,7 @@ def train(
             group["lr"] = lr
         batch = loader.global_batch(step)
         n_label = int((batch["labels"] != -100).sum())  # over the whole global batch
-        micros = rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)
+        micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
         n_micro_global = len(micros) * mesh.data_ranks
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # [cross-entropy sum, lb sum] of this rank
         step_loads = {}  # layer id -> tokens per expert over this rank's micro-batches
@@ -187,10 +196,9 @@ def train(
         for engine in engines:
             for layer_id, load in engine.expert_loads.items():
                 step_loads[layer_id] = step_loads.get(layer_id, 0) + load
-        if mesh.pp > 1:  # cross-entropy lives on pipeline rank 0, lb terms on every rank
-            torch.distributed.all_reduce(sums)
-        elif mesh.data_group is not None:
-            torch.distributed.all_reduce(sums, group=mesh.data_group)
+        if mesh.world > 1:  # cross-entropy: pipeline rank 0 of every dp x cp x ep rank; lb terms: every rank
+            torch.distributed.all_reduce(sums, group=None if mesh.pp > 1 else mesh.dense_mesh.get_group())
+            sums[1] /= mesh.cp  # each CP rank holds the same (whole-sequence) load-balance value
         loss = sums[0].item() / max(n_label, 1)
         grad_norm = global_grad_norm(params, mesh)
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
@@ -250,7 +258,7 @@ def pipeline_step(runner, micros, engines, n_label, n_moe, lb_scale, device, dty
     ce_sums = []
 
     def loss_fn(logits, micro):
-        ce = cross_entropy_sum(logits, micro["labels"].to(device))
+        ce = cross_entropy_sum(logits, micro["labels"])
         ce_sums.append(ce.detach().double())
         return ce / max(n_label, 1)
 
@@ -275,8 +283,8 @@ def update_routing_biases(model, step_loads: dict, mesh: Mesh, model_cfg) -> Non
         return
     layer_ids = sorted(biases)
     loads = torch.stack([step_loads[i].float() for i in layer_ids])
-    if mesh.data_group is not None:
-        torch.distributed.all_reduce(loads, group=mesh.data_group)
+    if mesh.world > 1:  # every rank of this pipeline stage that holds other tokens: dp x cp x ep
+        torch.distributed.all_reduce(loads, group=mesh.dense_mesh.get_group())
     for layer_id, load in zip(layer_ids, loads):
         update_correction_bias(biases[layer_id], load, model_cfg.bias_update_speed)
 
