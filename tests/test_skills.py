@@ -40,3 +40,15 @@ def test_capture_profile_overlap_measure(tmp_path):
     assert "overlapped with compute: 75.0%" in ok.stdout and ok.stdout.strip().endswith("PASS")
     low = subprocess.run([sys.executable, script, "--trace", str(trace), "--min-overlap", "0.8"], capture_output=True, text=True)
     assert low.returncode == 1 and low.stdout.strip().endswith("FAIL: overlap 75.0% < 80%")
+
+
+def test_add_new_model_parity_script(tmp_path):
+    config = {"model_type": "qwen3_moe", "vocab_size": 101, "hidden_size": 36, "intermediate_size": 40,
+              "moe_intermediate_size": 20, "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
+              "head_dim": 10, "num_experts": 5, "num_experts_per_tok": 2, "max_position_embeddings": 64,
+              "mlp_only_layers": [1], "attention_bias": True}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    result = subprocess.run([sys.executable, ".agents/skills/add-new-model/check_parity.py", str(tmp_path / "config.json")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip().endswith("PASS"), result.stdout + result.stderr
+    assert result.stdout.count("ok   ") == 5
