@@ -135,10 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    record(_main)(argv)  # under a launcher, a failing worker's traceback goes to the error report
+    # under a launcher, a failing worker's traceback goes to the error report
+    sys.exit(record(_main)(argv))
 
 
-def _main(argv: list[str] | None = None) -> None:
+def _main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
@@ -151,4 +152,4 @@ def _main(argv: list[str] | None = None) -> None:
             raise
         print(f"error: {e}\n(set PITHTRAIN_DEBUG=1 to see the traceback)", file=sys.stderr)
         code = 2
-    sys.exit(code)
+    return code

@@ -90,10 +90,9 @@ def test_cli_eval_matches_hf_loss(hf_pair, tmp_path, capsys):
     tokens = np.random.default_rng(0).integers(0, BASE["vocab_size"], size=(5, 17)).astype(np.int32)
     np.save(tmp_path / "tokens.npy", tokens)
     capsys.readouterr()
-    try:  # main() exits with the status, or (wrapped for elastic launch) returns on success
+    with pytest.raises(SystemExit) as done:  # main() exits with the command's status
         cli_main(["eval", str(path), "--tokens", str(tmp_path / "tokens.npy"), "--json", "--device", "cpu"])
-    except SystemExit as done:
-        assert done.code in (0, None)
+    assert done.value.code == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     ids = torch.from_numpy(tokens.astype(np.int64))
     with torch.no_grad():

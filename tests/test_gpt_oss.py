@@ -245,13 +245,13 @@ def test_eval_cli_on_hf_dir(hf_dir, tmp_path):
     hf, path = hf_dir
     tokens = torch.randint(0, hf.config.vocab_size, (3, SEQ), generator=torch.Generator().manual_seed(6))
     np.save(tmp_path / "tokens.npy", tokens.numpy())
-    stdout, code = io.StringIO(), 0
+    stdout, code = io.StringIO(), None
     with contextlib.redirect_stdout(stdout):
-        try:  # main() exits with the command's status; success may also return normally
+        try:  # main() exits with the command's status
             main(["eval", str(path), "--tokens", str(tmp_path / "tokens.npy"), "--json", "--device", "cpu"])
         except SystemExit as e:
             code = e.code
-    assert code in (0, None)
+    assert code == 0
     result = json.loads(stdout.getvalue().strip().splitlines()[-1])
     with torch.no_grad():
         ref = hf(input_ids=tokens, labels=tokens).loss.item()

@@ -4,7 +4,17 @@ First the plain-PyTorch references (what the public functions run on the CPU) ag
 float64 formulas and loops, gradients included; then, only where Triton is installed, the Triton
 kernels themselves under the interpreter (TRITON_INTERPRET=1, numpy on CPU tensors) against the
 references. CI has no Triton: that second half skips with its reason.
+
+Triton decides at import whether its own library functions are interpreted, and other test files
+import it (through transformers) during collection, so the interpreter tests run in a fresh pytest
+process started with TRITON_INTERPRET=1 (test_triton_kernels_under_the_interpreter); run directly with
+`TRITON_INTERPRET=1 python -m pytest -q tests/test_kernels.py -k triton`.
 """
+
+import importlib.util
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -216,11 +226,25 @@ def test_cross_entropy_reference_matches_float64(dtype):
 # --- Triton kernels under the interpreter ----------------------------------------------------------------
 
 
+NO_TRITON = importlib.util.find_spec("triton") is None
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set before this process imported Triton
+
+
+@pytest.mark.skipif(NO_TRITON, reason="Triton is not installed (an optional, GPU-only dependency)")
+@pytest.mark.skipif(INTERPRETED, reason="this process runs the interpreter tests itself")
+def test_triton_kernels_under_the_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton_ and not interpreter"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
+
+
 @pytest.fixture
-def interpreter(monkeypatch):
-    # Before Triton is imported, and before any kernel is built (kernels are jit-compiled on first launch).
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    pytest.importorskip("triton", reason="Triton is not installed (an optional, GPU-only dependency)")
+def interpreter():
+    if NO_TRITON:
+        pytest.skip("Triton is not installed (an optional, GPU-only dependency)")
+    if not INTERPRETED:
+        pytest.skip("runs in a fresh process started with TRITON_INTERPRET=1 (test_triton_kernels_under_the_interpreter)")
 
 
 def check_kernel(fn, ref, inputs, grad_out, tol):

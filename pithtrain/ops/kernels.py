@@ -18,14 +18,13 @@ How it is built:
     the output shapes); each differentiable op is a torch.autograd.Function over those launches.
   - No atomics on floating-point outputs: every program owns the outputs it writes, and sums over
     rows run in a fixed order in fp32, so gradients are bit-identical run to run.
-  - Triton is optional (GPU only). It is imported and each kernel jit-compiled on its first launch;
-    with TRITON_INTERPRET=1 set by then, the kernels run on CPU tensors through the interpreter.
+  - Triton is optional (GPU only): it is imported, and each kernel jit-compiled, on the first launch.
+    With TRITON_INTERPRET=1 set before Triton's import, the kernels run on CPU tensors (interpreter).
 """
 
 from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotations unevaluated
 
 import importlib.util
-import os
 from typing import NamedTuple
 
 import torch
@@ -44,22 +43,20 @@ def use_triton(x: torch.Tensor) -> bool:
 
 class _Kernel:
     """A module-level Triton kernel, jit-compiled on its first launch: `_Kernel(fn)[grid](*args)`.
-    One compiled object per TRITON_INTERPRET setting, so interpreter tests and GPU runs can share
-    one process."""
+    (Triton reads TRITON_INTERPRET when it is imported: set it before, for the interpreter.)"""
 
     def __init__(self, fn):
-        self.fn, self.built = fn, {}
+        self.fn, self.jitted = fn, None
 
     def __getitem__(self, grid):
-        mode = os.environ.get("TRITON_INTERPRET", "0")
-        if mode not in self.built:
+        if self.jitted is None:
             global tl
             import triton
             import triton.language
 
             tl = triton.language
-            self.built[mode] = triton.jit(self.fn)
-        return self.built[mode][grid]
+            self.jitted = triton.jit(self.fn)
+        return self.jitted[grid]
 
 
 def _pow2(n: int) -> int:
