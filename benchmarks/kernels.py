@@ -113,7 +113,8 @@ def main():
         ids = torch.rand(tokens, 256, device="cuda").topk(8, dim=1).indices
         ref_t = median_ms(lambda: kernels.dispatch_plan_reference(ids, 256 // ep, ep), args.repeats)
         fast_t = median_ms(lambda: kernels.dispatch_plan(ids, 256 // ep, ep), args.repeats)
-        print(f"{'dispatch_plan':<18} {f'T={tokens} k=8 E=256 ep={ep}':<26} {ref_t:8.3f} {fast_t:8.3f} {ref_t / fast_t:5.2f}")
+        shape = f"T={tokens} k=8 E=256 ep={ep}"
+        print(f"{'dispatch_plan':<18} {shape:<26} {ref_t:8.3f} {fast_t:8.3f} {ref_t / fast_t:5.2f}")
 
 
 if __name__ == "__main__":

@@ -234,7 +234,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # set before this proce
 @pytest.mark.skipif(INTERPRETED, reason="this process runs the interpreter tests itself")
 def test_triton_kernels_under_the_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", "triton_ and not interpreter"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+           "-k", "triton_ and not interpreter"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and " passed" in done.stdout, done.stdout[-4000:] + done.stderr[-2000:]
 
@@ -244,7 +245,7 @@ def interpreter():
     if NO_TRITON:
         pytest.skip("Triton is not installed (an optional, GPU-only dependency)")
     if not INTERPRETED:
-        pytest.skip("runs in a fresh process started with TRITON_INTERPRET=1 (test_triton_kernels_under_the_interpreter)")
+        pytest.skip("runs in a fresh process with TRITON_INTERPRET=1 (test_triton_kernels_under_the_interpreter)")
 
 
 def check_kernel(fn, ref, inputs, grad_out, tol):

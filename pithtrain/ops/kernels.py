@@ -291,9 +291,11 @@ class _Permute(torch.autograd.Function):
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
         # Each row of x gets the sum of its copies' gradients: group the copies by source row (a
-        # stable sort fixes the summation order) and sum each group in fp32, without atomics.
-        perm = torch.argsort(index, stable=True)
-        ends = torch.bincount(index, minlength=ctx.num_rows).cumsum(0).to(torch.int32)
+        # stable sort fixes the summation order) and sum each group in fp32. No atomics anywhere
+        # (searchsorted, not bincount), so this also runs under torch.use_deterministic_algorithms.
+        sorted_index, perm = torch.sort(index, stable=True)
+        rows = torch.arange(ctx.num_rows, device=index.device)
+        ends = torch.searchsorted(sorted_index, rows, right=True, out_int32=True)
         return _segment_sum(grad.contiguous(), perm, ends), None
 
 
@@ -438,7 +440,9 @@ def _(topk_ids, experts_per_rank, ep):
 
 
 def dispatch_plan(topk_ids: torch.Tensor, experts_per_rank: int, ep: int) -> DispatchPlan:
-    """What AllToAllDispatch.dispatch computes from the routing before its first exchange (see DispatchPlan)."""
+    """What AllToAllDispatch.dispatch computes from the routing (topk_ids [T, k], int64) before its first
+    exchange: exchange `send_counts`, take them to the host (its one sync), then use the first
+    sum(send_counts[:, 0]) rows of send_token / slot_meta. The Triton path syncs nowhere else."""
     if use_triton(topk_ids):
         return DispatchPlan(*_dispatch_plan(topk_ids.contiguous(), experts_per_rank, ep))
     return dispatch_plan_reference(topk_ids, experts_per_rank, ep)

@@ -22,20 +22,25 @@ def read(path):
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
 
 
-def compare(a, b, rtol):
+def compare(a, b, rtol, rtol_aux=None):
+    """rtol for the loss; rtol_aux (default rtol) for lb_loss and grad_norm, which in bf16 move
+    more than the loss (a routing flip changes them directly)."""
+    rtol_aux = rtol if rtol_aux is None else rtol_aux
     ok = len(a) == len(b) and len(a) > 0
     if not ok:
         print(f"step counts differ or are empty: {len(a)} vs {len(b)}")
-    worst = 0.0
+    worst = {key: 0.0 for key in KEYS}
     for ma, mb in zip(a, b):
         for key in KEYS:
+            tol = rtol if key == "loss" else rtol_aux
             err = abs(ma[key] - mb[key]) / max(abs(ma[key]), 1e-12)
-            worst = max(worst, err)
-            flag = "" if err <= rtol else "   <-- over tolerance"
+            worst[key] = max(worst[key], err)
+            flag = "" if err <= tol else "   <-- over tolerance"
             if flag or key == "loss":
                 print(f"step {ma['step']:>4} {key:>9}: {ma[key]:.8f} vs {mb[key]:.8f} (rel {err:.1e}){flag}")
-            ok &= err <= rtol
-    print(f"worst relative difference {worst:.2e} (tolerance {rtol:.0e})")
+            ok &= err <= tol
+    print("worst relative difference: " + ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
+          + f" (tolerance: loss {rtol:.0e}, lb_loss/grad_norm {rtol_aux:.0e})")
     return ok
 
 
@@ -46,11 +51,12 @@ def main():
     parser.add_argument("--b", default="--nproc 2 --ep 2", help="extra `pithtrain train` arguments of run B")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--set", action="append", default=[], help="config overrides for both runs")
-    parser.add_argument("--rtol", type=float, default=1e-5, help="fp32: 1e-5; bf16: about 2e-2")
+    parser.add_argument("--rtol", type=float, default=1e-5, help="on the loss; fp32: 1e-5; bf16: about 2e-2")
+    parser.add_argument("--rtol-aux", type=float, help="on lb_loss and grad_norm (default: --rtol); bf16: about 5e-2")
     parser.add_argument("--metrics", nargs=2, metavar=("A", "B"), help="compare two metrics.jsonl files instead")
     args = parser.parse_args()
     if args.metrics:
-        ok = compare(read(args.metrics[0]), read(args.metrics[1]), args.rtol)
+        ok = compare(read(args.metrics[0]), read(args.metrics[1]), args.rtol, args.rtol_aux)
     else:
         if not args.config:
             parser.error("give CONFIG or --metrics A B")
@@ -66,7 +72,7 @@ def main():
                 print("FAIL: run", name, "did not finish")
                 return 1
             runs.append(read(work / name / "metrics.jsonl"))
-        ok = compare(*runs, args.rtol)
+        ok = compare(*runs, args.rtol, args.rtol_aux)
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 
