@@ -291,8 +291,7 @@ class _Permute(torch.autograd.Function):
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
         # Each row of x gets the sum of its copies' gradients: group the copies by source row (a
-        # stable sort fixes the summation order) and sum each group in fp32. No atomics anywhere
-        # (searchsorted, not bincount), so this also runs under torch.use_deterministic_algorithms.
+        # stable sort fixes the summation order) and sum each group in fp32, without atomics.
         sorted_index, perm = torch.sort(index, stable=True)
         rows = torch.arange(ctx.num_rows, device=index.device)
         ends = torch.searchsorted(sorted_index, rows, right=True, out_int32=True)
