@@ -33,7 +33,8 @@ from torch import nn
 from pithtrain.config import ConfigError
 from pithtrain.models.protocol import RoutingInfo, Stage1Out, run_layer
 from pithtrain.models.routing import select_experts
-from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin, swiglu
+from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin
+from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
 from pithtrain.ops.grouped_gemm import expert_mm
 from pithtrain.parallel.context import ContextParallel, context_attention_expand
 

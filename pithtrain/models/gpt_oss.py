@@ -31,6 +31,7 @@ from torch import nn
 
 from pithtrain.config import ConfigError
 from pithtrain.models.protocol import RoutingInfo, Stage1Out, run_layer
+from pithtrain.ops import kernels
 from pithtrain.ops.core import apply_rope, attention_mask, rope_cos_sin
 from pithtrain.ops.grouped_gemm import expert_mm
 from pithtrain.parallel.context import ContextParallel, context_attention
@@ -335,7 +336,7 @@ class Experts(nn.Module):
         experts = torch.arange(counts.numel(), device=counts.device)
         row_expert = torch.repeat_interleave(experts, counts, output_size=tokens.shape[0])
         h = expert_mm(tokens, self, "gate_up", counts, dtype, weight_queue) + self.gate_up_bias.to(dtype)[row_expert]
-        out = expert_mm(clamped_swiglu(h, self.alpha, self.limit), self, "down", counts, dtype, weight_queue)
+        out = expert_mm(kernels.clamped_swiglu(h, self.alpha, self.limit), self, "down", counts, dtype, weight_queue)
         return out + self.down_bias.to(dtype)[row_expert]
 
 

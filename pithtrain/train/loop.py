@@ -20,7 +20,7 @@ import torch
 
 from pithtrain.config import RunConfig, validate
 from pithtrain.models.routing import update_correction_bias
-from pithtrain.ops.core import cross_entropy_sum
+from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
 from pithtrain.parallel.context import shard_micro_batch
 from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispatch
 from pithtrain.parallel.fsdp import clip_grads, global_grad_norm, keep_local_experts, shard_model
