@@ -27,7 +27,7 @@ class LocalDispatch:
         """Inverse permutation: returns [T, k, H] in the router's (token, slot) order."""
         order, num_tokens, topk = handle
         out = expert_out.new_zeros(expert_out.shape).index_copy(0, order, expert_out)
-        return out.view(num_tokens, topk, -1)
+        return out.view(num_tokens, topk, expert_out.shape[-1])  # explicit width: T may be 0
 
 
 class ExpertEngine:
@@ -134,4 +134,4 @@ class AllToAllDispatch:
         by_source = expert_out.new_zeros(expert_out.shape).index_copy(0, order, expert_out)  # undo expert grouping
         back = all_to_all(by_source, send_pairs, recv_pairs, self.group)
         out = back.new_zeros((num_tokens * topk, back.shape[1])).index_copy(0, home_index, back)
-        return out.view(num_tokens, topk, -1)
+        return out.view(num_tokens, topk, back.shape[1])  # explicit width: T may be 0
