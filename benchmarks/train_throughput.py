@@ -53,14 +53,14 @@ def flops_per_token(cfg, seq: int) -> float:
     return 6 * active + 6 * h * cfg.vocab_size + 6 * layers * seq * hd * q
 
 
-def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str) -> list[dict]:
+def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile: bool = False) -> list[dict]:
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from pithtrain.train.loop import train
 
     run = RunConfig(model=cfg, data=DataConfig(path=data_dir, seq_len=seq),
                     optim=OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant"),
                     train=TrainConfig(steps=steps, global_batch_size=batch, micro_batch_size=batch, lb_coef=1e-3,
-                                      tensorboard=False, checkpoint_every=0, log_every=1))
+                                      tensorboard=False, checkpoint_every=0, log_every=1, compile=compile))
     with tempfile.TemporaryDirectory() as out:
         import pithtrain.train.loop as loop
 
@@ -106,6 +106,7 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--compile", action="store_true", help="torch.compile stages 1 and 5")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     from pithtrain.train.data import write_dataset
@@ -119,14 +120,14 @@ def main():
     fpt = flops_per_token(cfg, args.seq)
     with tempfile.TemporaryDirectory() as data:
         write_dataset(data, [tokens], cfg.vocab_size, eos_id=None)
-        ours = pithtrain_run(cfg, args.seq, args.batch, args.steps, data)
+        ours = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile)
     import gc
 
     gc.collect()
     torch.cuda.empty_cache()
     warm = ours[2:] or ours
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "layers": args.layers, "seq": args.seq, "batch": args.batch,
+    result = {"family": args.family, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30}

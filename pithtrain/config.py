@@ -57,6 +57,7 @@ class TrainConfig:
     checkpoint_every: int = 0  # 0: only at the end
     keep_checkpoints: int = 2
     tensorboard: bool = True  # when tensorboard is installed
+    compile: bool = False  # torch.compile(fullgraph=True) stages 1 and 5 of every layer
     profile_step: int = 0  # profile this step (1-based) into OUT/profile/rank<r>.json; 0: off
 
 
@@ -193,6 +194,11 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(
         p.pp == 1 or not getattr(config.model, "tie_word_embeddings", False),
         "model.tie_word_embeddings with parallel.pp > 1 is not supported yet; untie the embeddings",
+    )
+    _check(
+        not (t.compile and p.cp > 1),
+        "train.compile with parallel.cp > 1 is not supported: ring attention communicates inside stage 1; "
+        "set train.compile=false",
     )
     _check(d.seq_len >= 2, f"data.seq_len={d.seq_len}: must be at least 2")
     max_len = config.model.max_position_embeddings

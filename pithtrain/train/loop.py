@@ -114,6 +114,8 @@ def train(
     if t.init_from and not found:
         _init_from(model, t.init_from)
     n_params = sum(p.numel() for p in model.parameters())
+    if t.compile:  # before FSDP, so that its hooks stay outside the compiled graphs
+        compile_stages(model)
     keep_local_experts(model, mesh.ep_rank, mesh.ep)
     model.to(device)  # fp32 master weights; bf16 compute from autocast (one process) or FSDP's policy
     if mesh.world > 1:
@@ -240,6 +242,15 @@ def train(
         save(end)
     log.close()
     return history
+
+
+def compile_stages(model) -> None:
+    """torch.compile(fullgraph=True) the dense stages (1: norms, attention, router; 5: the
+    weighted sum) of every layer. The expert stage and the dispatch planning stay eager (their
+    shapes depend on the routing). Layers of one family share their graphs."""
+    for layer in model.layers.values():
+        layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
+        layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
 
 
 def start_profiler(device: torch.device):

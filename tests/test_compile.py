@@ -1,0 +1,25 @@
+"""torch.compile(fullgraph=True) of stages 1 and 5: same numbers as eager, no graph break (fullgraph
+raises on one), no recompilation after the first step."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from pithtrain.train.loop import train
+
+
+def test_compiled_stages_match_eager_without_recompiling(tmp_path, dataset_dir):
+    from torch._dynamo.utils import counters
+
+    eager = train(tiny_config(dataset_dir, steps=3, lb_coef=0.1), tmp_path / "eager", echo=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = train(tiny_config(dataset_dir, steps=1, lb_coef=0.1, compile=True), tmp_path / "compiled", echo=False)
+    graphs_after_first_step = counters["stats"]["unique_graphs"]
+    assert graphs_after_first_step > 0  # something was compiled
+    compiled += train(tiny_config(dataset_dir, steps=3, lb_coef=0.1, compile=True), tmp_path / "compiled", echo=False)
+    assert counters["stats"]["unique_graphs"] == graphs_after_first_step  # no recompilation
+    assert not counters["graph_break"]
+    for a, b in zip(eager, compiled):
+        for key in ("loss", "lb_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), key
