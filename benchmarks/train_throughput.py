@@ -3,6 +3,7 @@ data and batch. Prints tokens/s, TFLOP/s per GPU, MFU against a bf16 matmul peak
 same run, peak memory, and the PithTrain/transformers ratio.
 
     PYTHONPATH=. python benchmarks/train_throughput.py --family qwen3 --layers 4 --seq 4096 --steps 8
+    (--family deepseek_v2 | gpt_oss: the DeepSeek-V2-Lite / GPT-OSS-20B widths; --compile)
 
 Model FLOPs per token = 6 * (active non-embedding parameters) + 6 * hidden * vocab (LM head)
                         + 6 * layers * seq * head_dim * q_heads (causal attention, fwd+bwd).
@@ -44,13 +45,41 @@ def qwen3_config(layers: int):
                           num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960)
 
 
+def family_config(family: str, layers: int):
+    """The real-width config of a family (from examples/), cut to `layers` layers."""
+    from pithtrain.config import load_run_config
+
+    path = {"qwen3": None, "deepseek_v2": "examples/deepseek_v2_lite.py", "gpt_oss": "examples/gpt_oss_20b.py"}[family]
+    if path is None:
+        return qwen3_config(layers)
+    cfg = load_run_config(path).model
+    cfg.num_hidden_layers = layers
+    if family == "gpt_oss":
+        cfg.layer_types = None  # alternate sliding/full over the new depth
+    return cfg
+
+
 def flops_per_token(cfg, seq: int) -> float:
-    h, layers = cfg.hidden_size, cfg.num_hidden_layers
-    hd, q, kv = cfg.dim_per_head, cfg.num_attention_heads, cfg.num_key_value_heads
-    attn_params = h * hd * (q + 2 * kv) + q * hd * h
-    expert_params = cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size + cfg.num_experts * h
-    active = layers * (attn_params + expert_params)
-    return 6 * active + 6 * h * cfg.vocab_size + 6 * layers * seq * hd * q
+    """6 x active non-embedding parameters (routed experts counted k/E) + causal attention."""
+    with torch.device("meta"):
+        model = cfg.build_model()
+    active = 0.0
+    for name, p in model.named_parameters():
+        if name.startswith("embed_tokens"):
+            continue
+        share = cfg.num_experts_per_tok / cfg.num_routed_experts() if ".experts." in name else 1.0
+        active += p.numel() * share
+    heads = cfg.num_attention_heads
+    if cfg.model_type == "deepseek_v2":
+        d_qk, d_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    else:
+        d_qk = d_v = getattr(cfg, "head_dim", None) or cfg.dim_per_head
+    attn = 0.0
+    for i in range(cfg.num_hidden_layers):
+        sliding = cfg.model_type == "gpt_oss" and cfg.layer_type(i) == "sliding_attention"
+        ctx = min(cfg.sliding_window, seq / 2) if sliding else seq / 2  # mean keys seen per query
+        attn += 2 * ctx * heads * (d_qk + d_v)  # QK^T and AV per token, forward
+    return 6 * active + 3 * attn
 
 
 def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile: bool = False) -> list[dict]:
@@ -73,9 +102,9 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
 
 
 def transformers_run(cfg, seq: int, batch: int, steps: int, tokens: np.ndarray) -> list[dict]:
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_cfg = Qwen3MoeConfig(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "model_type", "dtype")})
+    hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "dtype")})
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).cuda().train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     history = []
@@ -100,7 +129,7 @@ def transformers_run(cfg, seq: int, batch: int, steps: int, tokens: np.ndarray) 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="qwen3", choices=["qwen3"])
+    parser.add_argument("--family", default="qwen3", choices=["qwen3", "deepseek_v2", "gpt_oss"])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
@@ -111,7 +140,7 @@ def main():
     args = parser.parse_args()
     from pithtrain.train.data import write_dataset
 
-    cfg = qwen3_config(args.layers)
+    cfg = family_config(args.family, args.layers)
     rng = np.random.default_rng(0)
     need = (args.steps + 2) * args.batch * (args.seq + 1)
     tokens = rng.integers(0, cfg.vocab_size, size=need, dtype=np.int64)

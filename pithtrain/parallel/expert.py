@@ -77,6 +77,38 @@ def all_to_all(x, out_splits, in_splits, group):
     return _AllToAll.apply(x, out_splits, in_splits, group)
 
 
+class Exchange:
+    """One all-to-all of `src`, returned by the `*_start` halves and read back with `wait()`.
+
+    Plain (async_op=False): the autograd all_to_all, run at once. Async (the overlapped pipeline):
+    issued with async_op=True on a detached `src`, so the graph is cut here: `wait()` returns a
+    fresh leaf, and the pipeline sends the leaf's gradient back itself with `reverse(grad)`."""
+
+    def __init__(self, src, out_splits, in_splits, group, async_op=False):
+        self.src, self.splits, self.group, self.work = src, (out_splits, in_splits), group, None
+        if async_op:
+            self.out, self.work = _issue(src.detach(), out_splits, in_splits, group)
+        else:
+            self.out = all_to_all(src, out_splits, in_splits, group)
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            self.out.requires_grad_(self.src.requires_grad)
+        return self.out
+
+    def reverse(self, grad):
+        """Issue the all-to-all of a gradient of `out` back to the senders: (buffer, work)."""
+        out_splits, in_splits = self.splits
+        return _issue(grad, in_splits, out_splits, self.group)
+
+
+def _issue(x, out_splits, in_splits, group):
+    out = x.new_empty((sum(out_splits), *x.shape[1:]))
+    return out, dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+
+
 class AllToAllDispatch:
     """Expert parallelism over `group` (size ep): rank r holds experts [r*E/ep, (r+1)*E/ep).
 
@@ -98,6 +130,16 @@ class AllToAllDispatch:
         self.local_experts = num_experts // self.ep
 
     def dispatch(self, x: torch.Tensor, routing: RoutingInfo):
+        return self.dispatch_finish(self.dispatch_start(x, routing))
+
+    def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
+        return self.combine_finish(self.combine_start(expert_out, handle))
+
+    # Each stage is split in a start half (everything up to issuing the all-to-all, including the
+    # count exchange and its host sync) and a finish half (wait, then the local re-layout), so
+    # that the pipeline can run another micro-batch's compute in between.
+
+    def dispatch_start(self, x: torch.Tensor, routing: RoutingInfo, async_op: bool = False):
         ids = routing.topk_ids
         num_tokens, topk = ids.shape
         dest = ids // self.local_experts  # [T, k] rank of each chosen expert
@@ -115,23 +157,34 @@ class AllToAllDispatch:
         send_rows, send_pairs = [c[0] for c in counts], [c[1] for c in counts]
         recv_rows, recv_pairs = [c[2] for c in counts], [c[3] for c in counts]
 
-        rows = all_to_all(x.index_select(0, send_token), recv_rows, send_rows, self.group)
+        rows = Exchange(x.index_select(0, send_token), recv_rows, send_rows, self.group, async_op)
         meta = torch.empty((sum(recv_rows), topk), dtype=slot_meta.dtype, device=slot_meta.device)
-        dist.all_to_all_single(meta, slot_meta.contiguous(), recv_rows, send_rows, group=self.group)
+        meta_work = dist.all_to_all_single(meta, slot_meta.contiguous(), recv_rows, send_rows, group=self.group,
+                                           async_op=True)
+        # home side: where each returning (token, slot) pair lands in the [T*k] layout
+        home_slot = (dest[send_token] == send_rank[:, None]).nonzero(as_tuple=True)
+        home_index = send_token[home_slot[0]] * topk + home_slot[1]
+        return rows, (meta, meta_work), (recv_pairs, send_pairs, home_index, num_tokens, topk)
+
+    def dispatch_finish(self, pending):
+        rows, (meta, meta_work), (recv_pairs, send_pairs, home_index, num_tokens, topk) = pending
+        rows = rows.wait()
+        meta_work.wait()
         # expand to one row per (received token, local expert), grouped by local expert
         row_idx, slot_idx = (meta >= 0).nonzero(as_tuple=True)  # (row, slot) order == source-rank order
         experts = meta[row_idx, slot_idx]
         order = torch.argsort(experts, stable=True)
         tokens = rows.index_select(0, row_idx[order])
         local_counts = torch.bincount(experts, minlength=self.local_experts)
-        # home side: where each returning (token, slot) pair lands in the [T*k] layout
-        home_slot = (dest[send_token] == send_rank[:, None]).nonzero(as_tuple=True)
-        home_index = send_token[home_slot[0]] * topk + home_slot[1]
         return tokens, local_counts, (order, recv_pairs, send_pairs, home_index, num_tokens, topk)
 
-    def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
+    def combine_start(self, expert_out: torch.Tensor, handle, async_op: bool = False):
         order, recv_pairs, send_pairs, home_index, num_tokens, topk = handle
         by_source = expert_out.new_zeros(expert_out.shape).index_copy(0, order, expert_out)  # undo expert grouping
-        back = all_to_all(by_source, send_pairs, recv_pairs, self.group)
+        return Exchange(by_source, send_pairs, recv_pairs, self.group, async_op), (home_index, num_tokens, topk)
+
+    def combine_finish(self, pending) -> torch.Tensor:
+        back, (home_index, num_tokens, topk) = pending
+        back = back.wait()
         out = back.new_zeros((num_tokens * topk, back.shape[1])).index_copy(0, home_index, back)
         return out.view(num_tokens, topk, back.shape[1])  # explicit width: T may be 0

@@ -18,11 +18,15 @@ rank would otherwise idle (or at the end), and the W queue empty at the end of t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.fsdp import FSDPModule
 
+from pithtrain.models.protocol import RoutingInfo
 from pithtrain.ops.grouped_gemm import DeferredWeightGrads
 from pithtrain.parallel.fsdp import add_grad
 
@@ -239,13 +243,139 @@ def build_chunks(cfg, pp: int, pp_rank: int, seed: int):
     return down, up
 
 
+class _Tape:
+    """One chunk forward cut into segments at its all-to-alls, for the segmented backward.
+
+    Segment k owns `roots[k]`, (tensor, grad) pairs known at forward time (loss, scaled
+    load-balance terms), and `cuts[k]`, (leaf, src, j, exchange): `leaf` is an input of segment k
+    standing for `src` of the earlier segment j; its gradient becomes src's, through the reverse
+    all-to-all if `exchange` is set. Every cross-segment tensor is cut, so each backward call
+    stays inside one segment and every tensor gets its gradient exactly once."""
+
+    def __init__(self):
+        self.roots, self.cuts = [[]], [[]]
+
+    def start_segment(self, exchange):
+        """The all-to-all output just waited on starts a new segment."""
+        self.roots.append([])
+        self.cuts.append([(exchange.out, exchange.src, len(self.cuts) - 1, exchange)])
+
+    def cut(self, src, segment):
+        """A tensor of an earlier segment used by the current one (not via an all-to-all)."""
+        if src is None or not src.requires_grad:
+            return src
+        leaf = src.detach().requires_grad_()
+        self.cuts[-1].append((leaf, src, segment, None))
+        return leaf
+
+
+def _layer_steps(layer, x, attn, engine, tape, lb_scale, note):
+    """run_layer as a generator cut at the two all-to-alls: each is issued asynchronously, then
+    the generator yields (the other micro-batch computes) and waits on it when resumed."""
+    s1 = layer.stage1(x, attn)
+    if s1.routing is None:
+        return s1.residual
+    terms = len(engine.lb_terms)
+    engine.record_routing(layer.layer_id, s1.routing)
+    if len(engine.lb_terms) > terms:  # enters the loss as lb_scale * term
+        tape.roots[-1].append((engine.lb_terms[-1], torch.full_like(engine.lb_terms[-1], lb_scale)))
+    first = len(tape.roots) - 1
+    pending = engine.dispatcher.dispatch_start(s1.moe_input, s1.routing, async_op=True)
+    note("dispatch-issue")
+    yield
+    tokens, counts, handle = engine.dispatcher.dispatch_finish(pending)
+    note("dispatch-wait")
+    tape.start_segment(pending[0])
+    pending = engine.dispatcher.combine_start(layer.stage3(tokens, counts, engine.weight_queue), handle, async_op=True)
+    note("combine-issue")
+    yield
+    combined = engine.dispatcher.combine_finish(pending)
+    note("combine-wait")
+    tape.start_segment(pending[0])
+    r = s1.routing  # stage 5 reads stage 1's outputs: cut them too (their gradients go back to stage 1)
+    routing = RoutingInfo(r.topk_ids, tape.cut(r.topk_weights, first), r.scores.detach(), r.num_experts)
+    s1 = dataclasses.replace(s1, residual=tape.cut(s1.residual, first), moe_input=None,
+                             shared=tape.cut(s1.shared, first), routing=routing)
+    return layer.stage5(s1, combined)
+
+
+def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, lb_scale, note):
+    """The model's forward template (embed -> attention inputs -> layers -> norm/head, the same
+    in every family) as a generator over `_layer_steps`. Under FSDP, the chunk's own forward
+    hooks run around the embedding part and the head part (so the root's weights are gathered
+    again when backward reaches either); the layers gather theirs around their stages."""
+    state = chunk._get_fsdp_state() if isinstance(chunk, FSDPModule) else None
+
+    def as_root(fn, *args):
+        if state is None:
+            return fn(*args)
+        args, _ = state._pre_forward(chunk, args, {})
+        return state._post_forward(chunk, args, fn(*args))
+
+    def embed(h):
+        h = chunk.embed_tokens(h) if chunk.embed_tokens is not None else h
+        return h, chunk.attn_inputs(pos, doc, h.dtype, cp)
+
+    x, attn = as_root(embed, x)
+    for layer in chunk.layers.values():
+        x = yield from _layer_steps(layer, x, attn, engine, tape, lb_scale, note)
+    if chunk.norm is not None:  # no arguments: FSDP would cast the input, the plain forward does not
+        x = as_root(lambda: F.linear(chunk.norm(x), chunk.head_weight()))
+    return x
+
+
+def _backward_steps(tape, outputs, note):
+    """Backward of a `_Tape`, segment by segment from the last: one autograd call per segment,
+    then the reverse all-to-all of its leaf gradient is issued, the generator yields, and waits."""
+    extra = [[] for _ in tape.roots]  # (src, grad) received from later segments
+    extra[-1] += outputs
+    for k in reversed(range(len(tape.roots))):
+        pairs = [(t, g) for t, g in tape.roots[k] + extra[k] if t.requires_grad]
+        note("compute")
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        for leaf, src, j, exchange in tape.cuts[k]:
+            grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+            if exchange is not None:  # every rank of the EP group issues it, used or not
+                buf, work = exchange.reverse(grad)
+                note("a2a-issue")
+                yield
+                work.wait()
+                note("a2a-wait")
+                grad = buf
+            if leaf.grad is not None or exchange is not None:
+                extra[j].append((src, grad))
+        tape.roots[k] = tape.cuts[k] = extra[k] = None  # free the segment
+
+
+def _drive(*steps):
+    """Run generators round-robin, one step each in turn, until all finish; their return values."""
+    results, live = [None] * len(steps), list(range(len(steps)))
+    while live:
+        for i in list(live):
+            try:
+                next(steps[i])
+            except StopIteration as stop:
+                results[i] = stop.value
+                live.remove(i)
+    return results
+
+
 class PipelineRunner:
     """Runs one optimizer step's micro-batches through this rank's two chunks in the order of
     the DualPipeV schedule, exchanging activations and gradients with the neighbouring pipeline
-    ranks. Forward and backward of an FB pair run one after the other (identical numerics)."""
+    ranks.
 
-    def __init__(self, down, up, mesh, make_engine, forward_inputs, act_dtype):
+    With `overlap` (and expert parallelism), every chunk forward is cut at its all-to-alls
+    (`_chunk_steps`, `_Tape`) and its backward walks the segments (`_backward_steps`); an FB op
+    alternates the two: forward compute, issue its all-to-all | backward compute, issue its
+    all-to-all | wait on the forward's, next forward compute ... so each micro-batch's
+    communication runs under the other's compute. Without it, forward then backward (the
+    reference; the numerics agree to rounding). `trace`, a list, records the order of events."""
+
+    def __init__(self, down, up, mesh, make_engine, forward_inputs, act_dtype, overlap: bool = True):
         self.chunks = (down, up)
+        self.overlap, self.trace = overlap, None
         self.act_dtype = act_dtype  # dtype of the activations and gradients exchanged
         self.mesh = mesh
         self.make_engine = make_engine  # () -> ExpertEngine for one chunk forward
@@ -306,6 +436,7 @@ class PipelineRunner:
             return False
 
         def forward(phase, mb):
+            """Generator: one chunk forward, yielding at each all-to-all when segmented."""
             nonlocal lb_total
             micro, chunk = micros[mb], self.chunks[phase]
             pos, doc, cp = self.forward_inputs(micro)
@@ -319,7 +450,11 @@ class PipelineRunner:
             engine = self.make_engine(b, s)
             if defer_w:
                 engine.weight_queue = DeferredWeightGrads(add_grad)
-            out = chunk(x, pos, engine, doc_ids=doc, cp=cp)
+            tape = _Tape() if self.overlap and hasattr(engine.dispatcher, "dispatch_start") else None
+            if tape is None:
+                out = chunk(x, pos, engine, doc_ids=doc, cp=cp)
+            else:
+                out = yield from _chunk_steps(chunk, x, pos, doc, cp, engine, tape, lb_scale, tracer("F", phase, mb))
             outputs, grads = [], []
             if phase == 1 and rank == 0:
                 outputs.append(loss_fn(out, micro))
@@ -332,13 +467,15 @@ class PipelineRunner:
                 grads.append("recv")
             if engine.lb_terms:
                 lb = torch.stack(engine.lb_terms).sum()
-                outputs.append(lb * lb_scale)
-                grads.append(None)
+                if tape is None:  # segmented: each term is already a root of its segment
+                    outputs.append(lb * lb_scale)
+                    grads.append(None)
                 lb_total += lb.detach().double()
-            saved[(phase, mb)] = (leaf, outputs, grads, engine.weight_queue)
+            saved[(phase, mb)] = (leaf, outputs, grads, engine.weight_queue, tape)
 
         def backward(phase, mb):
-            leaf, outputs, grads, queue = saved.pop((phase, mb))
+            """Generator: one chunk backward; returns the input gradient to pass on (or None)."""
+            leaf, outputs, grads, queue, tape = saved.pop((phase, mb))
             if queue is not None:
                 weight_work[(phase, mb)] = queue
             tensors = []
@@ -349,21 +486,35 @@ class PipelineRunner:
                     tensors.append(inbox.pop(("grad", phase, mb)))
                 else:
                     tensors.append(receive("grad", phase, mb))
-            torch.autograd.backward(outputs, tensors)
-            if leaf is not None:
-                grad = leaf.grad.to(dtype)
-                if not send(grad, "grad", phase):  # last rank: phase-1 input grad feeds its phase 0
-                    inbox[("grad", 0, mb)] = grad
+            if tape is None:
+                torch.autograd.backward(outputs, tensors)
+            else:
+                yield from _backward_steps(tape, list(zip(outputs, tensors)), tracer("B", phase, mb))
+            return None if leaf is None else leaf.grad.to(dtype)
+
+        def pass_grad(grad, phase, mb):
+            if grad is not None and not send(grad, "grad", phase):  # last rank: phase-1 input grad feeds its phase 0
+                inbox[("grad", 0, mb)] = grad
+
+        def tracer(kind, phase, mb):
+            trace = self.trace
+            return (lambda event: trace.append((kind, phase, mb, event))) if trace is not None else (lambda event: None)
 
         weight_work = {}  # (phase, mb) -> its deferred expert weight gradients
         defer_w = any(op.kind == "W" for op in lists[rank])
         for op in lists[rank]:
-            if op.kind in ("F", "FB"):
-                forward(op.phase, op.mb)
-            if op.kind == "B":
-                backward(op.phase, op.mb)
-            if op.kind == "FB":
-                backward(1 - op.phase, op.mb_b)
+            if op.kind == "F":
+                _drive(forward(op.phase, op.mb))
+            if op.kind in ("B", "FB"):
+                phase_b, mb_b = (op.phase, op.mb) if op.kind == "B" else (1 - op.phase, op.mb_b)
+                if op.kind == "B":
+                    (grad,) = _drive(backward(phase_b, mb_b))
+                elif self.overlap:  # interleaved; the act is sent (in forward) before the grad
+                    _, grad = _drive(forward(op.phase, op.mb), backward(phase_b, mb_b))
+                else:
+                    _drive(forward(op.phase, op.mb))
+                    (grad,) = _drive(backward(phase_b, mb_b))
+                pass_grad(grad, phase_b, mb_b)
             if op.kind == "W":
                 weight_work.pop((op.phase, op.mb)).run()
         for _, work in pending_send:
