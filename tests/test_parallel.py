@@ -70,6 +70,8 @@ def runs(tmp_path_factory, dataset_dir):
         (mesh_config(dataset_dir, ep=1, steps=3, family=tiny_deepseek_config), root / "ds_dp2", {}),
         (mesh_config(dataset_dir, ep=2, steps=3, family=tiny_gpt_oss_config), root / "oss_ep2", {}),
         (mesh_config(dataset_dir, pp=2, steps=3, family=deep_config), root / "pp2", {}),
+        # pp = 1 with EP: DualPipeV still overlaps two micro-batches on one rank
+        (mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config), root / "pp1ep2", {}),
     ]
     run_world(4, four)
     run_world(2, two)
@@ -114,7 +116,7 @@ def test_loss_curve_and_weights_do_not_depend_on_the_mesh(runs, dataset_dir, nam
 
 
 @pytest.mark.parametrize("family, ref, names", [
-    (deep_config, "deep_ref", ["pp2", "pp2ep2", "pp2dp2", "pp4", "pp2cp2ep2"]),
+    (deep_config, "deep_ref", ["pp2", "pp1ep2", "pp2ep2", "pp2dp2", "pp4", "pp2cp2ep2"]),
     (tiny_config, "packed_ref", ["cp2ep2_packed"]),
     (tiny_deepseek_config, "ds_ref", ["ds_ep2", "ds_dp2"]),
     (tiny_gpt_oss_config, "oss_ref", ["oss_ep2"]),

@@ -103,7 +103,10 @@ def train(
     dataset.check_vocab(config.model.vocab_size)
     loader = BatchLoader(dataset, config.data.seq_len, t.global_batch_size, config.data.seed, config.data.pack_documents)
 
-    if mesh.pp > 1:  # this rank's two DualPipeV chunks, seen as one module for state and optimizer
+    micro_per_rank = t.global_batch_size // (t.micro_batch_size * mesh.data_ranks)
+    # DualPipeV runs for pp > 1, and for pp = 1 with expert parallelism to overlap two micro-batches
+    use_pipeline = mesh.pp > 1 or (mesh.ep > 1 and micro_per_rank >= 2)
+    if use_pipeline:  # this rank's two DualPipeV chunks, seen as one module for state and optimizer
         chunks = build_chunks(config.model, mesh.pp, mesh.pp_rank, t.seed)
         model = ChunkPair(*chunks)
     else:
