@@ -319,8 +319,9 @@ def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, lb_scale, note):
     x, attn = as_root(embed, x)
     for layer in chunk.layers.values():
         x = yield from _layer_steps(layer, x, attn, engine, tape, lb_scale, note)
-    if chunk.norm is not None:  # no arguments: FSDP would cast the input, the plain forward does not
-        x = as_root(lambda: F.linear(chunk.norm(x), chunk.head_weight()))
+    if chunk.norm is not None:  # x stays out of the hook's arguments (FSDP would cast it); the
+        # hook still needs one argument on GPUs (it moves args to the device): the integer positions
+        x = as_root(lambda _positions: F.linear(chunk.norm(x), chunk.head_weight()), pos)
     return x
 
 
