@@ -105,7 +105,9 @@ def train(
 
     micro_per_rank = t.global_batch_size // (t.micro_batch_size * mesh.data_ranks)
     # DualPipeV runs for pp > 1, and for pp = 1 with expert parallelism to overlap two micro-batches
-    use_pipeline = mesh.pp > 1 or (mesh.ep > 1 and micro_per_rank >= 2)
+    # (its two chunks cannot share a tied embedding yet)
+    tied = getattr(config.model, "tie_word_embeddings", False)
+    use_pipeline = mesh.pp > 1 or (mesh.ep > 1 and micro_per_rank >= 2 and not tied)
     if use_pipeline:  # this rank's two DualPipeV chunks, seen as one module for state and optimizer
         chunks = build_chunks(config.model, mesh.pp, mesh.pp_rank, t.seed)
         model = ChunkPair(*chunks)
