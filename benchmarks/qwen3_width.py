@@ -17,5 +17,5 @@ CONFIG = RunConfig(
     data=DataConfig(path="/tmp/rand", seq_len=4096),
     optim=OptimConfig(lr=1e-4, schedule="constant"),
     train=TrainConfig(steps=6, global_batch_size=4, micro_batch_size=1, lb_coef=1e-3, tensorboard=False,
-                      checkpoint_every=0, keep_checkpoints=1),
+                      checkpoint_every=-1),
 )

@@ -54,7 +54,7 @@ class TrainConfig:
     lb_coef: float = 1e-3  # MoE load-balance loss coefficient; 0 disables
     lb_type: str = "micro"  # micro | global | seq (load-balance loss statistics scope)
     log_every: int = 1
-    checkpoint_every: int = 0  # 0: only at the end
+    checkpoint_every: int = 0  # 0: only at the end; -1: never (benchmarks)
     keep_checkpoints: int = 2
     tensorboard: bool = True  # when tensorboard is installed
     compile: bool = False  # torch.compile(fullgraph=True) stages 1 and 5 of every layer
@@ -158,7 +158,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(t.lb_type in ("micro", "global", "seq"), f"train.lb_type={t.lb_type!r}: use micro, global or seq")
     _check(t.lb_coef >= 0, f"train.lb_coef={t.lb_coef}: must be >= 0 (0 disables the load-balance loss)")
     _check(t.log_every >= 1, f"train.log_every={t.log_every}: must be at least 1")
-    _check(t.checkpoint_every >= 0, f"train.checkpoint_every={t.checkpoint_every}: must be >= 0 (0: only at the end)")
+    _check(t.checkpoint_every >= -1, f"train.checkpoint_every={t.checkpoint_every}: use N > 0, 0 (only at the end) or -1 (never)")
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be at least 1")
     for name in ("pp", "cp", "ep"):
         _check(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)}: must be at least 1")

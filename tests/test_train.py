@@ -131,3 +131,8 @@ def test_load_balance_losses_match_formulas():
 def test_lb_coef_zero_disables_the_loss(tmp_path, dataset_dir):
     history = loop.train(tiny_config(dataset_dir, steps=1, lb_coef=0.0), tmp_path, echo=False)
     assert history[0]["lb_loss"] == 0.0
+
+
+def test_checkpoint_every_minus_one_writes_none(tmp_path, dataset_dir):
+    history = loop.train(tiny_config(dataset_dir, steps=2, checkpoint_every=-1), tmp_path, echo=False)
+    assert len(history) == 2 and ckpt.list_checkpoints(tmp_path) == []

@@ -241,9 +241,9 @@ def train(
                 print(f"profile of step {step + 1} written to {path.parent}/rank*.json", flush=True)
             profiler = None
         log.log(m, t.steps, echo=echo and ((step + 1) % t.log_every == 0 or step + 1 == t.steps))
-        if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0 and step + 1 < end:
+        if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < end:
             save(step + 1)
-    if start < end or not found:
+    if (start < end or not found) and t.checkpoint_every >= 0:
         save(end)
     log.close()
     return history
