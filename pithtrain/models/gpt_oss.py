@@ -223,13 +223,6 @@ def sink_attention(q, k, v, sinks, mask, scale: float) -> torch.Tensor:
     return out.reshape(b, hq, s, -1).transpose(1, 2).flatten(2)
 
 
-def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """GPT-OSS activation on a [.., 2I] tensor holding gate then up."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-    return (up + 1) * (gate * torch.sigmoid(alpha * gate))
-
-
 # ---- MXFP4 (hub checkpoints store the experts this way) ----
 
 # FP4 E2M1 code -> value: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; exponent 0 is subnormal.

@@ -73,7 +73,7 @@ def _cdiv(a: int, b: int) -> int:
 
 
 def clamped_swiglu_reference(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
-    """The operations of pithtrain.models.gpt_oss.clamped_swiglu (a test checks they agree bit for bit)."""
+    """GPT-OSS's activation on a [.., 2I] tensor holding gate then up (the model's CPU path)."""
     gate, up = gate_up.chunk(2, dim=-1)
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return (up + 1) * (gate * torch.sigmoid(alpha * gate))
