@@ -1,9 +1,10 @@
-"""Run jobs in several CPU processes with the gloo backend (forked workers: ~0.2 s each to start).
+"""Run functions in several CPU processes with the gloo backend (forked workers: ~0.2 s each to start).
 
-`run_world(world, jobs)` forks `world` processes; each joins one process group and runs every
-job in order, each job building its own device mesh. A job is (config, out_dir, train kwargs).
-An exception in any worker fails the call with that worker's traceback. `run_fn(world, fn, *args)`
-runs any function fn(rank, world, *args) in the workers instead.
+`run_fn(world, fn, *args)` forks `world` workers; each joins one default process group, calls
+fn(rank, world, *args) and reports its return value; the call returns those values by rank. An
+exception in any worker fails the call with that worker's traceback and ends the others at once.
+`run_world(world, jobs)` runs training jobs (config, out_dir, train kwargs) in order in every
+worker, each job building its own device mesh.
 """
 
 import multiprocessing as mp
@@ -19,55 +20,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, jobs, errors):
-    try:
-        import torch
-
-        torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                          LOCAL_RANK=str(rank))
-        from pithtrain.parallel.mesh import init_mesh
-        from pithtrain.train.loop import train
-
-        for config, out_dir, kwargs in jobs:
-            p = config.parallel
-            mesh = init_mesh(p.pp, p.cp, p.ep, "cpu", p.timeout_s, p.hsdp)
-            train(config, out_dir, echo=False, mesh=mesh, **kwargs)
-        torch.distributed.destroy_process_group()
-    except BaseException:
-        errors.put(f"rank {rank}:\n{traceback.format_exc()}")
-        os._exit(1)
-
-
-def run_world(world: int, jobs: list, timeout_s: float = 600) -> None:
-    ctx = mp.get_context("fork")
-    errors = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, jobs, errors)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout_s)
-    alive = [p for p in procs if p.is_alive()]
-    for proc in alive:
-        proc.kill()
-    messages = []
-    while not errors.empty():
-        messages.append(errors.get())
-    if alive or messages or any(p.exitcode for p in procs):
-        raise AssertionError(f"distributed run failed (hung: {len(alive)}):\n" + "\n".join(messages))
-
-
-def _fn_worker(rank, world, port, fn, args, errors):
+def _fn_worker(rank, world, port, fn, args, errors, results):
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                          LOCAL_RANK=str(rank))
         dist.init_process_group("gloo")
-        fn(rank, world, *args)
+        results.put((rank, fn(rank, world, *args)))
         dist.destroy_process_group()
+        results.close()
+        results.join_thread()
     except BaseException:
         errors.put(f"rank {rank}:\n{traceback.format_exc()}")
         errors.close()
@@ -75,27 +40,51 @@ def _fn_worker(rank, world, port, fn, args, errors):
         os._exit(1)
 
 
-def run_fn(world: int, fn, *args, timeout_s: float = 600) -> None:
-    """Fork `world` gloo workers, each calling fn(rank, world, *args) in the default process group.
-    A failing worker fails the call with its traceback and ends the others at once (they would
-    wait on it until the timeout). Forked: fn and args need no pickling."""
+def run_fn(world: int, fn, *args, timeout_s: float = 600) -> list:
+    """fn(rank, world, *args) on `world` forked gloo workers; returns their results by rank.
+    Forked: fn and args need no pickling (results do)."""
     ctx = mp.get_context("fork")
-    errors = ctx.Queue()
+    errors, results = ctx.Queue(), ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_fn_worker, args=(r, world, port, fn, args, errors)) for r in range(world)]
+    procs = [ctx.Process(target=_fn_worker, args=(r, world, port, fn, args, errors, results)) for r in range(world)]
     for proc in procs:
         proc.start()
     deadline = time.monotonic() + timeout_s
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        if any(p.exitcode for p in procs):
-            break
+    done = {}
+    while len(done) < world and time.monotonic() < deadline and not any(p.exitcode for p in procs):
+        while not results.empty():
+            rank, value = results.get()
+            done[rank] = value
         time.sleep(0.05)
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
     alive = [p for p in procs if p.is_alive()]
     for proc in alive:
         proc.kill()
         proc.join()
+    while not results.empty():
+        rank, value = results.get()
+        done[rank] = value
     messages = []
     while not errors.empty():
         messages.append(errors.get())
-    if alive or messages or any(p.exitcode for p in procs):
+    if alive or messages or any(p.exitcode for p in procs) or len(done) < world:
         raise AssertionError(f"distributed run failed (killed: {len(alive)}):\n" + "\n".join(messages))
+    return [done[r] for r in range(world)]
+
+
+def _train_jobs(rank, world, jobs) -> int:
+    from pithtrain.parallel.mesh import init_mesh
+    from pithtrain.train.loop import train
+
+    for config, out_dir, kwargs in jobs:
+        p = config.parallel
+        mesh = init_mesh(p.pp, p.cp, p.ep, "cpu", p.timeout_s, p.hsdp)
+        train(config, out_dir, echo=False, mesh=mesh, **kwargs)
+    return len(jobs)
+
+
+def run_world(world: int, jobs: list, timeout_s: float = 600) -> None:
+    """Every training job on every one of `world` workers."""
+    finished = run_fn(world, _train_jobs, jobs, timeout_s=timeout_s)
+    assert finished == [len(jobs)] * world, finished

@@ -66,6 +66,10 @@ def test_run_file_and_cli_errors(tmp_path, capsys):
 
 
 def test_example_configs_validate():
-    for path in ("examples/qwen3_tiny.py", "examples/qwen3_30b_a3b.py", "examples/deepseek_v2_tiny.py",
-                 "examples/deepseek_v2_lite.py", "examples/gpt_oss_tiny.py", "examples/gpt_oss_20b.py"):
-        validate(load_run_config(path), 1)
+    expected = {"examples/qwen3_tiny.py": "qwen3_moe", "examples/qwen3_30b_a3b.py": "qwen3_moe",
+                "examples/deepseek_v2_tiny.py": "deepseek_v2", "examples/deepseek_v2_lite.py": "deepseek_v2",
+                "examples/gpt_oss_tiny.py": "gpt_oss", "examples/gpt_oss_20b.py": "gpt_oss"}
+    for path, model_type in expected.items():
+        config = load_run_config(path)
+        validate(config, 1)  # raises ConfigError naming the field on any problem
+        assert config.model.model_type == model_type, path

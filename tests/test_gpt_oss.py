@@ -10,16 +10,14 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, GptOssForCausalLM
+from transformers import GptOssConfig as HFGptOssConfig
+from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-transformers = pytest.importorskip("transformers")
-from transformers import AutoModelForCausalLM, GptOssForCausalLM  # noqa: E402
-from transformers import GptOssConfig as HFGptOssConfig  # noqa: E402
-from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # noqa: E402
-
-from pithtrain.cli import main  # noqa: E402
-from pithtrain.models.gpt_oss import GptOssConfig, dequantize_mxfp4, sink_attention  # noqa: E402
-from pithtrain.parallel.expert import ExpertEngine, LocalDispatch  # noqa: E402
-from pithtrain.tools.hf import load_model, read_hf_state, write_hf_dir  # noqa: E402
+from pithtrain.cli import main
+from pithtrain.models.gpt_oss import GptOssConfig, dequantize_mxfp4, sink_attention
+from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
+from pithtrain.tools.hf import load_model, read_hf_state, write_hf_dir
 
 SEQ = 17
 # Non-default everywhere: odd sizes, a window shorter than the sequence, both layer types, YaRN with and

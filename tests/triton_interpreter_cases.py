@@ -1,0 +1,145 @@
+"""Triton kernels of pithtrain.ops.kernels under the Triton interpreter, against their references.
+
+Not collected by default (the name does not start with test_): tests/test_kernels.py runs this
+file in a fresh process with TRITON_INTERPRET=1, which must be set before Triton is imported.
+"""
+
+import os
+
+import pytest
+import torch
+
+from pithtrain.ops import core, kernels
+from test_kernels import grads, rel_err, routed_ids
+
+
+@pytest.fixture
+def interpreter():
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1 (see tests/test_kernels.py)"
+
+
+def check_kernel(fn, ref, inputs, grad_out, tol):
+    out, dx = grads(fn, inputs, grad_out)
+    ref_out, ref_dx = grads(ref, inputs, grad_out)
+    assert out.dtype == ref_out.dtype and out.shape == ref_out.shape
+    for a, b in [(out, ref_out), *zip(dx, ref_dx)]:
+        if tol == 0:
+            assert torch.equal(a, b)
+        else:
+            assert torch.allclose(a.double(), b.double(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, inter", [(37, 24), (5, 300), (0, 8)])
+def test_triton_glu_kernels(interpreter, dtype, rows, inter):
+    torch.manual_seed(rows)
+    x = (torch.randn(rows, 2 * inter) * 3).to(dtype)
+    dy = torch.randn(rows, inter, dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: the kernel rounds once, the reference per op
+    check_kernel(lambda t: kernels._GLU.apply(t, 1.0, 0.0, False), core.swiglu, [x], dy, tol)
+    check_kernel(lambda t: kernels._GLU.apply(t, 1.702, 2.5, True),
+                 lambda t: kernels.clamped_swiglu_reference(t, 1.702, 2.5), [x], dy, tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_permute_kernels(interpreter, dtype):
+    torch.manual_seed(7)
+    t, k, e, h = 23, 4, 9, 600  # h above the column block: several column programs
+    ids = routed_ids(t, k, e, empty=(0, 4))
+    order = torch.argsort(ids.flatten(), stable=True)
+    x, dy = torch.randn(t, h).to(dtype), torch.randn(t * k, h).to(dtype)
+    tol = 0 if dtype == torch.float32 else 1e-2  # bf16: fp32 sums of the copies vs the reference's bf16 adds
+    check_kernel(kernels._Permute.apply, kernels.permute_reference, [x, order // k], dy, tol)
+    check_kernel(lambda y: kernels._Unpermute.apply(y, order, t * k),
+                 lambda y: kernels.unpermute_reference(y, order, t * k), [dy], x.repeat_interleave(k, 0), 0)
+    # varying copies per row (the expert-parallel receiver), a row never picked, and a larger output
+    index = torch.tensor([3, 3, 0, 7, 3, 1, 7])
+    check_kernel(kernels._Permute.apply, kernels.permute_reference, [x[:8], index], dy[:7], tol)
+    check_kernel(lambda y: kernels._Unpermute.apply(y, index.unique(), 12),
+                 lambda y: kernels.unpermute_reference(y, index.unique(), 12), [dy[:4]], dy[:12], 0)
+
+
+@pytest.mark.parametrize("tokens, topk, experts, ep, empty", [
+    (100, 8, 64, 16, ()),  # 32 tokens per block: several blocks
+    (300, 4, 16, 8, (4, 5)),  # rank 2 receives nothing
+    (9, 3, 6, 3, ()),  # ep and k not powers of two
+    (17, 1, 8, 1, ()),
+    (0, 2, 4, 2, ()),
+])
+def test_triton_dispatch_plan_matches_reference_exactly(interpreter, tokens, topk, experts, ep, empty):
+    ids = routed_ids(tokens, topk, experts, empty, seed=tokens)
+    plan = kernels.DispatchPlan(*kernels._dispatch_plan(ids, experts // ep, ep))
+    ref = kernels.dispatch_plan_reference(ids, experts // ep, ep)
+    for name, a, b in zip(plan._fields, plan, ref):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_expert_bias_add(interpreter, dtype):
+    torch.manual_seed(8)
+    counts = torch.tensor([0, 40, 3, 0, 70, 1, 0])  # empty groups, groups longer than the row block
+    x = torch.randn(int(counts.sum()), 300).to(dtype)
+    bias = torch.randn(len(counts), 300)  # fp32 bias on bf16 rows: rounded to bf16 before the add
+    out, (dx, dbias) = grads(kernels._ExpertBiasAdd.apply, [x, bias, counts], x)
+    ref, (ref_dx, ref_dbias) = grads(kernels.expert_bias_add_reference, [x, bias, counts], x)
+    if dtype == torch.float32:
+        assert torch.equal(out, ref)
+    else:  # the interpreter rounds fp32 -> bf16 toward zero (the GPU to nearest even, tested exact there)
+        assert torch.allclose(out.float(), ref.float(), rtol=2**-6, atol=2**-6)
+    assert torch.equal(dx, ref_dx)
+    # per-expert row sums in fp32 (the reference adds in x's dtype): against float64 sums
+    sums = torch.stack([rows.double().sum(0) for rows in x.split(counts.tolist())])
+    assert torch.allclose(dbias.double(), sums, rtol=1e-5, atol=1e-5) and (dbias[[0, 3, 6]] == 0).all()
+    assert rel_err(dbias, sums) <= rel_err(ref_dbias, sums) + 1e-7
+    empty = torch.zeros(0, 300, dtype=dtype)
+    assert kernels._ExpertBiasAdd.apply(empty, bias, torch.zeros(7, dtype=torch.long)).shape == (0, 300)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_cross_entropy(interpreter, dtype):
+    torch.manual_seed(9)
+    wide = (torch.randn(6, 9100) * 3).to(dtype)
+    logits = wide[:, :9000]  # rows strided (not contiguous), more than two vocabulary chunks
+    labels = torch.randint(0, 9000, (6,))
+    labels[[1, 4]] = -100
+    check_kernel(lambda z: kernels._CrossEntropySum.apply(z, labels) * 0.7,
+                 lambda z: core.cross_entropy_sum(z, labels) * 0.7, [logits], torch.tensor(1.0),
+                 1e-5 if dtype == torch.float32 else 1e-2)
+    logits3 = torch.randn(2, 3, 50, dtype=dtype)
+    labels3 = torch.full((2, 3), -100)
+    loss, (grad,) = grads(lambda z: kernels._CrossEntropySum.apply(z, labels3), [logits3], torch.tensor(1.0))
+    assert loss == 0 and (grad == 0).all() and grad.shape == logits3.shape
+
+
+def test_triton_ops_are_sound_custom_ops_and_compile(interpreter, monkeypatch):
+    """Schemas and fakes of every launch (opaque to torch.compile), then a fullgraph compile through all of them."""
+    ops = torch.ops.pithtrain
+    x, ends = torch.randn(5, 16), torch.tensor([2, 2, 5], dtype=torch.int32)
+    labels = torch.tensor([1, -100, 3, 0, 2])
+    ids = routed_ids(6, 2, 8)
+    for op, args in [
+        (ops.glu_fwd, (x, 1.702, 2.0, True)), (ops.glu_bwd, (x, torch.randn(5, 8), 1.0, 0.0, False)),
+        (ops.gather_rows, (x, torch.tensor([4, 0, 4]))), (ops.scatter_rows, (x, torch.tensor([3, 0, 6, 1, 2]), 7)),
+        (ops.segment_sum, (x, torch.tensor([1, 0, 2, 4, 3]), ends)), (ops.dispatch_plan, (ids, 2, 4)),
+        (ops.expert_bias_add, (x, torch.randn(3, 16), ends)), (ops.expert_bias_grad, (x, ends, torch.float32)),
+        (ops.cross_entropy_fwd, (x, labels)), (ops.cross_entropy_bwd, (x, labels, torch.randn(5), torch.ones(1))),
+    ]:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)  # the Triton path on CPU tensors
+    t, k, e = 16, 2, 8
+    ids = routed_ids(t, k, e, empty=(3,))
+    counts, order = torch.bincount(ids.flatten(), minlength=e), torch.argsort(ids.flatten(), stable=True)
+
+    def layer(x, w, bias, logits):
+        h = kernels.expert_bias_add(kernels.permute(x, order // k) @ w, bias, counts)
+        act = kernels.swiglu(h) + kernels.clamped_swiglu(h, 1.702, 2.0)
+        out = kernels.unpermute(act, order, t * k).view(t, k, -1).sum(1)
+        plan = kernels.dispatch_plan(ids, e // 4, 4)
+        return out.square().sum() + kernels.cross_entropy_sum(logits, labels.repeat(4)[:t]) + plan.send_counts.sum()
+
+    inputs = [torch.randn(t, 8), torch.randn(8, 12), torch.randn(e, 12), torch.randn(t, 40)]
+    eager, eager_grads = grads(layer, inputs, torch.tensor(1.0))
+    compiled, compiled_grads = grads(torch.compile(layer, fullgraph=True, backend="aot_eager"), inputs,
+                                     torch.tensor(1.0))
+    assert torch.equal(eager, compiled) and all(map(torch.equal, eager_grads, compiled_grads))
