@@ -146,7 +146,7 @@ def _join_experts(canonical: dict, template: dict, mesh) -> dict:
         if ".experts." not in name:
             out[name] = canonical[name]
             continue
-        local = value.shape[0] if not isinstance(value, DTensor) else value.full_tensor().shape[0]
+        local = value.shape[0]  # a DTensor's shape is the whole (unsharded) local-expert block
         base = _expert_offset(mesh, local)
         full = torch.stack([canonical[f"{name}.{base + i}"] for i in range(local)])
         if isinstance(value, DTensor):  # back to this rank's FSDP shard, by local slicing
@@ -155,50 +155,52 @@ def _join_experts(canonical: dict, template: dict, mesh) -> dict:
     return out
 
 
+def _split_optim(state: dict, mesh) -> dict:
+    """The optimizer state ({param name: {"step", "exp_avg", ...}}) in the canonical layout."""
+    out = {}
+    for name, entry in state.items():
+        if ".experts." not in name:
+            out[name] = entry
+            continue
+        for key, value in entry.items():
+            if key != "step":
+                for expert_name, row in _split_experts({name: value}, mesh).items():
+                    out.setdefault(expert_name, {"step": entry["step"].clone()})[key] = row
+    return out
+
+
+def _join_optim(canonical: dict, template: dict, mesh) -> dict:
+    """Inverse of _split_optim against the live optimizer state `template`."""
+    out = {}
+    for name, entry in template.items():
+        if ".experts." not in name:
+            out[name] = canonical[name]
+            continue
+        local = entry["exp_avg"].shape[0]
+        rows = [f"{name}.{_expert_offset(mesh, local) + i}" for i in range(local)]
+        out[name] = {"step": canonical[rows[0]]["step"]}
+        for key, value in entry.items():
+            if key != "step":
+                out[name][key] = _join_experts({r: canonical[r][key] for r in rows}, {name: value}, mesh)[name]
+    return out
+
+
 def training_state(model: torch.nn.Module, optimizer, mesh=None) -> dict:
     """Model and optimizer state in the canonical, parallelism-independent layout: parameter
     names with global layer ids, one entry per global expert. (Optimizer moments are created
     first if no step has run yet, so that loading fills them.)"""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    optim_state = {}
-    for name, entry in optim_sd["state"].items():
-        if ".experts." not in name:
-            optim_state[name] = entry
-            continue
-        moments = {k: v for k, v in entry.items() if k != "step"}
-        for expert_name, _ in _split_experts({name: next(iter(moments.values()))}, mesh).items():
-            optim_state[expert_name] = {"step": entry["step"].clone()}
-        for key, value in moments.items():
-            for expert_name, row in _split_experts({name: value}, mesh).items():
-                optim_state[expert_name][key] = row
-    return {"model": _split_experts(model_sd, mesh), "optim": {"state": optim_state}}
+    return {"model": _split_experts(model_sd, mesh), "optim": {"state": _split_optim(optim_sd["state"], mesh)}}
 
 
 def load_training_state(ckpt: str | Path, model: torch.nn.Module, optimizer, mesh=None) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = training_state(model, optimizer, mesh)
+    state = {"model": _split_experts(model_sd, mesh), "optim": {"state": _split_optim(optim_sd["state"], mesh)}}
     meta = load_checkpoint(ckpt, state)
-    native_state = {}
-    for name, entry in optim_sd["state"].items():
-        if ".experts." not in name:
-            native_state[name] = state["optim"]["state"][name]
-            continue
-        base = _expert_offset(mesh, entry["exp_avg"].shape[0] if not isinstance(entry["exp_avg"], DTensor)
-                              else entry["exp_avg"].full_tensor().shape[0])
-        native = {"step": state["optim"]["state"][f"{name}.{base}"]["step"]}
-        for key, value in entry.items():
-            if key != "step":
-                flat = {f"{name}.{e}": v[key] for e, v in _expert_entries(state["optim"]["state"], name).items()}
-                native[key] = _join_experts(flat, {name: value}, mesh)[name]
-        native_state[name] = native
     set_state_dict(
         model, optimizer,
         model_state_dict=_join_experts(state["model"], model_sd, mesh),
-        optim_state_dict={"state": native_state, "param_groups": optim_sd["param_groups"]},
+        optim_state_dict={"state": _join_optim(state["optim"]["state"], optim_sd["state"], mesh),
+                          "param_groups": optim_sd["param_groups"]},
     )
     return meta
-
-
-def _expert_entries(optim_state: dict, name: str) -> dict:
-    prefix = name + "."
-    return {int(k[len(prefix):]): v for k, v in optim_state.items() if k.startswith(prefix) and k[len(prefix):].isdigit()}
