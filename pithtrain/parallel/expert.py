@@ -41,9 +41,10 @@ class ExpertEngine:
         self.expert_loads: dict[int, torch.Tensor] = {}  # layer id -> tokens per expert (detached)
 
     def record_routing(self, layer_id: int, routing: RoutingInfo) -> None:
-        self.expert_loads[layer_id] = torch.bincount(routing.topk_ids.flatten(), minlength=routing.num_experts)
+        loads = torch.bincount(routing.topk_ids.flatten(), minlength=routing.num_experts)
+        self.expert_loads[layer_id] = loads
         if self.balance is not None:
-            self.lb_terms.append(self.balance.layer_loss(routing, self.batch, self.seq))
+            self.lb_terms.append(self.balance.layer_loss(routing, self.batch, self.seq, counts=loads))
 
     def dispatch(self, x, routing):
         return self.dispatcher.dispatch(x, routing)
@@ -146,8 +147,9 @@ class AllToAllDispatch:
         on_rank = torch.zeros(num_tokens, self.ep, dtype=torch.bool, device=ids.device)
         on_rank.scatter_(1, dest, True)  # [T, ep] token goes to rank r at most once
         send_rank, send_token = on_rank.T.nonzero(as_tuple=True)  # rows ordered by destination rank
+        slot_here = dest[send_token] == send_rank[:, None]  # [rows, k]: slot's expert on that rank
         # local expert id per slot for the receiving rank, -1 where that slot lives elsewhere
-        slot_meta = torch.where(dest[send_token] == send_rank[:, None], ids[send_token] % self.local_experts, -1)
+        slot_meta = torch.where(slot_here, ids[send_token] % self.local_experts, -1)
         rows_per_rank = on_rank.sum(0)
         pairs_per_rank = torch.bincount(dest.flatten(), minlength=self.ep)
         send_counts = torch.stack([rows_per_rank, pairs_per_rank], 1)
@@ -162,7 +164,7 @@ class AllToAllDispatch:
         meta_work = dist.all_to_all_single(meta, slot_meta.contiguous(), recv_rows, send_rows, group=self.group,
                                            async_op=True)
         # home side: where each returning (token, slot) pair lands in the [T*k] layout
-        home_slot = (dest[send_token] == send_rank[:, None]).nonzero(as_tuple=True)
+        home_slot = slot_here.nonzero(as_tuple=True)
         home_index = send_token[home_slot[0]] * topk + home_slot[1]
         return rows, (meta, meta_work), (recv_pairs, send_pairs, home_index, num_tokens, topk)
 

@@ -47,8 +47,9 @@ class LoadBalance:
         self.count_group = count_group  # ranks whose counts `global` sums (None: this process alone)
         self.cp_group = cp_group  # ranks sharing each sequence (None: no context parallelism)
 
-    def layer_loss(self, routing: RoutingInfo, batch: int, seq: int) -> torch.Tensor:
-        """`seq`: this rank's tokens per sequence (its share under context parallelism)."""
+    def layer_loss(self, routing: RoutingInfo, batch: int, seq: int, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """`seq`: this rank's tokens per sequence (its share under context parallelism); `counts`:
+        tokens per expert of this micro-batch when the caller has them already."""
         num_experts, topk = routing.num_experts, routing.topk_ids.shape[1]
         scores = routing.scores.float()
         probs = scores / scores.sum(-1, keepdim=True)
@@ -62,7 +63,7 @@ class LoadBalance:
             if self.cp_group is not None:  # whole sequences: every CP rank holds `seq` of their tokens
                 f, p = (_sum_over(self.cp_group, torch.stack([f, p])) / dist.get_world_size(self.cp_group)).unbind()
             return num_experts * (f * p).sum(-1).mean()
-        counts = expert_counts(routing.topk_ids, num_experts).float()
+        counts = (expert_counts(routing.topk_ids, num_experts) if counts is None else counts).float()
         total = torch.tensor(float(routing.topk_ids.numel()), device=counts.device)
         p = probs.mean(0)
         if self.cp_group is not None:  # the micro-batch's tokens are spread evenly over the CP ranks
