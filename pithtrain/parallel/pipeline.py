@@ -19,6 +19,7 @@ rank would otherwise idle (or at the end), and the W queue empty at the end of t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -83,7 +84,8 @@ def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int,
     return deps
 
 
-def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> list[list[Op]]:
+@functools.lru_cache(maxsize=16)  # a pure function of its arguments, asked for every step
+def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> tuple[tuple[Op, ...], ...]:
     """The per-rank operation lists for `num_micro` >= 2*pp micro-batches."""
     if num_micro < 2 * pp:
         raise ValueError(f"DualPipeV needs at least 2*pp = {2 * pp} micro-batches per step, got {num_micro}; "
@@ -379,7 +381,7 @@ class PipelineRunner:
         self.overlap, self.trace = overlap, None
         self.act_dtype = act_dtype  # dtype of the activations and gradients exchanged
         self.mesh = mesh
-        self.make_engine = make_engine  # () -> ExpertEngine for one chunk forward
+        self.make_engine = make_engine  # (batch, seq) -> ExpertEngine for one chunk forward
         self.forward_inputs = forward_inputs  # micro dict -> (position_ids, doc_ids, ContextParallel or None)
         pp_mesh = mesh.device_mesh["pp"]
         self.group = pp_mesh.get_group()

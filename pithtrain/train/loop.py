@@ -159,9 +159,15 @@ def train(
         ckpt.save_checkpoint(out_dir, step, state, meta, config.model.to_hf(), t.keep_checkpoints)
 
     n_moe = sum(config.model.is_moe_layer(i) for i in range(config.model.num_hidden_layers))
+    engines = []  # this step's engines, one per (chunk) forward: their expert loads feed the bias update
+
+    def new_engine(batch: int, seq: int) -> ExpertEngine:
+        engines.append(ExpertEngine(dispatcher, balance, batch, seq))
+        return engines[-1]
+
     if chunks is not None:
         runner = PipelineRunner(
-            *chunks, mesh, lambda b, s: ExpertEngine(dispatcher, balance, b, s),
+            *chunks, mesh, new_engine,
             lambda micro: (micro["position_ids"], micro.get("doc_ids"), micro.get("cp")),
             act_dtype=dtype,
         )
@@ -187,19 +193,18 @@ def train(
         n_micro_global = len(micros) * mesh.data_ranks
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # [cross-entropy sum, lb sum] of this rank
         step_loads = {}  # layer id -> tokens per expert over this rank's micro-batches
-        engines = []  # one per chunk forward: their expert loads feed the routing-bias update
+        engines.clear()
         if chunks is not None:
-            sums += pipeline_step(runner, micros, engines, n_label, n_moe, t.lb_coef / (n_moe * n_micro_global), device, dtype)
-        for micro in micros if chunks is None else []:
-            b, s = micro["input_ids"].shape
-            engines.append(ExpertEngine(dispatcher, balance, b, s))
-            ce, lb = forward_loss(model, micro, engines[-1], device, dtype)
-            total = ce / max(n_label, 1)
-            if lb is not None:
-                total = total + t.lb_coef * lb / n_micro_global
-                sums[1] += lb.detach().double()
-            total.backward()
-            sums[0] += ce.detach().double()
+            sums += pipeline_step(runner, micros, n_label, n_moe, t.lb_coef / (n_moe * n_micro_global), device, dtype)
+        else:
+            for micro in micros:
+                ce, lb = forward_loss(model, micro, new_engine(*micro["input_ids"].shape), device, dtype)
+                total = ce / max(n_label, 1)
+                if lb is not None:
+                    total = total + t.lb_coef * lb / n_micro_global
+                    sums[1] += lb.detach().double()
+                total.backward()
+                sums[0] += ce.detach().double()
         for engine in engines:
             for layer_id, load in engine.expert_loads.items():
                 step_loads[layer_id] = step_loads.get(layer_id, 0) + load
@@ -268,7 +273,7 @@ def start_profiler(device: torch.device):
     return profiler
 
 
-def pipeline_step(runner, micros, engines, n_label, n_moe, lb_scale, device, dtype) -> torch.Tensor:
+def pipeline_step(runner, micros, n_label, n_moe, lb_scale, device, dtype) -> torch.Tensor:
     """One optimizer step's forward/backward through the pipeline (this rank's part); returns
     [cross-entropy sum, sum over micro-batches of the layer-mean load-balance loss]."""
     ce_sums = []
@@ -278,14 +283,9 @@ def pipeline_step(runner, micros, engines, n_label, n_moe, lb_scale, device, dty
         ce_sums.append(ce.detach().double())
         return ce / max(n_label, 1)
 
-    make_engine = runner.make_engine
-    runner.make_engine = lambda b, s: engines.append(make_engine(b, s)) or engines[-1]
     lists = dualpipev_schedule(runner.mesh.pp, len(micros), defer_w=True)  # expert weight grads in W passes
-    try:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            lb_total = runner.run(micros, loss_fn, lists, lb_scale)
-    finally:
-        runner.make_engine = make_engine
+    with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        lb_total = runner.run(micros, loss_fn, lists, lb_scale)
     ce = torch.stack(ce_sums).sum() if ce_sums else torch.zeros((), dtype=torch.float64, device=device)
     return torch.stack([ce, lb_total / max(n_moe, 1)])
 
