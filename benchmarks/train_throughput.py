@@ -82,26 +82,33 @@ def flops_per_token(cfg, seq: int) -> float:
     return 6 * active + 3 * attn
 
 
-def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile: bool = False) -> list[dict]:
+def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile: bool = False, accum: int = 1,
+                  profile_step: int = 0, trace: str | None = None) -> list[dict]:
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from pithtrain.train.loop import train
 
     run = RunConfig(model=cfg, data=DataConfig(path=data_dir, seq_len=seq),
                     optim=OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant"),
-                    train=TrainConfig(steps=steps, global_batch_size=batch, micro_batch_size=batch, lb_coef=1e-3,
-                                      tensorboard=False, checkpoint_every=0, log_every=1, compile=compile))
+                    train=TrainConfig(steps=steps, global_batch_size=batch * accum, micro_batch_size=batch, lb_coef=1e-3,
+                                      tensorboard=False, checkpoint_every=0, log_every=1, compile=compile,
+                                      profile_step=profile_step))
     with tempfile.TemporaryDirectory() as out:
         import pithtrain.train.loop as loop
 
         original = loop.ckpt.save_checkpoint
         loop.ckpt.save_checkpoint = lambda *a, **k: None  # measure training, not checkpoint writes
         try:
-            return train(run, out, echo=True)
+            history = train(run, out, echo=True)
+            if trace and profile_step:
+                import shutil
+
+                shutil.copy(f"{out}/profile/rank0.json", trace)
+            return history
         finally:
             loop.ckpt.save_checkpoint = original
 
 
-def transformers_run(cfg, seq: int, batch: int, steps: int, tokens: np.ndarray) -> list[dict]:
+def transformers_run(cfg, seq: int, batch: int, steps: int, tokens: np.ndarray, accum: int = 1) -> list[dict]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "dtype")})
@@ -111,17 +118,20 @@ def transformers_run(cfg, seq: int, batch: int, steps: int, tokens: np.ndarray) 
     for step in range(steps):
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        ids = torch.from_numpy(tokens[step * batch * seq: (step + 1) * batch * seq].astype(np.int64)).view(batch, seq).cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        for micro in range(accum):
+            start = (step * accum + micro) * batch * seq
+            ids = torch.from_numpy(tokens[start: start + batch * seq].astype(np.int64)).view(batch, seq).cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(input_ids=ids, labels=ids).loss / accum
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         dt = time.perf_counter() - t0
-        history.append({"step": step + 1, "tokens_per_s": batch * seq / dt, "peak_mem_bytes": torch.cuda.max_memory_allocated()})
-        print(f"transformers step {step + 1}: {batch * seq / dt:.0f} tok/s, loss {loss.item():.3f}", flush=True)
+        tps = batch * accum * seq / dt
+        history.append({"step": step + 1, "tokens_per_s": tps, "peak_mem_bytes": torch.cuda.max_memory_allocated()})
+        print(f"transformers step {step + 1}: {tps:.0f} tok/s, loss {loss.item() * accum:.3f}", flush=True)
     del model, opt
     torch.cuda.empty_cache()
     return history
@@ -133,7 +143,10 @@ def main():
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--profile-step", type=int, default=0, help="torch-profile this step of the PithTrain run")
+    parser.add_argument("--trace", help="copy that profile (Chrome trace) here")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--compile", action="store_true", help="torch.compile stages 1 and 5")
     parser.add_argument("--json", help="write the results here")
@@ -142,26 +155,27 @@ def main():
 
     cfg = family_config(args.family, args.layers)
     rng = np.random.default_rng(0)
-    need = (args.steps + 2) * args.batch * (args.seq + 1)
+    need = (args.steps + 2) * args.batch * args.accum * (args.seq + 1)
     tokens = rng.integers(0, cfg.vocab_size, size=need, dtype=np.int64)
     peak = matmul_peak_tflops()
     print(f"bf16 matmul peak measured now: {peak:.0f} TFLOP/s", flush=True)
     fpt = flops_per_token(cfg, args.seq)
     with tempfile.TemporaryDirectory() as data:
         write_dataset(data, [tokens], cfg.vocab_size, eos_id=None)
-        ours = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile)
+        ours = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile, args.accum,
+                             args.profile_step, args.trace)
     import gc
 
     gc.collect()
     torch.cuda.empty_cache()
-    warm = ours[2:] or ours
+    warm = [m for m in ours[2:] if m["step"] != args.profile_step] or ours
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch,
+    result = {"family": args.family, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30}
     if not args.skip_transformers:
-        theirs = transformers_run(cfg, args.seq, args.batch, args.steps, tokens)
+        theirs = transformers_run(cfg, args.seq, args.batch, args.steps, tokens, args.accum)
         hf_tps = statistics.median(m["tokens_per_s"] for m in (theirs[2:] or theirs))
         result.update(transformers_tokens_per_s=hf_tps, transformers_mfu=hf_tps * fpt / 1e12 / peak,
                       transformers_peak_mem_gib=max(m["peak_mem_bytes"] for m in theirs) / 2**30,

@@ -10,6 +10,13 @@ import torch
 import torch.nn.functional as F
 
 
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How often each of 0..n-1 occurs in `ids` (int64 [n]). Unlike torch.bincount, which reads
+    the maximum back to the host on CUDA, this never synchronises with the device."""
+    flat = ids.flatten()
+    return torch.zeros(n, dtype=torch.int64, device=ids.device).scatter_add_(0, flat.long(), torch.ones_like(flat, dtype=torch.int64))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 and cast back before the weight, as the HF reference does.
     dtype = x.dtype

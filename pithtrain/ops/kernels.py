@@ -348,7 +348,7 @@ def dispatch_plan_reference(topk_ids: torch.Tensor, experts_per_rank: int, ep: i
     send_rank, send_token = on_rank.T.nonzero(as_tuple=True)
     here = dest[send_token] == send_rank[:, None]
     slot_meta = torch.where(here, topk_ids[send_token] % experts_per_rank, -1)
-    send_counts = torch.stack([on_rank.sum(0), torch.bincount(dest.flatten(), minlength=ep)], 1)
+    send_counts = torch.stack([on_rank.sum(0), core.count_ids(dest, ep)], 1)
     home_slot = here.nonzero(as_tuple=True)
     home_index = send_token[home_slot[0]] * topk + home_slot[1]
     pad = num_tokens * min(topk, ep) - send_rank.shape[0]

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from pithtrain.models.protocol import RoutingInfo
+from pithtrain.ops.core import count_ids
 
 
 class LocalDispatch:
@@ -19,7 +20,7 @@ class LocalDispatch:
         topk = routing.topk_ids.shape[1]
         flat = routing.topk_ids.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
-        counts = torch.bincount(flat, minlength=routing.num_experts)
+        counts = count_ids(flat, routing.num_experts)
         tokens = x.index_select(0, order // topk)
         return tokens, counts, (order, x.shape[0], topk)
 
@@ -41,7 +42,7 @@ class ExpertEngine:
         self.expert_loads: dict[int, torch.Tensor] = {}  # layer id -> tokens per expert (detached)
 
     def record_routing(self, layer_id: int, routing: RoutingInfo) -> None:
-        loads = torch.bincount(routing.topk_ids.flatten(), minlength=routing.num_experts)
+        loads = count_ids(routing.topk_ids, routing.num_experts)
         self.expert_loads[layer_id] = loads
         if self.balance is not None:
             self.lb_terms.append(self.balance.layer_loss(routing, self.batch, self.seq, counts=loads))
@@ -151,7 +152,7 @@ class AllToAllDispatch:
         # local expert id per slot for the receiving rank, -1 where that slot lives elsewhere
         slot_meta = torch.where(slot_here, ids[send_token] % self.local_experts, -1)
         rows_per_rank = on_rank.sum(0)
-        pairs_per_rank = torch.bincount(dest.flatten(), minlength=self.ep)
+        pairs_per_rank = count_ids(dest, self.ep)
         send_counts = torch.stack([rows_per_rank, pairs_per_rank], 1)
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
@@ -177,7 +178,7 @@ class AllToAllDispatch:
         experts = meta[row_idx, slot_idx]
         order = torch.argsort(experts, stable=True)
         tokens = rows.index_select(0, row_idx[order])
-        local_counts = torch.bincount(experts, minlength=self.local_experts)
+        local_counts = count_ids(experts, self.local_experts)
         return tokens, local_counts, (order, recv_pairs, send_pairs, home_index, num_tokens, topk)
 
     def combine_start(self, expert_out: torch.Tensor, handle, async_op: bool = False):

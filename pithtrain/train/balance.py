@@ -26,10 +26,11 @@ import torch
 import torch.distributed as dist
 
 from pithtrain.models.protocol import RoutingInfo
+from pithtrain.ops.core import count_ids
 
 
 def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    return torch.bincount(topk_ids.flatten(), minlength=num_experts)
+    return count_ids(topk_ids, num_experts)
 
 
 def _sum_over(group: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,24 @@ def overlap_time(spans, cover):
     return total
 
 
+CATEGORIES = (  # first match wins; by substring of the lower-cased kernel name
+    ("communication", ("nccl",)),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "grouped_mm", "sm90")),
+    ("triton", ("triton",)),
+    ("copy/cast", ("copy", "memcpy", "memset", "cast", "fill")),
+    ("sort/index", ("sort", "index", "scatter", "gather", "radix", "cumsum", "scan", "topk", "bincount", "nonzero")),
+    ("reduction", ("reduce",)),
+    ("elementwise", ("elementwise", "vectorized", "unrolled")),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
+
+
 def analyse(trace_path: Path) -> dict:
     events = json.loads(trace_path.read_text())["traceEvents"]
     is_gpu = lambda e: e.get("cat") in ("kernel", "gpu_memcpy")  # noqa: E731
@@ -56,12 +74,21 @@ def analyse(trace_path: Path) -> dict:
         if e.get("ph") == "X" and "dur" in e and (is_gpu(e) or e.get("cat") == "cpu_op"):
             key = (e.get("cat"), e["name"][:60])
             top[key] = top.get(key, 0) + e["dur"]
+    by_category = {}
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and is_gpu(e):
+            by_category[category(e["name"])] = by_category.get(category(e["name"]), 0) + e["dur"]
+    busy = merged(intervals(events, is_gpu))
+    span = (busy[-1][1] - busy[0][0]) if busy else 0.0
     return {
         "gpu": bool(compute),
+        "span_us": span,
+        "busy_us": sum(b - a for a, b in busy),
+        "by_category": sorted(by_category.items(), key=lambda kv: -kv[1]),
         "comm_us": comm_time,
         "compute_us": sum(b - a for a, b in compute),
         "overlap": overlap_time(comm, compute) / comm_time if comm_time else 0.0,
-        "top": sorted(top.items(), key=lambda kv: -kv[1])[:15],
+        "top": sorted(top.items(), key=lambda kv: -kv[1])[:25],
     }
 
 
@@ -97,6 +124,10 @@ def main():
     for (cat, name), us in result["top"]:
         print(f"  {us / 1e3:9.2f} ms  {cat:>10}  {name}")
     if result["gpu"]:
+        print(f"GPU kernel time by category (first to last kernel: {result['span_us'] / 1e3:.2f} ms, "
+              f"some stream busy {100 * result['busy_us'] / max(result['span_us'], 1):.1f}% of it):")
+        for cat, us in result["by_category"]:
+            print(f"  {us / 1e3:9.2f} ms  {cat}")
         print(f"GPU compute {result['compute_us'] / 1e3:.2f} ms, communication {result['comm_us'] / 1e3:.2f} ms, "
               f"communication overlapped with compute: {100 * result['overlap']:.1f}%")
     else:
