@@ -77,9 +77,27 @@ class _GroupedMMDeferredW(torch.autograd.Function):
         return dx, None, None, None, None, None
 
 
+def compute_weight(module, name: str, dtype) -> torch.Tensor:
+    """module.<name> in `dtype`, cast once per weight update rather than once per micro-batch (as
+    autocast's cache does for nn.Linear): the cast copy is kept on the module, keyed by the
+    parameter's version counter, which every in-place update (optimizer step, checkpoint load)
+    bumps. The copy keeps its autograd link, so gradients still reach the fp32 parameter."""
+    param = getattr(module, name)
+    if param.dtype == dtype:
+        return param
+    cache = module.__dict__.setdefault("_cast_cache", {})
+    key = (name, dtype, torch.is_grad_enabled())
+    hit = cache.get(key)
+    if hit is not None and hit[0] is param and hit[1] == param._version:
+        return hit[2]
+    cast = param.to(dtype)
+    cache[key] = (param, param._version, cast)
+    return cast
+
+
 def expert_mm(x, module, name: str, counts, dtype, queue: DeferredWeightGrads | None = None):
     """x @ module.<name> per expert, in `dtype`; with a queue, the weight gradient is deferred."""
-    w = getattr(module, name).to(dtype)
+    w = compute_weight(module, name, dtype)
     if queue is None:
         return grouped_mm(x.to(dtype), w, counts)
     return _GroupedMMDeferredW.apply(x.to(dtype), w.detach(), counts, queue, module, name)
