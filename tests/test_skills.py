@@ -27,8 +27,8 @@ def test_validate_correctness_script(tmp_path):
 def test_capture_profile_overlap_measure(tmp_path):
     # two NCCL kernels (10 + 10 us), compute kernels covering 5 us of the first and all of the second
     events = [
-        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllToAll", "ts": 0, "dur": 10},
-        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllToAll", "ts": 20, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 20, "dur": 10},
         {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 5, "dur": 5},
         {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 18, "dur": 14},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 40},
@@ -40,6 +40,15 @@ def test_capture_profile_overlap_measure(tmp_path):
     assert "overlapped with compute: 75.0%" in ok.stdout and ok.stdout.strip().endswith("PASS")
     low = subprocess.run([sys.executable, script, "--trace", str(trace), "--min-overlap", "0.8"], capture_output=True, text=True)
     assert low.returncode == 1 and low.stdout.strip().endswith("FAIL: overlap 75.0% < 80%")
+    assert "19.00 ms  matmul" not in ok.stdout and "0.02 ms  matmul" in ok.stdout  # 19 us of gemm kernels
+    # an all-gather (20 us) nobody overlaps: 15 of 40 us in total, the all-to-alls alone still 75%
+    events.append({"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 40, "dur": 20})
+    trace.write_text(json.dumps({"traceEvents": events}))
+    kind = subprocess.run([sys.executable, script, "--trace", str(trace), "--min-overlap", "0.7", "--kind", "all-to-all/p2p"],
+                          capture_output=True, text=True)
+    assert "overlapped with compute: 37.5%" in kind.stdout and kind.stdout.strip().endswith("PASS"), kind.stdout
+    assert "all-gather          0.02 ms,   0.0% overlapped" in kind.stdout, kind.stdout
+    assert "all-to-all/p2p      0.02 ms,  75.0% overlapped" in kind.stdout, kind.stdout
 
 
 def test_add_new_model_parity_script(tmp_path):

@@ -7,11 +7,14 @@ handle) triple the all-to-all dispatcher does, so the model code does not know w
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.distributed as dist
 
 from pithtrain.models.protocol import RoutingInfo
 from pithtrain.ops.core import count_ids
+from pithtrain.ops.kernels import dispatch_plan
 
 
 class LocalDispatch:
@@ -111,6 +114,46 @@ def _issue(x, out_splits, in_splits, group):
     return out, dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
 
 
+class _Plan(NamedTuple):
+    send_token: torch.Tensor  # [rows] token of each send row, rows ordered by destination rank
+    slot_meta: torch.Tensor  # [rows, k] local expert id of each slot on the destination, -1 elsewhere
+    home_index: torch.Tensor  # [pairs] where each returning (token, slot) pair lands in [T*k]
+    counts: "_Counts"
+    num_tokens: int
+    topk: int
+
+
+class _Counts:
+    """The split sizes [ep, 4] (rows and pairs sent, rows and pairs received) on their way to the
+    host. Async on CUDA: the count all-to-all is issued now and a side stream copies its result
+    to pinned memory behind it, so `host()` waits for that stream only. The overlapped pipeline
+    queues the other micro-batch's compute between the two: the host sync no longer drains the
+    GPU."""
+
+    def __init__(self, send_counts, group, async_op: bool, owner):
+        recv = torch.empty_like(send_counts)
+        if not async_op:
+            dist.all_to_all_single(recv, send_counts, group=group)
+            self.both, self.event = torch.cat([send_counts, recv], 1), None
+            return
+        work = dist.all_to_all_single(recv, send_counts, group=group, async_op=True)
+        stream = owner.side_stream(send_counts.device)
+        stream.wait_stream(torch.cuda.current_stream(send_counts.device))
+        with torch.cuda.stream(stream):
+            work.wait()
+            both = torch.cat([send_counts, recv], 1)
+            self.both = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self.both.copy_(both, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+        self._alive = (send_counts, recv, both)  # not freed before the side stream is done
+
+    def host(self) -> list[list[int]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.both.tolist()
+
+
 class AllToAllDispatch:
     """Expert parallelism over `group` (size ep): rank r holds experts [r*E/ep, (r+1)*E/ep).
 
@@ -121,8 +164,9 @@ class AllToAllDispatch:
     arithmetic is the same as on one rank.
 
     Host synchronisations: one per MoE layer in forward, the `.tolist()` of the exchanged split
-    sizes (all_to_all_single needs them on the host); the backward reuses them. The grouped GEMM
-    takes its group offsets on the device (no sync); its CPU fallback loop syncs once more.
+    sizes (all_to_all_single needs them on the host); the backward reuses them. On GPUs the plan
+    is a Triton kernel (no sync) and the received pairs are expanded with a host-known size. The
+    grouped GEMM takes its group offsets on the device (no sync); its CPU fallback loop syncs.
     """
 
     def __init__(self, group, num_experts: int):
@@ -130,6 +174,12 @@ class AllToAllDispatch:
         self.ep = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.local_experts = num_experts // self.ep
+        self._side_stream = None
+
+    def side_stream(self, device):
+        if self._side_stream is None:
+            self._side_stream = torch.cuda.Stream(device)
+        return self._side_stream
 
     def dispatch(self, x: torch.Tensor, routing: RoutingInfo):
         return self.dispatch_finish(self.dispatch_start(x, routing))
@@ -137,44 +187,38 @@ class AllToAllDispatch:
     def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
         return self.combine_finish(self.combine_start(expert_out, handle))
 
-    # Each stage is split in a start half (everything up to issuing the all-to-all, including the
-    # count exchange and its host sync) and a finish half (wait, then the local re-layout), so
-    # that the pipeline can run another micro-batch's compute in between.
+    # Each stage is split in a start half (everything up to issuing the all-to-all) and a finish
+    # half (wait, then the local re-layout), so that the pipeline can run another micro-batch's
+    # compute in between. Dispatch has a third, earlier part, `plan`, which starts the exchange
+    # of the split sizes: the overlapped pipeline runs other compute before reading them.
 
-    def dispatch_start(self, x: torch.Tensor, routing: RoutingInfo, async_op: bool = False):
+    def plan(self, routing: RoutingInfo, async_op: bool = False) -> _Plan:
+        """Where each token goes (ops/kernels.dispatch_plan: no host sync on GPUs), and the exchange
+        of the split sizes, started but not waited on."""
         ids = routing.topk_ids
-        num_tokens, topk = ids.shape
-        dest = ids // self.local_experts  # [T, k] rank of each chosen expert
-        on_rank = torch.zeros(num_tokens, self.ep, dtype=torch.bool, device=ids.device)
-        on_rank.scatter_(1, dest, True)  # [T, ep] token goes to rank r at most once
-        send_rank, send_token = on_rank.T.nonzero(as_tuple=True)  # rows ordered by destination rank
-        slot_here = dest[send_token] == send_rank[:, None]  # [rows, k]: slot's expert on that rank
-        # local expert id per slot for the receiving rank, -1 where that slot lives elsewhere
-        slot_meta = torch.where(slot_here, ids[send_token] % self.local_experts, -1)
-        rows_per_rank = on_rank.sum(0)
-        pairs_per_rank = count_ids(dest, self.ep)
-        send_counts = torch.stack([rows_per_rank, pairs_per_rank], 1)
-        recv_counts = torch.empty_like(send_counts)
-        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
-        counts = torch.cat([send_counts, recv_counts], 1).tolist()  # the one host sync of the layer
+        plan = dispatch_plan(ids, self.local_experts, self.ep)
+        counts = _Counts(plan.send_counts, self.group, async_op and ids.is_cuda, self)
+        return _Plan(plan.send_token, plan.slot_meta, plan.home_index, counts, *ids.shape)
+
+    def dispatch_start(self, x: torch.Tensor, routing: RoutingInfo, async_op: bool = False, plan=None):
+        plan = plan or self.plan(routing, async_op)
+        counts = plan.counts.host()  # the one host sync of the layer
         send_rows, send_pairs = [c[0] for c in counts], [c[1] for c in counts]
         recv_rows, recv_pairs = [c[2] for c in counts], [c[3] for c in counts]
-
-        rows = Exchange(x.index_select(0, send_token), recv_rows, send_rows, self.group, async_op)
-        meta = torch.empty((sum(recv_rows), topk), dtype=slot_meta.dtype, device=slot_meta.device)
-        meta_work = dist.all_to_all_single(meta, slot_meta.contiguous(), recv_rows, send_rows, group=self.group,
-                                           async_op=True)
-        # home side: where each returning (token, slot) pair lands in the [T*k] layout
-        home_slot = slot_here.nonzero(as_tuple=True)
-        home_index = send_token[home_slot[0]] * topk + home_slot[1]
-        return rows, (meta, meta_work), (recv_pairs, send_pairs, home_index, num_tokens, topk)
+        real = sum(send_rows)  # the plan's rows past this are padding
+        rows = Exchange(x.index_select(0, plan.send_token[:real]), recv_rows, send_rows, self.group, async_op)
+        meta = torch.empty((sum(recv_rows), plan.topk), dtype=plan.slot_meta.dtype, device=plan.slot_meta.device)
+        meta_work = dist.all_to_all_single(meta, plan.slot_meta[:real].contiguous(), recv_rows, send_rows,
+                                           group=self.group, async_op=True)
+        return rows, (meta, meta_work), (recv_pairs, send_pairs, plan.home_index, plan.num_tokens, plan.topk)
 
     def dispatch_finish(self, pending):
         rows, (meta, meta_work), (recv_pairs, send_pairs, home_index, num_tokens, topk) = pending
         rows = rows.wait()
         meta_work.wait()
         # expand to one row per (received token, local expert), grouped by local expert
-        row_idx, slot_idx = (meta >= 0).nonzero(as_tuple=True)  # (row, slot) order == source-rank order
+        # (row, slot) order == source-rank order; the count is known on the host: no sync
+        row_idx, slot_idx = torch.nonzero_static(meta >= 0, size=sum(recv_pairs)).unbind(1)
         experts = meta[row_idx, slot_idx]
         order = torch.argsort(experts, stable=True)
         tokens = rows.index_select(0, row_idx[order])

@@ -282,7 +282,10 @@ def _layer_steps(layer, x, attn, engine, tape, lb_scale, note):
     if len(engine.lb_terms) > terms:  # enters the loss as lb_scale * term
         tape.roots[-1].append((engine.lb_terms[-1], torch.full_like(engine.lb_terms[-1], lb_scale)))
     first = len(tape.roots) - 1
-    pending = engine.dispatcher.dispatch_start(s1.moe_input, s1.routing, async_op=True)
+    plan = engine.dispatcher.plan(s1.routing, async_op=True)
+    note("counts-issue")
+    yield  # the other micro-batch's compute is queued before the host reads the split sizes
+    pending = engine.dispatcher.dispatch_start(s1.moe_input, s1.routing, async_op=True, plan=plan)
     note("dispatch-issue")
     yield
     tokens, counts, handle = engine.dispatcher.dispatch_finish(pending)
