@@ -28,8 +28,16 @@ def test_schedule_is_complete_ordered_and_deadlock_free(pp, extra, defer_w):
         assert result["makespan"] - ideal <= max(formula, 1) + 1e-9
     else:
         assert result["bubble_fraction"] < 0.5
-    if pp > 1:  # the steady state overlaps forward and backward pairs
-        assert any(op.kind == "FB" for op in lists[0])
+    # the steady state overlaps forward and backward pairs; with pp = 1 (both chunks on one rank)
+    # every forward after micro-batch 0's is paired with the previous micro-batch's backward
+    fbs = [op for op in lists[0] if op.kind == "FB"]
+    assert len(fbs) == 2 * (micro - 1) if pp == 1 else fbs
+    if pp == 1 and defer_w:  # no bubbles: W runs soon after its B, holding few activations
+        queued, longest = 0, 0
+        for op in lists[0]:
+            queued += (op.kind in ("B", "FB")) - (op.kind == "W")
+            longest = max(longest, queued)
+        assert longest <= 3, lists[0]
     # the deferred-W queue is empty at the end: every W ran on its rank after its B
     for rank_ops in lists:
         ws = [op for op in rank_ops if op.kind == "W"]

@@ -53,7 +53,9 @@ def shard_model(model: torch.nn.Module, mesh: Mesh, bf16_params: bool) -> None:
     dense, expert = _fsdp_meshes(mesh)
     units = []
     for module in expert_modules(model):
-        units.append(fully_shard(module, mesh=expert, mp_policy=policy))
+        # unsharded experts (one rank per expert shard group): keep the gathered copy from forward to
+        # backward instead of "gathering" (casting and copying) it twice per micro-batch
+        units.append(fully_shard(module, mesh=expert, mp_policy=policy, reshard_after_forward=expert.size() > 1))
     for layer in model.layers.values():
         units.append(fully_shard(layer, mesh=dense, mp_policy=policy))
         # the engine calls the stages, not forward(): let FSDP gather the weights around them
@@ -102,16 +104,18 @@ def add_grad(param: torch.nn.Parameter, full_grad: torch.Tensor) -> None:
     """Add a gradient computed for the whole local parameter (e.g. a deferred expert weight
     gradient) to `param.grad`, reduce-scattering (SUM) over the FSDP shards when `param` is a
     DTensor sharded on dim 0, and summing over replicas under HSDP."""
-    full_grad = full_grad.to(param.dtype)
     if not isinstance(param, DTensor):
-        param.grad = full_grad if param.grad is None else param.grad + full_grad
+        _accumulate(param, full_grad)
         return
     from torch.distributed.tensor import Replicate, Shard
 
     mesh, placements = param.device_mesh, param.placements
     local_shape = param.to_local().shape
     for dim, placement in enumerate(placements):
+        if mesh.size(dim) == 1:  # e.g. experts under ep = world size: nothing to exchange
+            continue
         group = mesh.get_group(dim)
+        full_grad = full_grad.to(param.dtype)  # reduce in the parameter's dtype (fp32)
         if isinstance(placement, Replicate):
             dist.all_reduce(full_grad, group=group)
         elif isinstance(placement, Shard) and placement.dim == 0:
@@ -124,5 +128,17 @@ def add_grad(param: torch.nn.Parameter, full_grad: torch.Tensor) -> None:
             full_grad = out[: local_shape[0]]
         else:
             raise NotImplementedError(f"deferred gradient for placement {placement}")
-    grad = DTensor.from_local(full_grad.contiguous(), mesh, placements, shape=param.shape, stride=param.stride())
-    param.grad = grad if param.grad is None else param.grad + grad
+    if param.grad is not None:
+        _accumulate(param.grad.to_local(), full_grad, into_grad=False)
+        return
+    param.grad = DTensor.from_local(full_grad.to(param.dtype).contiguous(), mesh, placements, shape=param.shape,
+                                    stride=param.stride())
+
+
+def _accumulate(target: torch.Tensor, grad: torch.Tensor, into_grad: bool = True) -> None:
+    """target.grad (or target itself) += grad, in place and in target's dtype: one fused kernel per
+    micro-batch instead of a cast, an add and a fresh allocation."""
+    if into_grad and target.grad is None:
+        target.grad = grad.to(target.dtype).contiguous()
+    else:
+        (target.grad if into_grad else target).add_(grad)

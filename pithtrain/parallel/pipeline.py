@@ -97,7 +97,9 @@ def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> tuple[t
     busy_until = [0] * pp
     lists: list[list[Op]] = [[] for _ in range(pp)]
     # warm-up bound on forwards in flight per phase (DualPipeV fills rank r with 2pp-r-1 / r+1)
-    cap = [[2 * pp - r - 1, r + 1] for r in range(pp)]
+    # pp = 1: one rank holds both chunks; two forwards in flight per phase let the forward of
+    # micro-batch i+1 overlap the backward of micro-batch i (FB ops) all the way through
+    cap = [[2 * pp - r - 1, r + 1] for r in range(pp)] if pp > 1 else [[2, 2]]
     remaining = pp * 2 * num_micro * (3 if defer_w else 2)
     t = 0
 
@@ -112,7 +114,10 @@ def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> tuple[t
                     for p in (0, 1)]
             b_ok = [ready(rank, "B", p, next_b[rank][p]) for p in (0, 1)]
             op, cost = None, 0
-            for pf in (0, 1):  # steady state: a forward overlapped with the other phase's backward
+            if pp == 1 and len(wqueue[rank]) > 2:  # no bubbles to fill: keep the queue (and the
+                phase, mb = wqueue[rank].pop(0)  # activations it holds) short
+                op, cost = Op("W", phase, mb), 1
+            for pf in (0, 1) if op is None else ():  # steady state: a forward overlapped with the other phase's backward
                 if f_ok[pf] and b_ok[1 - pf]:
                     op, cost = Op("FB", pf, next_f[rank][pf], next_b[rank][1 - pf]), 2 if defer_w else 3
                     break
