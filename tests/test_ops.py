@@ -7,6 +7,7 @@ from pithtrain.models.protocol import RoutingInfo
 from pithtrain.ops.core import attention, attention_mask, rms_norm
 from pithtrain.ops.grouped_gemm import DeferredWeightGrads, expert_mm, grouped_mm
 from pithtrain.parallel.expert import LocalDispatch
+from pithtrain.train.optim import optimizer_step
 
 
 @pytest.mark.parametrize("hidden, dtype", [(32, torch.float32), (37, torch.float32), (64, torch.bfloat16)])
@@ -51,9 +52,16 @@ def test_expert_weight_cast_is_cached_per_update_and_gradients_still_accumulate(
     before = expert_mm(xs[0], module, "w", counts, torch.bfloat16).float()
     torch.testing.assert_close(before, outs[0].float())
     with torch.no_grad():
-        module.w.mul_(-1.0)  # an optimizer-like in-place update bumps the version: a fresh cast
+        module.w.mul_(-1.0)  # an in-place update bumps the version: a fresh cast
     after = expert_mm(xs[0], module, "w", counts, torch.bfloat16).float()
     torch.testing.assert_close(after, -before)
+    # the fused AdamW kernel (the GPU default) does NOT bump versions: the loop's optimizer_step does
+    optimizer = torch.optim.AdamW([module.w], lr=0.5, fused=True)
+    optimizer_step(optimizer, [module.w])
+    stepped = expert_mm(xs[0], module, "w", counts, torch.bfloat16).float()
+    fresh = grouped_mm(xs[0].bfloat16(), module.w.detach().bfloat16(), counts).float()
+    assert (stepped - after).abs().max() > 0.1
+    torch.testing.assert_close(stepped, fresh)
 
 
 def test_local_dispatch_round_trip():

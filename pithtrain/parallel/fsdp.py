@@ -43,8 +43,11 @@ def keep_local_experts(model: torch.nn.Module, ep_rank: int, ep: int) -> None:
             setattr(module, name, torch.nn.Parameter(local, requires_grad=p.requires_grad))
 
 
-def shard_model(model: torch.nn.Module, mesh: Mesh, bf16_params: bool) -> None:
-    """fully_shard the expert modules, each decoder layer, then the root."""
+def shard_model(model: torch.nn.Module, mesh: Mesh, bf16_params: bool, reshard_after_forward: bool = True) -> None:
+    """fully_shard the expert modules, each decoder layer, then the root. The pipeline passes
+    reshard_after_forward=False (as torchtitan does under pipelining): with many micro-batches
+    in flight, gathering once per forward instead of again in backward halves the all-gathers
+    for the price of keeping this chunk's dense weights unsharded between the two."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
     # Stage outputs include views (flattened tokens); we never modify them in place.
@@ -55,13 +58,14 @@ def shard_model(model: torch.nn.Module, mesh: Mesh, bf16_params: bool) -> None:
     for module in expert_modules(model):
         # unsharded experts (one rank per expert shard group): keep the gathered copy from forward to
         # backward instead of "gathering" (casting and copying) it twice per micro-batch
-        units.append(fully_shard(module, mesh=expert, mp_policy=policy, reshard_after_forward=expert.size() > 1))
+        units.append(fully_shard(module, mesh=expert, mp_policy=policy,
+                                 reshard_after_forward=reshard_after_forward and expert.size() > 1))
     for layer in model.layers.values():
-        units.append(fully_shard(layer, mesh=dense, mp_policy=policy))
+        units.append(fully_shard(layer, mesh=dense, mp_policy=policy, reshard_after_forward=reshard_after_forward))
         # the engine calls the stages, not forward(): let FSDP gather the weights around them
         register_fsdp_forward_method(layer, "stage1")
         register_fsdp_forward_method(layer, "stage5")
-    units.append(fully_shard(model, mesh=dense, mp_policy=policy))
+    units.append(fully_shard(model, mesh=dense, mp_policy=policy, reshard_after_forward=reshard_after_forward))
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)

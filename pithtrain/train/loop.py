@@ -30,7 +30,7 @@ from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, TokenDataset
 from pithtrain.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
-from pithtrain.train.optim import build_optimizer, lr_at
+from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step
 
 
 def pick_device(name: str) -> torch.device:
@@ -125,7 +125,7 @@ def train(
     model.to(device)  # fp32 master weights; bf16 compute from autocast (one process) or FSDP's policy
     if mesh.world > 1:
         for part in chunks or (model,):
-            shard_model(part, mesh, bf16_params=dtype == torch.bfloat16)
+            shard_model(part, mesh, bf16_params=dtype == torch.bfloat16, reshard_after_forward=chunks is None)
     optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
     count_group = mesh.data_group if t.lb_type == "global" else None
     balance = LoadBalance(t.lb_type, count_group, cp_group=mesh.cp_group) if t.lb_coef > 0 else None
@@ -219,7 +219,7 @@ def train(
                 f"is kept. Lower optim.lr, raise optim.warmup_steps or check the data, then resume."
             )
         clip_grads(params, o.grad_clip, grad_norm)
-        optimizer.step()
+        optimizer_step(optimizer, params)
         optimizer.zero_grad(set_to_none=True)
         update_routing_biases(model, step_loads, mesh, config.model)
         if device.type == "cuda":

@@ -21,6 +21,15 @@ def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConf
     )
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, params) -> None:
+    """optimizer.step(), then mark every parameter as modified: the fused AdamW kernel updates the
+    weights in place without bumping their version counters, and the per-update cache of expert
+    weights cast to bf16 (ops/grouped_gemm.compute_weight) is keyed by those counters."""
+    optimizer.step()
+    for p in params:
+        torch.autograd.graph.increment_version(p)
+
+
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     """Learning rate for optimizer step `step` (0-based)."""
     if step < cfg.warmup_steps:
