@@ -64,6 +64,19 @@ def test_expert_weight_cast_is_cached_per_update_and_gradients_still_accumulate(
     torch.testing.assert_close(stepped, fresh)
 
 
+def test_expert_weight_gradient_without_an_input_gradient():
+    """bf16 compute over an fp32 weight, input not requiring grad: the weight still gets its gradient."""
+    torch.manual_seed(5)
+    counts = torch.tensor([3, 5, 0, 2])
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.randn(4, 8, 6))
+    x, dy = torch.randn(10, 8), torch.randn(10, 6)
+    expert_mm(x, module, "w", counts, torch.bfloat16).backward(dy.bfloat16())
+    split = lambda t: t.bfloat16().double().split(counts.tolist())  # noqa: E731
+    ref = torch.stack([xe.T @ de for xe, de in zip(split(x), split(dy))])
+    torch.testing.assert_close(module.w.grad.double(), ref, rtol=2e-2, atol=2e-2)
+
+
 def test_local_dispatch_round_trip():
     torch.manual_seed(0)
     t, h, e, k = 13, 6, 5, 3

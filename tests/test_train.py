@@ -136,3 +136,22 @@ def test_lb_coef_zero_disables_the_loss(tmp_path, dataset_dir):
 def test_checkpoint_every_minus_one_writes_none(tmp_path, dataset_dir):
     history = loop.train(tiny_config(dataset_dir, steps=2, checkpoint_every=-1), tmp_path, echo=False)
     assert len(history) == 2 and ckpt.list_checkpoints(tmp_path) == []
+
+
+def test_grad_norm_and_clipping_against_float64():
+    from pithtrain.parallel.fsdp import clip_grads, global_grad_norm
+    from pithtrain.parallel.mesh import Mesh
+
+    torch.manual_seed(11)
+    params = [torch.nn.Parameter(torch.empty(shape)) for shape in ((300, 7), (5,), (2, 3, 4), (1,))]
+    for p in params[:-1]:  # the last has no gradient
+        p.grad = torch.randn_like(p) * 3
+    ref = torch.cat([p.grad.double().flatten() for p in params[:-1]]).norm().item()
+    norm = global_grad_norm(params, Mesh.single(torch.device("cpu")))
+    assert norm == pytest.approx(ref, rel=1e-6)
+    before = [p.grad.clone() for p in params[:-1]]
+    clip_grads(params, 1.0, norm)
+    clipped = torch.cat([p.grad.double().flatten() for p in params[:-1]]).norm().item()
+    assert clipped == pytest.approx(1.0, rel=1e-5)
+    for p, b in zip(params, before):
+        torch.testing.assert_close(p.grad, b * (1.0 / (norm + 1e-6)))

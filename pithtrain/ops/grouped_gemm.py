@@ -57,6 +57,9 @@ class DeferredWeightGrads:
 
 
 class _GroupedMMDeferredW(torch.autograd.Function):
+    """Grouped GEMM whose weight gradient goes to the parameter's .grad by hand: queued on a
+    DeferredWeightGrads (zero-bubble W) or, with no queue, accumulated at once."""
+
     @staticmethod
     def forward(ctx, x, w, counts, queue, module, name):
         ctx.save_for_backward(x, w, counts)
@@ -71,9 +74,18 @@ class _GroupedMMDeferredW(torch.autograd.Function):
 
         def weight_pass():  # needs only activations: the weights may be resharded by now
             param = getattr(module, name)
-            queue.add_grad(param, grouped_weight_grad(x, dy, counts, num_groups))
+            grad = grouped_weight_grad(x, dy, counts, num_groups)
+            if queue is not None:
+                queue.add_grad(param, grad)
+            elif param.grad is None:
+                param.grad = grad.to(param.dtype)
+            else:  # accumulate the bf16 product straight into the fp32 gradient: one kernel
+                param.grad.add_(grad)
 
-        queue.work.append(weight_pass)
+        if queue is None:
+            weight_pass()
+        else:
+            queue.work.append(weight_pass)
         return dx, None, None, None, None, None
 
 
@@ -98,6 +110,11 @@ def compute_weight(module, name: str, dtype) -> torch.Tensor:
 def expert_mm(x, module, name: str, counts, dtype, queue: DeferredWeightGrads | None = None):
     """x @ module.<name> per expert, in `dtype`; with a queue, the weight gradient is deferred."""
     w = compute_weight(module, name, dtype)
-    if queue is None:
-        return grouped_mm(x.to(dtype), w, counts)
-    return _GroupedMMDeferredW.apply(x.to(dtype), w.detach(), counts, queue, module, name)
+    if queue is None and (w is getattr(module, name) or not w.requires_grad):
+        return grouped_mm(x.to(dtype), w, counts)  # no cast in between (fp32, or FSDP's bf16 copy)
+    # Cast master weights: the weight gradient is computed here and added to the fp32 .grad
+    # directly, now or (with a queue) in a later W pass, instead of autograd casting it and adding.
+    x = x.to(dtype)
+    if not x.requires_grad and torch.is_grad_enabled():  # the weight gradient still needs a backward
+        x = x.detach().requires_grad_()
+    return _GroupedMMDeferredW.apply(x, w.detach(), counts, queue, module, name)

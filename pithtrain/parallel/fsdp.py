@@ -83,10 +83,9 @@ def _fsdp_meshes(mesh: Mesh):
 def global_grad_norm(params, mesh: Mesh) -> float:
     """sqrt of the sum of squares of every gradient element counted once across the mesh."""
     local = torch.zeros((), dtype=torch.float64, device=mesh.device)
-    for p in params:
-        if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            local += g.double().pow(2).sum()
+    grads = _local_grads(params)
+    if grads:  # one fused norm kernel per tensor (fp32 accumulation), summed in float64
+        local += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
     if mesh.world > 1:
         dist.all_reduce(local)
         # every element lives on exactly one rank of each pipeline stage... except replicas:
@@ -97,10 +96,14 @@ def global_grad_norm(params, mesh: Mesh) -> float:
 @torch.no_grad()
 def clip_grads(params, max_norm: float, total_norm: float) -> None:
     if max_norm > 0 and total_norm > max_norm:
-        scale = max_norm / (total_norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        grads = _local_grads(params)
+        if grads:
+            torch._foreach_mul_(grads, max_norm / (total_norm + 1e-6))
+
+
+def _local_grads(params) -> list[torch.Tensor]:
+    """This rank's gradient tensors (the local shards of DTensor gradients)."""
+    return [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
 
 
 @torch.no_grad()
