@@ -487,6 +487,11 @@ class PipelineRunner:
         def backward(phase, mb):
             """Generator: one chunk backward; returns the input gradient to pass on (or None)."""
             leaf, outputs, grads, queue, tape = saved.pop((phase, mb))
+            chunk = self.chunks[phase]
+            if isinstance(chunk, FSDPModule):  # a phase's backwards run in micro-batch order:
+                last = mb == len(micros) - 1  # reduce-scatter and reshard after the last only
+                chunk.set_requires_gradient_sync(last)
+                chunk.set_reshard_after_backward(last)
             if queue is not None:
                 weight_work[(phase, mb)] = queue
             tensors = []

@@ -197,7 +197,9 @@ def train(
         if chunks is not None:
             sums += pipeline_step(runner, micros, n_label, n_moe, t.lb_coef / (n_moe * n_micro_global), device, dtype)
         else:
-            for micro in micros:
+            for i, micro in enumerate(micros):
+                if mesh.world > 1:  # accumulate unsharded gradients; reduce-scatter after the last micro-batch
+                    model.set_requires_gradient_sync(i == len(micros) - 1)
                 ce, lb = forward_loss(model, micro, new_engine(*micro["input_ids"].shape), device, dtype)
                 total = ce / max(n_label, 1)
                 if lb is not None:
