@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+from conftest import tiny_config
+
 SCRIPT = ".agents/skills/validate-correctness/compare_runs.py"
 
 
@@ -61,3 +65,72 @@ def test_add_new_model_parity_script(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 0 and result.stdout.strip().endswith("PASS"), result.stdout + result.stderr
     assert result.stdout.count("ok   ") == 5
+
+
+def _estimator():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("estimate_memory", ".agents/skills/estimate-memory/estimate_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("pp, ep", [(1, 2), (2, 2), (2, 1)])
+def test_estimate_memory_counts_the_parameters_each_rank_really_holds(pp, ep, dataset_dir):
+    """The static terms against a real build: DualPipeV chunks of each pipeline rank, this EP
+    rank's experts, dense weights sharded over the other ranks of the stage."""
+    from pithtrain.parallel.fsdp import keep_local_experts
+    from pithtrain.parallel.pipeline import build_chunks
+
+    est = _estimator()
+    config = tiny_config(dataset_dir, global_batch_size=8, micro_batch_size=1)
+    config.model.num_hidden_layers = 6
+    config.parallel.pp, config.parallel.ep = pp, ep
+    world = pp * ep
+    ranks = est.estimate(config, world)
+    assert len(ranks) == pp
+    for r in range(pp):
+        chunks = build_chunks(config.model, pp, r, 0) if pp > 1 else (config.model.build_model(),)
+        dense = expert = 0
+        for chunk in chunks:
+            keep_local_experts(chunk, 0, ep)
+            for name, p in chunk.named_parameters():
+                if ".experts." in name:
+                    expert += p.numel()
+                else:
+                    dense += p.numel()
+        local = dense / world * pp + expert  # dense sharded over the stage's ranks (dp x cp x ep)
+        assert ranks[r]["master weights (fp32)"] * est.GIB == pytest.approx(4 * local, rel=1e-12)
+        assert ranks[r]["AdamW moments (fp32)"] * est.GIB == pytest.approx(8 * local, rel=1e-12)
+
+
+def test_estimate_memory_matches_the_measured_h200_peaks_and_fails_clearly():
+    script = ".agents/skills/estimate-memory/estimate_memory.py"
+    # (overrides, extra args, measured peak GiB on H200, docs/performance.md)
+    measured = [
+        (["train.global_batch_size=8"], [], 57.0),
+        (["train.global_batch_size=8", "train.micro_batch_size=2"], [], 62.3),
+        (["train.global_batch_size=8", "train.micro_batch_size=4"], [], 72.8),
+        (["train.global_batch_size=8", "model.num_hidden_layers=8"], [], 102.9),
+        (["train.global_batch_size=16"], ["--nproc", "2", "--ep", "2"], 45.3),
+    ]
+    from pithtrain.config import apply_override, load_run_config
+
+    est = _estimator()
+    for sets, extra, peak in measured:
+        config = load_run_config("benchmarks/qwen3_width.py")
+        for s in sets:
+            apply_override(config, s)
+        world = int(extra[1]) if extra else 1
+        config.parallel.ep = int(extra[3]) if extra else 1
+        total = max(r["total"] for r in est.estimate(config, world))
+        assert total == pytest.approx(peak, rel=0.03), (sets, extra, total, peak)
+    ok = subprocess.run([sys.executable, script, "benchmarks/qwen3_width.py", "--set", "train.micro_batch_size=2",
+                         "--set", "train.global_batch_size=8"], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("PASS: 61."), ok.stdout + ok.stderr
+    small = subprocess.run([sys.executable, script, "benchmarks/qwen3_width.py", "--gpu-mem", "40"], capture_output=True, text=True)
+    assert small.returncode == 1 and "FAIL:" in small.stdout and "micro_batch_size" in small.stdout
+    bad = subprocess.run([sys.executable, script, "benchmarks/qwen3_width.py", "--nproc", "3", "--ep", "2"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stdout.startswith("FAIL:") and "ep" in bad.stdout, bad.stdout

@@ -1,0 +1,175 @@
+"""Estimate the peak GPU memory per rank of a training run before launching it; PASS/FAIL.
+
+    python .agents/skills/estimate-memory/estimate_memory.py CONFIG [--nproc N --pp P --cp C --ep E]
+        [--set train.micro_batch_size=2 ...] [--gpu-mem 139] [--max-layers]
+
+Static part (exact: counted from the model built on the meta device, split and sharded as the
+run will be): fp32 master weights, fp32 gradients and the two AdamW moments of this rank's
+shard; the bf16 copies (one process: the expert weights cast once per step; FSDP: the gathered
+parameters, kept from forward to backward in the pipeline) and, with gradient accumulation under
+FSDP, the unsharded fp32 gradients. Activation part (calibrated): bytes per token per layer from
+the saved tensors of attention and the MoE path times a factor fitted to measured H200 peaks
+(docs/performance.md), times the micro-batches a rank holds at once (1; DualPipeV: its in-flight
+forwards). Multi-GPU runs add a calibrated 12% for communication buffers and the pipeline's
+bookkeeping. The fit is within 3% of the five measured peaks; expect +-15% elsewhere.
+
+`--max-layers` searches the deepest `model.num_hidden_layers` that fits (the "as many layers as
+fit" of a benchmark). PASS when the estimate is within 95% of --gpu-mem.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+GIB = 2**30
+ACTIVATION_FACTOR = 1.5  # fitted: Qwen3-30B-A3B width, 4 and 8 layers, micro-batch 1-4, compiled (H200)
+MULTI_GPU_OVERHEAD = 0.12  # fitted: the same width on 2 H200s, ep2 (measured 45.3 GiB vs 39.9 estimated)
+
+
+def param_counts(cfg, layer_ids, embed: bool, head: bool) -> tuple[int, int]:
+    """(dense, expert) parameter counts of one model chunk, from a meta-device build."""
+    with torch.device("meta"):
+        model = cfg.build_model(layer_ids, embed=embed, head=head)
+    dense = expert = 0
+    for name, p in model.named_parameters():
+        if ".experts." in name:
+            expert += p.numel()
+        else:
+            dense += p.numel()
+    return dense, expert
+
+
+def layer_activation_bytes(cfg, layer_id: int, seq: int) -> float:
+    """Bytes saved for backward per token by one layer (bf16, before the calibration factor)."""
+    h = cfg.hidden_size
+    heads = cfg.num_attention_heads
+    if cfg.model_type == "deepseek_v2":
+        q = k = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+        v = o = heads * cfg.v_head_dim
+    else:
+        d = getattr(cfg, "head_dim", None) or cfg.dim_per_head
+        q, k, v, o = heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d, heads * d
+    elements = 6 * h + q + k + v + o
+    if cfg.model_type == "gpt_oss":  # eager sink attention keeps fp32 scores and probabilities
+        elements += heads * seq * 4
+    if cfg.is_moe_layer(layer_id):
+        topk, inter = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        elements += topk * (2 * h + 3 * inter) + topk * h + 2 * cfg.num_routed_experts()
+        shared = getattr(cfg, "n_shared_experts", None) or 0
+        elements += 3 * inter * shared + (h if shared else 0)
+    else:
+        elements += 3 * cfg.intermediate_size + h
+    return 2.0 * elements
+
+
+def estimate(config, world: int) -> list[dict]:
+    """Per pipeline rank: a dict of GiB by component, and 'total'."""
+    from pithtrain.parallel.pipeline import rank_chunks, split_layers
+
+    cfg, p, t = config.model, config.parallel, config.train
+    pp, cp, ep = p.pp, p.cp, p.ep
+    dp = world // (pp * cp * ep)
+    data_ranks = dp * ep
+    micro_per_rank = t.global_batch_size // (t.micro_batch_size * data_ranks)
+    pipeline = pp > 1 or (ep > 1 and micro_per_rank >= 2)
+    tokens = t.micro_batch_size * config.data.seq_len // cp
+    if pipeline:
+        placement = split_layers(cfg.num_hidden_layers, pp)
+        caps = [[2 * pp - r - 1, r + 1] for r in range(pp)] if pp > 1 else [[2, 2]]
+        ranks = []
+        for r in range(pp):
+            first, second = rank_chunks(pp, r)
+            ranks.append([(placement[first], first == 0, False, caps[r][0]),
+                          (placement[second], False, second == 2 * pp - 1, caps[r][1])])
+    else:
+        ranks = [[(list(range(cfg.num_hidden_layers)), True, True, 1)]]
+    out = []
+    for chunks in ranks:
+        dense = expert = 0
+        act = 0.0
+        for layer_ids, embed, head, in_flight in chunks:
+            d, e = param_counts(cfg, layer_ids, embed, head)
+            dense, expert = dense + d, expert + e
+            per_token = sum(layer_activation_bytes(cfg, i, config.data.seq_len) for i in layer_ids)
+            per_token = per_token * ACTIVATION_FACTOR + (2.0 * cfg.vocab_size if head else 0.0)
+            act += in_flight * tokens * per_token
+        local_dense = dense / (dp * cp * ep)
+        local_expert = expert / ep / (dp * cp)
+        local = local_dense + local_expert
+        parts = {
+            "master weights (fp32)": 4 * local,
+            "gradients (fp32)": 4 * local,
+            "AdamW moments (fp32)": 8 * local,
+        }
+        if world == 1:
+            parts["bf16 expert weights (cast once per step)"] = 2 * expert
+        else:
+            parts["gathered bf16 parameters"] = 2 * (dense + expert / ep)
+            if micro_per_rank > 1:
+                parts["unsharded fp32 gradients (accumulation)"] = 4 * dense
+        parts["activations"] = act
+        if world > 1:  # all-to-all and FSDP buffers, the deferred-W queue, pipeline tape leaves
+            parts["runtime buffers (multi-GPU, calibrated +12%)"] = MULTI_GPU_OVERHEAD * sum(parts.values())
+        gib = {k: v / GIB for k, v in parts.items()}
+        gib["total"] = sum(gib.values())
+        out.append(gib)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("config")
+    parser.add_argument("--nproc", type=int, default=1, help="world size (GPUs)")
+    for name in ("pp", "cp", "ep"):
+        parser.add_argument(f"--{name}", type=int)
+    parser.add_argument("--set", action="append", default=[])
+    parser.add_argument("--gpu-mem", type=float, default=139.0, help="GiB per GPU (H200: about 139 usable)")
+    parser.add_argument("--max-layers", action="store_true", help="find the deepest model that fits")
+    args = parser.parse_args()
+    from pithtrain.config import ConfigError, apply_override, load_run_config, validate
+
+    try:
+        config = load_run_config(args.config)
+        for assignment in args.set:
+            apply_override(config, assignment)
+        for name in ("pp", "cp", "ep"):
+            if getattr(args, name) is not None:
+                setattr(config.parallel, name, getattr(args, name))
+        validate(config, world_size=args.nproc)
+    except ConfigError as err:
+        print(f"FAIL: {err}")
+        return 1
+    budget = 0.95 * args.gpu_mem
+    if args.max_layers:
+        best = None
+        for layers in range(2 * config.parallel.pp, 4 * config.model.num_hidden_layers + 1):
+            config.model.num_hidden_layers = layers
+            if getattr(config.model, "layer_types", None) is not None:
+                config.model.layer_types = None  # re-derived for the new depth
+            if max(r["total"] for r in estimate(config, args.nproc)) > budget:
+                break
+            best = layers
+        if best is None:
+            print(f"FAIL: not even {2 * config.parallel.pp} layers fit in {budget:.0f} GiB")
+            return 1
+        config.model.num_hidden_layers = best
+        print(f"deepest model that fits: {best} layers")
+    ranks = estimate(config, args.nproc)
+    for r, gib in enumerate(ranks):
+        print(f"pipeline rank {r}:" if len(ranks) > 1 else "per GPU:")
+        for key, value in gib.items():
+            print(f"  {value:8.1f} GiB  {key}")
+    worst = max(r["total"] for r in ranks)
+    if worst > budget:
+        print(f"FAIL: {worst:.1f} GiB > {budget:.1f} GiB (95% of {args.gpu_mem:g}); add GPUs (ep, pp), "
+              f"lower train.micro_batch_size or model depth")
+        return 1
+    print(f"PASS: {worst:.1f} GiB <= {budget:.1f} GiB (95% of {args.gpu_mem:g})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
