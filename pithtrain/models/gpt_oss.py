@@ -3,8 +3,8 @@ HF conversion including the MXFP4 expert weights of hub checkpoints.
 
 What differs from Qwen3-MoE:
   - attention has biases and one learnable "sink" logit per head that joins the softmax denominator
-    (it takes probability mass, then is dropped). SDPA has no sinks, so `sink_attention` is plain
-    PyTorch, differentiable in q, k, v and the sinks;
+    (it takes probability mass, then is dropped). `sink_attention` runs it through SDPA's fused
+    kernels as one extra key (see there), differentiable in q, k, v and the sinks;
   - layers use sliding-window (the last `sliding_window` tokens, the current one included) or full
     causal attention, per `layer_types`; both combine with the packed-document mask;
   - YaRN RoPE in HF's GPT-OSS form: the two halves of each head rotate against each other (the same
@@ -210,17 +210,25 @@ def rope_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, float]:
 def sink_attention(q, k, v, sinks, mask, scale: float) -> torch.Tensor:
     """Causal GQA attention whose softmax denominator also holds one learnable logit per head.
     q: [B, Hq, S, D], k/v: [B, Hkv, S, D], sinks: [Hq], mask: bool [B or 1, 1, S, S] (True = attend).
-    Returns [B, S, Hq*Dv]. Scores and softmax in fp32; gradients reach q, k, v and the sinks."""
+    Returns [B, S, Hq*Dv]; gradients reach q, k, v and the sinks.
+
+    The sink becomes one more key that every query sees, so SDPA's fused kernels do the work
+    (no [S, S] fp32 scores): queries get an extra coordinate holding sink/scale, the sink key is
+    the unit vector along it (the other keys are 0 there) and its value is 0. Then
+    q'.k_sink * scale = sink and q'.k_j = q.k_j, and the sink only adds to the denominator.
+    Seven more zero coordinates keep the head dim a multiple of 8, as the fused kernels want."""
     b, hq, s, d = q.shape
-    hkv = k.shape[1]
-    rep = hq // hkv
-    # Query heads h*rep .. h*rep+rep-1 share kv head h: group them instead of repeating k/v.
-    scores = (q.view(b, hkv, rep, s, d) @ k.unsqueeze(2).transpose(-1, -2)).float() * scale
-    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))
-    sink = sinks.float().view(1, hkv, rep, 1, 1).expand(b, hkv, rep, s, 1)
-    probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]  # the sink's share is dropped
-    out = probs.to(v.dtype) @ v.unsqueeze(2)  # [B, Hkv, rep, S, Dv]
-    return out.reshape(b, hq, s, -1).transpose(1, 2).flatten(2)
+    rep = hq // k.shape[1]
+    if rep > 1:  # the masked fused kernel takes equal head counts
+        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    sink_q = (sinks.to(q.dtype) / scale).view(1, hq, 1, 1).expand(b, hq, s, 1)
+    q = torch.cat([q, sink_q, q.new_zeros(b, hq, s, 7)], dim=-1)
+    sink_k = F.pad(q.new_ones(b, hq, 1, 1), (d, 7))  # [B, Hq, 1, D+8]: 1 at coordinate D
+    k = torch.cat([sink_k, F.pad(k, (0, 8))], dim=2)
+    v = F.pad(v, (0, 0, 1, 0))  # the sink's value row: zeros
+    mask = F.pad(mask, (1, 0), value=True)  # every query sees the sink
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2).flatten(2)
 
 
 # ---- MXFP4 (hub checkpoints store the experts this way) ----
