@@ -1,0 +1,111 @@
+"""The launch-multi-node preflight: PASS on valid meshes, FAIL fast on impossible ones, and its
+collective checks catch wrong data."""
+
+import contextlib
+import importlib.util
+import io
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from dist_util import run_fn
+
+SCRIPT = ".agents/skills/launch-multi-node/preflight.py"
+CONFIG = "examples/qwen3_tiny.py"  # global batch 16, micro 8, 8 experts; its data is never read
+
+
+def preflight(*args, timeout=300):
+    start = time.monotonic()
+    result = subprocess.run([sys.executable, SCRIPT, CONFIG, *args], capture_output=True, text=True, timeout=timeout)
+    return result, time.monotonic() - start
+
+
+def load_module():
+    spec = importlib.util.spec_from_file_location("preflight", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("mesh, expect", [
+    # dp=2 x ep=2: 16 = micro 4 x 4 data ranks
+    (["--ep", "2", "--set", "train.micro_batch_size=4"],
+     ["mesh: pp=1 dp=2 cp=1 ep=2 (world 4)", "EP groups: [0, 1] [2, 3]", "all_to_all_single (EP)"]),
+    # DualPipeV needs 2*pp = 4 micro-batches per data rank: 16 / (micro 2 x 2 data ranks) = 4
+    (["--pp", "2", "--ep", "2", "--set", "train.micro_batch_size=2"],
+     ["mesh: pp=2 dp=1 cp=1 ep=2 (world 4)", "EP groups: [0, 1] [2, 3]", "pipeline stages of rank 0: [0, 2]",
+      "x 4 micro-batches", "send/recv (pp neighbours)"]),
+])
+def test_preflight_passes(mesh, expect, tmp_path):
+    out = tmp_path / "run"
+    result, _ = preflight("--nproc", "4", *mesh, "--out", str(out))
+    text = result.stdout
+    assert result.returncode == 0 and text.strip().splitlines()[-1] == "PASS", text + result.stderr
+    for line in expect:
+        assert line in text, text
+    assert text.count(" cpu  torch ") == 4, text  # one line per rank: host, device
+    assert not (out / ".preflight").exists()  # the shared-directory probe cleans up after itself
+
+
+def test_preflight_fails_fast_on_impossible_mesh():
+    result, seconds = preflight("--nproc", "3", "--ep", "2")
+    assert result.returncode == 1, result.stdout + result.stderr
+    last = result.stdout.strip().splitlines()[-1]
+    assert last.startswith("FAIL: mesh pp=1 x cp=1 x ep=2 = 2 does not divide the 3 processes"), result.stdout
+    assert "choose --nproc as a multiple of 2" in last
+    assert "mesh: pp=" not in result.stdout and "backend" not in result.stdout  # no worker started
+    assert seconds < 10, seconds
+
+
+def test_preflight_config_errors_start_nothing(monkeypatch, capsys):
+    module = load_module()
+    started = []
+    monkeypatch.setattr(module, "launch_local", lambda *a: started.append("launch") or 0)
+    monkeypatch.setattr("torch.distributed.init_process_group", lambda *a, **k: started.append("group"))
+    monkeypatch.delenv("RANK", raising=False)
+    assert module.main([CONFIG, "--nproc", "3", "--ep", "3"]) == 1
+    assert capsys.readouterr().out.strip() == (
+        "FAIL: parallel.ep=3 does not divide the 8 experts; choose ep among the divisors of 8")
+    assert module.main([CONFIG, "--nproc", "2", "--pp", "2"]) == 1  # 16 / micro 8 = 2 micro-batches
+    assert "parallel.pp=2 needs at least 2*pp = 4 micro-batches per data rank" in capsys.readouterr().out
+    assert module.main([CONFIG, "--set", "train.stepz=3"]) == 1
+    assert "unknown field 'stepz'" in capsys.readouterr().out
+    assert started == []
+    assert module.main([CONFIG, "--nproc", "2", "--set", "train.micro_batch_size=4"]) == 0
+    assert started == ["launch"]
+
+
+def _checks(rank, world, corrupt):
+    import torch.distributed as dist
+
+    module = load_module()
+    argv = [CONFIG, "--pp", "2", "--ep", "2", "--set", "train.micro_batch_size=2"]
+    args = module.build_parser().parse_args(["train", *argv])
+    config = module.load(args)
+    dist.destroy_process_group = lambda: None  # the harness ends the group itself
+    if corrupt:  # deliver every EP block to the wrong receiver
+        original = dist.all_to_all_single
+
+        def swapped(recv, send, group):
+            original(recv, send, group=group)
+            recv.copy_(recv.roll(module.NUMEL))
+
+        dist.all_to_all_single = swapped
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = module.checks(config, SimpleNamespace(out=None), module.pick_device("cpu"))
+    return code, text.getvalue()
+
+
+def test_checks_detect_wrong_data():
+    results = run_fn(4, _checks, False)
+    assert [code for code, _ in results] == [0] * 4 and results[0][1].strip().endswith("PASS"), results[0][1]
+    results = run_fn(4, _checks, True)
+    assert [code for code, _ in results] == [1] * 4, results
+    last = results[0][1].strip().splitlines()[-1]
+    assert last.startswith("FAIL: rank 0 ("), last
+    assert "all_to_all_single: wrong block from ranks [0, 1] (iteration 0)" in last, last
+    assert results[1][1] == ""  # only rank 0 reports
