@@ -6,25 +6,11 @@ same FLOPs. Balanced routing (every expert gets tokens*k/E rows).
 """
 
 import argparse
-import statistics
 
 import torch
+from kernels import median_ms  # benchmarks/kernels.py: CUDA-event median over repeats
 
 from pithtrain.ops.grouped_gemm import grouped_mm, grouped_weight_grad
-
-
-def timed(fn, repeats=20):
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def main():
@@ -45,7 +31,7 @@ def main():
                          ("input grad", lambda: grouped_mm(dy, w.transpose(-1, -2), counts)),
                          ("weight grad", lambda: grouped_weight_grad(x, dy, counts, args.experts)),
                          ("dense same FLOPs", lambda: dense_a @ dense_b)):
-            t = timed(fn)
+            t = median_ms(fn, 20) / 1e3
             print(f"{label:8s} [{rows} x {k}] x [{args.experts} x {k} x {m}] {what:17s} {t * 1e3:7.3f} ms {flops / t / 1e12:6.0f} TFLOP/s")
 
 

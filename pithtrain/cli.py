@@ -8,8 +8,9 @@ import os
 import sys
 
 
-def _cmd_train(args) -> int:
-    from pithtrain.config import apply_override, load_run_config, validate
+def train_config(args):
+    """The run config of `pithtrain train ARGS`: the file, then --set, --steps and the mesh flags."""
+    from pithtrain.config import apply_override, load_run_config
 
     config = load_run_config(args.config)
     for assignment in args.set or []:
@@ -21,6 +22,13 @@ def _cmd_train(args) -> int:
             setattr(config.parallel, name, getattr(args, name))
     if args.hsdp:
         config.parallel.hsdp = True
+    return config
+
+
+def _cmd_train(args) -> int:
+    from pithtrain.config import validate
+
+    config = train_config(args)
     out = args.out or f"runs/{config.model.model_type}"
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # a worker under torchrun/srun/our launcher
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc

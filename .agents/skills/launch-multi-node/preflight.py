@@ -30,25 +30,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository, 
 
 import torch
 
-from pithtrain.cli import build_parser
-from pithtrain.config import ConfigError, apply_override, load_run_config, validate
+from pithtrain.cli import build_parser, train_config
+from pithtrain.config import ConfigError, validate
 
 NUMEL, ITERS = 4096, 3  # int64 elements per block; checked iterations per collective (the first sets up links)
 _CHILD = "PITHTRAIN_PREFLIGHT_CHILD"  # set for workers started by --nproc: a FAIL verdict exits 3
 
 
 def load(args):
-    """The run config exactly as `pithtrain train` builds it from these arguments (pithtrain/cli.py)."""
-    config = load_run_config(args.config)
-    for assignment in args.set or []:
-        apply_override(config, assignment)
-    if args.steps is not None:
-        config.train.steps = args.steps
-    for name in ("pp", "cp", "ep"):
-        if getattr(args, name) is not None:
-            setattr(config.parallel, name, getattr(args, name))
-    config.parallel.hsdp = config.parallel.hsdp or args.hsdp
-    return config
+    """The run config exactly as `pithtrain train` builds it from these arguments."""
+    return train_config(args)
 
 
 def plan(config, world: int) -> str:
