@@ -23,3 +23,21 @@ def test_compiled_stages_match_eager_without_recompiling(tmp_path, dataset_dir):
     for a, b in zip(eager, compiled):
         for key in ("loss", "lb_loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-4), key
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "gpt_oss"])
+def test_other_families_compile_without_graph_breaks(tmp_path, dataset_dir, family):
+    """MLA (DeepSeek-V2) and sink attention through SDPA (GPT-OSS) trace in one graph per stage."""
+    from torch._dynamo.utils import counters
+
+    from conftest import tiny_deepseek_config, tiny_gpt_oss_config
+
+    make = tiny_deepseek_config if family == "deepseek_v2" else tiny_gpt_oss_config
+    eager = train(make(dataset_dir, steps=2, lb_coef=0.1), tmp_path / "eager", echo=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = train(make(dataset_dir, steps=2, lb_coef=0.1, compile=True), tmp_path / "compiled", echo=False)
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
+    for a, b in zip(eager, compiled):
+        for key in ("loss", "lb_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), key
