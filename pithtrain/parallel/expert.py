@@ -201,7 +201,7 @@ class AllToAllDispatch:
         return _Plan(plan.send_token, plan.slot_meta, plan.home_index, counts, *ids.shape)
 
     def dispatch_start(self, x: torch.Tensor, routing: RoutingInfo, async_op: bool = False, plan=None):
-        plan = plan or self.plan(routing, async_op)
+        plan = self.plan(routing, async_op) if plan is None else plan
         counts = plan.counts.host()  # the one host sync of the layer
         send_rows, send_pairs = [c[0] for c in counts], [c[1] for c in counts]
         recv_rows, recv_pairs = [c[2] for c in counts], [c[3] for c in counts]
