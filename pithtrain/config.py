@@ -68,6 +68,10 @@ class ParallelConfig:
     ep: int = 1
     hsdp: bool = False  # replicate over dp, shard within cp x ep (dense) and cp (experts)
     timeout_s: float = 600.0  # collective timeout: a hung rank fails the job after this long
+    # pp = 1 with ep > 1 and >= 2 micro-batches per rank: run DualPipeV on one rank to hide each
+    # micro-batch's all-to-alls behind another's compute; it holds two micro-batches' activations.
+    # false: one micro-batch at a time (less memory, exposed all-to-alls)
+    overlap_ep: bool = True
 
 
 @dataclass

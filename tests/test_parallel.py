@@ -60,6 +60,8 @@ def runs(tmp_path_factory, dataset_dir):
         (mesh_config(dataset_dir, cp=2, ep=2, steps=3, packed=True, lb_type="seq"), root / "cp2ep2_packed", {}),
         (mesh_config(dataset_dir, ep=2, steps=8, checkpoint_every=2), chain, {"stop_after": 4}),
     ]
+    no_overlap = mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config)
+    no_overlap.parallel.overlap_ep = False
     two = [
         (mesh_config(dataset_dir, ep=1), root / "dp2", {}),
         (mesh_config(dataset_dir, ep=2), root / "ep2", {}),
@@ -72,6 +74,7 @@ def runs(tmp_path_factory, dataset_dir):
         (mesh_config(dataset_dir, pp=2, steps=3, family=deep_config), root / "pp2", {}),
         # pp = 1 with EP: DualPipeV still overlaps two micro-batches on one rank
         (mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config), root / "pp1ep2", {}),
+        (no_overlap, root / "ep2_no_overlap", {}),  # the same mesh, one micro-batch at a time
     ]
     run_world(4, four)
     run_world(2, two)
@@ -116,7 +119,7 @@ def test_loss_curve_and_weights_do_not_depend_on_the_mesh(runs, dataset_dir, nam
 
 
 @pytest.mark.parametrize("family, ref, names", [
-    (deep_config, "deep_ref", ["pp2", "pp1ep2", "pp2ep2", "pp2dp2", "pp4", "pp2cp2ep2"]),
+    (deep_config, "deep_ref", ["pp2", "pp1ep2", "ep2_no_overlap", "pp2ep2", "pp2dp2", "pp4", "pp2cp2ep2"]),
     (tiny_config, "packed_ref", ["cp2ep2_packed"]),
     (tiny_deepseek_config, "ds_ref", ["ds_ep2", "ds_dp2"]),
     (tiny_gpt_oss_config, "oss_ref", ["oss_ep2"]),

@@ -107,7 +107,7 @@ def train(
     # DualPipeV runs for pp > 1, and for pp = 1 with expert parallelism to overlap two micro-batches
     # (its two chunks cannot share a tied embedding yet)
     tied = getattr(config.model, "tie_word_embeddings", False)
-    use_pipeline = mesh.pp > 1 or (mesh.ep > 1 and micro_per_rank >= 2 and not tied)
+    use_pipeline = mesh.pp > 1 or (mesh.ep > 1 and micro_per_rank >= 2 and not tied and p.overlap_ep)
     if use_pipeline:  # this rank's two DualPipeV chunks, seen as one module for state and optimizer
         chunks = build_chunks(config.model, mesh.pp, mesh.pp_rank, t.seed)
         model = ChunkPair(*chunks)

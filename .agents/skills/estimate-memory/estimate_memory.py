@@ -74,7 +74,8 @@ def estimate(config, world: int) -> list[dict]:
     dp = world // (pp * cp * ep)
     data_ranks = dp * ep
     micro_per_rank = t.global_batch_size // (t.micro_batch_size * data_ranks)
-    pipeline = pp > 1 or (ep > 1 and micro_per_rank >= 2)
+    pipeline = pp > 1 or (ep > 1 and micro_per_rank >= 2 and p.overlap_ep
+                          and not getattr(cfg, "tie_word_embeddings", False))
     tokens = t.micro_batch_size * config.data.seq_len // cp
     if pipeline:
         placement = split_layers(cfg.num_hidden_layers, pp)
@@ -108,8 +109,8 @@ def estimate(config, world: int) -> list[dict]:
             parts["bf16 expert weights (cast once per step)"] = 2 * expert
         else:
             parts["gathered bf16 parameters"] = 2 * (dense + expert / ep)
-            if micro_per_rank > 1:
-                parts["unsharded fp32 gradients (accumulation)"] = 4 * dense
+            if micro_per_rank > 1:  # the pipeline adds expert gradients to the shards directly
+                parts["unsharded fp32 gradients (accumulation)"] = 4 * (dense + (0 if pipeline else expert / ep))
         parts["activations"] = act
         if world > 1:  # all-to-all and FSDP buffers, the deferred-W queue, pipeline tape leaves
             parts["runtime buffers (multi-GPU, calibrated +12%)"] = MULTI_GPU_OVERHEAD * sum(parts.values())
