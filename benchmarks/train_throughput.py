@@ -90,22 +90,15 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
     run = RunConfig(model=cfg, data=DataConfig(path=data_dir, seq_len=seq),
                     optim=OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant"),
                     train=TrainConfig(steps=steps, global_batch_size=batch * accum, micro_batch_size=batch, lb_coef=1e-3,
-                                      tensorboard=False, checkpoint_every=0, log_every=1, compile=compile,
+                                      tensorboard=False, checkpoint_every=-1, log_every=1, compile=compile,
                                       profile_step=profile_step))
     with tempfile.TemporaryDirectory() as out:
-        import pithtrain.train.loop as loop
+        history = train(run, out, echo=True)
+        if trace and profile_step:
+            import shutil
 
-        original = loop.ckpt.save_checkpoint
-        loop.ckpt.save_checkpoint = lambda *a, **k: None  # measure training, not checkpoint writes
-        try:
-            history = train(run, out, echo=True)
-            if trace and profile_step:
-                import shutil
-
-                shutil.copy(f"{out}/profile/rank0.json", trace)
-            return history
-        finally:
-            loop.ckpt.save_checkpoint = original
+            shutil.copy(f"{out}/profile/rank0.json", trace)
+        return history
 
 
 def transformers_run(cfg, seq: int, batch: int, steps: int, tokens: np.ndarray, accum: int = 1) -> list[dict]:

@@ -146,6 +146,17 @@ def apply_override(config: RunConfig, assignment: str) -> None:
             target = getattr(target, part)
 
 
+def runs_dualpipev(config: RunConfig, world_size: int) -> bool:
+    """Whether training runs the DualPipeV pipeline: pp > 1, or pp = 1 with expert parallelism and
+    at least 2 micro-batches per data rank (it overlaps them; `parallel.overlap_ep` turns that off;
+    its two chunks cannot share a tied embedding yet)."""
+    t, p = config.train, config.parallel
+    data_ranks = world_size // (p.pp * p.cp * p.ep) * p.ep
+    micro_per_rank = t.global_batch_size // (t.micro_batch_size * data_ranks)
+    tied = getattr(config.model, "tie_word_embeddings", False)
+    return p.pp > 1 or (p.ep > 1 and micro_per_rank >= 2 and p.overlap_ep and not tied)
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)

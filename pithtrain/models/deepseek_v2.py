@@ -22,7 +22,6 @@ RoPE, a loop over experts) used as the oracle in tests.
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar, NamedTuple
 
@@ -31,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.config import ConfigError
-from pithtrain.models.protocol import RoutingInfo, Stage1Out, run_layer
+from pithtrain.models.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
 from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
@@ -447,14 +446,7 @@ class DeepseekV2Model(nn.Module):
         """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases and for the
         routing correction biases; seeded per parameter name so every pipeline chunk or shard
         draws the same values."""
-        for name, p in self.named_parameters():
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * self.cfg.initializer_range)
+        init_by_name(self, seed, self.cfg.initializer_range)
         for bias in self.correction_biases().values():
             bias.zero_()
 

@@ -21,7 +21,6 @@ a loop over experts) used as the oracle in tests.
 from __future__ import annotations
 
 import math
-import zlib
 from dataclasses import asdict, dataclass, field, fields
 from typing import ClassVar, NamedTuple
 
@@ -30,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.config import ConfigError
-from pithtrain.models.protocol import RoutingInfo, Stage1Out, run_layer
+from pithtrain.models.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
 from pithtrain.ops import kernels
 from pithtrain.ops.core import apply_rope, attention_mask, rope_cos_sin
 from pithtrain.ops.grouped_gemm import expert_mm
@@ -407,14 +406,7 @@ class GptOssModel(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Normal(0, initializer_range) for matrices and sinks, ones for norms, zeros for biases; seeded
         per parameter name so every pipeline chunk or shard draws the same values."""
-        for name, p in self.named_parameters():
-            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * self.cfg.initializer_range)
+        init_by_name(self, seed, self.cfg.initializer_range)
 
     def correction_biases(self) -> dict:
         """No aux-loss-free routing bias in this family (see deepseek_v2.py)."""

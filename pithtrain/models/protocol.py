@@ -17,6 +17,7 @@ pipeline engine interleaves the same calls of two micro-batches.
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -67,3 +68,18 @@ def run_layer(layer, x: torch.Tensor, attn, engine) -> torch.Tensor:
     expert_out = layer.stage3(tokens, counts, engine.weight_queue)
     combined = engine.combine(expert_out, handle)
     return layer.stage5(s1, combined)
+
+
+@torch.no_grad()
+def init_by_name(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Normal(0, std) for matrices (and any other parameter), ones for norm weights, zeros for
+    biases; each parameter drawn from a generator seeded by (seed, its name), so every pipeline
+    chunk or shard of a model draws the same values as the whole model."""
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("bias"):
+            p.zero_()
+        else:
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            p.copy_(torch.randn(p.shape, generator=gen) * std)

@@ -43,6 +43,16 @@ def grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor,
     return out
 
 
+@torch.no_grad()
+def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
+    """param.grad += grad in place, in the gradient's dtype: a bf16 product goes straight into the
+    fp32 gradient in one kernel (no cast, no new tensor)."""
+    if param.grad is None:
+        param.grad = grad.to(param.dtype)
+    else:
+        param.grad.add_(grad)
+
+
 class DeferredWeightGrads:
     """A queue of weight-gradient work postponed by the backward (zero-bubble "W" passes): the
     pipeline schedule runs it later, in a bubble. `add_grad(param, grad)` receives each result
@@ -75,12 +85,7 @@ class _GroupedMMDeferredW(torch.autograd.Function):
         def weight_pass():  # needs only activations: the weights may be resharded by now
             param = getattr(module, name)
             grad = grouped_weight_grad(x, dy, counts, num_groups)
-            if queue is not None:
-                queue.add_grad(param, grad)
-            elif param.grad is None:
-                param.grad = grad.to(param.dtype)
-            else:  # accumulate the bf16 product straight into the fp32 gradient: one kernel
-                param.grad.add_(grad)
+            (accumulate_grad if queue is None else queue.add_grad)(param, grad)
 
         if queue is None:
             weight_pass()

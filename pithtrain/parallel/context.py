@@ -231,7 +231,7 @@ def _ring_backward(ctx, grad_out):
     cp, scale, window, expand, n_payload = ctx.setup
     q, sinks, *tensors, result, lse = ctx.saved_tensors
     payload, params = tensors[:n_payload], tensors[n_payload:]
-    hkv, rep, sq = lse.shape[1], lse.shape[2], lse.shape[3]
+    hkv, rep = lse.shape[1], lse.shape[2]
     # [B, S, Hq*Dv] -> [B, Hkv, rep, S, Dv]
     grouped = lambda t: t.unflatten(-1, (hkv * rep, -1)).transpose(1, 2).unflatten(1, (hkv, rep))  # noqa: E731
     d_out, out = grouped(grad_out), grouped(result)

@@ -130,14 +130,14 @@ class _Counts:
     queues the other micro-batch's compute between the two: the host sync no longer drains the
     GPU."""
 
-    def __init__(self, send_counts, group, async_op: bool, owner):
+    def __init__(self, send_counts, group, stream: torch.cuda.Stream | None):
+        """`stream`: the side stream for the async path; None: exchange and copy synchronously."""
         recv = torch.empty_like(send_counts)
-        if not async_op:
+        if stream is None:
             dist.all_to_all_single(recv, send_counts, group=group)
             self.both, self.event = torch.cat([send_counts, recv], 1), None
             return
         work = dist.all_to_all_single(recv, send_counts, group=group, async_op=True)
-        stream = owner.side_stream(send_counts.device)
         stream.wait_stream(torch.cuda.current_stream(send_counts.device))
         with torch.cuda.stream(stream):
             work.wait()
@@ -197,7 +197,8 @@ class AllToAllDispatch:
         of the split sizes, started but not waited on."""
         ids = routing.topk_ids
         plan = dispatch_plan(ids, self.local_experts, self.ep)
-        counts = _Counts(plan.send_counts, self.group, async_op and ids.is_cuda, self)
+        stream = self.side_stream(ids.device) if async_op and ids.is_cuda else None
+        counts = _Counts(plan.send_counts, self.group, stream)
         return _Plan(plan.send_token, plan.slot_meta, plan.home_index, counts, *ids.shape)
 
     def dispatch_start(self, x: torch.Tensor, routing: RoutingInfo, async_op: bool = False, plan=None):

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from pithtrain.ops.grouped_gemm import accumulate_grad
 from pithtrain.parallel.mesh import Mesh
 
 
@@ -112,7 +113,7 @@ def add_grad(param: torch.nn.Parameter, full_grad: torch.Tensor) -> None:
     gradient) to `param.grad`, reduce-scattering (SUM) over the FSDP shards when `param` is a
     DTensor sharded on dim 0, and summing over replicas under HSDP."""
     if not isinstance(param, DTensor):
-        _accumulate(param, full_grad)
+        accumulate_grad(param, full_grad)
         return
     from torch.distributed.tensor import Replicate, Shard
 
@@ -136,16 +137,7 @@ def add_grad(param: torch.nn.Parameter, full_grad: torch.Tensor) -> None:
         else:
             raise NotImplementedError(f"deferred gradient for placement {placement}")
     if param.grad is not None:
-        _accumulate(param.grad.to_local(), full_grad, into_grad=False)
+        param.grad.to_local().add_(full_grad)  # in place, in the gradient's dtype
         return
     param.grad = DTensor.from_local(full_grad.to(param.dtype).contiguous(), mesh, placements, shape=param.shape,
                                     stride=param.stride())
-
-
-def _accumulate(target: torch.Tensor, grad: torch.Tensor, into_grad: bool = True) -> None:
-    """target.grad (or target itself) += grad, in place and in target's dtype: one fused kernel per
-    micro-batch instead of a cast, an add and a fresh allocation."""
-    if into_grad and target.grad is None:
-        target.grad = grad.to(target.dtype).contiguous()
-    else:
-        (target.grad if into_grad else target).add_(grad)

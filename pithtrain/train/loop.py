@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from pithtrain.config import RunConfig, validate
+from pithtrain.config import RunConfig, runs_dualpipev, validate
 from pithtrain.models.routing import update_correction_bias
 from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
 from pithtrain.parallel.context import shard_micro_batch
@@ -88,7 +88,7 @@ def train(
     `mesh` is None for one process; launched runs pass the mesh built by `init_mesh`."""
     if steps is not None:
         config.train.steps = steps
-    t, o, p = config.train, config.optim, config.parallel
+    t, o = config.train, config.optim
     device = pick_device(t.device)
     mesh = mesh or Mesh.single(device)
     validate(config, world_size=mesh.world)
@@ -103,12 +103,7 @@ def train(
     dataset.check_vocab(config.model.vocab_size)
     loader = BatchLoader(dataset, config.data.seq_len, t.global_batch_size, config.data.seed, config.data.pack_documents)
 
-    micro_per_rank = t.global_batch_size // (t.micro_batch_size * mesh.data_ranks)
-    # DualPipeV runs for pp > 1, and for pp = 1 with expert parallelism to overlap two micro-batches
-    # (its two chunks cannot share a tied embedding yet)
-    tied = getattr(config.model, "tie_word_embeddings", False)
-    use_pipeline = mesh.pp > 1 or (mesh.ep > 1 and micro_per_rank >= 2 and not tied and p.overlap_ep)
-    if use_pipeline:  # this rank's two DualPipeV chunks, seen as one module for state and optimizer
+    if runs_dualpipev(config, mesh.world):  # this rank's two DualPipeV chunks, seen as one module for state and optimizer
         chunks = build_chunks(config.model, mesh.pp, mesh.pp_rank, t.seed)
         model = ChunkPair(*chunks)
     else:
@@ -192,7 +187,6 @@ def train(
         micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
         n_micro_global = len(micros) * mesh.data_ranks
         sums = torch.zeros(2, dtype=torch.float64, device=device)  # [cross-entropy sum, lb sum] of this rank
-        step_loads = {}  # layer id -> tokens per expert over this rank's micro-batches
         engines.clear()
         if chunks is not None:
             sums += pipeline_step(runner, micros, n_label, n_moe, t.lb_coef / (n_moe * n_micro_global), device, dtype)
@@ -207,9 +201,6 @@ def train(
                     sums[1] += lb.detach().double()
                 total.backward()
                 sums[0] += ce.detach().double()
-        for engine in engines:
-            for layer_id, load in engine.expert_loads.items():
-                step_loads[layer_id] = step_loads.get(layer_id, 0) + load
         if mesh.world > 1:  # cross-entropy: pipeline rank 0 of every dp x cp x ep rank; lb terms: every rank
             torch.distributed.all_reduce(sums, group=None if mesh.pp > 1 else mesh.dense_mesh.get_group())
             sums[1] /= mesh.cp  # each CP rank holds the same (whole-sequence) load-balance value
@@ -223,7 +214,7 @@ def train(
         clip_grads(params, o.grad_clip, grad_norm)
         optimizer_step(optimizer, params)
         optimizer.zero_grad(set_to_none=True)
-        update_routing_biases(model, step_loads, mesh, config.model)
+        update_routing_biases(model, engines, mesh, config.model)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
@@ -293,14 +284,15 @@ def pipeline_step(runner, micros, n_label, n_moe, lb_scale, device, dtype) -> to
 
 
 @torch.no_grad()
-def update_routing_biases(model, step_loads: dict, mesh: Mesh, model_cfg) -> None:
+def update_routing_biases(model, engines: list[ExpertEngine], mesh: Mesh, model_cfg) -> None:
     """Aux-loss-free balancing: once per optimizer step, move each `e_score_correction_bias`
-    from the expert loads of the WHOLE global batch (all micro-batches, all data ranks)."""
+    from the expert loads of the WHOLE global batch (all micro-batches, all data ranks). `engines`
+    are this step's, one per (chunk) forward; each recorded the loads of its layers."""
     biases = model.correction_biases()
     if not biases:
         return
     layer_ids = sorted(biases)
-    loads = torch.stack([step_loads[i].float() for i in layer_ids])
+    loads = torch.stack([sum(e.expert_loads[i] for e in engines if i in e.expert_loads).float() for i in layer_ids])
     if mesh.world > 1:  # every rank of this pipeline stage that holds other tokens: dp x cp x ep
         torch.distributed.all_reduce(loads, group=mesh.dense_mesh.get_group())
     for layer_id, load in zip(layer_ids, loads):

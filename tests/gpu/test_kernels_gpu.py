@@ -1,5 +1,5 @@
 """Triton kernels of pithtrain.ops.kernels on CUDA against their plain-PyTorch references (skipped without
-CUDA or Triton): fresh random inputs, outputs and gradients, empty expert groups, cross-entropy at real
+CUDA): fresh random inputs, outputs and gradients, empty expert groups, cross-entropy at real
 vocabulary sizes in bf16 and fp32, and bit-identical gradients run to run.
 
 Tolerances: fp32 results agree with the reference (or float64) to ~1e-6 relative; bf16 results to one
@@ -12,31 +12,17 @@ import pytest
 import torch
 
 from pithtrain.ops import core, kernels
+from test_kernels import grads, rel_err  # the CPU kernel tests' helpers
 
-pytestmark = [
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    pytest.mark.skipif(not kernels._TRITON_INSTALLED, reason="needs Triton"),
-]
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")  # Triton: a test dependency
 BF16, FP32 = torch.bfloat16, torch.float32
-
-
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
-def run(fn, inputs, grad_out):
-    """fn's output and the gradients of its floating-point inputs."""
-    inputs = [x.detach().requires_grad_(x.is_floating_point()) for x in inputs]
-    out = fn(*inputs)
-    return out, torch.autograd.grad(out, [x for x in inputs if x.requires_grad], grad_out)
 
 
 def check_against_float64(fn, ref, inputs, grad_out, dtype):
     """Kernel vs reference in `dtype`, both measured against the reference in float64."""
-    out, dx = run(fn, inputs, grad_out)
-    ref_out, ref_dx = run(ref, inputs, grad_out)
-    exact_out, exact_dx = run(ref, [x.double() if x.is_floating_point() else x for x in inputs], grad_out.double())
+    out, dx = grads(fn, inputs, grad_out)
+    ref_out, ref_dx = grads(ref, inputs, grad_out)
+    exact_out, exact_dx = grads(ref, [x.double() if x.is_floating_point() else x for x in inputs], grad_out.double())
     assert out.dtype == ref_out.dtype and out.shape == ref_out.shape
     for a, b, exact in [(out, ref_out, exact_out), *zip(dx, ref_dx, exact_dx)]:
         if exact.numel() == 0:
@@ -75,14 +61,14 @@ def test_permute_unpermute(dtype, hidden):
     dy = torch.randn(t * k, hidden, device="cuda", dtype=dtype)
     assert torch.equal(kernels.permute(x, order // k), kernels.permute_reference(x, order // k))
     check_against_float64(kernels.permute, kernels.permute_reference, [x, order // k], dy, dtype)
-    y, (dy_y,) = run(lambda a: kernels.unpermute(a, order, t * k), [dy], dy.flip(0))
-    ref, (ref_dy,) = run(lambda a: kernels.unpermute_reference(a, order, t * k), [dy], dy.flip(0))
+    y, (dy_y,) = grads(lambda a: kernels.unpermute(a, order, t * k), [dy], dy.flip(0))
+    ref, (ref_dy,) = grads(lambda a: kernels.unpermute_reference(a, order, t * k), [dy], dy.flip(0))
     assert torch.equal(y, ref) and torch.equal(dy_y, ref_dy)
     # the expert-parallel receiver: 1..k copies per row, rows never picked
     index = torch.randint(0, t, (3 * t,), device="cuda")
     check_against_float64(kernels.permute, kernels.permute_reference, [x, index], dy[: 3 * t], dtype)
-    first = run(kernels.permute, [x, index], dy[: 3 * t])[1][0]
-    assert torch.equal(first, run(kernels.permute, [x, index], dy[: 3 * t])[1][0])  # deterministic
+    first = grads(kernels.permute, [x, index], dy[: 3 * t])[1][0]
+    assert torch.equal(first, grads(kernels.permute, [x, index], dy[: 3 * t])[1][0])  # deterministic
 
 
 @pytest.mark.parametrize("tokens, topk, experts, ep, empty", [
@@ -107,12 +93,12 @@ def test_expert_bias_add(dtype, dim):
     x = torch.randn(int(counts.sum()), dim, device="cuda", dtype=dtype)
     bias = torch.randn(32, dim, device="cuda")  # fp32 parameter, rounded to x's dtype as the model does
     dy = torch.randn_like(x)
-    out, (dx, dbias) = run(kernels.expert_bias_add, [x, bias, counts], dy)
-    ref, (ref_dx, _) = run(kernels.expert_bias_add_reference, [x, bias, counts], dy)
+    out, (dx, dbias) = grads(kernels.expert_bias_add, [x, bias, counts], dy)
+    ref, (ref_dx, _) = grads(kernels.expert_bias_add_reference, [x, bias, counts], dy)
     assert torch.equal(out, ref) and torch.equal(dx, ref_dx)
     sums = torch.stack([rows.double().sum(0) for rows in dy.split(counts.tolist())])
     assert rel_err(dbias, sums) < 1e-6 and (dbias[[0, 7, 31]] == 0).all()
-    assert torch.equal(dbias, run(kernels.expert_bias_add, [x, bias, counts], dy)[1][1])  # deterministic
+    assert torch.equal(dbias, grads(kernels.expert_bias_add, [x, bias, counts], dy)[1][1])  # deterministic
 
 
 @pytest.mark.parametrize("vocab", [32000, 128000, 200064])
@@ -122,8 +108,8 @@ def test_cross_entropy(vocab, dtype):
     labels = torch.randint(0, vocab, (2, 512), device="cuda")
     labels[torch.rand(2, 512, device="cuda") < 0.1] = -100
     grad_out = torch.tensor(0.37, device="cuda")
-    loss, (dlogits,) = run(kernels.cross_entropy_sum, [logits, labels], grad_out)
-    ref, (ref_dlogits,) = run(core.cross_entropy_sum, [logits, labels], grad_out)
+    loss, (dlogits,) = grads(kernels.cross_entropy_sum, [logits, labels], grad_out)
+    ref, (ref_dlogits,) = grads(core.cross_entropy_sum, [logits, labels], grad_out)
     assert loss.dtype == FP32 and dlogits.dtype == dtype and dlogits.shape == logits.shape
     assert abs(loss.item() - ref.item()) <= 1e-5 * abs(ref.item())
     # fp32: same softmax to ~1e-6 relative; bf16: the same fp32 values rounded once (at most one ulp apart)
@@ -137,6 +123,6 @@ def test_cross_entropy_backward_is_bit_identical_run_to_run():
     labels = torch.randint(0, 200064, (2048,), device="cuda")
     labels[::7] = -100
     one = torch.tensor(1.0, device="cuda")
-    loss1, (g1,) = run(kernels.cross_entropy_sum, [logits, labels], one)
-    loss2, (g2,) = run(kernels.cross_entropy_sum, [logits, labels], one)
+    loss1, (g1,) = grads(kernels.cross_entropy_sum, [logits, labels], one)
+    loss2, (g2,) = grads(kernels.cross_entropy_sum, [logits, labels], one)
     assert torch.equal(loss1, loss2) and torch.equal(g1, g2)

@@ -35,7 +35,7 @@ def merged(spans):
 
 
 def overlap_time(spans, cover):
-    total, j = 0.0, 0
+    total = 0.0
     for a, b in spans:
         for c, d in cover:
             if d <= a or c >= b:

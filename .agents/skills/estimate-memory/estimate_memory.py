@@ -67,6 +67,7 @@ def layer_activation_bytes(cfg, layer_id: int, seq: int) -> float:
 
 def estimate(config, world: int) -> list[dict]:
     """Per pipeline rank: a dict of GiB by component, and 'total'."""
+    from pithtrain.config import runs_dualpipev
     from pithtrain.parallel.pipeline import rank_chunks, split_layers
 
     cfg, p, t = config.model, config.parallel, config.train
@@ -74,8 +75,7 @@ def estimate(config, world: int) -> list[dict]:
     dp = world // (pp * cp * ep)
     data_ranks = dp * ep
     micro_per_rank = t.global_batch_size // (t.micro_batch_size * data_ranks)
-    pipeline = pp > 1 or (ep > 1 and micro_per_rank >= 2 and p.overlap_ep
-                          and not getattr(cfg, "tie_word_embeddings", False))
+    pipeline = runs_dualpipev(config, world)
     tokens = t.micro_batch_size * config.data.seq_len // cp
     if pipeline:
         placement = split_layers(cfg.num_hidden_layers, pp)
