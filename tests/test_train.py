@@ -155,3 +155,10 @@ def test_grad_norm_and_clipping_against_float64():
     assert clipped == pytest.approx(1.0, rel=1e-5)
     for p, b in zip(params, before):
         torch.testing.assert_close(p.grad, b * (1.0 / (norm + 1e-6)))
+
+
+def test_rank_balance_of_expert_loads():
+    loads = torch.randint(0, 50, (3, 8))  # 3 layers, 8 experts on ep = 4 ranks of 2
+    busiest = sum(max(int(loads[l, 2 * r : 2 * r + 2].sum()) for r in range(4)) for l in range(3))
+    assert loop.rank_balance(loads, 4) == pytest.approx(int(loads.sum()) / 4 / busiest, rel=1e-12)
+    assert loop.rank_balance(torch.ones(2, 8, dtype=torch.long), 2) == 1.0

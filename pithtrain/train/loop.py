@@ -215,6 +215,7 @@ def train(
         optimizer_step(optimizer, params)
         optimizer.zero_grad(set_to_none=True)
         update_routing_biases(model, engines, mesh, config.model)
+        balance_ep = ep_load_balance(engines, mesh) if mesh.ep > 1 else None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
@@ -229,6 +230,8 @@ def train(
             "peak_mem_bytes": peak_memory_bytes(device),
             "tokens": n_label,
         }
+        if balance_ep is not None:
+            m["ep_load_balance"] = balance_ep
         history.append(m)
         if profiler is not None:
             profiler.stop()
@@ -297,6 +300,26 @@ def update_routing_biases(model, engines: list[ExpertEngine], mesh: Mesh, model_
         torch.distributed.all_reduce(loads, group=mesh.dense_mesh.get_group())
     for layer_id, load in zip(layer_ids, loads):
         update_correction_bias(biases[layer_id], load, model_cfg.bias_update_speed)
+
+
+@torch.no_grad()
+def ep_load_balance(engines: list[ExpertEngine], mesh: Mesh) -> float:
+    """How evenly routing spread this step's expert work over the EP ranks (`rank_balance` of
+    the loads of the whole EP group)."""
+    layer_ids = sorted({i for e in engines for i in e.expert_loads})
+    if not layer_ids:
+        return 1.0
+    loads = torch.stack([sum(e.expert_loads[i] for e in engines if i in e.expert_loads) for i in layer_ids])
+    torch.distributed.all_reduce(loads, group=mesh.ep_group)
+    return rank_balance(loads, mesh.ep)
+
+
+def rank_balance(loads: torch.Tensor, ep: int) -> float:
+    """loads [layers, experts] -> sum over layers of the mean EP rank's load / sum over layers of
+    the busiest rank's load (1.0 = even). Each layer's all-to-alls make every rank wait for the
+    busiest, so this bounds how well the expert stage scales."""
+    per_rank = loads.view(loads.shape[0], ep, -1).sum(-1).double()
+    return float(per_rank.mean(1).sum() / per_rank.max(1).values.sum().clamp(min=1))
 
 
 def _plain(config: RunConfig) -> dict:

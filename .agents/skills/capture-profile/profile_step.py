@@ -2,7 +2,7 @@
 
     python .agents/skills/capture-profile/profile_step.py CONFIG --step 3 [--train-args "--nproc 2 --ep 2"]
         [--set a.b=v ...] [--min-overlap 0.5 [--kind all-to-all/p2p]]
-    python .agents/skills/capture-profile/profile_step.py --trace RUN/profile/rank0.json
+    python .agents/skills/capture-profile/profile_step.py --trace RUN/profile/rank0.json [--trace RUN/profile/rank1.json]
 
 Reads the Chrome trace that `train.profile_step` writes. GPU kernels are split into
 communication (NCCL) and computation; the overlap is the share of communication time during
@@ -86,7 +86,7 @@ def analyse(trace_path: Path) -> dict:
     comm_time = sum(b - a for a, b in comm)
     top = {}
     for e in events:
-        if e.get("ph") == "X" and "dur" in e and (is_gpu(e) or e.get("cat") == "cpu_op"):
+        if e.get("ph") == "X" and "dur" in e and (is_gpu(e) or e.get("cat") in ("cpu_op", "user_annotation")):
             key = (e.get("cat"), e["name"][:60])
             top[key] = top.get(key, 0) + e["dur"]
     by_category = {}
@@ -114,19 +114,45 @@ def analyse(trace_path: Path) -> dict:
     }
 
 
+def report(trace: Path, args) -> str | None:
+    """Print one rank's analysis; None if it meets --min-overlap, else why not."""
+    result = analyse(trace)
+    print(f"trace {trace}")
+    for (cat, name), us in result["top"]:
+        print(f"  {us / 1e3:9.2f} ms  {cat:>15}  {name}")
+    if result["gpu"]:
+        print(f"GPU kernel time by category (first to last kernel: {result['span_us'] / 1e3:.2f} ms, "
+              f"some stream busy {100 * result['busy_us'] / max(result['span_us'], 1):.1f}% of it, "
+              f"compute kernels running {100 * result['compute_us'] / max(result['span_us'], 1):.1f}%):")
+        for cat, us in result["by_category"]:
+            print(f"  {us / 1e3:9.2f} ms  {cat}")
+        print(f"GPU compute {result['compute_us'] / 1e3:.2f} ms, communication {result['comm_us'] / 1e3:.2f} ms, "
+              f"communication overlapped with compute: {100 * result['overlap']:.1f}%")
+        for kind, (us, share) in result["per_kind"].items():
+            print(f"  {kind:15s} {us / 1e3:8.2f} ms, {100 * share:5.1f}% overlapped with compute")
+    else:
+        print("no GPU kernels in the trace (CPU run): collectives run inline, overlap 0%")
+    share = result["overlap"] if args.kind is None else result["per_kind"].get(args.kind, (0, 0.0))[1]
+    ok = share >= args.min_overlap
+    what = "overlap" if args.kind is None else f"{args.kind} overlap"
+    print(f"{trace.name}: {what} {100 * share:.1f}%")
+    return None if ok else f"{what} {100 * share:.1f}% < {100 * args.min_overlap:.0f}%"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?")
     parser.add_argument("--step", type=int, default=3, help="the step to profile (after warm-up)")
     parser.add_argument("--train-args", default="", help="extra `pithtrain train` arguments, e.g. '--nproc 2 --ep 2'")
     parser.add_argument("--set", action="append", default=[])
-    parser.add_argument("--trace", help="analyse an existing trace instead of running")
+    parser.add_argument("--trace", action="append", help="analyse an existing trace instead of running "
+                        "(repeat for several ranks: each is reported, all must pass)")
     parser.add_argument("--min-overlap", type=float, default=0.0, help="FAIL below this communication overlap")
     parser.add_argument("--kind", choices=COLLECTIVES, help="apply --min-overlap to this collective kind only "
                         "(e.g. all-to-all/p2p: the expert-parallel all-to-alls when pp = 1)")
     args = parser.parse_args()
     if args.trace:
-        trace = Path(args.trace)
+        traces = [Path(t) for t in args.trace]
     else:
         if not args.config:
             parser.error("give CONFIG or --trace")
@@ -139,30 +165,14 @@ def main():
         if subprocess.run(cmd).returncode != 0:
             print("FAIL: the run did not finish")
             return 1
-        trace = out / "profile" / "rank0.json"
-    if not trace.is_file():
-        print(f"FAIL: no trace at {trace}")
+        traces = sorted((out / "profile").glob("rank*.json")) or [out / "profile" / "rank0.json"]
+    missing = [str(t) for t in traces if not t.is_file()]
+    if missing:
+        print(f"FAIL: no trace at {', '.join(missing)}")
         return 1
-    result = analyse(trace)
-    print(f"trace {trace}")
-    for (cat, name), us in result["top"]:
-        print(f"  {us / 1e3:9.2f} ms  {cat:>10}  {name}")
-    if result["gpu"]:
-        print(f"GPU kernel time by category (first to last kernel: {result['span_us'] / 1e3:.2f} ms, "
-              f"some stream busy {100 * result['busy_us'] / max(result['span_us'], 1):.1f}% of it):")
-        for cat, us in result["by_category"]:
-            print(f"  {us / 1e3:9.2f} ms  {cat}")
-        print(f"GPU compute {result['compute_us'] / 1e3:.2f} ms, communication {result['comm_us'] / 1e3:.2f} ms, "
-              f"communication overlapped with compute: {100 * result['overlap']:.1f}%")
-        for kind, (us, share) in result["per_kind"].items():
-            print(f"  {kind:15s} {us / 1e3:8.2f} ms, {100 * share:5.1f}% overlapped with compute")
-    else:
-        print("no GPU kernels in the trace (CPU run): collectives run inline, overlap 0%")
-    share = result["overlap"] if args.kind is None else result["per_kind"].get(args.kind, (0, 0.0))[1]
-    ok = share >= args.min_overlap
-    what = "overlap" if args.kind is None else f"{args.kind} overlap"
-    print("PASS" if ok else f"FAIL: {what} {100 * share:.1f}% < {100 * args.min_overlap:.0f}%")
-    return 0 if ok else 1
+    failures = [f for f in (report(trace, args) for trace in traces) if f is not None]
+    print("PASS" if not failures else f"FAIL: {'; '.join(failures)}")
+    return 0 if not failures else 1
 
 
 if __name__ == "__main__":
