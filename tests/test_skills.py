@@ -55,6 +55,29 @@ def test_capture_profile_overlap_measure(tmp_path):
     assert "all-to-all/p2p      0.02 ms,  75.0% overlapped" in kind.stdout, kind.stdout
 
 
+def test_capture_profile_names_what_the_host_did_while_the_gpu_idled(tmp_path):
+    # kernels at 0-10 and 100-110 (a 90 us gap), 200-205 (a 90 us gap) on the main thread's host
+    # calls: a sync inside a step annotation, then plain Python (no call open); another thread busy
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 100, "dur": 10},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 200, "dur": 5},
+        {"ph": "X", "cat": "user_annotation", "name": "step", "pid": 1, "tid": 1, "ts": 0, "dur": 109},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::item", "pid": 1, "tid": 1, "ts": 5, "dur": 95},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaStreamSynchronize", "pid": 1, "tid": 1, "ts": 6, "dur": 93},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::add", "pid": 1, "tid": 1, "ts": 150, "dur": 5},
+        {"ph": "X", "cat": "cpu_op", "name": "other_thread", "pid": 1, "tid": 2, "ts": 0, "dur": 300},
+    ]
+    trace = tmp_path / "rank0.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    out = subprocess.run([sys.executable, ".agents/skills/capture-profile/profile_step.py", "--trace", str(trace)],
+                         capture_output=True, text=True).stdout
+    assert "GPU idle (gaps >= 20 us, no kernel on any stream): 0.18 ms" in out, out
+    assert "0.09 ms  cudaStreamSynchronize" in out and "0.09 ms  (no host call: Python between calls)" in out, out
+    assert "gap 0.09 ms during: step > aten::item > cudaStreamSynchronize" in out, out
+    assert "other_thread" not in out.split("GPU idle")[1], out
+
+
 def test_add_new_model_parity_script(tmp_path):
     config = {"model_type": "qwen3_moe", "vocab_size": 101, "hidden_size": 36, "intermediate_size": 40,
               "moe_intermediate_size": 20, "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,

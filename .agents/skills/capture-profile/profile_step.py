@@ -77,6 +77,33 @@ def category(name: str) -> str:
     return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
 
 
+HOST_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "python_function")
+
+
+def idle_gaps(events, busy, min_us: float = 20.0):
+    """GPU idle gaps (no kernel or copy on any stream) of at least `min_us`, each with the host
+    call stack (outermost first) running on the main thread when the gap began: what the GPU
+    was waiting for. The main thread is the one with the most host events."""
+    host = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("cat") in HOST_CATS]
+    if not host or not busy:
+        return []
+    threads = {}
+    for e in host:
+        threads[(e.get("pid"), e.get("tid"))] = threads.get((e.get("pid"), e.get("tid")), 0) + 1
+    main = max(threads, key=threads.get)
+    host = sorted((e for e in host if (e.get("pid"), e.get("tid")) == main), key=lambda e: e["ts"])
+    gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_us]
+    out, active, i = [], [], 0
+    for start, end in gaps:  # sweep: `active` holds the host events open at `start`
+        while i < len(host) and host[i]["ts"] <= start:
+            active.append(host[i])
+            i += 1
+        active = [e for e in active if e["ts"] + e["dur"] > start]
+        stack = [e["name"][:50] for e in sorted(active, key=lambda e: (e["ts"], -e["dur"]))]
+        out.append((end - start, stack))
+    return out
+
+
 def analyse(trace_path: Path) -> dict:
     events = json.loads(trace_path.read_text())["traceEvents"]
     is_gpu = lambda e: e.get("cat") in ("kernel", "gpu_memcpy")  # noqa: E731
@@ -86,7 +113,7 @@ def analyse(trace_path: Path) -> dict:
     comm_time = sum(b - a for a, b in comm)
     top = {}
     for e in events:
-        if e.get("ph") == "X" and "dur" in e and (is_gpu(e) or e.get("cat") in ("cpu_op", "user_annotation")):
+        if e.get("ph") == "X" and "dur" in e and (is_gpu(e) or e.get("cat") in HOST_CATS[:3]):
             key = (e.get("cat"), e["name"][:60])
             top[key] = top.get(key, 0) + e["dur"]
     by_category = {}
@@ -101,6 +128,11 @@ def analyse(trace_path: Path) -> dict:
             per_kind[kind] = (t, overlap_time(spans, compute) / t)
     busy = merged(intervals(events, is_gpu))
     span = (busy[-1][1] - busy[0][0]) if busy else 0.0
+    gaps = idle_gaps(events, busy)
+    by_op = {}  # gap time by the innermost host call running when the gap began
+    for us, stack in gaps:
+        key = stack[-1] if stack else "(no host call: Python between calls)"
+        by_op[key] = by_op.get(key, 0) + us
     return {
         "gpu": bool(compute),
         "span_us": span,
@@ -111,6 +143,9 @@ def analyse(trace_path: Path) -> dict:
         "compute_us": sum(b - a for a, b in compute),
         "overlap": overlap_time(comm, compute) / comm_time if comm_time else 0.0,
         "top": sorted(top.items(), key=lambda kv: -kv[1])[:25],
+        "gap_us": sum(us for us, _ in gaps),
+        "gaps_by_op": sorted(by_op.items(), key=lambda kv: -kv[1])[:12],
+        "largest_gaps": sorted(gaps, key=lambda g: -g[0])[:6],
     }
 
 
@@ -130,6 +165,12 @@ def report(trace: Path, args) -> str | None:
               f"communication overlapped with compute: {100 * result['overlap']:.1f}%")
         for kind, (us, share) in result["per_kind"].items():
             print(f"  {kind:15s} {us / 1e3:8.2f} ms, {100 * share:5.1f}% overlapped with compute")
+        print(f"GPU idle (gaps >= 20 us, no kernel on any stream): {result['gap_us'] / 1e3:.2f} ms; "
+              f"by the host call running when each gap began:")
+        for name, us in result["gaps_by_op"]:
+            print(f"  {us / 1e3:9.2f} ms  {name}")
+        for us, stack in result["largest_gaps"]:
+            print(f"  gap {us / 1e3:.2f} ms during: {' > '.join(stack[-4:]) or '-'}")
     else:
         print("no GPU kernels in the trace (CPU run): collectives run inline, overlap 0%")
     share = result["overlap"] if args.kind is None else result["per_kind"].get(args.kind, (0, 0.0))[1]
