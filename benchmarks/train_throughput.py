@@ -141,9 +141,14 @@ def main():
     parser.add_argument("--profile-step", type=int, default=0, help="torch-profile this step of the PithTrain run")
     parser.add_argument("--trace", help="copy that profile (Chrome trace) here")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--hf-batch", type=int, help="micro-batch of the transformers loop, when --batch does not fit "
+                        "there (it accumulates more micro-batches: the same tokens per optimizer step)")
     parser.add_argument("--compile", action="store_true", help="torch.compile stages 1 and 5")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    hf_batch = args.hf_batch or args.batch
+    if (args.batch * args.accum) % hf_batch:
+        parser.error(f"--hf-batch {hf_batch} must divide --batch x --accum = {args.batch * args.accum}")
     from pithtrain.train.data import write_dataset
 
     cfg = family_config(args.family, args.layers)
@@ -167,8 +172,10 @@ def main():
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30}
+    print("pithtrain:", json.dumps(result), flush=True)  # kept even if the transformers loop fails
     if not args.skip_transformers:
-        theirs = transformers_run(cfg, args.seq, args.batch, args.steps, tokens, args.accum)
+        result["transformers_batch"] = hf_batch
+        theirs = transformers_run(cfg, args.seq, hf_batch, args.steps, tokens, args.batch * args.accum // hf_batch)
         hf_tps = statistics.median(m["tokens_per_s"] for m in (theirs[2:] or theirs))
         result.update(transformers_tokens_per_s=hf_tps, transformers_mfu=hf_tps * fpt / 1e12 / peak,
                       transformers_peak_mem_gib=max(m["peak_mem_bytes"] for m in theirs) / 2**30,

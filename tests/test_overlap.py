@@ -16,11 +16,22 @@ from test_parallel import assert_same_curve, deep_config, final_weights, mesh_co
 
 def _train_worker(rank, world, jobs):
     """Train each (config, out_dir, overlap, trace_path) job; rank 0 writes its runner's trace."""
+    from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
+
     from pithtrain.parallel.mesh import init_mesh
     from pithtrain.train import loop
 
+    finalise = FSDPState._root_post_backward_final_callback
+    calls = [0]
+
+    def counted(self):  # FSDP's end-of-backward callback: once per chunk backward is expected
+        calls[0] += 1
+        return finalise(self)
+
+    FSDPState._root_post_backward_final_callback = counted
     for config, out_dir, overlap, trace_path in jobs:
         runners = []
+        calls[0] = 0
 
         class Runner(pipeline.PipelineRunner):
             def __init__(self, *args, **kwargs):
@@ -32,6 +43,8 @@ def _train_worker(rank, world, jobs):
         p = config.parallel
         mesh = init_mesh(p.pp, p.cp, p.ep, "cpu", p.timeout_s, p.hsdp)
         loop.train(config, out_dir, echo=False, mesh=mesh)
+        if rank == 0:
+            (out_dir / "fsdp_final_callbacks").write_text(str(calls[0]))
         if rank == 0 and trace_path is not None:
             trace_path.write_text(json.dumps(runners[0].trace))
 
@@ -59,6 +72,16 @@ def test_overlapped_pipeline_matches_the_sequential_one(runs, dataset_dir, name,
     got_w = final_weights(runs / f"{name}_overlap", dataset_dir, family)
     for key in ref_w:
         assert torch.allclose(got_w[key], ref_w[key], rtol=1e-6, atol=1e-6), key
+
+
+@pytest.mark.parametrize("name", ["qwen", "ds"])
+def test_fsdp_finalises_each_chunk_backward_once(runs, name):
+    """The segmented backward makes one autograd call per segment; FSDP's end-of-backward work
+    (post-backward of every layer, reduce-scatter on the last micro-batch) still runs once per
+    chunk backward, as in the plain run: 3 steps x 2 chunks x 4 micro-batches on rank 0."""
+    plain = int((runs / f"{name}_plain" / "fsdp_final_callbacks").read_text())
+    overlap = int((runs / f"{name}_overlap" / "fsdp_final_callbacks").read_text())
+    assert plain == overlap == 3 * 2 * 4
 
 
 def test_fb_interleaves_communication_with_the_other_micro_batch(runs):

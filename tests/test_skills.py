@@ -75,7 +75,8 @@ def test_capture_profile_names_what_the_host_did_while_the_gpu_idled(tmp_path):
     assert "GPU idle (gaps >= 20 us, no kernel on any stream): 0.18 ms" in out, out
     assert "0.09 ms  cudaStreamSynchronize" in out and "0.09 ms  (no host call: Python between calls)" in out, out
     assert "gap 0.09 ms during: step > aten::item > cudaStreamSynchronize" in out, out
-    assert "other_thread" not in out.split("GPU idle")[1], out
+    assert "other_thread" not in out.split("GPU idle")[1].split("host waits")[0], out
+    assert "0.09 ms      1x  step > aten::item > cudaStreamSynchronize" in out, out
 
 
 def test_add_new_model_parity_script(tmp_path):

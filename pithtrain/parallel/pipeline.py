@@ -335,16 +335,27 @@ def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, lb_scale, note):
     return x
 
 
-def _backward_steps(tape, outputs, note):
+def _backward_steps(tape, outputs, note, fsdp_state=None):
     """Backward of a `_Tape`, segment by segment from the last: one autograd call per segment,
-    then the reverse all-to-all of its leaf gradient is issued, the generator yields, and waits."""
+    then the reverse all-to-all of its leaf gradient is issued, the generator yields, and waits.
+
+    `fsdp_state`: the chunk's FSDP root state. FSDP finishes a backward in a callback at the end
+    of every autograd call, which runs post-backward (reduce-scatter, reshard) for every layer
+    that has not had it yet; here that is held back to the chunk's last segment, so a chunk's
+    backward is finalised once, as if it were one autograd call (a private FSDP flag: checked in
+    tests/test_parallel.py through the numerics and in tests/test_overlap.py through the calls)."""
     extra = [[] for _ in tape.roots]  # (src, grad) received from later segments
     extra[-1] += outputs
     for k in reversed(range(len(tape.roots))):
         pairs = [(t, g) for t, g in tape.roots[k] + extra[k] if t.requires_grad]
         note("compute")
+        if fsdp_state is not None:  # "already queued" keeps FSDP from queueing its callback
+            fsdp_state._state_ctx.post_backward_final_callback_queued = k > 0
         if pairs:
             torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        if k == 0 and fsdp_state is not None and any(
+                st._training_state.name != "IDLE" for st in fsdp_state._state_ctx.all_states):
+            fsdp_state._root_post_backward_final_callback()  # no FSDP hook fired in the last call
         for leaf, src, j, exchange in tape.cuts[k]:
             grad = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
             if exchange is not None:  # every rank of the EP group issues it, used or not
@@ -505,7 +516,8 @@ class PipelineRunner:
             if tape is None:
                 torch.autograd.backward(outputs, tensors)
             else:
-                yield from _backward_steps(tape, list(zip(outputs, tensors)), tracer("B", phase, mb))
+                state = chunk._get_fsdp_state() if isinstance(chunk, FSDPModule) else None
+                yield from _backward_steps(tape, list(zip(outputs, tensors)), tracer("B", phase, mb), state)
             return None if leaf is None else leaf.grad.to(dtype)
 
         def pass_grad(grad, phase, mb):

@@ -5,16 +5,20 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pithtrain.config import OptimConfig
 
 
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConfig, device_type: str):
-    """Weight decay skips norms, biases and embeddings (1-D tensors and the embedding table)."""
-    decay, no_decay = [], []
+    """Weight decay skips norms, biases and embeddings (1-D tensors and the embedding table).
+    FSDP-sharded (DTensor) and plain local parameters (experts that FSDP leaves alone) go to
+    separate groups: one fused kernel call cannot mix the two."""
+    groups = {}
     for name, p in params:
-        (no_decay if p.ndim < 2 or "embed" in name or "norm" in name else decay).append(p)
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        decay = not (p.ndim < 2 or "embed" in name or "norm" in name)
+        groups.setdefault((decay, isinstance(p, DTensor)), []).append(p)
+    groups = [{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0} for (decay, _), ps in groups.items()]
     fused = device_type == "cuda"  # the fused kernel is the fastest on GPUs; foreach on the CPU
     return torch.optim.AdamW(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None, foreach=None if fused else True

@@ -104,6 +104,27 @@ def idle_gaps(events, busy, min_us: float = 20.0):
     return out
 
 
+SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+
+
+def host_syncs(events):
+    """Host calls that wait for the GPU (stream/event/device synchronise, blocking copies),
+    grouped by the host call stack around them (outermost first): where the host drains the
+    GPU's queue. Returns [(total us, count, stack)], largest first."""
+    host = sorted((e for e in events if e.get("ph") == "X" and "dur" in e and e.get("cat") in HOST_CATS),
+                  key=lambda e: (e["ts"], -e["dur"]))
+    out, open_ = {}, {}
+    for e in host:
+        thread = (e.get("pid"), e.get("tid"))
+        stack = [o for o in open_.get(thread, []) if o["ts"] + o["dur"] >= e["ts"] + e["dur"]]
+        open_[thread] = stack + [e]
+        if e["name"] in SYNCS:
+            key = " > ".join(o["name"][:40] for o in stack[-4:]) + " > " + e["name"]
+            total, count = out.get(key, (0.0, 0))
+            out[key] = (total + e["dur"], count + 1)
+    return sorted(((us, n, key) for key, (us, n) in out.items()), reverse=True)
+
+
 def analyse(trace_path: Path) -> dict:
     events = json.loads(trace_path.read_text())["traceEvents"]
     is_gpu = lambda e: e.get("cat") in ("kernel", "gpu_memcpy")  # noqa: E731
@@ -146,6 +167,7 @@ def analyse(trace_path: Path) -> dict:
         "gap_us": sum(us for us, _ in gaps),
         "gaps_by_op": sorted(by_op.items(), key=lambda kv: -kv[1])[:12],
         "largest_gaps": sorted(gaps, key=lambda g: -g[0])[:6],
+        "syncs": host_syncs(events)[:8],
     }
 
 
@@ -171,6 +193,9 @@ def report(trace: Path, args) -> str | None:
             print(f"  {us / 1e3:9.2f} ms  {name}")
         for us, stack in result["largest_gaps"]:
             print(f"  gap {us / 1e3:.2f} ms during: {' > '.join(stack[-4:]) or '-'}")
+        print("host waits for the GPU (synchronise calls and blocking copies), by call stack:")
+        for us, n, stack in result["syncs"]:
+            print(f"  {us / 1e3:9.2f} ms  {n:5d}x  {stack}")
     else:
         print("no GPU kernels in the trace (CPU run): collectives run inline, overlap 0%")
     share = result["overlap"] if args.kind is None else result["per_kind"].get(args.kind, (0, 0.0))[1]
