@@ -65,7 +65,7 @@ class LoadBalance:
                 f, p = (_sum_over(self.cp_group, torch.stack([f, p])) / dist.get_world_size(self.cp_group)).unbind()
             return num_experts * (f * p).sum(-1).mean()
         counts = (expert_counts(routing.topk_ids, num_experts) if counts is None else counts).float()
-        total = torch.tensor(float(routing.topk_ids.numel()), device=counts.device)
+        total = torch.full((), float(routing.topk_ids.numel()), device=counts.device)  # no host-to-device copy (a sync)
         p = probs.mean(0)
         if self.cp_group is not None:  # the micro-batch's tokens are spread evenly over the CP ranks
             stats = _sum_over(self.cp_group, torch.cat([counts, total[None], p]))

@@ -53,10 +53,8 @@ def layer_activation_bytes(cfg, layer_id: int, seq: int) -> float:
         d = getattr(cfg, "head_dim", None) or cfg.dim_per_head
         q, k, v, o = heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d, heads * d
     elements = 6 * h + q + k + v + o
-    if cfg.model_type == "gpt_oss":  # eager sink attention keeps fp32 scores and probabilities
-        elements += heads * seq * 4
     if cfg.is_moe_layer(layer_id):
-        topk, inter = cfg.num_experts_per_tok, cfg.moe_intermediate_size
+        topk, inter = cfg.num_experts_per_tok, getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         elements += topk * (2 * h + 3 * inter) + topk * h + 2 * cfg.num_routed_experts()
         shared = getattr(cfg, "n_shared_experts", None) or 0
         elements += 3 * inter * shared + (h if shared else 0)
