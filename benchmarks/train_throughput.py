@@ -1,6 +1,7 @@
 """Training throughput on one GPU: PithTrain vs a plain Hugging Face `transformers` loop, same model,
 data and batch. Prints tokens/s, TFLOP/s per GPU, MFU against a bf16 matmul peak measured in the
-same run, peak memory, and the PithTrain/transformers ratio.
+same run, peak memory, GPU time per layer stage (from a profiled step, by default the last; it is
+left out of the medians), and the PithTrain/transformers ratio.
 
     PYTHONPATH=. python benchmarks/train_throughput.py --family qwen3 --layers 4 --seq 4096 --steps 8
     (--family deepseek_v2 | gpt_oss: the DeepSeek-V2-Lite / GPT-OSS-20B widths; --compile)
@@ -83,7 +84,7 @@ def flops_per_token(cfg, seq: int) -> float:
 
 
 def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile: bool = False, accum: int = 1,
-                  profile_step: int = 0, trace: str | None = None) -> list[dict]:
+                  profile_step: int = 0, trace: str | None = None) -> tuple[list[dict], tuple | None]:
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from pithtrain.train.loop import train
 
@@ -94,11 +95,27 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
                                       profile_step=profile_step))
     with tempfile.TemporaryDirectory() as out:
         history = train(run, out, echo=True)
-        if trace and profile_step:
-            import shutil
+        stages = None
+        if profile_step:
+            profile = _profile_tool()
+            events = json.loads(open(f"{out}/profile/rank0.json").read())["traceEvents"]
+            stages = profile.stage_times(events)
+            profile.print_stages(*stages)
+            if trace:
+                import shutil
 
-            shutil.copy(f"{out}/profile/rank0.json", trace)
-        return history
+                shutil.copy(f"{out}/profile/rank0.json", trace)
+        return history, stages
+
+
+def _profile_tool():
+    """The capture-profile skill's trace analysis (stage times), loaded from its script."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_step", ".agents/skills/capture-profile/profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def transformers_run(cfg, seq: int, batch: int, steps: int, tokens: np.ndarray, accum: int = 1) -> list[dict]:
@@ -138,7 +155,8 @@ def main():
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per optimizer step (gradient accumulation)")
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--profile-step", type=int, default=0, help="torch-profile this step of the PithTrain run")
+    parser.add_argument("--profile-step", type=int, help="torch-profile this step of the PithTrain run for the time "
+                        "per layer stage (default: the last step; 0: none); it is left out of the medians")
     parser.add_argument("--trace", help="copy that profile (Chrome trace) here")
     parser.add_argument("--skip-transformers", action="store_true")
     parser.add_argument("--hf-batch", type=int, help="micro-batch of the transformers loop, when --batch does not fit "
@@ -146,6 +164,8 @@ def main():
     parser.add_argument("--compile", action="store_true", help="torch.compile stages 1 and 5")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if args.profile_step is None:
+        args.profile_step = args.steps
     hf_batch = args.hf_batch or args.batch
     if (args.batch * args.accum) % hf_batch:
         parser.error(f"--hf-batch {hf_batch} must divide --batch x --accum = {args.batch * args.accum}")
@@ -160,7 +180,7 @@ def main():
     fpt = flops_per_token(cfg, args.seq)
     with tempfile.TemporaryDirectory() as data:
         write_dataset(data, [tokens], cfg.vocab_size, eos_id=None)
-        ours = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile, args.accum,
+        ours, stages = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile, args.accum,
                              args.profile_step, args.trace)
     import gc
 
@@ -172,6 +192,8 @@ def main():
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30}
+    if stages is not None:  # one profiled step, milliseconds of GPU kernel time per layer stage
+        result["stage_ms"] = {k: round(v / 1e3, 3) for k, v in sorted(stages[0].items())}
     print("pithtrain:", json.dumps(result), flush=True)  # kept even if the transformers loop fails
     if not args.skip_transformers:
         result["transformers_batch"] = hf_batch

@@ -79,6 +79,59 @@ def test_capture_profile_names_what_the_host_did_while_the_gpu_idled(tmp_path):
     assert "0.09 ms      1x  step > aten::item > cudaStreamSynchronize" in out, out
 
 
+def _profile_tool():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_step", ".agents/skills/capture-profile/profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_capture_profile_attributes_gpu_time_to_layer_stages():
+    """Kernels are attributed through their launch (correlation id): inside a stage range ->
+    that stage's forward; inside autograd's evaluate_function of a node whose forward op ran in
+    stage 3 (same sequence number) -> stage 3 backward, as is a `.wgrad` range; the optimizer
+    range; anything else -> other."""
+    main, bwd = {"pid": 1, "tid": 1}, {"pid": 1, "tid": 2}
+    host = [
+        {"cat": "user_annotation", "name": "pithtrain::stage1", "ts": 0, "dur": 10, **main},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 2, "dur": 1, "args": {"correlation": 1}, **main},
+        {"cat": "user_annotation", "name": "pithtrain::stage3", "ts": 10, "dur": 10, **main},
+        {"cat": "cpu_op", "name": "GroupedMM", "ts": 11, "dur": 8, "args": {"Sequence number": 7}, **main},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 12, "dur": 1, "args": {"correlation": 2}, **main},
+        {"cat": "cpu_op", "name": "autograd::engine::evaluate_function: GroupedMMBackward", "ts": 30, "dur": 10,
+         "args": {"Sequence number": 7}, **bwd},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 31, "dur": 1, "args": {"correlation": 3}, **bwd},
+        {"cat": "user_annotation", "name": "pithtrain::stage3.wgrad", "ts": 40, "dur": 5, **main},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 41, "dur": 1, "args": {"correlation": 4}, **main},
+        {"cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": 50, "dur": 5, **main},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 51, "dur": 1, "args": {"correlation": 5}, **main},
+        {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 60, "dur": 1, "args": {"correlation": 6}, **main},
+    ]
+    kernels = [{"cat": "kernel", "name": f"k{c}", "ts": 100 + 10 * c, "dur": c * 100, "args": {"correlation": c}}
+               for c in range(1, 7)]
+    times, unit = _profile_tool().stage_times([{"ph": "X", **e} for e in host + kernels])
+    assert unit == "GPU kernel"
+    assert times == {"stage 1 forward": 100, "stage 3 forward": 200, "stage 3 backward": 300 + 400,
+                     "optimizer": 500, "other": 600}
+
+
+def test_capture_profile_stage_times_of_a_real_run(tmp_path, dataset_dir):
+    """A one-process CPU run: every stage of the layer contract shows up, forward and backward."""
+    import json as json_
+
+    from pithtrain.train.loop import train
+
+    train(tiny_config(dataset_dir, steps=2, profile_step=2), tmp_path, echo=False)
+    events = json_.loads((tmp_path / "profile" / "rank0.json").read_text())["traceEvents"]
+    times, unit = _profile_tool().stage_times(events)
+    assert unit == "host op"
+    for n in range(1, 6):
+        assert times[f"stage {n} forward"] > 0 and times[f"stage {n} backward"] > 0, (n, times)
+    assert times["optimizer"] > 0 and times["other"] > 0
+
+
 def test_add_new_model_parity_script(tmp_path):
     config = {"model_type": "qwen3_moe", "vocab_size": 101, "hidden_size": 36, "intermediate_size": 40,
               "moe_intermediate_size": 20, "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,

@@ -17,6 +17,7 @@ pipeline engine interleaves the same calls of two micro-batches.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
 from dataclasses import dataclass
 from typing import Protocol
@@ -58,16 +59,31 @@ class DecoderLayer(Protocol):
     def stage5(self, s1: Stage1Out, combined: torch.Tensor) -> torch.Tensor: ...
 
 
+def stage_range(stage: int, part: str = ""):
+    """While a profiler runs, a range named `pithtrain::stage<n>` (`.wgrad`: a deferred weight
+    gradient) around a stage's host calls: the capture-profile skill attributes GPU time to the
+    five stages by it (backward kernels through autograd's sequence numbers). Without a
+    profiler: nothing, not even the range's cost."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(f"pithtrain::stage{stage}" + (f".{part}" if part else ""))
+    return contextlib.nullcontext()
+
+
 def run_layer(layer, x: torch.Tensor, attn, engine) -> torch.Tensor:
     """Stages 1..5 in order; `engine` provides dispatch/combine and records routing statistics."""
-    s1 = layer.stage1(x, attn)
+    with stage_range(1):
+        s1 = layer.stage1(x, attn)
     if s1.routing is None:
         return s1.residual
-    engine.record_routing(layer.layer_id, s1.routing)
-    tokens, counts, handle = engine.dispatch(s1.moe_input, s1.routing)
-    expert_out = layer.stage3(tokens, counts, engine.weight_queue)
-    combined = engine.combine(expert_out, handle)
-    return layer.stage5(s1, combined)
+    with stage_range(2):
+        engine.record_routing(layer.layer_id, s1.routing)
+        tokens, counts, handle = engine.dispatch(s1.moe_input, s1.routing)
+    with stage_range(3):
+        expert_out = layer.stage3(tokens, counts, engine.weight_queue)
+    with stage_range(4):
+        combined = engine.combine(expert_out, handle)
+    with stage_range(5):
+        return layer.stage5(s1, combined)
 
 
 @torch.no_grad()

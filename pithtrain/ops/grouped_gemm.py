@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from pithtrain.models.protocol import stage_range
+
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
     if not hasattr(torch, "_grouped_mm"):
@@ -83,9 +85,10 @@ class _GroupedMMDeferredW(torch.autograd.Function):
         queue, module, name, num_groups = ctx.queue, ctx.module, ctx.name, w.shape[0]
 
         def weight_pass():  # needs only activations: the weights may be resharded by now
-            param = getattr(module, name)
-            grad = grouped_weight_grad(x, dy, counts, num_groups)
-            (accumulate_grad if queue is None else queue.add_grad)(param, grad)
+            with stage_range(3, "wgrad"):
+                param = getattr(module, name)
+                grad = grouped_weight_grad(x, dy, counts, num_groups)
+                (accumulate_grad if queue is None else queue.add_grad)(param, grad)
 
         if queue is None:
             weight_pass()

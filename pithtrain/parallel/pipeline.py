@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
-from pithtrain.models.protocol import RoutingInfo
+from pithtrain.models.protocol import RoutingInfo, stage_range
 from pithtrain.ops.grouped_gemm import DeferredWeightGrads
 from pithtrain.parallel.fsdp import add_grad
 
@@ -279,34 +279,43 @@ class _Tape:
 def _layer_steps(layer, x, attn, engine, tape, lb_scale, note):
     """run_layer as a generator cut at the two all-to-alls: each is issued asynchronously, then
     the generator yields (the other micro-batch computes) and waits on it when resumed."""
-    s1 = layer.stage1(x, attn)
+    with stage_range(1):
+        s1 = layer.stage1(x, attn)
     if s1.routing is None:
         return s1.residual
     terms = len(engine.lb_terms)
-    engine.record_routing(layer.layer_id, s1.routing)
-    if len(engine.lb_terms) > terms:  # enters the loss as lb_scale * term
-        tape.roots[-1].append((engine.lb_terms[-1], torch.full_like(engine.lb_terms[-1], lb_scale)))
-    first = len(tape.roots) - 1
-    plan = engine.dispatcher.plan(s1.routing, async_op=True)
+    with stage_range(2):  # profiler ranges never span a yield: the other generator runs in between
+        engine.record_routing(layer.layer_id, s1.routing)
+        if len(engine.lb_terms) > terms:  # enters the loss as lb_scale * term
+            tape.roots[-1].append((engine.lb_terms[-1], torch.full_like(engine.lb_terms[-1], lb_scale)))
+        first = len(tape.roots) - 1
+        plan = engine.dispatcher.plan(s1.routing, async_op=True)
     note("counts-issue")
     yield  # the other micro-batch's compute is queued before the host reads the split sizes
-    pending = engine.dispatcher.dispatch_start(s1.moe_input, s1.routing, async_op=True, plan=plan)
+    with stage_range(2):
+        pending = engine.dispatcher.dispatch_start(s1.moe_input, s1.routing, async_op=True, plan=plan)
     note("dispatch-issue")
     yield
-    tokens, counts, handle = engine.dispatcher.dispatch_finish(pending)
+    with stage_range(2):
+        tokens, counts, handle = engine.dispatcher.dispatch_finish(pending)
     note("dispatch-wait")
     tape.start_segment(pending[0])
-    pending = engine.dispatcher.combine_start(layer.stage3(tokens, counts, engine.weight_queue), handle, async_op=True)
+    with stage_range(3):
+        expert_out = layer.stage3(tokens, counts, engine.weight_queue)
+    with stage_range(4):
+        pending = engine.dispatcher.combine_start(expert_out, handle, async_op=True)
     note("combine-issue")
     yield
-    combined = engine.dispatcher.combine_finish(pending)
+    with stage_range(4):
+        combined = engine.dispatcher.combine_finish(pending)
     note("combine-wait")
     tape.start_segment(pending[0])
     r = s1.routing  # stage 5 reads stage 1's outputs: cut them too (their gradients go back to stage 1)
     routing = RoutingInfo(r.topk_ids, tape.cut(r.topk_weights, first), r.scores.detach(), r.num_experts)
     s1 = dataclasses.replace(s1, residual=tape.cut(s1.residual, first), moe_input=None,
                              shared=tape.cut(s1.shared, first), routing=routing)
-    return layer.stage5(s1, combined)
+    with stage_range(5):
+        return layer.stage5(s1, combined)
 
 
 def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, lb_scale, note):

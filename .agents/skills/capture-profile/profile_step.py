@@ -125,6 +125,98 @@ def host_syncs(events):
     return sorted(((us, n, key) for key, (us, n) in out.items()), reverse=True)
 
 
+STAGE = "pithtrain::stage"  # the ranges of protocol.stage_range
+
+
+def _stacks(thread_events, times):
+    """For each time (any order), the events of one thread open at it, outermost first.
+    `thread_events` sorted by (ts, -dur)."""
+    order = sorted(range(len(times)), key=lambda i: times[i])
+    out, active, j = [None] * len(times), [], 0
+    for i in order:
+        t = times[i]
+        while j < len(thread_events) and thread_events[j]["ts"] <= t:
+            active.append(thread_events[j])
+            j += 1
+        active = [e for e in active if e["ts"] + e["dur"] > t]
+        out[i] = list(active)
+    return out
+
+
+def stage_times(events):
+    """Time per layer stage (the five of models/protocol.py), forward and backward.
+
+    Forward work is what runs inside a `pithtrain::stage<n>` range; backward work is what runs
+    inside autograd's `evaluate_function` of a node whose forward op (same sequence number) ran
+    inside one, or inside a `.wgrad` range (deferred expert weight gradients). On GPUs the unit
+    is kernel time, each kernel attributed through the host call that launched it (correlation
+    id); on the CPU, the time of the outermost host ops. Returns ({label: us}, unit)."""
+    host = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("cat") in HOST_CATS]
+    threads = {}
+    for e in host:
+        threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for evs in threads.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+
+    def innermost_stage(stack):
+        for e in reversed(stack):
+            if e["name"].startswith(STAGE):
+                return e["name"][len(STAGE):]
+        return None
+
+    seq_stage = {}  # autograd sequence number of a forward op -> its stage
+    for evs in threads.values():
+        fwd = [e for e in evs if "Sequence number" in e.get("args", {}) and "Backward" not in e["name"]
+               and "evaluate_function" not in e["name"]]
+        for e, stack in zip(fwd, _stacks(evs, [e["ts"] for e in fwd])):
+            stage = innermost_stage(stack)
+            if stage is not None:
+                seq_stage.setdefault(e["args"]["Sequence number"], stage.split(".")[0])
+
+    def label(stack):
+        stage = innermost_stage(stack)
+        if stage is not None:
+            return f"stage {stage[0]} " + ("backward" if stage.endswith(".wgrad") else "forward")
+        for e in reversed(stack):
+            if e["name"].startswith("autograd::engine::evaluate_function"):
+                seq = e.get("args", {}).get("Sequence number")
+                if seq in seq_stage:
+                    return f"stage {seq_stage[seq]} backward"
+        if any(e["name"].startswith("Optimizer.step") for e in stack):
+            return "optimizer"
+        return "other"
+
+    kernels = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    out = {}
+    if kernels:
+        launches = {}  # correlation id -> (thread, ts)
+        for thread, evs in threads.items():
+            for e in evs:
+                corr = e.get("args", {}).get("correlation")
+                if e.get("cat") == "cuda_runtime" and corr is not None:
+                    launches[corr] = (thread, e["ts"])
+        per_thread = {}
+        for k in kernels:
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            if launch is None:
+                out["other"] = out.get("other", 0.0) + k["dur"]
+                continue
+            per_thread.setdefault(launch[0], []).append((launch[1], k["dur"]))
+        for thread, items in per_thread.items():
+            for (_, dur), stack in zip(items, _stacks(threads[thread], [t for t, _ in items])):
+                key = label(stack)
+                out[key] = out.get(key, 0.0) + dur
+        return out, "GPU kernel"
+    for thread, evs in threads.items():
+        ops = [e for e in evs if e.get("cat") == "cpu_op"]
+        for e, stack in zip(ops, _stacks(evs, [e["ts"] for e in ops])):
+            if any(o is not e and o.get("cat") == "cpu_op" for o in stack):
+                continue  # nested in another op: counted there
+            key = label(stack)
+            out[key] = out.get(key, 0.0) + e["dur"]
+    return out, "host op"
+
+
 def analyse(trace_path: Path) -> dict:
     events = json.loads(trace_path.read_text())["traceEvents"]
     is_gpu = lambda e: e.get("cat") in ("kernel", "gpu_memcpy")  # noqa: E731
@@ -168,7 +260,23 @@ def analyse(trace_path: Path) -> dict:
         "gaps_by_op": sorted(by_op.items(), key=lambda kv: -kv[1])[:12],
         "largest_gaps": sorted(gaps, key=lambda g: -g[0])[:6],
         "syncs": host_syncs(events)[:8],
+        "stages": stage_times(events),
     }
+
+
+def print_stages(times: dict, unit: str) -> None:
+    if not any(k.startswith("stage") for k in times):
+        print("no pithtrain::stage ranges in the trace (a trace of this version of PithTrain?)")
+        return
+    total = sum(times.values())
+    print(f"{unit} time by layer stage (ms; share of all {unit} time):")
+    names = {1: "attention, router", 2: "dispatch", 3: "experts", 4: "combine", 5: "weighted sum"}
+    for n in range(1, 6):
+        f, b = times.get(f"stage {n} forward", 0.0), times.get(f"stage {n} backward", 0.0)
+        print(f"  stage {n} {names[n]:17s} forward {f / 1e3:9.2f}  backward {b / 1e3:9.2f}  ({100 * (f + b) / max(total, 1):4.1f}%)")
+    for key in ("optimizer", "other"):
+        print(f"  {key:25s} {times.get(key, 0.0) / 1e3:9.2f}  ({100 * times.get(key, 0.0) / max(total, 1):4.1f}%)"
+              + ("  (embedding, head and loss, gradient norm, collectives outside stages)" if key == "other" else ""))
 
 
 def report(trace: Path, args) -> str | None:
@@ -177,6 +285,7 @@ def report(trace: Path, args) -> str | None:
     print(f"trace {trace}")
     for (cat, name), us in result["top"]:
         print(f"  {us / 1e3:9.2f} ms  {cat:>15}  {name}")
+    print_stages(*result["stages"])
     if result["gpu"]:
         print(f"GPU kernel time by category (first to last kernel: {result['span_us'] / 1e3:.2f} ms, "
               f"some stream busy {100 * result['busy_us'] / max(result['span_us'], 1):.1f}% of it, "
