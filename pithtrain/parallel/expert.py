@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from pithtrain.models.protocol import RoutingInfo
 from pithtrain.ops.core import count_ids
-from pithtrain.ops.kernels import dispatch_plan
+from pithtrain.ops.kernels import dispatch_plan, permute, unpermute  # Triton row moves on GPUs
 
 
 class LocalDispatch:
@@ -24,13 +24,13 @@ class LocalDispatch:
         flat = routing.topk_ids.flatten()
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
         counts = count_ids(flat, routing.num_experts)
-        tokens = x.index_select(0, order // topk)
+        tokens = permute(x, order // topk)
         return tokens, counts, (order, x.shape[0], topk)
 
     def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
         """Inverse permutation: returns [T, k, H] in the router's (token, slot) order."""
         order, num_tokens, topk = handle
-        out = expert_out.new_zeros(expert_out.shape).index_copy(0, order, expert_out)
+        out = unpermute(expert_out, order, expert_out.shape[0])
         return out.view(num_tokens, topk, expert_out.shape[-1])  # explicit width: T may be 0
 
 
@@ -208,7 +208,7 @@ class AllToAllDispatch:
         send_rows, send_pairs = [c[0] for c in counts], [c[1] for c in counts]
         recv_rows, recv_pairs = [c[2] for c in counts], [c[3] for c in counts]
         real = sum(send_rows)  # the plan's rows past this are padding
-        rows = Exchange(x.index_select(0, plan.send_token[:real]), recv_rows, send_rows, self.group, async_op)
+        rows = Exchange(permute(x, plan.send_token[:real]), recv_rows, send_rows, self.group, async_op)
         meta = torch.empty((sum(recv_rows), plan.topk), dtype=plan.slot_meta.dtype, device=plan.slot_meta.device)
         meta_work = dist.all_to_all_single(meta, plan.slot_meta[:real].contiguous(), recv_rows, send_rows,
                                            group=self.group, async_op=True)
@@ -223,17 +223,17 @@ class AllToAllDispatch:
         row_idx, slot_idx = torch.nonzero_static(meta >= 0, size=sum(recv_pairs)).unbind(1)
         experts = meta[row_idx, slot_idx]
         order = torch.argsort(experts, stable=True)
-        tokens = rows.index_select(0, row_idx[order])
+        tokens = permute(rows, row_idx[order])
         local_counts = count_ids(experts, self.local_experts)
         return tokens, local_counts, (order, recv_pairs, send_pairs, home_index, num_tokens, topk)
 
     def combine_start(self, expert_out: torch.Tensor, handle, async_op: bool = False):
         order, recv_pairs, send_pairs, home_index, num_tokens, topk = handle
-        by_source = expert_out.new_zeros(expert_out.shape).index_copy(0, order, expert_out)  # undo expert grouping
+        by_source = unpermute(expert_out, order, expert_out.shape[0])  # undo expert grouping
         return Exchange(by_source, send_pairs, recv_pairs, self.group, async_op), (home_index, num_tokens, topk)
 
     def combine_finish(self, pending) -> torch.Tensor:
         back, (home_index, num_tokens, topk) = pending
         back = back.wait()
-        out = back.new_zeros((num_tokens * topk, back.shape[1])).index_copy(0, home_index, back)
+        out = unpermute(back, home_index, num_tokens * topk)  # every (token, slot) pair comes back once
         return out.view(num_tokens, topk, back.shape[1])  # explicit width: T may be 0
