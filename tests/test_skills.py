@@ -79,13 +79,18 @@ def test_capture_profile_names_what_the_host_did_while_the_gpu_idled(tmp_path):
     assert "0.09 ms      1x  step > aten::item > cudaStreamSynchronize" in out, out
 
 
-def _profile_tool():
+def _load_script(path: str):
+    """A skill's script as a module (skills are scripts, not a package)."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("profile_step", ".agents/skills/capture-profile/profile_step.py")
+    spec = importlib.util.spec_from_file_location(path.rsplit("/", 1)[-1].removesuffix(".py"), path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _profile_tool():
+    return _load_script(".agents/skills/capture-profile/profile_step.py")
 
 
 def test_capture_profile_attributes_gpu_time_to_layer_stages():
@@ -145,12 +150,7 @@ def test_add_new_model_parity_script(tmp_path):
 
 
 def _estimator():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("estimate_memory", ".agents/skills/estimate-memory/estimate_memory.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return _load_script(".agents/skills/estimate-memory/estimate_memory.py")
 
 
 @pytest.mark.parametrize("pp, ep", [(1, 2), (2, 2), (2, 1)])

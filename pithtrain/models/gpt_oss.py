@@ -332,12 +332,9 @@ class Experts(nn.Module):
         # Under autocast the grouped GEMM is not cast for us: run it in the autocast dtype.
         kind = tokens.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tokens.dtype
-        # Each row's expert, to add that expert's biases; output_size avoids a device->host sync.
-        experts = torch.arange(counts.numel(), device=counts.device)
-        row_expert = torch.repeat_interleave(experts, counts, output_size=tokens.shape[0])
-        h = expert_mm(tokens, self, "gate_up", counts, dtype, weight_queue) + self.gate_up_bias.to(dtype)[row_expert]
+        h = kernels.expert_bias_add(expert_mm(tokens, self, "gate_up", counts, dtype, weight_queue), self.gate_up_bias, counts)
         out = expert_mm(kernels.clamped_swiglu(h, self.alpha, self.limit), self, "down", counts, dtype, weight_queue)
-        return out + self.down_bias.to(dtype)[row_expert]
+        return kernels.expert_bias_add(out, self.down_bias, counts)
 
 
 class Router(nn.Module):

@@ -357,30 +357,13 @@ def dispatch_plan_reference(topk_ids: torch.Tensor, experts_per_rank: int, ep: i
 
 
 @_Kernel
-def _plan_count_kernel(ids_ptr, counts_ptr, tokens, topk, experts_per_rank, ep, blocks,
-                       BLOCK_T: tl.constexpr, K: tl.constexpr, EP: tl.constexpr):
-    """Per block of tokens and per rank: tokens sent (rows) and (token, expert) pairs.
-    counts: [2, ep, blocks] (rows, pairs)."""
-    block = tl.program_id(0)
-    t = block * BLOCK_T + tl.arange(0, BLOCK_T)
-    s = tl.arange(0, K)
-    r = tl.arange(0, EP)
-    valid = (t < tokens)[:, None] & (s < topk)[None, :]
-    ids = tl.load(ids_ptr + t.to(tl.int64)[:, None] * topk + s[None, :], mask=valid, other=0)
-    hit = ((ids // experts_per_rank)[:, None, :] == r[None, :, None]) & valid[:, None, :]  # [BLOCK_T, EP, K]
-    pairs = tl.sum(hit.to(tl.int32), axis=2)
-    rows = (pairs > 0).to(tl.int32)
-    out = counts_ptr + r * blocks + block
-    tl.store(out, tl.sum(rows, axis=0), mask=r < ep)
-    tl.store(out + ep * blocks, tl.sum(pairs, axis=0), mask=r < ep)
-
-
-@_Kernel
-def _plan_write_kernel(ids_ptr, starts_ptr, send_rank_ptr, send_token_ptr, slot_meta_ptr, home_ptr,
-                       tokens, topk, experts_per_rank, ep, blocks,
-                       BLOCK_T: tl.constexpr, K: tl.constexpr, EP: tl.constexpr):
-    """Writes the plan: starts [2, ep, blocks] holds where each (rank, block) begins among the send
-    rows and among the returning pairs; within a block, prefix sums over tokens (and slots) place the rest."""
+def _plan_kernel(ids_ptr, counts_ptr, starts_ptr, send_rank_ptr, send_token_ptr, slot_meta_ptr, home_ptr,
+                 tokens, topk, experts_per_rank, ep, blocks,
+                 WRITE: tl.constexpr, BLOCK_T: tl.constexpr, K: tl.constexpr, EP: tl.constexpr):
+    """Two passes over blocks of tokens. Count (WRITE false): per (rank, block), the tokens sent
+    (rows) and the (token, expert) pairs, into counts [2, ep, blocks]. Write: starts [2, ep,
+    blocks] holds where each (rank, block) begins among the send rows and among the returning
+    pairs; within a block, prefix sums over tokens (and slots) place the rest of the plan."""
     block = tl.program_id(0)
     t = block * BLOCK_T + tl.arange(0, BLOCK_T)
     s = tl.arange(0, K)
@@ -391,20 +374,25 @@ def _plan_write_kernel(ids_ptr, starts_ptr, send_rank_ptr, send_token_ptr, slot_
     hits = hit.to(tl.int32)
     pairs = tl.sum(hits, axis=2)
     rows = (pairs > 0).to(tl.int32)
-    start = starts_ptr + r * blocks + block
-    row_start = tl.load(start, mask=r < ep, other=0)
-    pair_start = tl.load(start + ep * blocks, mask=r < ep, other=0)
-    row_at = row_start[None, :] + tl.cumsum(rows, axis=0) - rows  # [BLOCK_T, EP] send row of (token, rank)
-    pair_at = pair_start[None, :] + tl.cumsum(pairs, axis=0) - pairs  # its first returning pair
-    sent = rows > 0
-    tl.store(send_rank_ptr + row_at, (r[None, :] + 0 * row_at).to(tl.int64), mask=sent)
-    tl.store(send_token_ptr + row_at, (t[:, None] + 0 * row_at).to(tl.int64), mask=sent)
-    meta = tl.where(hit, (ids % experts_per_rank)[:, None, :], -1)
-    meta_at = slot_meta_ptr + row_at[:, :, None] * topk + s[None, None, :]
-    tl.store(meta_at, meta.to(tl.int64), mask=sent[:, :, None] & (s < topk)[None, None, :])
-    pair_slot = pair_at[:, :, None] + tl.cumsum(hits, axis=2) - hits
-    home = t.to(tl.int64)[:, None, None] * topk + s[None, None, :] + 0 * pair_slot
-    tl.store(home_ptr + pair_slot, home, mask=hit)
+    if not WRITE:
+        out = counts_ptr + r * blocks + block
+        tl.store(out, tl.sum(rows, axis=0), mask=r < ep)
+        tl.store(out + ep * blocks, tl.sum(pairs, axis=0), mask=r < ep)
+    else:
+        start = starts_ptr + r * blocks + block
+        row_start = tl.load(start, mask=r < ep, other=0)
+        pair_start = tl.load(start + ep * blocks, mask=r < ep, other=0)
+        row_at = row_start[None, :] + tl.cumsum(rows, axis=0) - rows  # [BLOCK_T, EP] send row of (token, rank)
+        pair_at = pair_start[None, :] + tl.cumsum(pairs, axis=0) - pairs  # its first returning pair
+        sent = rows > 0
+        tl.store(send_rank_ptr + row_at, (r[None, :] + 0 * row_at).to(tl.int64), mask=sent)
+        tl.store(send_token_ptr + row_at, (t[:, None] + 0 * row_at).to(tl.int64), mask=sent)
+        meta = tl.where(hit, (ids % experts_per_rank)[:, None, :], -1)
+        meta_at = slot_meta_ptr + row_at[:, :, None] * topk + s[None, None, :]
+        tl.store(meta_at, meta.to(tl.int64), mask=sent[:, :, None] & (s < topk)[None, None, :])
+        pair_slot = pair_at[:, :, None] + tl.cumsum(hits, axis=2) - hits
+        home = t.to(tl.int64)[:, None, None] * topk + s[None, None, :] + 0 * pair_slot
+        tl.store(home_ptr + pair_slot, home, mask=hit)
 
 
 @torch.library.custom_op("pithtrain::dispatch_plan", mutates_args=())
@@ -420,13 +408,14 @@ def _dispatch_plan(topk_ids: torch.Tensor, experts_per_rank: int, ep: int) -> tu
     slot_meta, home_index = torch.full((send_rows, topk), -1, **long), torch.empty(num_tokens * topk, **long)
     if not blocks:
         return send_rank, send_token, slot_meta, torch.zeros(ep, 2, **long), home_index
+    out = (send_rank, send_token, slot_meta, home_index)
     args = (num_tokens, topk, experts_per_rank, ep, blocks)
     consts = dict(BLOCK_T=block_t, K=k_pow2, EP=ep_pow2)
     counts = torch.empty(2, ep, blocks, dtype=torch.int32, device=topk_ids.device)
-    _plan_count_kernel[(blocks,)](topk_ids, counts, *args, **consts)
+    _plan_kernel[(blocks,)](topk_ids, counts, counts, *out, *args, WRITE=False, **consts)  # counts also as unused `starts`
     flat = counts.view(2, -1)
     starts = flat.cumsum(1) - flat  # rank-major exclusive prefix: where each (rank, block) starts
-    _plan_write_kernel[(blocks,)](topk_ids, starts, send_rank, send_token, slot_meta, home_index, *args, **consts)
+    _plan_kernel[(blocks,)](topk_ids, counts, starts, *out, *args, WRITE=True, **consts)
     return send_rank, send_token, slot_meta, counts.sum(2).T.contiguous(), home_index
 
 
@@ -453,7 +442,7 @@ def dispatch_plan(topk_ids: torch.Tensor, experts_per_rank: int, ep: int) -> Dis
 
 
 def expert_bias_add_reference(x: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """As GPT-OSS's Experts adds its biases; output_size avoids a device->host sync."""
+    """GPT-OSS experts' bias add on the CPU; output_size avoids a device->host sync."""
     experts = torch.arange(counts.numel(), device=counts.device)
     row_expert = torch.repeat_interleave(experts, counts, output_size=x.shape[0])
     return x + bias.to(x.dtype)[row_expert]

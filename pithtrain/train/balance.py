@@ -29,10 +29,6 @@ from pithtrain.models.protocol import RoutingInfo
 from pithtrain.ops.core import count_ids
 
 
-def expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:
-    return count_ids(topk_ids, num_experts)
-
-
 def _sum_over(group: dist.ProcessGroup, t: torch.Tensor) -> torch.Tensor:
     """Sum of `t` over the ranks of `group`, differentiable in this rank's `t` (the other ranks'
     shares enter as constants)."""
@@ -64,7 +60,7 @@ class LoadBalance:
             if self.cp_group is not None:  # whole sequences: every CP rank holds `seq` of their tokens
                 f, p = (_sum_over(self.cp_group, torch.stack([f, p])) / dist.get_world_size(self.cp_group)).unbind()
             return num_experts * (f * p).sum(-1).mean()
-        counts = (expert_counts(routing.topk_ids, num_experts) if counts is None else counts).float()
+        counts = (count_ids(routing.topk_ids, num_experts) if counts is None else counts).float()
         total = torch.full((), float(routing.topk_ids.numel()), device=counts.device)  # no host-to-device copy (a sync)
         p = probs.mean(0)
         if self.cp_group is not None:  # the micro-batch's tokens are spread evenly over the CP ranks

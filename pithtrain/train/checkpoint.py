@@ -189,13 +189,16 @@ def training_state(model: torch.nn.Module, optimizer, mesh=None) -> dict:
     """Model and optimizer state in the canonical, parallelism-independent layout: parameter
     names with global layer ids, one entry per global expert. (Optimizer moments are created
     first if no step has run yet, so that loading fills them.)"""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return _canonical(*get_state_dict(model, optimizer), mesh)
+
+
+def _canonical(model_sd: dict, optim_sd: dict, mesh) -> dict:
     return {"model": _split_experts(model_sd, mesh), "optim": {"state": _split_optim(optim_sd["state"], mesh)}}
 
 
 def load_training_state(ckpt: str | Path, model: torch.nn.Module, optimizer, mesh=None) -> dict:
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": _split_experts(model_sd, mesh), "optim": {"state": _split_optim(optim_sd["state"], mesh)}}
+    state = _canonical(model_sd, optim_sd, mesh)
     meta = load_checkpoint(ckpt, state)
     set_state_dict(
         model, optimizer,

@@ -289,6 +289,12 @@ def pipeline_step(runner, micros, n_label, n_moe, lb_scale, device, dtype) -> to
     return torch.stack([ce, lb_total / max(n_moe, 1)])
 
 
+def step_expert_loads(engines: list[ExpertEngine], layer_ids: list[int]) -> torch.Tensor:
+    """Tokens per expert of each of `layer_ids` over this step's engines (all its micro-batches
+    and chunks on this rank): [layers, experts]."""
+    return torch.stack([sum(e.expert_loads[i] for e in engines if i in e.expert_loads) for i in layer_ids])
+
+
 @torch.no_grad()
 def update_routing_biases(model, engines: list[ExpertEngine], mesh: Mesh, model_cfg) -> None:
     """Aux-loss-free balancing: once per optimizer step, move each `e_score_correction_bias`
@@ -298,7 +304,7 @@ def update_routing_biases(model, engines: list[ExpertEngine], mesh: Mesh, model_
     if not biases:
         return
     layer_ids = sorted(biases)
-    loads = torch.stack([sum(e.expert_loads[i] for e in engines if i in e.expert_loads).float() for i in layer_ids])
+    loads = step_expert_loads(engines, layer_ids).float()
     if mesh.world > 1:  # every rank of this pipeline stage that holds other tokens: dp x cp x ep
         torch.distributed.all_reduce(loads, group=mesh.dense_mesh.get_group())
     for layer_id, load in zip(layer_ids, loads):
@@ -312,7 +318,7 @@ def ep_load_balance(engines: list[ExpertEngine], mesh: Mesh) -> float:
     layer_ids = sorted({i for e in engines for i in e.expert_loads})
     if not layer_ids:
         return 1.0
-    loads = torch.stack([sum(e.expert_loads[i] for e in engines if i in e.expert_loads) for i in layer_ids])
+    loads = step_expert_loads(engines, layer_ids)
     torch.distributed.all_reduce(loads, group=mesh.ep_group)
     return rank_balance(loads, mesh.ep)
 

@@ -80,52 +80,16 @@ def category(name: str) -> str:
 HOST_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "python_function")
 
 
-def idle_gaps(events, busy, min_us: float = 20.0):
-    """GPU idle gaps (no kernel or copy on any stream) of at least `min_us`, each with the host
-    call stack (outermost first) running on the main thread when the gap began: what the GPU
-    was waiting for. The main thread is the one with the most host events."""
-    host = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("cat") in HOST_CATS]
-    if not host or not busy:
-        return []
+def host_threads(events) -> dict:
+    """Host events (ops, annotations, CUDA runtime calls) by (pid, tid), sorted by (ts, -dur): a
+    parent before its children."""
     threads = {}
-    for e in host:
-        threads[(e.get("pid"), e.get("tid"))] = threads.get((e.get("pid"), e.get("tid")), 0) + 1
-    main = max(threads, key=threads.get)
-    host = sorted((e for e in host if (e.get("pid"), e.get("tid")) == main), key=lambda e: e["ts"])
-    gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_us]
-    out, active, i = [], [], 0
-    for start, end in gaps:  # sweep: `active` holds the host events open at `start`
-        while i < len(host) and host[i]["ts"] <= start:
-            active.append(host[i])
-            i += 1
-        active = [e for e in active if e["ts"] + e["dur"] > start]
-        stack = [e["name"][:50] for e in sorted(active, key=lambda e: (e["ts"], -e["dur"]))]
-        out.append((end - start, stack))
-    return out
-
-
-SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
-
-
-def host_syncs(events):
-    """Host calls that wait for the GPU (stream/event/device synchronise, blocking copies),
-    grouped by the host call stack around them (outermost first): where the host drains the
-    GPU's queue. Returns [(total us, count, stack)], largest first."""
-    host = sorted((e for e in events if e.get("ph") == "X" and "dur" in e and e.get("cat") in HOST_CATS),
-                  key=lambda e: (e["ts"], -e["dur"]))
-    out, open_ = {}, {}
-    for e in host:
-        thread = (e.get("pid"), e.get("tid"))
-        stack = [o for o in open_.get(thread, []) if o["ts"] + o["dur"] >= e["ts"] + e["dur"]]
-        open_[thread] = stack + [e]
-        if e["name"] in SYNCS:
-            key = " > ".join(o["name"][:40] for o in stack[-4:]) + " > " + e["name"]
-            total, count = out.get(key, (0.0, 0))
-            out[key] = (total + e["dur"], count + 1)
-    return sorted(((us, n, key) for key, (us, n) in out.items()), reverse=True)
-
-
-STAGE = "pithtrain::stage"  # the ranges of protocol.stage_range
+    for e in events:
+        if e.get("ph") == "X" and "dur" in e and e.get("cat") in HOST_CATS:
+            threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
+    for evs in threads.values():
+        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+    return threads
 
 
 def _stacks(thread_events, times):
@@ -143,20 +107,49 @@ def _stacks(thread_events, times):
     return out
 
 
-def stage_times(events):
+def idle_gaps(threads, busy, min_us: float = 20.0):
+    """GPU idle gaps (no kernel or copy on any stream) of at least `min_us`, each with the host
+    call stack (outermost first) running on the main thread when the gap began: what the GPU
+    was waiting for. The main thread is the one with the most host events."""
+    if not threads or not busy:
+        return []
+    main = threads[max(threads, key=lambda t: len(threads[t]))]
+    gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_us]
+    stacks = _stacks(main, [start for start, _ in gaps])
+    return [(end - start, [e["name"][:50] for e in stack]) for (start, end), stack in zip(gaps, stacks)]
+
+
+SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
+
+
+def host_syncs(threads):
+    """Host calls that wait for the GPU (stream/event/device synchronise, blocking copies),
+    grouped by the host call stack around them (outermost first): where the host drains the
+    GPU's queue. Returns [(total us, count, stack)], largest first."""
+    out = {}
+    for evs in threads.values():
+        syncs = [e for e in evs if e["name"] in SYNCS]
+        for e, stack in zip(syncs, _stacks(evs, [e["ts"] for e in syncs])):
+            around = [o for o in stack if o is not e and o["ts"] + o["dur"] >= e["ts"] + e["dur"]]
+            key = " > ".join(o["name"][:40] for o in around[-4:]) + " > " + e["name"]
+            total, count = out.get(key, (0.0, 0))
+            out[key] = (total + e["dur"], count + 1)
+    return sorted(((us, n, key) for key, (us, n) in out.items()), reverse=True)
+
+
+STAGE = "pithtrain::stage"  # the ranges of protocol.stage_range
+
+
+def stage_times(events, threads=None):
     """Time per layer stage (the five of models/protocol.py), forward and backward.
 
     Forward work is what runs inside a `pithtrain::stage<n>` range; backward work is what runs
     inside autograd's `evaluate_function` of a node whose forward op (same sequence number) ran
     inside one, or inside a `.wgrad` range (deferred expert weight gradients). On GPUs the unit
     is kernel time, each kernel attributed through the host call that launched it (correlation
-    id); on the CPU, the time of the outermost host ops. Returns ({label: us}, unit)."""
-    host = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("cat") in HOST_CATS]
-    threads = {}
-    for e in host:
-        threads.setdefault((e.get("pid"), e.get("tid")), []).append(e)
-    for evs in threads.values():
-        evs.sort(key=lambda e: (e["ts"], -e["dur"]))
+    id); on the CPU, the time of the outermost host ops. `threads`: host_threads(events), if
+    already built. Returns ({label: us}, unit)."""
+    threads = host_threads(events) if threads is None else threads
 
     def innermost_stage(stack):
         for e in reversed(stack):
@@ -241,7 +234,8 @@ def analyse(trace_path: Path) -> dict:
             per_kind[kind] = (t, overlap_time(spans, compute) / t)
     busy = merged(intervals(events, is_gpu))
     span = (busy[-1][1] - busy[0][0]) if busy else 0.0
-    gaps = idle_gaps(events, busy)
+    threads = host_threads(events)
+    gaps = idle_gaps(threads, busy)
     by_op = {}  # gap time by the innermost host call running when the gap began
     for us, stack in gaps:
         key = stack[-1] if stack else "(no host call: Python between calls)"
@@ -259,8 +253,8 @@ def analyse(trace_path: Path) -> dict:
         "gap_us": sum(us for us, _ in gaps),
         "gaps_by_op": sorted(by_op.items(), key=lambda kv: -kv[1])[:12],
         "largest_gaps": sorted(gaps, key=lambda g: -g[0])[:6],
-        "syncs": host_syncs(events)[:8],
-        "stages": stage_times(events),
+        "syncs": host_syncs(threads)[:8],
+        "stages": stage_times(events, threads),
     }
 
 
