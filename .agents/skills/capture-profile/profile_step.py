@@ -77,7 +77,7 @@ def category(name: str) -> str:
     return next((cat for cat, keys in CATEGORIES if any(k in low for k in keys)), "other")
 
 
-HOST_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "python_function")
+HOST_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "python_function", "cuda_driver")
 
 
 def host_threads(events) -> dict:
@@ -186,7 +186,8 @@ def stage_times(events, threads=None):
         for thread, evs in threads.items():
             for e in evs:
                 corr = e.get("args", {}).get("correlation")
-                if e.get("cat") == "cuda_runtime" and corr is not None:
+                # runtime launches (cuBLAS, ATen) and driver launches (Triton, Inductor's kernels)
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and corr is not None:
                     launches[corr] = (thread, e["ts"])
         per_thread = {}
         for k in kernels:
