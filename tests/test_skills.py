@@ -94,15 +94,17 @@ def _profile_tool():
 
 
 def test_capture_profile_attributes_gpu_time_to_layer_stages():
-    """Kernels are attributed through their launch (correlation id; runtime or driver call, as
-    Triton launches): inside a stage range ->
-    that stage's forward; inside autograd's evaluate_function of a node whose forward op ran in
-    stage 3 (same sequence number) -> stage 3 backward, as is a `.wgrad` range; the optimizer
-    range; anything else -> other."""
+    """Kernels are attributed through their launch (correlation id; a runtime or, as Triton
+    launches, a driver call): inside a stage range -> that stage's forward; inside autograd's
+    evaluate_function of a node whose forward op ran in stage 3 (same sequence number; the node's
+    creator is the last op with that number) -> stage 3 backward, as is a `.wgrad` range; the
+    optimizer range; anything else -> other."""
     main, bwd = {"pid": 1, "tid": 1}, {"pid": 1, "tid": 2}
     host = [
         {"cat": "user_annotation", "name": "pithtrain::stage1", "ts": 0, "dur": 10, **main},
         {"cat": "cuda_driver", "name": "cuLaunchKernelEx", "ts": 2, "dur": 1, "args": {"correlation": 1}, **main},
+        # an op that creates no autograd node records the number the next node gets (7, created in stage 3)
+        {"cat": "cpu_op", "name": "aten::view", "ts": 4, "dur": 1, "args": {"Sequence number": 7}, **main},
         {"cat": "user_annotation", "name": "pithtrain::stage3", "ts": 10, "dur": 10, **main},
         {"cat": "cpu_op", "name": "GroupedMM", "ts": 11, "dur": 8, "args": {"Sequence number": 7}, **main},
         {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 12, "dur": 1, "args": {"correlation": 2}, **main},

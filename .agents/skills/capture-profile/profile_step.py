@@ -157,14 +157,21 @@ def stage_times(events, threads=None):
                 return e["name"][len(STAGE):]
         return None
 
-    seq_stage = {}  # autograd sequence number of a forward op -> its stage
+    # autograd sequence number of a forward node -> its stage. Every op records the number the
+    # next node will get, so ops that create no node share it with the next one that does (under
+    # the pipeline's overlap, often in another stage): the node's creator is the last op to start
+    # with that number (or an op nested in it). Numbers count per thread: only the threads that
+    # run the stages are read.
+    seq_stage = {}
     for evs in threads.values():
-        fwd = [e for e in evs if "Sequence number" in e.get("args", {}) and "Backward" not in e["name"]
-               and "evaluate_function" not in e["name"]]
-        for e, stack in zip(fwd, _stacks(evs, [e["ts"] for e in fwd])):
+        if not any(e["name"].startswith(STAGE) for e in evs):
+            continue
+        last = {e["args"]["Sequence number"]: e for e in evs if "Sequence number" in e.get("args", {})
+                and "Backward" not in e["name"] and "evaluate_function" not in e["name"]}
+        creators = list(last.items())
+        for (seq, _), stack in zip(creators, _stacks(evs, [e["ts"] for _, e in creators])):
             stage = innermost_stage(stack)
-            if stage is not None:
-                seq_stage.setdefault(e["args"]["Sequence number"], stage.split(".")[0])
+            seq_stage[seq] = None if stage is None else stage.split(".")[0]
 
     def label(stack):
         stage = innermost_stage(stack)
@@ -173,7 +180,7 @@ def stage_times(events, threads=None):
         for e in reversed(stack):
             if e["name"].startswith("autograd::engine::evaluate_function"):
                 seq = e.get("args", {}).get("Sequence number")
-                if seq in seq_stage:
+                if seq_stage.get(seq) is not None:
                     return f"stage {seq_stage[seq]} backward"
         if any(e["name"].startswith("Optimizer.step") for e in stack):
             return "optimizer"
