@@ -108,8 +108,10 @@ def test_capture_profile_attributes_gpu_time_to_layer_stages():
         {"cat": "user_annotation", "name": "pithtrain::stage3", "ts": 10, "dur": 10, **main},
         {"cat": "cpu_op", "name": "GroupedMM", "ts": 11, "dur": 8, "args": {"Sequence number": 7}, **main},
         {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 12, "dur": 1, "args": {"correlation": 2}, **main},
-        {"cat": "cpu_op", "name": "autograd::engine::evaluate_function: GroupedMMBackward", "ts": 30, "dur": 10,
-         "args": {"Sequence number": 7}, **bwd},
+        # FSDP's pre-backward hook runs first inside the evaluation: only the node's own op has the number
+        {"cat": "cpu_op", "name": "autograd::engine::evaluate_function: GroupedMMBackward", "ts": 30, "dur": 10, **bwd},
+        {"cat": "user_annotation", "name": "FSDP::pre_backward", "ts": 30, "dur": 0.5, **bwd},
+        {"cat": "cpu_op", "name": "GroupedMMBackward", "ts": 30.5, "dur": 9, "args": {"Sequence number": 7}, **bwd},
         {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 31, "dur": 1, "args": {"correlation": 3}, **bwd},
         {"cat": "user_annotation", "name": "pithtrain::stage3.wgrad", "ts": 40, "dur": 5, **main},
         {"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 41, "dur": 1, "args": {"correlation": 4}, **main},

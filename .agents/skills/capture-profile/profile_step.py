@@ -12,6 +12,7 @@ the overlap is 0 by construction; the op table is still useful.
 
 import argparse
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -151,6 +152,9 @@ def stage_times(events, threads=None):
     already built. Returns ({label: us}, unit)."""
     threads = host_threads(events) if threads is None else threads
 
+    def is_backward(name):  # an autograd node's op (MulBackward0, CompiledFunctionBackward) or its evaluation
+        return name.startswith("autograd::engine::evaluate_function") or re.search(r"Backward\d*$", name) is not None
+
     def innermost_stage(stack):
         for e in reversed(stack):
             if e["name"].startswith(STAGE):
@@ -166,8 +170,8 @@ def stage_times(events, threads=None):
     for evs in threads.values():
         if not any(e["name"].startswith(STAGE) for e in evs):
             continue
-        last = {e["args"]["Sequence number"]: e for e in evs if "Sequence number" in e.get("args", {})
-                and "Backward" not in e["name"] and "evaluate_function" not in e["name"]}
+        last = {e["args"]["Sequence number"]: e for e in evs
+                if "Sequence number" in e.get("args", {}) and not is_backward(e["name"])}
         creators = list(last.items())
         for (seq, _), stack in zip(creators, _stacks(evs, [e["ts"] for _, e in creators])):
             stage = innermost_stage(stack)
@@ -177,8 +181,8 @@ def stage_times(events, threads=None):
         stage = innermost_stage(stack)
         if stage is not None:
             return f"stage {stage[0]} " + ("backward" if stage.endswith(".wgrad") else "forward")
-        for e in reversed(stack):
-            if e["name"].startswith("autograd::engine::evaluate_function"):
+        for e in reversed(stack):  # the node's own op carries the number (evaluate_function not
+            if is_backward(e["name"]):  # always: FSDP's pre-backward hook may run first inside it)
                 seq = e.get("args", {}).get("Sequence number")
                 if seq_stage.get(seq) is not None:
                     return f"stage {seq_stage[seq]} backward"
