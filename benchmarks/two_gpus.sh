@@ -12,23 +12,20 @@ w('/tmp/rand_oss', [r.integers(0, 201088, 2_000_000)], 201088, None)"
 W="--set train.compile=true --set train.log_every=1"
 # Qwen3-30B-A3B width, 4 layers, micro-batch 4: 8 and 4 micro-batches per GPU per step
 for per_gpu in 8 4; do
-    python -m pithtrain train benchmarks/qwen3_width.py --nproc 2 --ep 2 --out /tmp/q2_$per_gpu --steps 8 \
+    python -m pithtrain train benchmarks/qwen3_width.py --nproc 2 --ep 2 --out /tmp/q2_$per_gpu --steps 7 \
         --set train.global_batch_size=$((8 * per_gpu)) --set train.micro_batch_size=4 $W | grep "^step"
-    python -m pithtrain train benchmarks/qwen3_width.py --nproc 1 --out /tmp/q1_$per_gpu --steps 8 \
+    python -m pithtrain train benchmarks/qwen3_width.py --nproc 1 --out /tmp/q1_$per_gpu --steps 7 \
         --set train.global_batch_size=$((4 * per_gpu)) --set train.micro_batch_size=4 $W | grep "^step"
 done
-# DeepSeek-V2-Lite and GPT-OSS-20B widths, 4 layers, micro-batch 2, 4 micro-batches per GPU (the benchmark's
-# one-GPU figure is train_throughput.py --family F --layers 4 --batch 2 --accum 4 --compile)
+# DeepSeek-V2-Lite and GPT-OSS-20B widths, 4 layers, micro-batch 2: 8 and 4 micro-batches per GPU per step
 S="--set model.num_hidden_layers=4 --set train.micro_batch_size=2 --set train.lb_type=micro --set train.lb_coef=1e-3 \
    --set optim.lr=1e-4 --set optim.schedule=constant --set optim.warmup_steps=0 --set train.checkpoint_every=-1 \
    --set train.tensorboard=false $W"
-python -m pithtrain train examples/deepseek_v2_lite.py --nproc 2 --ep 2 --out /tmp/ds2 --steps 6 $S \
-    --set train.global_batch_size=16 --set data.path=/tmp/rand_ds | grep "^step"
-python -m pithtrain train examples/gpt_oss_20b.py --nproc 2 --ep 2 --out /tmp/oss2 --steps 6 $S \
-    --set train.global_batch_size=16 --set data.path=/tmp/rand_oss --set model.layer_types=None | grep "^step"
-for n in 1 2; do  # not run yet: the same two families at 8 micro-batches per GPU
-    python -m pithtrain train examples/deepseek_v2_lite.py --nproc $n --ep $n --out /tmp/ds8_$n --steps 6 $S \
-        --set train.global_batch_size=$((16 * n)) --set data.path=/tmp/rand_ds | grep "^step"
-    python -m pithtrain train examples/gpt_oss_20b.py --nproc $n --ep $n --out /tmp/oss8_$n --steps 6 $S \
-        --set train.global_batch_size=$((16 * n)) --set data.path=/tmp/rand_oss --set model.layer_types=None | grep "^step"
+for per_gpu in 8 4; do
+    for n in 2 1; do
+        python -m pithtrain train examples/deepseek_v2_lite.py --nproc $n --ep $n --out /tmp/ds${n}_$per_gpu --steps 7 $S \
+            --set train.global_batch_size=$((2 * per_gpu * n)) --set data.path=/tmp/rand_ds | grep "^step"
+        python -m pithtrain train examples/gpt_oss_20b.py --nproc $n --ep $n --out /tmp/oss${n}_$per_gpu --steps 7 $S \
+            --set train.global_batch_size=$((2 * per_gpu * n)) --set data.path=/tmp/rand_oss --set model.layer_types=None | grep "^step"
+    done
 done
