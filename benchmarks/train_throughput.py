@@ -181,7 +181,7 @@ def main():
     with tempfile.TemporaryDirectory() as data:
         write_dataset(data, [tokens], cfg.vocab_size, eos_id=None)
         ours, stages = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile, args.accum,
-                             args.profile_step, args.trace)
+                                     args.profile_step, args.trace)
     import gc
 
     gc.collect()

@@ -84,7 +84,7 @@ def _checks(rank, world, corrupt):
     module = load_module()
     argv = [CONFIG, "--pp", "2", "--ep", "2", "--set", "train.micro_batch_size=2"]
     args = module.build_parser().parse_args(["train", *argv])
-    config = module.load(args)
+    config = module.train_config(args)
     dist.destroy_process_group = lambda: None  # the harness ends the group itself
     if corrupt:  # deliver every EP block to the wrong receiver
         original = dist.all_to_all_single

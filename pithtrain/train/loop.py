@@ -217,8 +217,10 @@ def train(
         clip_grads(params, o.grad_clip, grad_norm)
         optimizer_step(optimizer, params)
         optimizer.zero_grad(set_to_none=True)
-        update_routing_biases(model, engines, mesh, config.model)
-        balance_ep = ep_load_balance(engines, mesh) if mesh.ep > 1 else None
+        biases = model.correction_biases()
+        step_loads = step_expert_loads(engines) if biases or mesh.ep > 1 else {}  # summed once, for both
+        update_routing_biases(biases, step_loads, mesh, config.model)
+        balance_ep = ep_load_balance(step_loads, mesh) if mesh.ep > 1 else None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dt = time.perf_counter() - t0
@@ -289,22 +291,25 @@ def pipeline_step(runner, micros, n_label, n_moe, lb_scale, device, dtype) -> to
     return torch.stack([ce, lb_total / max(n_moe, 1)])
 
 
-def step_expert_loads(engines: list[ExpertEngine], layer_ids: list[int]) -> torch.Tensor:
-    """Tokens per expert of each of `layer_ids` over this step's engines (all its micro-batches
-    and chunks on this rank): [layers, experts]."""
-    return torch.stack([sum(e.expert_loads[i] for e in engines if i in e.expert_loads) for i in layer_ids])
+def step_expert_loads(engines: list[ExpertEngine]) -> dict[int, torch.Tensor]:
+    """layer id -> tokens per expert over this step's engines (one per (chunk) forward: all its
+    micro-batches and chunks on this rank)."""
+    loads = {}
+    for engine in engines:
+        for layer_id, load in engine.expert_loads.items():
+            loads[layer_id] = loads[layer_id] + load if layer_id in loads else load
+    return loads
 
 
 @torch.no_grad()
-def update_routing_biases(model, engines: list[ExpertEngine], mesh: Mesh, model_cfg) -> None:
+def update_routing_biases(biases: dict, step_loads: dict, mesh: Mesh, model_cfg) -> None:
     """Aux-loss-free balancing: once per optimizer step, move each `e_score_correction_bias`
-    from the expert loads of the WHOLE global batch (all micro-batches, all data ranks). `engines`
-    are this step's, one per (chunk) forward; each recorded the loads of its layers."""
-    biases = model.correction_biases()
+    (`biases`: layer id -> bias, the model's correction_biases()) from the expert loads of the
+    WHOLE global batch (all micro-batches, all data ranks)."""
     if not biases:
         return
     layer_ids = sorted(biases)
-    loads = step_expert_loads(engines, layer_ids).float()
+    loads = torch.stack([step_loads[i].float() for i in layer_ids])
     if mesh.world > 1:  # every rank of this pipeline stage that holds other tokens: dp x cp x ep
         torch.distributed.all_reduce(loads, group=mesh.dense_mesh.get_group())
     for layer_id, load in zip(layer_ids, loads):
@@ -312,13 +317,12 @@ def update_routing_biases(model, engines: list[ExpertEngine], mesh: Mesh, model_
 
 
 @torch.no_grad()
-def ep_load_balance(engines: list[ExpertEngine], mesh: Mesh) -> float:
+def ep_load_balance(step_loads: dict, mesh: Mesh) -> float:
     """How evenly routing spread this step's expert work over the EP ranks (`rank_balance` of
     the loads of the whole EP group)."""
-    layer_ids = sorted({i for e in engines for i in e.expert_loads})
-    if not layer_ids:
+    if not step_loads:
         return 1.0
-    loads = step_expert_loads(engines, layer_ids)
+    loads = torch.stack([step_loads[i] for i in sorted(step_loads)])
     torch.distributed.all_reduce(loads, group=mesh.ep_group)
     return rank_balance(loads, mesh.ep)
 

@@ -30,8 +30,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params) -> None:
     weights in place without bumping their version counters, and the per-update cache of expert
     weights cast to bf16 (ops/grouped_gemm.compute_weight) is keyed by those counters."""
     optimizer.step()
-    for p in params:
-        torch.autograd.graph.increment_version(p)
+    torch.autograd.graph.increment_version(params)
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -11,8 +11,8 @@ FSDP, the unsharded fp32 gradients. Activation part (calibrated): bytes per toke
 the saved tensors of attention and the MoE path times a factor fitted to measured H200 peaks
 (docs/performance.md), times the micro-batches a rank holds at once (1; DualPipeV: its in-flight
 forwards). Multi-GPU runs add a calibrated 12% for communication buffers and the pipeline's
-bookkeeping. The fit is within 3.5% of the eight one-GPU peaks measured (three families);
-multi-GPU estimates run 6-17% above the measured peaks.
+bookkeeping. The fit is within 1.5% of the six one-GPU peaks last measured (three families);
+two-GPU estimates run 4-15% above the measured peaks.
 
 `--max-layers` searches the deepest `model.num_hidden_layers` that fits (the "as many layers as
 fit" of a benchmark). PASS when the estimate is within 95% of --gpu-mem.

@@ -37,11 +37,6 @@ NUMEL, ITERS = 4096, 3  # int64 elements per block; checked iterations per colle
 _CHILD = "PITHTRAIN_PREFLIGHT_CHILD"  # set for workers started by --nproc: a FAIL verdict exits 3
 
 
-def load(args):
-    """The run config exactly as `pithtrain train` builds it from these arguments."""
-    return train_config(args)
-
-
 def plan(config, world: int) -> str:
     """The (pp, dp, cp, ep) mesh of init_mesh, outer to inner: EP groups are runs of ep consecutive ranks."""
     p, t = config.parallel, config.train
@@ -203,7 +198,7 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     try:
-        config = load(args)
+        config = train_config(args)  # exactly as `pithtrain train` builds it from these arguments
         validate(config, world_size=world)  # raises ConfigError naming the field and the fix
         device = pick_device(config.train.device)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if launched else args.nproc
