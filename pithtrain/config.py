@@ -59,6 +59,11 @@ class TrainConfig:
     tensorboard: bool = True  # when tensorboard is installed
     compile: bool = False  # torch.compile(fullgraph=True) stages 1 and 5 of every layer
     profile_step: int = 0  # profile this step (1-based) into OUT/profile/rank<r>.json; 0: off
+    # FP8 GEMMs (experts, attention and MLP projections; not the router, embeddings or head):
+    # off | rowwise (e4m3, one scale per row of each operand; ops/fp8.py). Needs FP8 tensor cores
+    # (compute capability 8.9+); on the CPU only with fp8_emulate (plain-PyTorch numerics, slow).
+    fp8: str = "off"
+    fp8_emulate: bool = False
 
 
 @dataclass
@@ -157,6 +162,19 @@ def runs_dualpipev(config: RunConfig, world_size: int) -> bool:
     return p.pp > 1 or (p.ep > 1 and micro_per_rank >= 2 and p.overlap_ep and not tied)
 
 
+def _check_fp8_device(t: TrainConfig) -> None:
+    """FP8 needs FP8 tensor cores (compute capability 8.9+), or the emulation asked for explicitly."""
+    import torch
+
+    if t.device == "cpu" or not torch.cuda.is_available():
+        _check(t.fp8_emulate, f"train.fp8={t.fp8} on the CPU: there are no FP8 tensor cores; set train.fp8_emulate=true "
+                              "to emulate the numerics (slow: for tests) or train.fp8=off")
+        return
+    cap = torch.cuda.get_device_capability()
+    _check(cap >= (8, 9), f"train.fp8={t.fp8}: {torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) "
+                          "has no FP8 tensor cores (8.9+ needed: Ada, Hopper or newer); set train.fp8=off")
+
+
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise ConfigError(message)
@@ -170,6 +188,9 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be at least 1")
     _check(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
     _check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype={t.dtype!r}: use auto, fp32 or bf16")
+    _check(t.fp8 in ("off", "rowwise"), f"train.fp8={t.fp8!r}: use off or rowwise")
+    if t.fp8 != "off":
+        _check_fp8_device(t)
     _check(t.lb_type in ("micro", "global", "seq"), f"train.lb_type={t.lb_type!r}: use micro, global or seq")
     _check(t.lb_coef >= 0, f"train.lb_coef={t.lb_coef}: must be >= 0 (0 disables the load-balance loss)")
     _check(t.log_every >= 1, f"train.log_every={t.log_every}: must be at least 1")

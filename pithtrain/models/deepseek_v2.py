@@ -34,6 +34,7 @@ from pithtrain.models.protocol import RoutingInfo, Stage1Out, init_by_name, run_
 from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
+from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import expert_mm
 from pithtrain.parallel.context import ContextParallel, context_attention_expand
 
@@ -275,15 +276,15 @@ class Attention(nn.Module):
         self.kv_lora_rank, self.q_lora_rank, self.scale = cfg.kv_lora_rank, cfg.q_lora_rank, softmax_scale
         hidden, bias, q_out = cfg.hidden_size, cfg.attention_bias, self.heads * cfg.qk_head_dim
         if cfg.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+            self.q_proj = Linear(hidden, q_out, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, cfg.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, cfg.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, cfg.kv_lora_rank + self.rope, bias=bias)
+            self.q_b_proj = Linear(cfg.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, cfg.kv_lora_rank + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.heads * (self.nope + self.v_dim), bias=False)
-        self.o_proj = nn.Linear(self.heads * self.v_dim, hidden, bias=bias)
+        self.o_proj = Linear(self.heads * self.v_dim, hidden, bias=bias)
 
     def project_q(self, x):
         if self.q_lora_rank is None:
@@ -332,9 +333,9 @@ class Attention(nn.Module):
 class DenseMLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -342,6 +343,8 @@ class DenseMLP(nn.Module):
 
 class Experts(nn.Module):
     """Stacked routed-expert weights: gate_up [E, H, 2I] (gate then up), down [E, I, H]."""
+
+    fp8 = False  # train.fp8: expert_mm runs the grouped GEMMs in FP8 (ops/fp8.py)
 
     def __init__(self, num_experts: int, hidden: int, inter: int):
         super().__init__()

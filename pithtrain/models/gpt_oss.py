@@ -32,6 +32,7 @@ from pithtrain.config import ConfigError
 from pithtrain.models.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
 from pithtrain.ops import kernels
 from pithtrain.ops.core import apply_rope, attention_mask, rope_cos_sin
+from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import expert_mm
 from pithtrain.parallel.context import ContextParallel, context_attention
 
@@ -292,10 +293,10 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.sinks = nn.Parameter(torch.zeros(self.heads))
         self.sliding = cfg.layer_type(layer_id) == SLIDING
         self.window = cfg.sliding_window if self.sliding else None
@@ -318,6 +319,8 @@ class Attention(nn.Module):
 class Experts(nn.Module):
     """Stacked expert weights: gate_up [E, H, 2I] (gate then up), gate_up_bias [E, 2I], down [E, I, H],
     down_bias [E, H]."""
+
+    fp8 = False  # train.fp8: expert_mm runs the grouped GEMMs in FP8 (ops/fp8.py)
 
     def __init__(self, cfg: GptOssConfig):
         super().__init__()

@@ -21,6 +21,7 @@ from pithtrain.config import ConfigError
 from pithtrain.models.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
 from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
+from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import expert_mm
 from pithtrain.parallel.context import ContextParallel, context_attention
 
@@ -142,10 +143,10 @@ class Attention(nn.Module):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.dim_per_head
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_proj = Linear(cfg.hidden_size, self.heads * self.head_dim, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=bias)
+        self.o_proj = Linear(self.heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
@@ -166,9 +167,9 @@ class Attention(nn.Module):
 class DenseMLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -176,6 +177,8 @@ class DenseMLP(nn.Module):
 
 class Experts(nn.Module):
     """Stacked expert weights: gate_up [E, H, 2I] (gate then up), down [E, I, H]."""
+
+    fp8 = False  # train.fp8: expert_mm runs the grouped GEMMs in FP8 (ops/fp8.py)
 
     def __init__(self, num_experts: int, hidden: int, inter: int):
         super().__init__()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from pithtrain.models.protocol import stage_range
+from pithtrain.ops.fp8 import fp8_expert_mm
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -116,7 +117,10 @@ def compute_weight(module, name: str, dtype) -> torch.Tensor:
 
 
 def expert_mm(x, module, name: str, counts, dtype, queue: DeferredWeightGrads | None = None):
-    """x @ module.<name> per expert, in `dtype`; with a queue, the weight gradient is deferred."""
+    """x @ module.<name> per expert, in `dtype`; with a queue, the weight gradient is deferred.
+    Experts switched to FP8 (`module.fp8`, train.fp8) run the FP8 grouped GEMMs of ops/fp8.py."""
+    if getattr(module, "fp8", False):
+        return fp8_expert_mm(x, module, name, counts, dtype, queue)
     w = compute_weight(module, name, dtype)
     if queue is None and (w is getattr(module, name) or not w.requires_grad):
         return grouped_mm(x.to(dtype), w, counts)  # no cast in between (fp32, or FSDP's bf16 copy)

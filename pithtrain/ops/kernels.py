@@ -54,7 +54,7 @@ class _Kernel:
             import triton
             import triton.language
 
-            tl = triton.language
+            tl = self.fn.__globals__["tl"] = triton.language  # the kernel's own module may be another (ops/fp8.py)
             self.jitted = triton.jit(self.fn)
         return self.jitted[grid]
 

@@ -20,6 +20,7 @@ import torch
 
 from pithtrain.config import RunConfig, runs_dualpipev, validate
 from pithtrain.models.routing import update_correction_bias
+from pithtrain.ops.fp8 import enable_fp8
 from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
 from pithtrain.parallel.context import shard_micro_batch
 from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispatch
@@ -119,6 +120,8 @@ def train(
     n_params = sum(p.numel() for p in model.parameters())
     if t.compile:  # before FSDP, so that its hooks stay outside the compiled graphs
         compile_stages(model)
+    if t.fp8 != "off":  # before FSDP too: its all-gather runs before the FP8 weight refresh
+        enable_fp8(model, compiled=t.compile)
     keep_local_experts(model, mesh.ep_rank, mesh.ep)
     model.to(device)  # fp32 master weights; bf16 compute from autocast (one process) or FSDP's policy
     if mesh.world > 1:

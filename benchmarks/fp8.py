@@ -1,0 +1,128 @@
+"""FP8 GEMM choices on the GPU: the expert grouped GEMM (bf16 torch._grouped_mm vs our Triton FP8
+kernel, forward / input gradient / weight gradient, with and without the quantization of the
+activations) and dense projections by recipe (bf16, row-wise `torch._scaled_mm`, 1x128/128x128
+block-wise `F.scaled_mm`). `--sweep` times the grouped kernel's tile configurations.
+
+    PYTHONPATH=. python benchmarks/fp8.py [--tokens 16384 --experts 128 --topk 8 --hidden 2048 --inter 768] [--sweep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import median_ms  # noqa: E402
+from results import record  # noqa: E402
+
+from pithtrain.ops import fp8  # noqa: E402
+from pithtrain.ops.grouped_gemm import grouped_mm, grouped_weight_grad  # noqa: E402
+
+BF16 = torch.bfloat16
+
+
+def tflops(flops, ms):
+    return flops / (ms * 1e-3) / 1e12
+
+
+def grouped(args, sweep: bool):
+    rows = args.tokens * args.topk
+    counts = torch.full((args.experts,), rows // args.experts, device="cuda", dtype=torch.int32)
+    rows = int(counts.sum())
+    out = {}
+    for k, m, label in ((args.hidden, 2 * args.inter, "gate_up"), (args.inter, args.hidden, "down")):
+        x = torch.randn(rows, k, device="cuda", dtype=BF16)
+        w = torch.randn(args.experts, k, m, device="cuda", dtype=BF16) * 0.02
+        dy = torch.randn(rows, m, device="cuda", dtype=BF16)
+        xq, xs = fp8.quantize(x)
+        dyq, dys = fp8.quantize(dy)
+        wf = fp8.quantize_reference(w.transpose(-1, -2).contiguous())
+        wb = fp8.quantize_reference(w)
+        xt, xts = fp8.quantize_t(x, counts)
+        dyt, dyts = fp8.quantize_t(dy, counts)
+        flops = 2 * rows * k * m
+        cases = {
+            "fwd_bf16": lambda: grouped_mm(x, w, counts),
+            "fwd_fp8": lambda: fp8.grouped_mm(xq, xs, *wf, counts, BF16),
+            "fwd_fp8_with_quant": lambda: fp8.grouped_mm(*fp8.quantize(x), *wf, counts, BF16),
+            "dgrad_bf16": lambda: grouped_mm(dy, w.transpose(-1, -2), counts),
+            "dgrad_fp8": lambda: fp8.grouped_mm(dyq, dys, *wb, counts, BF16),
+            "wgrad_bf16": lambda: grouped_weight_grad(x, dy, counts, args.experts),
+            "wgrad_fp8": lambda: fp8.grouped_wgrad(xt, xts, dyt, dyts, counts),
+            "quantize_rows": lambda: fp8.quantize(x),
+            "quantize_t": lambda: fp8.quantize_t(x, counts),
+        }
+        for name, fn in cases.items():
+            ms = median_ms(fn, 20)
+            out[f"{label}_{name}_ms"] = round(ms, 4)
+            if not name.startswith("quantize"):
+                out[f"{label}_{name}_tflops"] = round(tflops(flops, ms), 1)
+            print(f"{label:8s} [{rows} x {k}] x [{args.experts} x {k} x {m}] {name:20s} {ms:8.3f} ms"
+                  + ("" if name.startswith("quantize") else f" {tflops(flops, ms):6.0f} TFLOP/s"), flush=True)
+        ref = fp8.grouped_mm_reference(xq[: 4 * (rows // args.experts)], xs, wf[0][:4], wf[1][:4], counts[:4].cpu(), torch.float32)
+        got = fp8.grouped_mm(xq, xs, *wf, counts, torch.float32)[: ref.shape[0]]
+        print(f"{label} fp8 kernel vs reference: max rel err {((got - ref).abs().max() / ref.abs().max()).item():.2e}")
+        if sweep:
+            for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
+                                              (128, 256, 64, 8, 4), (64, 256, 128, 4, 4), (128, 128, 64, 4, 4),
+                                              (256, 128, 128, 8, 3)):
+                cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
+                fp8._GMM_CONFIG.clear(), fp8._GMM_CONFIG.update(cfg)
+                fp8._WGRAD_CONFIG.clear(), fp8._WGRAD_CONFIG.update(cfg)
+                try:
+                    f, d, g = (median_ms(fn, 10) for fn in (cases["fwd_fp8"], cases["dgrad_fp8"], cases["wgrad_fp8"]))
+                    print(f"  sweep {cfg}: fwd {tflops(flops, f):5.0f} dgrad {tflops(flops, d):5.0f} wgrad {tflops(flops, g):5.0f} TFLOP/s", flush=True)
+                except Exception as e:  # a config the compiler rejects (shared memory)
+                    print(f"  sweep {cfg}: failed ({type(e).__name__})")
+    return out
+
+
+def dense(shapes):
+    out = {}
+    for m, k, n in shapes:
+        a, b = torch.randn(m, k, device="cuda", dtype=BF16), torch.randn(n, k, device="cuda", dtype=BF16)
+        aq, sa = fp8.quantize(a)
+        bq, sb = fp8.quantize(b)
+        flops = 2 * m * k * n
+        cases = {"bf16": lambda: a @ b.t(), "rowwise": lambda: fp8.scaled_mm(aq, sa, bq, sb, BF16),
+                 "rowwise_with_quant": lambda: fp8.scaled_mm(*fp8.quantize(a), bq, sb, BF16)}
+        try:
+            from torch.nn.functional import ScalingType, scaled_mm
+
+            a_blk = torch.rand(m, k // 128, device="cuda").t().contiguous().t()  # column-major scales
+            b_blk = torch.rand(k // 128, n // 128, device="cuda").t().contiguous().t()  # as torch 2.11 asks
+            cases["blockwise"] = lambda: scaled_mm(aq, bq.t(), a_blk, ScalingType.BlockWise1x128, b_blk,
+                                                   ScalingType.BlockWise128x128, output_dtype=BF16)
+        except Exception as e:
+            print(f"block-wise scaled_mm unavailable: {type(e).__name__}: {e}")
+        for name, fn in cases.items():
+            try:
+                ms = median_ms(fn, 20)
+            except Exception as e:
+                print(f"dense [{m}x{k}]x[{k}x{n}] {name}: failed ({type(e).__name__}: {str(e)[:120]})")
+                continue
+            out[f"dense_{m}x{k}x{n}_{name}_tflops"] = round(tflops(flops, ms), 1)
+            print(f"dense [{m} x {k}] x [{k} x {n}] {name:20s} {ms:8.3f} ms {tflops(flops, ms):6.0f} TFLOP/s", flush=True)
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for name, default in (("tokens", 16384), ("experts", 128), ("topk", 8), ("hidden", 2048), ("inter", 768)):
+        parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--sweep", action="store_true")
+    args = parser.parse_args()
+    figures = grouped(args, args.sweep)
+    t, h = args.tokens, args.hidden
+    figures.update(dense([(t, h, 4096), (t, 4096, h), (t, h, 512)]))
+    record({"benchmark": "fp8_gemms", "tokens": t, "experts": args.experts, "topk": args.topk, "hidden": h,
+            "inter": args.inter, **figures})
+
+
+if __name__ == "__main__":
+    main()

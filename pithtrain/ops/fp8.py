@@ -1,0 +1,558 @@
+"""FP8 training numerics (`train.fp8="rowwise"`): e4m3 GEMMs with fp32 scales per row, and cached weights.
+
+The recipe. Every GEMM operand is quantized along its contraction dimension with one fp32 scale
+per row (`q = x / s`, `s = amax(|row|) / 448`), so a scale factors out of the dot product and is
+applied to the fp32 accumulator at the end. For Y = X W (X: tokens x K):
+
+  forward   Y  = X  W     X row-wise (a scale per token), W per output column  (along K)
+  dgrad     dX = dY W^T   dY row-wise (per token), W per input row              (along M)
+  wgrad     dW = X^T dY   X and dY per column along the tokens: transposed copies
+                          (experts: one scale per expert and column, so the scales only span the
+                          expert's own rows and do not depend on how tokens are spread over ranks)
+
+Weights are quantized once per weight update into both layouts (forward and dgrad) and reused by
+every micro-batch, pipeline chunk and backward: `FP8Cache` keys them by the parameter's version
+counter, which every in-place update bumps (`optim.optimizer_step`, checkpoint loads; FSDP's
+all-gather writes the unsharded weight in place, so a new gather is a new version too).
+Activations are saved for the weight gradient as their transposed FP8 copies (1 byte a value).
+
+Paths: on CUDA, Triton kernels for quantization and the expert grouped GEMMs, and
+`torch._scaled_mm` for dense projections; elsewhere (`train.fp8_emulate` on the CPU) the same
+quantization in plain PyTorch and the GEMMs emulated on the dequantized values in fp32. The
+plain path is the reference the GPU path is tested against (tests/gpu/test_fp8_gpu.py).
+"""
+
+from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotations unevaluated
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pithtrain.models.protocol import stage_range
+from pithtrain.ops.kernels import _cdiv, _Kernel, _pow2, use_triton
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+_TINY = 1e-12  # scale floor: an all-zero row quantizes to zeros
+
+
+def fp8_supported(device: torch.device) -> bool:
+    """FP8 tensor cores: compute capability 8.9 (Ada) or 9.0+ (Hopper)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return False
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+# ---------------------------------------------------------------------------------------------------
+# References (the CPU path and the oracle of the GPU tests)
+# ---------------------------------------------------------------------------------------------------
+
+
+def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (last dimension) scaled e4m3: returns q (FP8, x's shape) and s (fp32, x.shape[:-1])
+    with x ~= q * s."""
+    xf = x.float()
+    s = xf.abs().amax(-1).clamp(min=_TINY) / FP8_MAX
+    q = (xf / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return q, s
+
+
+def dequantize(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    return q.float() * s.unsqueeze(-1)
+
+
+SEGMENT_ALIGN = 128  # transposed copies start each expert's rows at a multiple of this (zero padded)
+
+
+def t_width(rows: int, groups: int) -> int:
+    """Columns of a transposed copy: every segment padded to SEGMENT_ALIGN fits (no host sync needed)."""
+    return SEGMENT_ALIGN * (_cdiv(rows, SEGMENT_ALIGN) + groups - 1)
+
+
+def quantize_t_reference(x: torch.Tensor, counts: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [N, K] -> its transpose [K, t_width] in FP8, scaled per column of x within each segment of
+    rows (`counts` rows per expert; None: one segment). Segment g starts at column
+    SEGMENT_ALIGN * sum_{j<g} ceil(counts[j] / SEGMENT_ALIGN); the rest is zeros, so the weight
+    gradient's loop needs no masks. Returns (qt, s) with s [E, K] (E = 1 without counts)."""
+    n, k = x.shape
+    counts = torch.tensor([n]) if counts is None else counts.cpu()
+    qt = torch.zeros(k, t_width(n, len(counts)), dtype=torch.uint8, device=x.device)
+    scales, col = [], 0
+    for seg in x.split(counts.tolist()):
+        if seg.shape[0] == 0:  # an expert with no rows: the kernels' scale for it
+            scales.append(torch.full((k,), _TINY / FP8_MAX, device=x.device))
+            continue
+        q, s = quantize_reference(seg.t())
+        qt[:, col : col + seg.shape[0]] = q.view(torch.uint8)
+        scales.append(s)
+        col += _cdiv(seg.shape[0], SEGMENT_ALIGN) * SEGMENT_ALIGN
+    return qt.view(FP8), torch.stack(scales)
+
+
+def scaled_mm_reference(a, sa, b, sb, out_dtype) -> torch.Tensor:
+    """(a * sa) @ (b * sb)^T from FP8 operands [M, K] and [N, K], accumulated in fp32."""
+    return (dequantize(a, sa) @ dequantize(b, sb).t()).to(out_dtype)
+
+
+def grouped_mm_reference(a, sa, b, sb, counts, out_dtype) -> torch.Tensor:
+    """Row group g of a [N, K] times b[g]^T ([E, M, K]), scales sa [N] and sb [E, M]."""
+    out, start = [], 0
+    for g, c in enumerate(counts.tolist()):
+        out.append(scaled_mm_reference(a[start : start + c], sa[start : start + c], b[g], sb[g], out_dtype))
+        start += c
+    return torch.cat(out) if out else a.new_zeros(0, b.shape[1], dtype=out_dtype)
+
+
+def grouped_wgrad_reference(xt, sx, dyt, sdy, counts) -> torch.Tensor:
+    """dW[g] = x_g^T dy_g from the transposed copies xt [K, W], dyt [M, W] (quantize_t's layout,
+    scales [E, K], [E, M]): [E, K, M] in fp32."""
+    out, col = [], 0
+    for g, c in enumerate(counts.tolist()):
+        seg = slice(col, col + c)
+        out.append(dequantize(xt[:, seg], sx[g]) @ dequantize(dyt[:, seg], sdy[g]).t())
+        col += _cdiv(c, SEGMENT_ALIGN) * SEGMENT_ALIGN
+    return torch.stack(out)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton kernels (CUDA)
+# ---------------------------------------------------------------------------------------------------
+
+
+@_Kernel
+def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, rows, cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Row-wise scaled e4m3 of BLOCK_R whole rows (cols <= BLOCK_C)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_C)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    offs = r.to(tl.int64)[:, None] * cols + c[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
+    q = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0)
+    tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + r, s, mask=r < rows)
+
+
+@_Kernel
+def _segment_colmax_kernel(x_ptr, counts_ptr, amax_ptr, cols, num_seg, splits,
+                           SEG_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """amax[g, c] = max |x[r, c]| over the rows r of segment g; `splits` programs share a segment
+    (atomic max of non-negative floats: order-independent, so deterministic)."""
+    g = tl.program_id(0)
+    split = tl.program_id(2)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    idx = tl.arange(0, SEG_P2)
+    counts = tl.load(counts_ptr + idx, mask=idx < num_seg, other=0)
+    ends = tl.cumsum(counts, 0)
+    end = tl.sum(tl.where(idx == g, ends, 0), 0)
+    start = end - tl.sum(tl.where(idx == g, counts, 0), 0)
+    per = tl.cdiv(tl.cdiv(end - start, splits), BLOCK_R) * BLOCK_R
+    lo = start + split * per
+    hi = tl.minimum(lo + per, end)
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for r0 in range(lo, hi, BLOCK_R):
+        r = r0 + tl.arange(0, BLOCK_R)
+        x = tl.load(x_ptr + r.to(tl.int64)[:, None] * cols + c[None, :],
+                    mask=(r < hi)[:, None] & (c < cols)[None, :], other=0.0)
+        acc = tl.maximum(acc, tl.max(tl.abs(x.to(tl.float32)), 0))
+    tl.atomic_max(amax_ptr + g * cols + c, acc, mask=c < cols)
+
+
+@_Kernel
+def _quant_t_kernel(x_ptr, counts_ptr, s_ptr, qt_ptr, cols, width, num_seg, splits,
+                    SEG_P2: tl.constexpr, ALIGN: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """qt[c, p + i] = x[start + i, c] / s[g, c] in e4m3 for the rows of segment g, p its padded start
+    (quantize_t_reference's layout); zeros up to the segment's padded end."""
+    g = tl.program_id(0)
+    split = tl.program_id(2)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    idx = tl.arange(0, SEG_P2)
+    counts = tl.load(counts_ptr + idx, mask=idx < num_seg, other=0)
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    sel = idx == g
+    end = tl.sum(tl.where(sel, tl.cumsum(counts, 0), 0), 0)
+    start = end - tl.sum(tl.where(sel, counts, 0), 0)
+    length = tl.sum(tl.where(sel, padded, 0), 0)
+    pstart = tl.sum(tl.where(sel, tl.cumsum(padded, 0), 0), 0) - length
+    per = tl.cdiv(tl.cdiv(length, splits), BLOCK_R) * BLOCK_R
+    lo = split * per
+    hi = tl.minimum(lo + per, length)
+    s = tl.load(s_ptr + g * cols + c, mask=c < cols, other=1.0)
+    for i0 in range(lo, hi, BLOCK_R):
+        i = i0 + tl.arange(0, BLOCK_R)
+        r = start + i
+        x = tl.load(x_ptr + r.to(tl.int64)[:, None] * cols + c[None, :],
+                    mask=(r < end)[:, None] & (c < cols)[None, :], other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(x, s[None, :]), -448.0, 448.0).to(qt_ptr.dtype.element_ty)
+        tl.store(qt_ptr + c.to(tl.int64)[None, :] * width + (pstart + i)[:, None], q, mask=(c < cols)[None, :])
+
+
+@_Kernel
+def _grouped_mm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, counts_ptr, c_ptr, rows, n_out, k_dim, num_groups,
+                       GROUPS_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       EVEN_K: tl.constexpr):
+    """c[rows of g] = (a[rows of g] * sa) @ (b[g] * sb[g])^T; a [rows, K], b [G, n_out, K] (both
+    K-contiguous FP8), rows grouped by g. Program p owns an output tile: its group and row block
+    come from the per-group tile counts, so no host knows the counts (no sync)."""
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(n_out, BN)
+    pid_m, pid_n = pid // n_tiles, pid % n_tiles
+    idx = tl.arange(0, GROUPS_P2)
+    counts = tl.load(counts_ptr + idx, mask=idx < num_groups, other=0)
+    ends = tl.cumsum(counts, 0)
+    tiles = (counts + BM - 1) // BM
+    tile_ends = tl.cumsum(tiles, 0)
+    g = tl.sum((tile_ends <= pid_m).to(tl.int32), 0)
+    if g < num_groups:
+        sel = idx == g
+        row_end = tl.sum(tl.where(sel, ends, 0), 0)
+        row_start = row_end - tl.sum(tl.where(sel, counts, 0), 0)
+        first_tile = tl.sum(tl.where(sel, tile_ends - tiles, 0), 0)
+        rm = row_start + (pid_m - first_tile) * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        rk = tl.arange(0, BK)
+        a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * k_dim + rk[None, :]
+        b_ptrs = b_ptr + g.to(tl.int64) * n_out * k_dim + rn.to(tl.int64)[None, :] * k_dim + rk[:, None]
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k in range(0, tl.cdiv(k_dim, BK)):
+            # rows past the group's end belong to the next group: computed, never stored
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=(rm < rows)[:, None], other=0.0)
+                b = tl.load(b_ptrs, mask=(rn < n_out)[None, :], other=0.0)
+            else:
+                kk = k * BK + rk
+                a = tl.load(a_ptrs, mask=(rm < rows)[:, None] & (kk < k_dim)[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=(rn < n_out)[None, :] & (kk < k_dim)[:, None], other=0.0)
+            acc = tl.dot(a, b, acc)
+            a_ptrs += BK
+            b_ptrs += BK
+        sa = tl.load(sa_ptr + rm, mask=rm < row_end, other=0.0)
+        sb = tl.load(sb_ptr + g * n_out + rn, mask=rn < n_out, other=0.0)
+        out = acc * sa[:, None] * sb[None, :]
+        mask = (rm < row_end)[:, None] & (rn < n_out)[None, :]
+        tl.store(c_ptr + rm.to(tl.int64)[:, None] * n_out + rn[None, :], out.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@_Kernel
+def _grouped_wgrad_kernel(xt_ptr, sx_ptr, dyt_ptr, sdy_ptr, counts_ptr, out_ptr, k_dim, n_out, width, num_groups,
+                          GROUPS_P2: tl.constexpr, ALIGN: tl.constexpr,
+                          BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """out[g] = (xt[:, rows of g] * sx[g]) @ (dyt[:, rows of g] * sdy[g])^T in fp32: [G, K, n_out].
+    The transposed copies hold segment g zero-padded to ALIGN columns from an ALIGN-aligned start:
+    the loop reads whole aligned blocks without masks."""
+    g = tl.program_id(1)
+    n_tiles = tl.cdiv(n_out, BN)
+    pid_k, pid_n = tl.program_id(0) // n_tiles, tl.program_id(0) % n_tiles
+    idx = tl.arange(0, GROUPS_P2)
+    counts = tl.load(counts_ptr + idx, mask=idx < num_groups, other=0)
+    padded = (counts + ALIGN - 1) // ALIGN * ALIGN
+    sel = idx == g
+    length = tl.sum(tl.where(sel, padded, 0), 0)
+    pstart = tl.multiple_of(tl.sum(tl.where(sel, tl.cumsum(padded, 0), 0), 0) - length, ALIGN)
+    rk = pid_k * BM + tl.arange(0, BM)
+    rn = pid_n * BN + tl.arange(0, BN)
+    rr = tl.arange(0, BK)
+    x_ptrs = xt_ptr + rk.to(tl.int64)[:, None] * width + pstart + rr[None, :]
+    dy_ptrs = dyt_ptr + rn.to(tl.int64)[None, :] * width + pstart + rr[:, None]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for _ in range(0, length, BK):
+        x = tl.load(x_ptrs, mask=(rk < k_dim)[:, None], other=0.0)
+        dy = tl.load(dy_ptrs, mask=(rn < n_out)[None, :], other=0.0)
+        acc = tl.dot(x, dy, acc)
+        x_ptrs += BK
+        dy_ptrs += BK
+    sx = tl.load(sx_ptr + g * k_dim + rk, mask=rk < k_dim, other=0.0)
+    sdy = tl.load(sdy_ptr + g * n_out + rn, mask=rn < n_out, other=0.0)
+    acc = acc * sx[:, None] * sdy[None, :]
+    offs = g.to(tl.int64) * k_dim * n_out + rk.to(tl.int64)[:, None] * n_out + rn[None, :]
+    tl.store(out_ptr + offs, acc, mask=(rk < k_dim)[:, None] & (rn < n_out)[None, :])
+
+
+def _groups_p2(n: int) -> int:
+    return max(16, _pow2(n))
+
+
+@torch.library.custom_op("pithtrain::fp8_quantize", mutates_args=())
+def _quantize_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    q = torch.empty(rows, cols, dtype=FP8, device=x.device)
+    s = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows:
+        block_c = _pow2(cols)
+        block_r = max(1, min(16, 8192 // block_c))
+        _quant_rows_kernel[(_cdiv(rows, block_r),)](x, q, s, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c,
+                                                    num_warps=8 if block_c >= 4096 else 4)
+    return q, s
+
+
+@_quantize_cuda.register_fake
+def _(x):
+    return x.new_empty(x.shape, dtype=FP8), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@torch.library.custom_op("pithtrain::fp8_quantize_t", mutates_args=())
+def _quantize_t_cuda(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = x.shape
+    groups = counts.shape[0]
+    width = t_width(rows, groups)
+    qt = torch.empty(cols, width, dtype=FP8, device=x.device)  # columns past the last segment are never read
+    amax = torch.zeros(groups, cols, dtype=torch.float32, device=x.device)
+    block_c = min(128, _pow2(cols))
+    splits = max(1, 512 // groups)  # enough programs to fill the GPU when there are few segments
+    grid = (groups, _cdiv(cols, block_c), splits)
+    if rows:
+        _segment_colmax_kernel[grid](x, counts, amax, cols, groups, splits, SEG_P2=_groups_p2(groups),
+                                     BLOCK_R=64, BLOCK_C=block_c)
+    s = amax.clamp_(min=_TINY).div_(FP8_MAX)
+    if rows:
+        _quant_t_kernel[grid](x, counts, s, qt, cols, width, groups, splits, SEG_P2=_groups_p2(groups),
+                              ALIGN=SEGMENT_ALIGN, BLOCK_R=64, BLOCK_C=block_c)
+    return qt, s
+
+
+@_quantize_t_cuda.register_fake
+def _(x, counts):
+    width = t_width(x.shape[0], counts.shape[0])
+    return x.new_empty(x.shape[1], width, dtype=FP8), x.new_empty(counts.shape[0], x.shape[1], dtype=torch.float32)
+
+
+_GMM_CONFIG = dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3)  # the best of benchmarks/fp8.py --sweep (H200)
+_WGRAD_CONFIG = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4)
+
+
+@torch.library.custom_op("pithtrain::fp8_grouped_mm", mutates_args=())
+def _grouped_mm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, counts: torch.Tensor,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    rows, k_dim = a.shape
+    groups, n_out = b.shape[0], b.shape[1]
+    out = torch.empty(rows, n_out, dtype=out_dtype, device=a.device)
+    cfg = _GMM_CONFIG
+    if rows:
+        grid = ((_cdiv(rows, cfg["BM"]) + groups) * _cdiv(n_out, cfg["BN"]),)
+        _grouped_mm_kernel[grid](a, sa, b, sb, counts, out, rows, n_out, k_dim, groups,
+                                 GROUPS_P2=_groups_p2(groups), EVEN_K=k_dim % cfg["BK"] == 0, **cfg)
+    return out
+
+
+@_grouped_mm_cuda.register_fake
+def _(a, sa, b, sb, counts, out_dtype):
+    return a.new_empty(a.shape[0], b.shape[1], dtype=out_dtype)
+
+
+@torch.library.custom_op("pithtrain::fp8_grouped_wgrad", mutates_args=("out",))
+def _grouped_wgrad_cuda(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, sdy: torch.Tensor,
+                        counts: torch.Tensor, out: torch.Tensor) -> None:
+    groups, k_dim, n_out = out.shape
+    cfg = _WGRAD_CONFIG
+    grid = (_cdiv(k_dim, cfg["BM"]) * _cdiv(n_out, cfg["BN"]), groups)
+    _grouped_wgrad_kernel[grid](xt, sx, dyt, sdy, counts, out, k_dim, n_out, xt.shape[1], groups,
+                                GROUPS_P2=_groups_p2(groups), ALIGN=SEGMENT_ALIGN, **cfg)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Path selection: Triton / torch._scaled_mm on CUDA, the references elsewhere
+# ---------------------------------------------------------------------------------------------------
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise FP8 of a 2-D tensor: (q, s)."""
+    return _quantize_cuda(x.contiguous()) if use_triton(x) else quantize_reference(x)
+
+
+def quantize_t(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Transposed FP8 copy of x [N, K] for a weight gradient, scaled per column within each segment."""
+    if use_triton(x):
+        if counts is None:
+            counts = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
+        return _quantize_t_cuda(x.contiguous(), counts.to(torch.int32))
+    return quantize_t_reference(x, counts)
+
+
+def scaled_mm(a, sa, b, sb, out_dtype) -> torch.Tensor:
+    """(a * sa) @ (b * sb)^T for FP8 a [M, K], b [N, K] with row scales; K a multiple of 16 on CUDA."""
+    if a.is_cuda:  # row-wise scaling writes bf16 only
+        out = torch._scaled_mm(a, b.t(), scale_a=sa.unsqueeze(1), scale_b=sb.unsqueeze(0), out_dtype=torch.bfloat16)
+        return out if out_dtype == torch.bfloat16 else out.to(out_dtype)
+    return scaled_mm_reference(a, sa, b, sb, out_dtype)
+
+
+def grouped_mm(a, sa, b, sb, counts, out_dtype) -> torch.Tensor:
+    if use_triton(a):
+        return _grouped_mm_cuda(a, sa, b, sb, counts.to(torch.int32), out_dtype)
+    return grouped_mm_reference(a, sa, b, sb, counts, out_dtype)
+
+
+def grouped_wgrad(xt, sx, dyt, sdy, counts) -> torch.Tensor:
+    """dW [E, K, M] in fp32 from the transposed FP8 copies of x and dy."""
+    if use_triton(xt):
+        out = torch.empty(sx.shape[0], sx.shape[1], sdy.shape[1], device=xt.device)
+        _grouped_wgrad_cuda(xt, sx, dyt, sdy, counts.to(torch.int32), out)
+        return out
+    return grouped_wgrad_reference(xt, sx, dyt, sdy, counts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cached quantized weights
+# ---------------------------------------------------------------------------------------------------
+
+
+class FP8Weight:
+    """A weight's two FP8 layouts, both contraction-contiguous: `fwd` (q, s) for the forward GEMM and
+    `bwd` (q, s) for the input gradient's. Refreshed in place (same tensors), so a compiled graph
+    that reads them is not recompiled."""
+
+    def __init__(self, fwd, bwd, key):
+        self.fwd, self.bwd, self.key = fwd, bwd, key
+
+
+@torch.no_grad()
+def cached_weight(module: nn.Module, name: str, contraction_last: bool) -> FP8Weight:
+    """The FP8 layouts of module.<name>, remade only when the parameter changed (its version counter,
+    identity and storage). contraction_last: the forward contracts the last dimension (nn.Linear's
+    [out, in]); otherwise the one before it (the experts' [E, K, M])."""
+    param = getattr(module, name)
+    cache = module.__dict__.setdefault("_fp8_cache", {})
+    hit = cache.get(name)
+    key = (id(param), param._version, param.data_ptr())
+    if hit is not None and hit.key == key:
+        return hit
+    w = param.detach()
+    along_last = quantize_reference(w)
+    along_prev = quantize_reference(w.transpose(-1, -2))
+    along_prev = (along_prev[0].contiguous(), along_prev[1])
+    fwd, bwd = (along_last, along_prev) if contraction_last else (along_prev, along_last)
+    if hit is not None and hit.fwd[0].shape == fwd[0].shape and hit.fwd[0].device == fwd[0].device:
+        for old, new in zip((*hit.fwd, *hit.bwd), (*fwd, *bwd)):
+            old.copy_(new)
+        hit.key = key
+        return hit
+    cache[name] = FP8Weight(fwd, bwd, key)
+    return cache[name]
+
+
+# ---------------------------------------------------------------------------------------------------
+# FP8 GEMMs with autograd
+# ---------------------------------------------------------------------------------------------------
+
+
+class _FP8Linear(torch.autograd.Function):
+    """y = x W^T (+ b) with W [out, in]; the FP8 weight layouts come in already quantized."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, w_fwd_q, w_fwd_s, w_bwd_q, w_bwd_s, out_dtype):
+        x2 = x.reshape(-1, x.shape[-1])
+        xq, xs = quantize(x2)
+        y = scaled_mm(xq, xs, w_fwd_q, w_fwd_s, out_dtype)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        xtq, xts = quantize_t(x2) if ctx.needs_input_grad[1] else (None, None)  # saved: 1 byte a value
+        ctx.save_for_backward(xtq, xts, w_bwd_q, w_bwd_s)
+        ctx.meta = (x.shape, x.dtype, weight.dtype, bias is not None)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xtq, xts, w_bwd_q, w_bwd_s = ctx.saved_tensors
+        x_shape, x_dtype, w_dtype, has_bias = ctx.meta
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dyq, dys = quantize(dy2)
+            dx = scaled_mm(dyq, dys, w_bwd_q, w_bwd_s, dy.dtype).view(x_shape).to(x_dtype)
+        if ctx.needs_input_grad[1]:
+            dytq, dyts = quantize_t(dy2)
+            dw = scaled_mm(dytq, dyts[0], xtq, xts[0], torch.float32).to(w_dtype)
+        if has_bias and ctx.needs_input_grad[2]:
+            db = dy2.float().sum(0).to(w_dtype)
+        return dx, dw, db, None, None, None, None, None
+
+
+class Linear(nn.Linear):
+    """nn.Linear whose GEMMs run in FP8 once `fp8` is switched on (train.fp8, `enable_fp8`); otherwise
+    exactly nn.Linear. Eager calls take the weight's FP8 layouts from the per-version cache; a
+    compiled stage reads `fp8_weight`, which `refresh_fp8_weights` fills (from the same cache, in
+    eager code) before the compiled graph runs, so the cache is not bypassed."""
+
+    fp8 = False
+    fp8_weight: FP8Weight | None = None
+
+    def forward(self, x):
+        if not self.fp8:
+            return F.linear(x, self.weight, self.bias)
+        kind = x.device.type
+        out_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+        w = self.fp8_weight if torch.compiler.is_compiling() else cached_weight(self, "weight", True)
+        return _FP8Linear.apply(x, self.weight, self.bias, *w.fwd, *w.bwd, out_dtype)
+
+
+def refresh_fp8_weights(module: nn.Module) -> None:
+    """Make (or reuse) the FP8 layouts of every FP8 Linear under `module`: called in eager code
+    right before a compiled stage runs (after FSDP has gathered the weights)."""
+    for m in module.modules():
+        if isinstance(m, Linear) and m.fp8:
+            m.fp8_weight = cached_weight(m, "weight", True)
+
+
+class _FP8GroupedMM(torch.autograd.Function):
+    """Expert GEMM x @ W[e] for rows grouped by expert; W [E, K, M]. With a queue, the weight
+    gradient is deferred to it (zero-bubble W pass); otherwise it is returned to autograd."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, w_fwd_q, w_fwd_s, w_bwd_q, w_bwd_s, out_dtype, queue, module, name):
+        xq, xs = quantize(x)
+        y = grouped_mm(xq, xs, w_fwd_q, w_fwd_s, counts, out_dtype)
+        xtq, xts = quantize_t(x, counts) if ctx.needs_input_grad[1] else (None, None)
+        ctx.save_for_backward(xtq, xts, counts, w_bwd_q, w_bwd_s)
+        ctx.queue, ctx.module, ctx.name, ctx.x_dtype, ctx.w_dtype = queue, module, name, x.dtype, weight.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xtq, xts, counts, w_bwd_q, w_bwd_s = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dyq, dys = quantize(dy)
+            dx = grouped_mm(dyq, dys, w_bwd_q, w_bwd_s, counts, dy.dtype).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            dytq, dyts = quantize_t(dy, counts)
+            if ctx.queue is None:
+                dw = grouped_wgrad(xtq, xts, dytq, dyts, counts).to(ctx.w_dtype)
+            else:
+                queue, module, name = ctx.queue, ctx.module, ctx.name
+
+                def weight_pass():  # needs only the FP8 activations: the weights may be resharded by now
+                    with stage_range(3, "wgrad"):
+                        queue.add_grad(getattr(module, name), grouped_wgrad(xtq, xts, dytq, dyts, counts))
+
+                queue.work.append(weight_pass)
+        return dx, dw, None, None, None, None, None, None, None, None, None
+
+
+def fp8_expert_mm(x, module, name: str, counts, out_dtype, queue=None):
+    """x @ module.<name> per expert in FP8 (the experts' [E, K, M] weights), the weight's FP8 layouts
+    from the per-version cache; with a queue, the weight gradient is deferred to it."""
+    w = cached_weight(module, name, contraction_last=False)
+    return _FP8GroupedMM.apply(x.contiguous(), getattr(module, name), counts, *w.fwd, *w.bwd, out_dtype,
+                               queue, module, name)
+
+
+def enable_fp8(model: nn.Module, compiled: bool) -> None:
+    """Switch the model's FP8-capable modules (ops/fp8.Linear and the `Experts` of each family, which
+    declare `fp8`) to FP8. With compiled stage 1s (train.compile), each layer's stage 1 first
+    refreshes its Linears' FP8 layouts in eager code. Call before FSDP wraps the stages, so that its
+    all-gather runs before the refresh."""
+    for m in model.modules():
+        if isinstance(m, Linear) or "fp8" in type(m).__dict__:
+            m.fp8 = True
+    if compiled:
+        for layer in model.layers.values():
+            layer.stage1 = _refreshing(layer, layer.stage1)
+
+
+def _refreshing(layer: nn.Module, stage1):
+    def run(*args, **kwargs):
+        refresh_fp8_weights(layer)
+        return stage1(*args, **kwargs)
+
+    return run

@@ -1,0 +1,113 @@
+"""FP8 on CUDA (Triton quantization and grouped GEMMs, torch._scaled_mm) against the plain-PyTorch
+reference of ops/fp8.py, which is what CI tests on the CPU (skipped without an FP8-capable GPU).
+
+Tolerances: quantized values agree with the reference except for rare one-step rounding ties (at
+most 0.1% of them, each one e4m3 step); scales agree to 1e-6 relative; GEMMs on identical FP8
+operands agree to 1e-5 relative (fp32 accumulation order), in bf16 to one bf16 rounding (1e-2);
+layers (whose dense GEMMs write bf16 on the GPU) agree with the CPU emulation to 1e-2 relative.
+"""
+
+import pytest
+import torch
+
+from pithtrain.ops import fp8
+
+pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fp8.fp8_supported(torch.device("cuda"))),
+                                reason="needs a GPU with FP8 tensor cores")
+BF16 = torch.bfloat16
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
+
+
+def same_fp8(a, b):
+    diff = (a.float() != b.float()).float().mean().item()
+    assert diff <= 1e-3, f"{diff:.2%} of quantized values differ"
+
+
+def counts_for(rows, experts, gen):
+    cuts = torch.sort(torch.randint(0, rows + 1, (experts - 1,), generator=gen)).values
+    counts = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([rows])]))
+    counts[1] = 0  # an empty expert
+    counts[0] += rows - counts.sum()
+    return counts
+
+
+@pytest.mark.parametrize("cols", [64, 768, 2880])
+def test_quantize_matches_reference(cols):
+    gen = torch.Generator().manual_seed(cols)
+    x = (torch.randn(1000, cols, generator=gen) * torch.rand(1000, 1, generator=gen) * 5).to(BF16)
+    q, s = fp8.quantize(x.cuda())
+    rq, rs = fp8.quantize_reference(x)
+    same_fp8(q.cpu(), rq)
+    assert rel(s.cpu(), rs) < 1e-6
+    counts = counts_for(1000, 7, gen)
+    qt, st = fp8.quantize_t(x.cuda(), counts.cuda())
+    rqt, rst = fp8.quantize_t_reference(x, counts)
+    assert qt.shape == rqt.shape and st.shape == rst.shape
+    same_fp8(qt.cpu(), rqt)
+    assert rel(st.cpu(), rst) < 1e-6
+
+
+@pytest.mark.parametrize("k,m", [(256, 384), (2880, 5760), (768, 2048)])
+def test_grouped_gemms_match_reference(k, m):
+    gen = torch.Generator().manual_seed(k + m)
+    rows, experts = 3000, 8
+    counts = counts_for(rows, experts, gen)
+    x, dy = torch.randn(rows, k, generator=gen), torch.randn(rows, m, generator=gen)
+    w = torch.randn(experts, m, k, generator=gen)
+    xq, xs = fp8.quantize_reference(x)
+    wq, ws = fp8.quantize_reference(w)
+    got = fp8.grouped_mm(xq.cuda(), xs.cuda(), wq.cuda(), ws.cuda(), counts.cuda(), torch.float32)
+    assert rel(got.cpu(), fp8.grouped_mm_reference(xq, xs, wq, ws, counts, torch.float32)) < 1e-5
+    got16 = fp8.grouped_mm(xq.cuda(), xs.cuda(), wq.cuda(), ws.cuda(), counts.cuda(), BF16)
+    assert rel(got16.cpu(), fp8.grouped_mm_reference(xq, xs, wq, ws, counts, torch.float32)) < 1e-2
+    xt, sx = fp8.quantize_t_reference(x, counts)
+    dyt, sdy = fp8.quantize_t_reference(dy, counts)
+    dw = fp8.grouped_wgrad(xt.cuda(), sx.cuda(), dyt.cuda(), sdy.cuda(), counts.cuda())
+    ref = fp8.grouped_wgrad_reference(xt, sx, dyt, sdy, counts)
+    assert rel(dw.cpu(), ref) < 1e-5
+    assert dw[1].abs().max() == 0  # the empty expert
+
+
+def test_layers_match_cpu_emulation():
+    """FP8 Linear and expert GEMM on CUDA vs the CPU emulation: outputs and every gradient."""
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(0)
+    lin = fp8.Linear(256, 512, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(512, 256, generator=gen) * 0.05)
+        lin.bias.copy_(torch.randn(512, generator=gen))
+    lin.fp8 = True
+    x = torch.randn(4, 96, 256, generator=gen)
+    dy = torch.randn(4, 96, 512, generator=gen)
+
+    def run(device):
+        m = fp8.Linear(256, 512, bias=True).to(device)
+        m.load_state_dict(lin.state_dict())
+        m.fp8 = True
+        xi = x.to(device).requires_grad_()
+        y = m(xi)
+        y.backward(dy.to(device))
+        return y, xi.grad, m.weight.grad, m.bias.grad
+
+    for a, b in zip(run("cuda"), run("cpu")):
+        assert rel(a.cpu(), b) < 1e-2
+
+    experts = nn.Module()
+    experts.w = nn.Parameter(torch.randn(6, 256, 384, generator=gen) * 0.05)
+    counts = counts_for(800, 6, gen)
+    xe, dye = torch.randn(800, 256, generator=gen), torch.randn(800, 384, generator=gen)
+
+    def run_experts(device):
+        mod = nn.Module()
+        mod.w = nn.Parameter(experts.w.detach().to(device).clone())
+        xi = xe.to(device).requires_grad_()
+        y = fp8.fp8_expert_mm(xi, mod, "w", counts.to(device), torch.float32)
+        y.backward(dye.to(device))
+        return y, xi.grad, mod.w.grad
+
+    for a, b in zip(run_experts("cuda"), run_experts("cpu")):
+        assert rel(a.cpu(), b) < 1e-2
