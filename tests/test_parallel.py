@@ -23,6 +23,7 @@ from pithtrain.train.metrics import read_metrics
 from pithtrain.train.optim import build_optimizer
 
 STEPS = 4
+FP8_MESH_REL = 1e-4
 
 
 def mesh_config(dataset_dir, ep=1, hsdp=False, steps=STEPS, family=tiny_config, pp=1, cp=1, packed=False, **train_kw):
@@ -30,6 +31,12 @@ def mesh_config(dataset_dir, ep=1, hsdp=False, steps=STEPS, family=tiny_config, 
     cfg = family(dataset_dir, steps=steps, **train_kw)
     cfg.parallel.ep, cfg.parallel.hsdp, cfg.parallel.pp, cfg.parallel.cp = ep, hsdp, pp, cp
     cfg.data.pack_documents = packed
+    return cfg
+
+
+def fp8(cfg):
+    """FP8 row-wise, emulated on the CPU (ops/fp8.py's reference numerics)."""
+    cfg.train.fp8, cfg.train.fp8_emulate = "rowwise", True
     return cfg
 
 
@@ -59,6 +66,7 @@ def runs(tmp_path_factory, dataset_dir):
         (mesh_config(dataset_dir, cp=2, ep=2), root / "cp2ep2", {}),
         (mesh_config(dataset_dir, cp=2, ep=2, steps=3, packed=True, lb_type="seq"), root / "cp2ep2_packed", {}),
         (mesh_config(dataset_dir, ep=2, steps=8, checkpoint_every=2), chain, {"stop_after": 4}),
+        (fp8(mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config)), root / "fp8_pp2ep2", {}),
     ]
     no_overlap = mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config)
     no_overlap.parallel.overlap_ep = False
@@ -75,6 +83,8 @@ def runs(tmp_path_factory, dataset_dir):
         # pp = 1 with EP: DualPipeV still overlaps two micro-batches on one rank
         (mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config), root / "pp1ep2", {}),
         (no_overlap, root / "ep2_no_overlap", {}),  # the same mesh, one micro-batch at a time
+        (fp8(mesh_config(dataset_dir, ep=2)), root / "fp8_ep2", {}),
+        (fp8(mesh_config(dataset_dir, ep=1)), root / "fp8_dp2", {}),  # FSDP-gathered weights: a new version each gather
     ]
     run_world(4, four)
     run_world(2, two)
@@ -91,6 +101,8 @@ def runs(tmp_path_factory, dataset_dir):
         "deep_ref": train(mesh_config(dataset_dir, steps=3, family=deep_config), root / "deep_ref", echo=False),
         "ds_ref": train(mesh_config(dataset_dir, steps=3, family=tiny_deepseek_config), root / "ds_ref", echo=False),
         "oss_ref": train(mesh_config(dataset_dir, steps=3, family=tiny_gpt_oss_config), root / "oss_ref", echo=False),
+        "fp8_ref": train(fp8(mesh_config(dataset_dir)), root / "fp8_ref", echo=False),
+        "fp8_deep_ref": train(fp8(mesh_config(dataset_dir, steps=3, family=deep_config)), root / "fp8_deep_ref", echo=False),
     }
     return root, refs
 
@@ -183,3 +195,14 @@ def test_a_failing_rank_stops_the_job_with_its_error(tmp_path, dataset_dir):
     assert result.returncode != 0
     assert "boom on rank 1" in result.stderr + result.stdout
     assert time.perf_counter() - started < 90
+
+
+@pytest.mark.parametrize("ref, names", [("fp8_ref", ["fp8_ep2", "fp8_dp2"]), ("fp8_deep_ref", ["fp8_pp2ep2"])])
+def test_fp8_meshes_equal_one_process(runs, ref, names):
+    """FP8 emulated: scales are per token row, per weight row/column and per expert segment, so they
+    do not depend on the mesh; only fp32 summation order does, which can flip a rare e4m3 rounding."""
+    root, refs = runs
+    bf = refs["ref"] if ref == "fp8_ref" else refs["deep_ref"]
+    assert refs[ref][-1]["loss"] != bf[-1]["loss"]  # FP8 really ran
+    for name in names:
+        assert_same_curve(refs[ref], read_metrics(root / name / "metrics.jsonl"), rel=FP8_MESH_REL)

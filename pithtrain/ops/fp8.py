@@ -184,7 +184,8 @@ def _quant_t_kernel(x_ptr, counts_ptr, s_ptr, qt_ptr, cols, width, num_seg, spli
         x = tl.load(x_ptr + r.to(tl.int64)[:, None] * cols + c[None, :],
                     mask=(r < end)[:, None] & (c < cols)[None, :], other=0.0).to(tl.float32)
         q = tl.clamp(tl.math.div_rn(x, s[None, :]), -448.0, 448.0).to(qt_ptr.dtype.element_ty)
-        tl.store(qt_ptr + c.to(tl.int64)[None, :] * width + (pstart + i)[:, None], q, mask=(c < cols)[None, :])
+        # stored as a [BLOCK_C, BLOCK_R] tile: each column of x becomes BLOCK_R contiguous bytes
+        tl.store(qt_ptr + c.to(tl.int64)[:, None] * width + (pstart + i)[None, :], tl.trans(q), mask=(c < cols)[:, None])
 
 
 @_Kernel
@@ -279,9 +280,8 @@ def _quantize_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         block_c = _pow2(cols)
-        block_r = max(1, min(16, 8192 // block_c))
-        _quant_rows_kernel[(_cdiv(rows, block_r),)](x, q, s, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c,
-                                                    num_warps=8 if block_c >= 4096 else 4)
+        block_r = max(1, min(64, 16384 // block_c))  # ~16k values a program
+        _quant_rows_kernel[(_cdiv(rows, block_r),)](x, q, s, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
     return q, s
 
 
@@ -306,7 +306,7 @@ def _quantize_t_cuda(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tenso
     s = amax.clamp_(min=_TINY).div_(FP8_MAX)
     if rows:
         _quant_t_kernel[grid](x, counts, s, qt, cols, width, groups, splits, SEG_P2=_groups_p2(groups),
-                              ALIGN=SEGMENT_ALIGN, BLOCK_R=64, BLOCK_C=block_c)
+                              ALIGN=SEGMENT_ALIGN, BLOCK_R=128, BLOCK_C=block_c)
     return qt, s
 
 
@@ -357,6 +357,12 @@ def _grouped_wgrad_cuda(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, s
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise FP8 of a 2-D tensor: (q, s)."""
     return _quantize_cuda(x.contiguous()) if use_triton(x) else quantize_reference(x)
+
+
+def _quantize_nd(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-wise FP8 along the last dimension of any contiguous tensor (a weight, once per update)."""
+    q, s = quantize(w.reshape(-1, w.shape[-1]))
+    return q.view(w.shape), s.view(w.shape[:-1])
 
 
 def quantize_t(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -417,9 +423,8 @@ def cached_weight(module: nn.Module, name: str, contraction_last: bool) -> FP8We
     if hit is not None and hit.key == key:
         return hit
     w = param.detach()
-    along_last = quantize_reference(w)
-    along_prev = quantize_reference(w.transpose(-1, -2))
-    along_prev = (along_prev[0].contiguous(), along_prev[1])
+    along_last = _quantize_nd(w)
+    along_prev = _quantize_nd(w.transpose(-1, -2).contiguous())
     fwd, bwd = (along_last, along_prev) if contraction_last else (along_prev, along_last)
     if hit is not None and hit.fwd[0].shape == fwd[0].shape and hit.fwd[0].device == fwd[0].device:
         for old, new in zip((*hit.fwd, *hit.bwd), (*fwd, *bwd)):

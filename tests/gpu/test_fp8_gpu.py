@@ -3,7 +3,8 @@ reference of ops/fp8.py, which is what CI tests on the CPU (skipped without an F
 
 Tolerances: quantized values agree with the reference except for rare one-step rounding ties (at
 most 0.1% of them, each one e4m3 step); scales agree to 1e-6 relative; GEMMs on identical FP8
-operands agree to 1e-5 relative (fp32 accumulation order), in bf16 to one bf16 rounding (1e-2);
+operands agree to 5e-3 of the largest output (measured 1.6e-3: Hopper's FP8 tensor cores add
+products with fewer mantissa bits than fp32, far below e4m3's own 2^-4 step), in bf16 to 1e-2;
 layers (whose dense GEMMs write bf16 on the GPU) agree with the CPU emulation to 1e-2 relative.
 """
 
@@ -60,14 +61,14 @@ def test_grouped_gemms_match_reference(k, m):
     xq, xs = fp8.quantize_reference(x)
     wq, ws = fp8.quantize_reference(w)
     got = fp8.grouped_mm(xq.cuda(), xs.cuda(), wq.cuda(), ws.cuda(), counts.cuda(), torch.float32)
-    assert rel(got.cpu(), fp8.grouped_mm_reference(xq, xs, wq, ws, counts, torch.float32)) < 1e-5
+    assert rel(got.cpu(), fp8.grouped_mm_reference(xq, xs, wq, ws, counts, torch.float32)) < 5e-3
     got16 = fp8.grouped_mm(xq.cuda(), xs.cuda(), wq.cuda(), ws.cuda(), counts.cuda(), BF16)
     assert rel(got16.cpu(), fp8.grouped_mm_reference(xq, xs, wq, ws, counts, torch.float32)) < 1e-2
     xt, sx = fp8.quantize_t_reference(x, counts)
     dyt, sdy = fp8.quantize_t_reference(dy, counts)
     dw = fp8.grouped_wgrad(xt.cuda(), sx.cuda(), dyt.cuda(), sdy.cuda(), counts.cuda())
     ref = fp8.grouped_wgrad_reference(xt, sx, dyt, sdy, counts)
-    assert rel(dw.cpu(), ref) < 1e-5
+    assert rel(dw.cpu(), ref) < 5e-3
     assert dw[1].abs().max() == 0  # the empty expert
 
 

@@ -1,0 +1,204 @@
+"""FP8 row-wise training (ops/fp8.py) on the CPU, where the recipe is emulated in plain PyTorch.
+
+Against float64 computations of the recipe and of the unquantized math: quantization scales and
+round-trip bounds, FP8 Linear and expert GEMM outputs and gradients, the per-version weight cache
+(invalidated by an optimizer step and by a weight load, refreshed in place), training close to fp32
+with a bit-exact resume, FP8 <-> bf16 resumes, an HF import, nothing FP8 in a checkpoint, and the
+refusals of bad input. Mesh invariance with FP8 is in test_parallel.py; the GPU kernels against this
+reference in tests/gpu/test_fp8_gpu.py.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import tiny_config
+from pithtrain.config import ConfigError, validate
+from pithtrain.ops import fp8
+from pithtrain.train import checkpoint as ckpt
+from pithtrain.train import loop
+from pithtrain.train.optim import build_optimizer, optimizer_step
+
+E4M3_STEP = 2.0**-4  # half the spacing of e4m3's 3 mantissa bits, relative, for normal values
+
+
+def test_scales_and_round_trip_bounds():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 200, generator=gen) * torch.logspace(-6, 3, 64).unsqueeze(1)  # rows over 9 decades
+    x[5] = 0
+    q, s = fp8.quantize_reference(x)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    amax = x.abs().amax(1)
+    assert torch.allclose(s[amax > 0], amax[amax > 0] / 448, rtol=1e-7)
+    assert q.float().abs().amax(1)[amax > 0].eq(448).all()  # each row's largest value lands on e4m3's max
+    back = fp8.dequantize(q, s)
+    assert back[5].eq(0).all()
+    # normal range: relative error <= 2^-4; subnormals (below 2^-6 s): absolute <= 2^-10 s
+    bound = torch.maximum(E4M3_STEP * x.abs(), 2.0**-10 * s.unsqueeze(1)) * (1 + 1e-6)
+    assert ((back - x).abs() <= bound).all()
+    assert ((back - x).abs() > 0.2 * bound).any()  # the bound is tight, not vacuous
+
+
+def test_transposed_copies_are_per_segment_and_aligned():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(300, 48, generator=gen) * torch.rand(300, 1, generator=gen)
+    counts = torch.tensor([70, 0, 130, 100])
+    qt, s = fp8.quantize_t_reference(x, counts)
+    assert qt.shape == (48, fp8.t_width(300, 4)) and s.shape == (4, 48)
+    starts = [0, 128, 128, 384]  # segments start at multiples of 128
+    for g, (start, c) in enumerate(zip(starts, counts.tolist())):
+        seg = x[sum(counts[:g]) : sum(counts[: g + 1])]
+        if c:
+            assert torch.allclose(s[g], seg.abs().amax(0) / 448, rtol=1e-7)
+            got = fp8.dequantize(qt[:, start : start + c], s[g]).t()
+            assert ((got - seg).abs() <= E4M3_STEP * seg.abs() + 2.0**-10 * s[g] * 1.000001).all()
+    assert qt[:, 70:128].float().eq(0).all() and qt[:, 258:384].float().eq(0).all()  # padding is zero
+
+
+def quantized64(x):
+    """The recipe's rounding of x (per row), as float64."""
+    return fp8.dequantize(*fp8.quantize_reference(x)).double()
+
+
+def test_fp8_linear_gradients():
+    """Against float64: (a) the recipe exactly (each GEMM's operands rounded as specified), 1e-5;
+    (b) the unquantized layer, within e4m3's error (relative Frobenius error < 6%)."""
+    gen = torch.Generator().manual_seed(3)
+    layer = fp8.Linear(40, 24, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(24, 40, generator=gen) * 0.1)
+        layer.bias.copy_(torch.randn(24, generator=gen))
+    layer.fp8 = True
+    x = torch.randn(3, 10, 40, generator=gen).requires_grad_()
+    dy = torch.randn(3, 10, 24, generator=gen)
+    y = layer(x)
+    y.backward(dy)
+    w, x2, dy2 = layer.weight.detach(), x.detach().reshape(30, 40), dy.reshape(30, 24)
+    y_recipe = quantized64(x2) @ quantized64(w).t() + layer.bias.double()
+    dx_recipe = quantized64(dy2) @ quantized64(w.t().contiguous()).t()
+    dw_recipe = quantized64(dy2.t().contiguous()) @ quantized64(x2.t().contiguous()).t()
+    for got, want in ((y.reshape(30, 24), y_recipe), (x.grad.reshape(30, 40), dx_recipe), (layer.weight.grad, dw_recipe)):
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.allclose(layer.bias.grad.double(), dy2.double().sum(0), rtol=1e-6, atol=1e-5)
+    exact = {"y": x2.double() @ w.double().t() + layer.bias.double(), "dx": dy2.double() @ w.double(),
+             "dw": dy2.double().t() @ x2.double()}
+    for got, want in ((y.reshape(30, 24), exact["y"]), (x.grad.reshape(30, 40), exact["dx"]), (layer.weight.grad, exact["dw"])):
+        err = (got.double() - want).norm() / want.norm()
+        assert 1e-4 < err < 0.06  # quantized (not exact), within e4m3's step
+
+
+def test_fp8_expert_gemm_gradients_and_deferred_weight_pass():
+    from pithtrain.ops.grouped_gemm import DeferredWeightGrads, accumulate_grad
+
+    gen = torch.Generator().manual_seed(4)
+    experts = nn.Module()
+    experts.w = nn.Parameter(torch.randn(4, 32, 48, generator=gen) * 0.1)
+    counts = torch.tensor([9, 0, 21, 14])
+    x = torch.randn(44, 32, generator=gen).requires_grad_()
+    dy = torch.randn(44, 48, generator=gen)
+    y = fp8.fp8_expert_mm(x, experts, "w", counts, torch.float32)
+    y.backward(dy)
+    rows = [slice(0, 9), slice(9, 9), slice(9, 30), slice(30, 44)]
+    for e, r in enumerate(rows):
+        if r.start == r.stop:
+            assert experts.w.grad[e].eq(0).all()
+            continue
+        want_y = quantized64(x.detach()[r]) @ quantized64(experts.w.detach()[e].t().contiguous()).t()
+        want_dx = quantized64(dy[r]) @ quantized64(experts.w.detach()[e]).t()
+        want_dw = quantized64(x.detach()[r].t().contiguous()) @ quantized64(dy[r].t().contiguous()).t()
+        for got, want in ((y[r], want_y), (x.grad[r], want_dx), (experts.w.grad[e], want_dw)):
+            assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    # deferred: the same weight gradient, delivered by the queue's W pass
+    queue = DeferredWeightGrads(accumulate_grad)
+    other = nn.Module()
+    other.w = nn.Parameter(experts.w.detach().clone())
+    fp8.fp8_expert_mm(x.detach().requires_grad_(), other, "w", counts, torch.float32, queue).backward(dy)
+    assert other.w.grad is None and len(queue.work) == 1
+    queue.run()
+    assert torch.equal(other.w.grad, experts.w.grad)
+
+
+def test_weight_cache_is_reused_and_invalidated():
+    layer = fp8.Linear(16, 16, bias=False)
+    first = fp8.cached_weight(layer, "weight", True)
+    tensors = [t for t in (*first.fwd, *first.bwd)]
+    snapshot = [t.clone() for t in tensors]
+    assert fp8.cached_weight(layer, "weight", True) is first  # same version: no new quantization
+    params = list(layer.parameters())
+    layer.weight.grad = torch.randn(16, 16)
+    opt = build_optimizer(list(layer.named_parameters()), tiny_config("x").optim, "cpu")
+    optimizer_step(opt, params)
+    again = fp8.cached_weight(layer, "weight", True)
+    assert again is first and all(a is b for a, b in zip((*again.fwd, *again.bwd), tensors))  # refreshed in place
+    assert any(not torch.equal(a, b) for a, b in zip(tensors, snapshot))
+    assert torch.equal(fp8.dequantize(*again.fwd).float(), fp8.dequantize(*fp8.quantize_reference(layer.weight.detach())))
+    layer.load_state_dict({"weight": torch.randn(16, 16)})  # a checkpoint/HF load copies in place: a new version
+    assert torch.equal(fp8.dequantize(*fp8.cached_weight(layer, "weight", True).fwd),
+                       fp8.dequantize(*fp8.quantize_reference(layer.weight.detach())))
+
+
+def fp8_config(dataset_dir, **kw):
+    cfg = tiny_config(dataset_dir, **kw)
+    cfg.train.fp8, cfg.train.fp8_emulate = "rowwise", True
+    return cfg
+
+
+def test_training_resume_and_checkpoints(tmp_path, dataset_dir):
+    plain = loop.train(tiny_config(dataset_dir, steps=6), tmp_path / "fp32", echo=False)
+    full = loop.train(fp8_config(dataset_dir, steps=6, checkpoint_every=2), tmp_path / "a", echo=False)
+    for a, b in zip(plain, full):  # close to fp32, not equal to it
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3)
+    assert any(a["loss"] != b["loss"] for a, b in zip(plain, full))
+    # stop at 4, resume: bit-exact to the uninterrupted FP8 run (the cache is rebuilt after the load)
+    loop.train(fp8_config(dataset_dir, steps=6, checkpoint_every=2), tmp_path / "b", echo=False, stop_after=4)
+    resumed = loop.train(fp8_config(dataset_dir, steps=6, checkpoint_every=2), tmp_path / "b", echo=False)
+    assert [(m["loss"], m["grad_norm"]) for m in resumed] == [(m["loss"], m["grad_norm"]) for m in full[4:]]
+    # nothing FP8 in the checkpoint: master weights and optimizer state only, the same keys as without FP8
+    import torch.distributed.checkpoint as dcp
+
+    saved = {path: dcp.FileSystemReader(str(ckpt.resolve_checkpoint(run))).read_metadata().state_dict_metadata
+             for path, run in (("fp8", tmp_path / "a"), ("fp32", tmp_path / "fp32"))}
+    dtypes = {m.properties.dtype for m in saved["fp8"].values() if hasattr(m, "properties")}
+    assert dtypes == {torch.float32}, dtypes
+    assert set(saved["fp8"]) == set(saved["fp32"])
+    # FP8 run resumed without FP8, and a bf16/fp32 run resumed with FP8
+    loop.train(tiny_config(dataset_dir, steps=6, checkpoint_every=2), tmp_path / "a", echo=False, steps=8)
+    loop.train(tiny_config(dataset_dir, steps=4, checkpoint_every=2), tmp_path / "c", echo=False)
+    more = loop.train(fp8_config(dataset_dir, steps=6, checkpoint_every=2), tmp_path / "c", echo=False)
+    assert [m["step"] for m in more] == [5, 6] and all(m["loss"] < plain[0]["loss"] for m in more)
+
+
+def test_hf_import_refreshes_the_cache(tmp_path, dataset_dir):
+    """A model that ran FP8 forwards, then loaded HF weights: its next forward uses the new weights."""
+    cfg = tiny_config(dataset_dir).model
+    source = cfg.build_model()
+    source.init_weights(seed=5)
+    hf = source.hf_state_dict()
+    model = cfg.build_model()
+    model.init_weights(seed=6)
+    fp8.enable_fp8(model, compiled=False)
+    from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
+
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    pos = torch.arange(16).expand(2, 16)
+    model(ids, pos, ExpertEngine(LocalDispatch()))  # fills the caches with seed 6's weights
+    model.load_hf_state_dict(hf)
+    got = model(ids, pos, ExpertEngine(LocalDispatch()))
+    fresh = cfg.build_model()
+    fresh.load_hf_state_dict(hf)
+    fp8.enable_fp8(fresh, compiled=False)
+    assert torch.equal(got, fresh(ids, pos, ExpertEngine(LocalDispatch())))
+    ref = source.reference_forward(ids)
+    assert ((got - ref).norm() / ref.norm()) < 0.05  # FP8 of the imported weights, not of the old ones
+
+
+def test_bad_fp8_input_is_refused(dataset_dir):
+    cfg = tiny_config(dataset_dir)
+    cfg.train.fp8 = "tensorwise"
+    with pytest.raises(ConfigError, match=r"train.fp8='tensorwise': use off or rowwise"):
+        validate(cfg)
+    cfg.train.fp8, cfg.train.device = "rowwise", "cpu"
+    with pytest.raises(ConfigError, match=r"train.fp8=rowwise on the CPU.*train.fp8_emulate=true"):
+        validate(cfg)
+    cfg.train.fp8_emulate = True
+    validate(cfg)
