@@ -23,7 +23,7 @@ from pithtrain.train.metrics import read_metrics
 from pithtrain.train.optim import build_optimizer
 
 STEPS = 4
-FP8_MESH_REL = 1e-4
+FP8_MESH_REL = 2e-3  # measured 3.7e-4 (ep2 grad norm); see test_fp8_meshes_equal_one_process
 
 
 def mesh_config(dataset_dir, ep=1, hsdp=False, steps=STEPS, family=tiny_config, pp=1, cp=1, packed=False, **train_kw):
@@ -199,8 +199,10 @@ def test_a_failing_rank_stops_the_job_with_its_error(tmp_path, dataset_dir):
 
 @pytest.mark.parametrize("ref, names", [("fp8_ref", ["fp8_ep2", "fp8_dp2"]), ("fp8_deep_ref", ["fp8_pp2ep2"])])
 def test_fp8_meshes_equal_one_process(runs, ref, names):
-    """FP8 emulated: scales are per token row, per weight row/column and per expert segment, so they
-    do not depend on the mesh; only fp32 summation order does, which can flip a rare e4m3 rounding."""
+    """FP8 emulated, within FP8's tolerance: forward and input-gradient scales are per token row and
+    per weight row/column, mesh-invariant. The expert weight gradient's scales are per expert and
+    column over the rows of one GEMM, and under EP that GEMM holds the rows of every data rank's
+    micro-batch (one process: one micro-batch), so its rounding differs slightly (~4e-4 here)."""
     root, refs = runs
     bf = refs["ref"] if ref == "fp8_ref" else refs["deep_ref"]
     assert refs[ref][-1]["loss"] != bf[-1]["loss"]  # FP8 really ran

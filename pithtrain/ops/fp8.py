@@ -184,8 +184,7 @@ def _quant_t_kernel(x_ptr, counts_ptr, s_ptr, qt_ptr, cols, width, num_seg, spli
         x = tl.load(x_ptr + r.to(tl.int64)[:, None] * cols + c[None, :],
                     mask=(r < end)[:, None] & (c < cols)[None, :], other=0.0).to(tl.float32)
         q = tl.clamp(tl.math.div_rn(x, s[None, :]), -448.0, 448.0).to(qt_ptr.dtype.element_ty)
-        # stored as a [BLOCK_C, BLOCK_R] tile: each column of x becomes BLOCK_R contiguous bytes
-        tl.store(qt_ptr + c.to(tl.int64)[:, None] * width + (pstart + i)[None, :], tl.trans(q), mask=(c < cols)[:, None])
+        tl.store(qt_ptr + c.to(tl.int64)[None, :] * width + (pstart + i)[:, None], q, mask=(c < cols)[None, :])
 
 
 @_Kernel
@@ -280,8 +279,9 @@ def _quantize_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     s = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows:
         block_c = _pow2(cols)
-        block_r = max(1, min(64, 16384 // block_c))  # ~16k values a program
-        _quant_rows_kernel[(_cdiv(rows, block_r),)](x, q, s, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8)
+        block_r = max(1, min(16, 8192 // block_c))  # measured faster than 16k values a program (benchmarks/fp8.py)
+        _quant_rows_kernel[(_cdiv(rows, block_r),)](x, q, s, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c,
+                                                    num_warps=8 if block_c >= 4096 else 4)
     return q, s
 
 
@@ -306,7 +306,7 @@ def _quantize_t_cuda(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tenso
     s = amax.clamp_(min=_TINY).div_(FP8_MAX)
     if rows:
         _quant_t_kernel[grid](x, counts, s, qt, cols, width, groups, splits, SEG_P2=_groups_p2(groups),
-                              ALIGN=SEGMENT_ALIGN, BLOCK_R=128, BLOCK_C=block_c)
+                              ALIGN=SEGMENT_ALIGN, BLOCK_R=64, BLOCK_C=block_c)
     return qt, s
 
 
