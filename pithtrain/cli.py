@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
+from pathlib import Path
+
+from pithtrain.config import UserError
 
 
 def train_config(args):
@@ -34,6 +38,10 @@ def _cmd_train(args) -> int:
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     validate(config, world_size=world)  # refuse an impossible mesh before any process starts
     if not launched and args.nproc > 1:
+        from pithtrain.train.loop import check_run, pick_device
+
+        pick_device(config.train.device)
+        check_run(config, Path(out), args.stop_after)  # paths, data, resume: once, here
         return _launch_local(args)
     from pithtrain.train.loop import train
 
@@ -93,19 +101,32 @@ def _cmd_convert(args) -> int:
 
 def _cmd_eval(args) -> int:
     from pithtrain.tools.hf import evaluate, load_model, load_tokens
+    from pithtrain.train.loop import pick_device
 
+    if args.batch_size < 1:
+        raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
+    device = pick_device(args.device or "auto", "--device")
     tokens = load_tokens(args.tokens)
     model = load_model(args.checkpoint)
-    device = args.device or ("cuda" if __import__("torch").cuda.is_available() else "cpu")
+    if int(tokens.max()) >= model.cfg.vocab_size:
+        raise UserError(f"--tokens {args.tokens}: token id {int(tokens.max())} is outside the model's vocabulary "
+                        f"[0, {model.cfg.vocab_size}); tokenize with the model's tokenizer")
     loss, count = evaluate(model, tokens, args.batch_size, device)
     print(json.dumps({"loss": loss, "tokens": count}) if args.json else f"eval loss {loss:.6f} over {count} tokens")
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors are UserErrors, so they end in the same one line as every other."""
+
+    def error(self, message):
+        raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pithtrain.tools.tokenize import add_tokenize_args
 
-    parser = argparse.ArgumentParser(prog="pithtrain", description="Compact Mixture-of-Experts training.")
+    parser = _Parser(prog="pithtrain", description="Compact Mixture-of-Experts training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model from a run config file")
@@ -134,30 +155,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="HF directory, PithTrain checkpoint, or run directory (latest)")
     p.add_argument("--tokens", required=True, help=".npy file of token ids, shape [batch, seq]")
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--device", choices=("cpu", "cuda"), help="cpu or cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help='print one line {"loss": ..., "tokens": ...}')
     p.set_defaults(func=_cmd_eval)
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    from torch.distributed.elastic.multiprocessing.errors import record
+    if "RANK" in os.environ:  # a worker under a launcher: its traceback goes to the launcher's error report
+        from torch.distributed.elastic.multiprocessing.errors import record
 
-    # under a launcher, a failing worker's traceback goes to the error report
-    sys.exit(record(_main)(argv))
+        sys.exit(record(_main)(argv))
+    sys.exit(_main(argv))
+
+
+def _not_dcp(record: logging.LogRecord) -> bool:
+    """DCP logs a traceback on the root logger when a checkpoint's metadata does not read, even if it
+    then loads: dropped; a failure that matters reaches the CLI's one error line."""
+    return "distributed/checkpoint" not in record.pathname
 
 
 def _main(argv: list[str] | None = None) -> int:
+    """Run one command. The one error path: a UserError (which ConfigError and argparse's errors
+    are), a ValueError or an OSError (a bad file or value) or a diverged run ends in one line on
+    stderr and exit code 2; anything else is a bug and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(argv)
-    args.argv = argv
-    from pithtrain.config import ConfigError
-
+    logging.getLogger().addFilter(_not_dcp)
     try:
-        code = args.func(args)
-    except (ConfigError, FileNotFoundError, FileExistsError, ValueError, KeyError) as e:
+        args = build_parser().parse_args(argv)
+        args.argv = argv
+        return args.func(args)
+    except (ValueError, OSError, FloatingPointError) as e:
         if os.environ.get("PITHTRAIN_DEBUG"):
             raise
-        print(f"error: {e}\n(set PITHTRAIN_DEBUG=1 to see the traceback)", file=sys.stderr)
-        code = 2
-    return code
+        print(f"error: {' '.join(str(e).split())} (PITHTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
+        return 2

@@ -9,14 +9,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import runpy
+import traceback
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 
-class ConfigError(ValueError):
+class UserError(ValueError):
+    """A failure the user caused and can fix (a bad file, value, path or device): its message names
+    the field or file and the fix. The CLI prints it as one line and exits with code 2."""
+
+
+class ConfigError(UserError):
     """A config problem; the message names the field and the fix."""
 
 
@@ -92,7 +99,12 @@ def load_run_config(path: str | Path) -> RunConfig:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist; pass a run file such as examples/qwen3_tiny.py")
-    namespace = runpy.run_path(str(path))
+    try:
+        namespace = runpy.run_path(str(path))
+    except Exception as e:  # a syntax, import or runtime error of the run file: point at its line
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path)]
+        where = f"{path}:{lines[-1]}" if lines else str(path)
+        raise ConfigError(f"{where}: {type(e).__name__}: {e}; fix the run file") from e
     config = namespace.get("CONFIG")
     if not isinstance(config, RunConfig):
         raise ConfigError(f"{path} must define CONFIG = RunConfig(...) (found {type(config).__name__})")
@@ -151,6 +163,54 @@ def apply_override(config: RunConfig, assignment: str) -> None:
             target = getattr(target, part)
 
 
+def read_json(path: str | Path, fix: str) -> Any:
+    """A JSON file's content; a file that does not parse is a UserError naming it and `fix`."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} is not valid JSON ({e}); {fix}") from None
+
+
+def _has_type(value: Any, hint: Any) -> bool:
+    """Whether `value` fits the annotation `hint` (int is not bool; a float is finite; ints pass as floats)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        return any(_has_type(value, a) for a in args)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin in (list, tuple):
+        return isinstance(value, (list, tuple)) and all(_has_type(v, args[0]) for v in value if args)
+    return isinstance(value, origin or hint)
+
+
+def check_types(obj: Any, prefix: str = "") -> None:
+    """Every field of a config dataclass, nested ones included, holds a value of its annotated type.
+    A run file is Python, so `steps="10"` or `lr=float("inf")` reach here without --set's parsing."""
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        value, name = getattr(obj, f.name), prefix + f.name
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            check_types(value, name + ".")
+        elif not _has_type(value, hints[f.name]):
+            hint = hints[f.name]
+            expected = "a finite float" if hint is float else hint.__name__ if isinstance(hint, type) else str(hint)
+            raise ConfigError(f"{name}={value!r} ({type(value).__name__}): expected {expected}; fix the run file or --set")
+
+
+def check_positive(obj: Any, names: str, prefix: str = "model.") -> None:
+    """Each field in `names` (space-separated) is > 0 where set: sizes, counts, rates and epsilons."""
+    for name in names.split():
+        value = getattr(obj, name)
+        if value is not None and not value > 0:
+            raise ConfigError(f"{prefix}{name}={value}: must be > 0")
+
+
 def runs_dualpipev(config: RunConfig, world_size: int) -> bool:
     """Whether training runs the DualPipeV pipeline: pp > 1, or pp = 1 with expert parallelism and
     at least 2 micro-batches per data rank (it overlaps them; `parallel.overlap_ep` turns that off;
@@ -183,9 +243,19 @@ def _check(cond: bool, message: str) -> None:
 def validate(config: RunConfig, world_size: int = 1) -> None:
     """Refuse an invalid config before any work starts; each message names the field and the fix."""
     t, o, d, p = config.train, config.optim, config.data, config.parallel
+    _check(
+        dataclasses.is_dataclass(config.model) and hasattr(config.model, "validate"),
+        f"model={config.model!r}: expected a model family config such as Qwen3MoeConfig(...)",
+    )
+    check_types(config)
     config.model.validate()
+    _check(world_size >= 1, f"--nproc {world_size}: must be at least 1")
     _check(t.steps >= 1, f"train.steps={t.steps}: must be at least 1")
     _check(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be at least 1")
+    check_positive(t, "global_batch_size", "train.")
+    check_positive(p, "timeout_s", "parallel.")
+    check_positive(o, "eps", "optim.")
+    _check(d.seed >= 0, f"data.seed={d.seed}: must be >= 0")
     _check(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
     _check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype={t.dtype!r}: use auto, fp32 or bf16")
     _check(t.fp8 in ("off", "rowwise"), f"train.fp8={t.fp8!r}: use off or rowwise")
@@ -249,5 +319,6 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(o.schedule in ("cosine", "wsd", "constant"), f"optim.schedule={o.schedule!r}: use cosine, wsd or constant")
     _check(o.warmup_steps >= 0, f"optim.warmup_steps={o.warmup_steps}: must be >= 0")
     _check(0 < o.decay_fraction <= 1, f"optim.decay_fraction={o.decay_fraction}: must be in (0, 1]")
+    _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
     _check(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables clipping)")
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")

@@ -69,3 +69,24 @@ def tiny_gpt_oss_config(data_path, **train) -> RunConfig:
                              num_experts_per_tok=2, sliding_window=8, swiglu_limit=3.0,
                              max_position_embeddings=128)
     return cfg
+
+
+RUN_FILE = """from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
+from pithtrain.models.qwen3_moe import Qwen3MoeConfig
+
+CONFIG = RunConfig(
+    model=Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                         num_experts=4, num_experts_per_tok=2, mlp_only_layers=[], max_position_embeddings=128,
+                         rope_theta=10000.0),
+    data=DataConfig(path={data!r}, seq_len=32),
+    optim=OptimConfig(lr=3e-3, warmup_steps=1),
+    train=TrainConfig(steps=2, global_batch_size=8, micro_batch_size=4, tensorboard=False),
+)
+"""
+
+
+def write_run_file(path, data_path, extra: str = ""):
+    """A run file (`CONFIG = RunConfig(...)`) of a tiny Qwen3-MoE on `data_path`, then `extra` lines."""
+    path.write_text(RUN_FILE.format(data=str(data_path)) + extra)
+    return path

@@ -9,6 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
+from pithtrain.config import UserError
 from pithtrain.tools.tokenize import (
     add_tokenize_args,
     iter_documents,
@@ -278,12 +279,12 @@ def test_cli(tmp_path, capsys):
     parser = argparse.ArgumentParser()
     add_tokenize_args(parser)
     out = str(tmp_path / "out")
-    assert run_tokenize(parser.parse_args(["--out", out, "--train-tokenizer"])) == 2
-    assert "INPUT" in capsys.readouterr().err
-    assert run_tokenize(parser.parse_args(["x.txt", "--out", out])) == 2
-    assert "--tokenizer" in capsys.readouterr().err
-    assert run_tokenize(parser.parse_args([str(tmp_path / "nope.txt"), "--out", out, "--train-tokenizer"])) == 2
-    assert "nope.txt" in capsys.readouterr().err
+    with pytest.raises(UserError, match="INPUT"):
+        run_tokenize(parser.parse_args(["--out", out, "--train-tokenizer"]))
+    with pytest.raises(UserError, match="--tokenizer"):
+        run_tokenize(parser.parse_args(["x.txt", "--out", out]))
+    with pytest.raises(UserError, match="nope.txt"):
+        run_tokenize(parser.parse_args([str(tmp_path / "nope.txt"), "--out", out, "--train-tokenizer"]))
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig as HFConfig, Qwen3MoeForCausalLM
 
+from pithtrain.config import UserError
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.tools.hf import load_model, read_hf_state, write_hf_dir
@@ -118,10 +119,10 @@ def test_unexpected_and_missing_keys_are_named(tmp_path):
     _, hf_dir = make_hf(tmp_path, "odd_dense_bias")
     model = load_model(hf_dir)
     state = read_hf_state(hf_dir)
-    with pytest.raises(KeyError, match="unexpected"):
+    with pytest.raises(UserError, match="unexpected"):
         model.load_hf_state_dict(dict(state, **{"model.layers.0.mlp.extra.weight": torch.zeros(1)}))
     del state["model.norm.weight"]
-    with pytest.raises(KeyError, match="model.norm.weight"):
+    with pytest.raises(UserError, match="model.norm.weight"):
         model.load_hf_state_dict(state)
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from conftest import tiny_config
-from pithtrain.config import OptimConfig
+from pithtrain.config import OptimConfig, UserError
 from pithtrain.models.protocol import RoutingInfo
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import loop
@@ -71,7 +71,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, dataset_dir, 
         raise OSError("disk full")
 
     monkeypatch.setattr(dcp, "save", crash)
-    with pytest.raises(OSError):
+    with pytest.raises(UserError, match="disk full.*the last good checkpoint is .*step_00000002"):
         loop.train(tiny_config(dataset_dir, steps=4, checkpoint_every=2), tmp_path, echo=False)
     assert ckpt.list_checkpoints(tmp_path) == good
     monkeypatch.undo()

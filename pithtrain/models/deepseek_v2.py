@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError
-from pithtrain.models.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
+from pithtrain.config import ConfigError, UserError, check_positive
+from pithtrain.models.protocol import RoutingInfo, Stage1Out, hf_tensor, init_by_name, run_layer
 from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
@@ -115,9 +115,9 @@ class DeepseekV2Config:
             if not cond:
                 raise ConfigError(message)
 
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                     "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "moe_layer_freq"):
-            check(getattr(self, name) >= 1, f"model.{name}={getattr(self, name)}: must be at least 1")
+        check_positive(self, "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
+                             "num_attention_heads kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim "
+                             "moe_layer_freq rms_norm_eps rope_theta max_position_embeddings")
         check(
             self.num_key_value_heads in (None, self.num_attention_heads),
             f"model.num_key_value_heads={self.num_key_value_heads}: MLA expands keys and values for every head; "
@@ -566,29 +566,28 @@ class DeepseekV2Model(nn.Module):
         naming any missing or unexpected key."""
         used = set()
 
-        def take(key):
-            if key not in hf:
-                raise KeyError(f"HF checkpoint is missing {key}")
-            used.add(key)
-            return hf[key]
+        def take(key, shape):
+            return hf_tensor(hf, key, shape, used)
 
         for name, t in self.state_dict().items():
             if ".mlp.experts." in name:
                 continue
-            t.copy_(take("lm_head.weight" if name == "lm_head.weight" else f"model.{name}"))
+            t.copy_(take("lm_head.weight" if name == "lm_head.weight" else f"model.{name}", t.shape))
         for lid, layer in self.layers.items():
             if not layer.is_moe:
                 continue
             ex = layer.mlp.experts
             fused = f"model.layers.{lid}.mlp.experts.gate_up_proj"
-            for e in range(ex.gate_up.shape[0]):
+            n, hidden, inter = ex.down.shape[0], ex.down.shape[2], ex.down.shape[1]
+            for e in range(n):
                 if fused in hf:  # HF's in-memory layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]
-                    ex.gate_up[e].copy_(take(fused)[e].T)
-                    ex.down[e].copy_(take(f"model.layers.{lid}.mlp.experts.down_proj")[e].T)
+                    ex.gate_up[e].copy_(take(fused, (n, 2 * inter, hidden))[e].T)
+                    ex.down[e].copy_(take(f"model.layers.{lid}.mlp.experts.down_proj", (n, hidden, inter))[e].T)
                     continue
                 pre = f"model.layers.{lid}.mlp.experts.{e}"
-                ex.gate_up[e].copy_(torch.cat([take(f"{pre}.gate_proj.weight").T, take(f"{pre}.up_proj.weight").T], 1))
-                ex.down[e].copy_(take(f"{pre}.down_proj.weight").T)
+                gate, up = take(f"{pre}.gate_proj.weight", (inter, hidden)), take(f"{pre}.up_proj.weight", (inter, hidden))
+                ex.gate_up[e].copy_(torch.cat([gate.T, up.T], 1))
+                ex.down[e].copy_(take(f"{pre}.down_proj.weight", (hidden, inter)).T)
         own_layers = tuple(f"model.layers.{lid}." for lid in self.layers)
         ignored = {k for k in hf if k.startswith("model.layers.") and not k.startswith(own_layers)}
         if self.lm_head is None and "lm_head.weight" in hf:
@@ -599,7 +598,7 @@ class DeepseekV2Model(nn.Module):
         if self.norm is None:
             extra -= {"model.norm.weight", "lm_head.weight"}
         if extra:
-            raise KeyError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}")
+            raise UserError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}; does config.json match the weights?")
 
 
 def _reference_routing(cfg: DeepseekV2Config, logits: torch.Tensor, bias: torch.Tensor | None):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError
+from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.models.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
 from pithtrain.ops import kernels
 from pithtrain.ops.core import apply_rope, attention_mask, rope_cos_sin
@@ -110,9 +110,8 @@ class GptOssConfig:
             if not cond:
                 raise ConfigError(message)
 
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "num_local_experts"):
-            check(getattr(self, name) >= 1, f"model.{name}={getattr(self, name)}: must be at least 1")
+        check_positive(self, "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads "
+                             "num_key_value_heads head_dim num_local_experts rms_norm_eps swiglu_alpha max_position_embeddings")
         check(
             self.num_attention_heads % self.num_key_value_heads == 0,
             f"model.num_attention_heads={self.num_attention_heads} is not divisible by model.num_key_value_heads="
@@ -520,14 +519,14 @@ class GptOssModel(nn.Module):
 
         def take(key):
             if key not in hf:
-                raise KeyError(f"HF checkpoint is missing {key}")
+                raise UserError(f"HF checkpoint is missing {key}; does config.json match the weights?")
             used.add(key)
             return hf[key]
 
         def put(param, value, key):
             if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(f"HF tensor {key} has shape {tuple(value.shape)}, the model expects "
-                                 f"{tuple(param.shape)}; does config.json match the weights?")
+                raise UserError(f"HF tensor {key} has shape {tuple(value.shape)}, the model expects "
+                                f"{tuple(param.shape)}; does config.json match the weights?")
             param.copy_(value)
 
         def expert_matrix(key):  # HF layout [E, in, out], from plain weights or MXFP4 [E, out, G, 16]
@@ -557,4 +556,4 @@ class GptOssModel(nn.Module):
         if self.norm is None:
             extra -= {"model.norm.weight", "lm_head.weight"}
         if extra:
-            raise KeyError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}")
+            raise UserError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}; does config.json match the weights?")

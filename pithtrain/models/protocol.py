@@ -25,6 +25,8 @@ from typing import Protocol
 import torch
 import torch.utils._pytree
 
+from pithtrain.config import UserError
+
 
 @dataclass
 class RoutingInfo:
@@ -84,6 +86,18 @@ def run_layer(layer, x: torch.Tensor, attn, engine) -> torch.Tensor:
         combined = engine.combine(expert_out, handle)
     with stage_range(5):
         return layer.stage5(s1, combined)
+
+
+def hf_tensor(hf: dict, key: str, shape, used: set) -> torch.Tensor:
+    """HF tensor `key`, which must have exactly `shape` (copy_ would broadcast a [1] norm weight
+    silently); marks it used. A missing key or another shape names the key (and both shapes)."""
+    if key not in hf:
+        raise UserError(f"HF checkpoint is missing {key}; does config.json match the weights?")
+    if tuple(hf[key].shape) != tuple(shape):
+        raise UserError(f"HF tensor {key} has shape {tuple(hf[key].shape)}, the model expects {tuple(shape)}; "
+                        f"does config.json match the weights?")
+    used.add(key)
+    return hf[key]
 
 
 @torch.no_grad()

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError
-from pithtrain.models.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
+from pithtrain.config import ConfigError, UserError, check_positive
+from pithtrain.models.protocol import RoutingInfo, Stage1Out, hf_tensor, init_by_name, run_layer
 from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
@@ -72,8 +72,9 @@ class Qwen3MoeConfig:
             if not cond:
                 raise ConfigError(message)
 
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"):
-            check(getattr(self, name) >= 1, f"model.{name}={getattr(self, name)}: must be at least 1")
+        check_positive(self, "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
+                             "num_attention_heads num_key_value_heads head_dim rms_norm_eps rope_theta max_position_embeddings")
+        check(self.num_experts >= 0, f"model.num_experts={self.num_experts}: must be >= 0 (0: dense)")
         check(
             self.num_attention_heads % self.num_key_value_heads == 0,
             f"model.num_attention_heads={self.num_attention_heads} is not divisible by model.num_key_value_heads="
@@ -356,28 +357,27 @@ class Qwen3MoeModel(nn.Module):
         """Load HF tensors; raises naming any missing or unexpected key."""
         used = set()
 
-        def take(key):
-            if key not in hf:
-                raise KeyError(f"HF checkpoint is missing {key}")
-            used.add(key)
-            return hf[key]
+        def take(key, shape):
+            return hf_tensor(hf, key, shape, used)
 
         for name, t in self.state_dict().items():
             if ".mlp.experts." in name:
                 continue
-            t.copy_(take("lm_head.weight" if name == "lm_head.weight" else f"model.{name}"))
+            t.copy_(take("lm_head.weight" if name == "lm_head.weight" else f"model.{name}", t.shape))
         for lid, layer in self.layers.items():
             if not layer.is_moe:
                 continue
             ex = layer.mlp.experts
-            for e in range(ex.gate_up.shape[0]):
+            n, hidden, inter = ex.down.shape[0], ex.down.shape[2], ex.down.shape[1]
+            for e in range(n):
                 pre = f"model.layers.{lid}.mlp.experts.{e}"
                 if f"model.layers.{lid}.mlp.experts.gate_up_proj" in hf:  # fused in-memory HF layout [E, 2I, H]
-                    ex.gate_up[e].copy_(take(f"model.layers.{lid}.mlp.experts.gate_up_proj")[e].T)
-                    ex.down[e].copy_(take(f"model.layers.{lid}.mlp.experts.down_proj")[e].T)
+                    ex.gate_up[e].copy_(take(f"model.layers.{lid}.mlp.experts.gate_up_proj", (n, 2 * inter, hidden))[e].T)
+                    ex.down[e].copy_(take(f"model.layers.{lid}.mlp.experts.down_proj", (n, hidden, inter))[e].T)
                     continue
-                ex.gate_up[e].copy_(torch.cat([take(f"{pre}.gate_proj.weight").T, take(f"{pre}.up_proj.weight").T], 1))
-                ex.down[e].copy_(take(f"{pre}.down_proj.weight").T)
+                gate, up = take(f"{pre}.gate_proj.weight", (inter, hidden)), take(f"{pre}.up_proj.weight", (inter, hidden))
+                ex.gate_up[e].copy_(torch.cat([gate.T, up.T], 1))
+                ex.down[e].copy_(take(f"{pre}.down_proj.weight", (hidden, inter)).T)
         layer_keys = {k for k in hf if k.startswith("model.layers.")}
         own_layers = {f"model.layers.{lid}." for lid in self.layers}
         ignored = {k for k in layer_keys if not any(k.startswith(p) for p in own_layers)}
@@ -389,4 +389,4 @@ class Qwen3MoeModel(nn.Module):
         if self.norm is None:
             extra -= {"model.norm.weight", "lm_head.weight"}
         if extra:
-            raise KeyError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}")
+            raise UserError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}; does config.json match the weights?")

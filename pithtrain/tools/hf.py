@@ -14,8 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+from torch.distributed.checkpoint import CheckpointException
 
+from pithtrain.config import UserError, check_types, read_json
 from pithtrain.models import config_from_hf
 from pithtrain.ops.core import cross_entropy_sum
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
@@ -34,27 +37,46 @@ def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
     files = sorted(path.glob("*.safetensors"))
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({path / f for f in json.loads(index.read_text())["weight_map"].values()})
+        files = sorted({path / f for f in read_json(index, "re-download or re-export it")["weight_map"].values()})
     state = {}
     for f in files:
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"{f}: cannot read its weights ({e}); re-download or re-export the HF directory") from None
     return state
+
+
+def model_config(path: Path):
+    """The family config of the HF `config.json` in directory `path`, type-checked and validated."""
+    hf = read_json(path / "config.json", "re-download or re-export it")
+    try:
+        cfg = config_from_hf(hf)
+        check_types(cfg, "model.")
+        cfg.validate()
+    except (TypeError, ValueError) as e:  # a field of the wrong type or value (ConfigError is a ValueError)
+        raise UserError(f"{path / 'config.json'}: {e}") from None
+    return cfg
 
 
 def load_model(path: str | Path):
     """A model with weights from an HF directory, a PithTrain checkpoint, or a run directory (latest)."""
     path = Path(path)
     if is_hf_dir(path):
-        cfg = config_from_hf(json.loads((path / "config.json").read_text()))
-        model = cfg.build_model()
+        model = model_config(path).build_model()
         model.load_hf_state_dict(read_hf_state(path))
         return model
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; pass an HF directory, a checkpoint or a run directory")
     ck = ckpt.resolve_checkpoint(path)
-    cfg = config_from_hf(json.loads((ck / "config.json").read_text()))
-    model = cfg.build_model()
-    ckpt.read_model_state(ck, model)
+    model = model_config(ck).build_model()
+    try:
+        ckpt.read_model_state(ck, model)
+    except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
+        from pithtrain.train.loop import dcp_cause
+
+        cause = dcp_cause(e)
+        raise UserError(f"checkpoint {ck} could not be read ({type(cause).__name__}: {cause}); it may be damaged") from e
     return model
 
 
@@ -107,9 +129,14 @@ def load_tokens(path: str | Path) -> torch.Tensor:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"token file {path} does not exist")
-    arr = np.load(path)
-    if arr.ndim != 2 or arr.shape[1] < 2 or not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{path}: expected an integer array of shape [batch, seq] with seq >= 2, got {arr.dtype} {arr.shape}")
+    try:
+        arr = np.load(path)
+    except (ValueError, OSError, EOFError) as e:  # not an .npy file (numpy refuses pickles)
+        raise UserError(f"token file {path} is not a .npy array ({e}); write one with numpy.save") from None
+    integer = np.issubdtype(arr.dtype, np.integer)
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 2 or not integer or arr.min() < 0:
+        raise UserError(f"{path}: expected non-negative integer token ids of shape [batch, seq] with batch >= 1 and "
+                        f"seq >= 2, got {arr.dtype} {arr.shape}")
     return torch.from_numpy(arr.astype(np.int64))
 
 

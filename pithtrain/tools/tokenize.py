@@ -21,6 +21,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
+from pithtrain.config import UserError
 from pithtrain.train.data import TokenDataset, check_output_dir, dtype_for_vocab, write_dataset
 
 EOS_TOKEN = "<|endoftext|>"
@@ -191,8 +192,12 @@ def tokenize_to_dataset(
 
     if not Path(tokenizer_file).is_file():
         raise FileNotFoundError(f"tokenizer file {tokenizer_file} not found")
-    tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    vocab_size = tokenizer.get_vocab_size()
+    try:
+        tokenizer = Tokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # tokenizers raises plain Exceptions
+        raise UserError(f"{tokenizer_file} is not a tokenizer ({e}); pass a tokenizer.json of Hugging Face tokenizers") from None
+    # ids may have gaps: the dataset's vocabulary must hold the largest, not just count them
+    vocab_size = max(tokenizer.get_vocab_size(), 1 + max(tokenizer.get_vocab().values(), default=-1))
     dtype = dtype_for_vocab(vocab_size)
     status = Progress(enabled=progress)
     # encode_batch_fast (tokenizers >= 0.21) skips computing character offsets we do not need.
@@ -241,6 +246,10 @@ def _argument_error(args) -> str | None:
         return "give exactly one of --tokenizer FILE or --train-tokenizer"
     if args.vocab_size is not None and not args.train_tokenizer:
         return "--vocab-size only applies with --train-tokenizer (an existing tokenizer fixes its own vocabulary)"
+    if args.vocab_size is not None and args.vocab_size < 257:
+        return f"--vocab-size {args.vocab_size}: byte-level BPE needs at least 257 (256 bytes + EOS)"
+    if args.stdlib and args.max_bytes < 1:
+        return f"--max-bytes {args.max_bytes}: must be at least 1"
     if args.tokenizer and not Path(args.tokenizer).is_file():
         return f"--tokenizer {args.tokenizer} not found"
     missing = [p for p in args.inputs if not Path(p).exists()]
@@ -254,18 +263,17 @@ def _argument_error(args) -> str | None:
 
 
 def run_tokenize(args) -> int:
-    """Run `pithtrain tokenize`; returns 0 on success, 2 (after a message on stderr) on bad arguments."""
+    """Run `pithtrain tokenize`; bad arguments raise a UserError before any work."""
     error = _argument_error(args)
     if error:
-        print(f"pithtrain tokenize: error: {error}", file=sys.stderr)
-        return 2
+        raise UserError(f"pithtrain tokenize: {error}")
     started = time.perf_counter()
     inputs = list(args.inputs) + (stdlib_corpus_files(args.max_bytes) if args.stdlib else [])
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_file = args.tokenizer
         if args.train_tokenizer:
             vocab_size = args.vocab_size or 4096
-            print(f"training byte-level BPE (vocab {vocab_size}) on {len(inputs)} input(s) ...", file=sys.stderr)
+            print(f"training byte-level BPE (vocab {vocab_size}) on {len(inputs)} input(s) ...", flush=True)
             # Trained into scratch space; write_dataset copies it to OUT/tokenizer.json with the data.
             tokenizer_file = train_bpe(iter_documents(inputs, args.text_field), vocab_size, os.path.join(scratch, "tokenizer.json"))
         meta = tokenize_to_dataset(inputs, tokenizer_file, args.out, text_field=args.text_field)

@@ -10,15 +10,20 @@ of `total` itself.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
+import shutil
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint import CheckpointException
 
-from pithtrain.config import RunConfig, runs_dualpipev, validate
+from pithtrain.config import ConfigError, RunConfig, UserError, read_json, runs_dualpipev, validate
 from pithtrain.models.routing import update_correction_bias
 from pithtrain.ops.fp8 import enable_fp8
 from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
@@ -34,9 +39,9 @@ from pithtrain.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
 from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, field: str = "train.device") -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("train.device=cuda but no CUDA device is visible; use train.device=auto or cpu")
+        raise ConfigError(f"{field}=cuda but no CUDA device is visible; use {field}=auto or cpu")
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
@@ -100,11 +105,7 @@ def train(
     dtype = compute_dtype(t.dtype, device)
     echo = echo and mesh.is_main
     out_dir = Path(out_dir)
-    if mesh.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-
-    dataset = TokenDataset(config.data.path)
-    dataset.check_vocab(config.model.vocab_size)
+    dataset, found = check_run(config, out_dir, stop_after, echo, create=mesh.is_main)
     loader = BatchLoader(dataset, config.data.seq_len, t.global_batch_size, config.data.seed, config.data.pack_documents)
 
     if runs_dualpipev(config, mesh.world):  # this rank's two DualPipeV chunks, seen as one module for state and optimizer
@@ -114,7 +115,6 @@ def train(
         chunks = None
         model = config.model.build_model()
         model.init_weights(t.seed)
-    found = ckpt.list_checkpoints(out_dir)
     if t.init_from and not found:
         _init_from(model, t.init_from)
     n_params = sum(p.numel() for p in model.parameters())
@@ -135,7 +135,12 @@ def train(
 
     start = 0
     if found:
-        meta = ckpt.load_training_state(found[-1], model, optimizer, mesh)
+        try:
+            meta = ckpt.load_training_state(found[-1], model, optimizer, mesh)
+        except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
+            cause = dcp_cause(e)
+            raise UserError(f"checkpoint {found[-1]} could not be loaded ({type(cause).__name__}: {cause}); move it "
+                            f"out of {out_dir / 'checkpoints'} to resume from the one before") from e
         start = meta["step"]
         if echo:
             print(f"resumed from {found[-1]} (step {start})", flush=True)
@@ -157,7 +162,13 @@ def train(
     def save(step):
         state = ckpt.training_state(model, optimizer, mesh)
         meta = {"samples_consumed": step * t.global_batch_size, "config": _plain(config)}
-        ckpt.save_checkpoint(out_dir, step, state, meta, config.model.to_hf(), t.keep_checkpoints)
+        try:
+            ckpt.save_checkpoint(out_dir, step, state, meta, config.model.to_hf(), t.keep_checkpoints)
+        except (Exception, CheckpointException) as e:
+            failure = save_failed(e, out_dir, step, mesh.is_main)
+            if failure is e:
+                raise
+            raise failure from e
 
     n_moe = sum(config.model.is_moe_layer(i) for i in range(config.model.num_hidden_layers))
     engines = []  # this step's engines, one per (chunk) forward: their expert loads feed the bias update
@@ -178,6 +189,8 @@ def train(
     model.train()
     params = list(model.parameters())
     end = t.steps if stop_after is None else min(t.steps, stop_after)
+    if echo and start == end:
+        print(f"nothing to do: {out_dir} is already at step {start}; raise --steps to train further", flush=True)
     profiler = None
     for step in range(start, end):
         if t.profile_step and step + 1 == t.profile_step:
@@ -256,6 +269,95 @@ def train(
         save(end)
     log.close()
     return history
+
+
+def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, echo: bool = False,
+              create: bool = True) -> tuple[TokenDataset, list[Path]]:
+    """What can fail before a model is built, checked first (and by `pithtrain train` before it starts
+    workers): the run directory takes files (`create`: make it, on one rank), data.path is a dataset
+    whose ids fit the model's vocabulary, and a checkpoint to resume agrees with this config
+    (check_resume). Returns the dataset and the checkpoints found, oldest first."""
+    if stop_after is not None and stop_after < 1:
+        raise ConfigError(f"--stop-after {stop_after}: must be at least 1")
+    if create:
+        try:
+            (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=out_dir / "checkpoints").close()
+        except OSError as e:
+            raise UserError(f"--out {out_dir}: cannot write the run directory ({e}); choose another --out") from None
+    try:
+        dataset = TokenDataset(config.data.path)
+    except (OSError, ValueError) as e:
+        raise UserError(f"data.path={config.data.path!r}: {e}") from None
+    dataset.check_vocab(config.model.vocab_size)
+    found = ckpt.list_checkpoints(out_dir)
+    if found:
+        check_resume(config, found[-1], stop_after, echo)
+    return dataset, found
+
+
+# Resuming with a change to these is refused: the checkpoint's weights or the data order would not
+# fit (every model.* field is refused too).
+FIXED = ("data.path", "data.seed", "data.seq_len", "train.global_batch_size")
+# Applied from the resumed step with a warning: they change the optimisation from there on. Any
+# other field (logging, checkpointing, compile, dtype, the mesh: checkpoints reshard) changes freely.
+WARNED = ("optim.", "train.steps", "train.lb_coef", "train.lb_type", "data.pack_documents")
+
+
+def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = None, echo: bool = True) -> None:
+    """Compare the run config stored in `checkpoint` (meta.json) with `config`, field by field."""
+    meta = read_json(checkpoint / "meta.json", f"move {checkpoint} away to resume from the checkpoint before it")
+    old, new = _flat(meta.get("config", {})), _flat(json.loads(json.dumps(_plain(config))))
+    changed = {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
+
+    def show(keys):
+        return ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in keys)
+
+    fixed = [k for k in changed if k.startswith("model.") or k in FIXED]
+    if fixed:
+        raise UserError(f"cannot resume from {checkpoint}: {show(fixed)} changed since it was written; "
+                        f"undo the change (--set) or train into a new --out")
+    step = meta["step"]
+    for name, value in (("train.steps", config.train.steps), ("--stop-after", stop_after)):
+        if value is not None and value < step:
+            raise UserError(f"the run is already at step {step} ({checkpoint}), past {name}={value}; ask for "
+                            f"at least {step} steps or train into a new --out")
+    warned = [k for k in changed if k.startswith(WARNED)]
+    if echo and warned:
+        print(f"warning: resuming at step {step} with {show(warned)}: applied from here on", flush=True)
+    if echo and len(warned) < len(changed):
+        print(f"note: also changed: {show(k for k in changed if k not in warned)}", flush=True)
+
+
+def _flat(config: dict) -> dict:
+    """{"train.steps": 6, ...} from a stored run config (data.path as the real path it names)."""
+    flat = {f"{section}.{k}": v for section, fields in config.items() if isinstance(fields, dict) for k, v in fields.items()}
+    if isinstance(flat.get("data.path"), str):
+        flat["data.path"] = os.path.realpath(flat["data.path"])
+    return flat
+
+
+def dcp_cause(error: BaseException) -> BaseException:
+    """The error itself, or the first rank's error of DCP's CheckpointException (a BaseException
+    that holds each rank's error and prints their tracebacks)."""
+    failures = getattr(error, "failures", None)
+    return next(iter(failures.values()))[0] if failures else error
+
+
+def save_failed(error: BaseException, out_dir: Path, step: int, is_main: bool) -> BaseException:
+    """The error to raise for a failed checkpoint save. A disk error (full, read-only, gone) becomes
+    one message naming it and the last good checkpoint, after removing the partial step_N.tmp;
+    anything else is returned unchanged."""
+    cause = dcp_cause(error)
+    if not isinstance(cause, OSError):
+        return error
+    tmp = out_dir / "checkpoints" / f"step_{step:08d}.tmp"  # where checkpoint.write_checkpoint writes
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    good = ckpt.list_checkpoints(out_dir)
+    code = f" ({errno.errorcode[cause.errno]})" if cause.errno in errno.errorcode else ""
+    return UserError(f"saving the checkpoint of step {step} failed: {cause.strerror or cause}{code}; removed {tmp}; "
+                     f"the last good checkpoint is {good[-1] if good else 'none'}; free space, then run again to resume")
 
 
 def compile_stages(model) -> None:
@@ -340,7 +442,7 @@ def rank_balance(loads: torch.Tensor, ep: int) -> float:
 
 def _plain(config: RunConfig) -> dict:
     out = asdict(config)
-    out["model"] = asdict(config.model)
+    out["model"] = dict(asdict(config.model), model_type=config.model.model_type)
     return out
 
 
@@ -350,6 +452,6 @@ def _init_from(model, path: str) -> None:
 
     source = load_model(path)
     if source.cfg != model.cfg:
-        raise ValueError(f"train.init_from={path}: its model config differs from the run's model config; "
-                         f"build the run's model from that checkpoint's config.json")
+        raise UserError(f"train.init_from={path}: its model config differs from the run's model config; "
+                        f"build the run's model from that checkpoint's config.json")
     model.load_state_dict(source.state_dict())

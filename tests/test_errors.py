@@ -1,0 +1,270 @@
+"""The CLI's one error path, against a hostile battery: each case is a run of the CLI with one bad
+input, and must end with exit code 2 and ONE line on stderr that names the field or file, with no
+traceback (PITHTRAIN_DEBUG=1 shows it). Most cases call `cli.main` in-process (the whole CLI path,
+without an interpreter start each); a few run `python -m pithtrain` to prove the exit code and the
+absence of a traceback end to end."""
+
+import errno
+import io
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from contextlib import nullcontext, redirect_stderr, redirect_stdout
+from pathlib import Path
+from unittest import mock
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import markov_docs, write_run_file
+from pithtrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RUN_FILES = {  # run files: the tiny one, then one hostile edit
+    "syntax": "CONFIG = RunConfig(\n",
+    "import": "import no_such_module_xyz\n",
+    "runtime": "CONFIG.model = type(CONFIG.model)(hidde_size=3)\n",
+    "no_config": "del CONFIG\n",
+    "steps_str": 'CONFIG.train.steps = "10"\n',
+    "lr_str": 'CONFIG.optim.lr = "1e-3"\n',
+    "hidden_float": "CONFIG.model.hidden_size = 32.0\n",
+    "model_none": "CONFIG.model = None\n",
+    "data_dict": "CONFIG.data = {'path': 'x'}\n",
+    "pack_int": "CONFIG.data.pack_documents = 1\n",
+    "layers_str": "CONFIG.model.mlp_only_layers = '0'\n",
+    "lr_inf": "CONFIG.optim.lr = float('inf')\n",
+}
+
+CASES = [  # (id, command line, what the one line must name)
+    ("file-syntax", "train {syntax}", "syntax.py"),
+    ("file-import", "train {import}", "no_such_module_xyz"),
+    ("file-runtime", "train {runtime}", "hidde_size"),
+    ("file-missing", "train {tmp}/missing.py", "missing.py"),
+    ("file-no-config", "train {no_config}", "CONFIG"),
+    ("type-steps-str", "train {steps_str}", "train.steps"),
+    ("type-lr-str", "train {lr_str}", "optim.lr"),
+    ("type-model-float", "train {hidden_float}", "model.hidden_size"),
+    ("type-model-none", "train {model_none}", "model"),
+    ("type-section-dict", "train {data_dict}", "data"),
+    ("type-bool-int", "train {pack_int}", "data.pack_documents"),
+    ("type-list-str", "train {layers_str}", "model.mlp_only_layers"),
+    ("type-lr-inf-file", "train {lr_inf}", "optim.lr"),
+    ("set-type", "train {cfg} --set train.steps=ten", "train.steps"),
+    ("set-unknown", "train {cfg} --set train.stpes=3", "stpes"),
+    ("set-form", "train {cfg} --set train.steps", "train.steps"),
+    ("lr-inf", "train {cfg} --set optim.lr=inf", "optim.lr"),
+    ("lr-nan", "train {cfg} --set optim.lr=nan", "optim.lr"),
+    ("lr-negative", "train {cfg} --set optim.lr=-1", "optim.lr"),
+    ("flag-type", "train {cfg} --steps ten", "--steps"),
+    ("flag-missing-config", "train", "config"),
+    ("experts-negative", "train {cfg} --set model.num_experts=-1", "model.num_experts"),
+    ("expert-size-zero", "train {cfg} --set model.moe_intermediate_size=0", "model.moe_intermediate_size"),
+    ("dense-size-negative", "train {cfg} --set model.intermediate_size=-4", "model.intermediate_size"),
+    ("heads-zero", "train {cfg} --set model.num_attention_heads=0", "model.num_attention_heads"),
+    ("head-dim-zero", "train {cfg} --set model.head_dim=0", "model.head_dim"),
+    ("rope-theta-zero", "train {cfg} --set model.rope_theta=0", "model.rope_theta"),
+    ("norm-eps-negative", "train {cfg} --set model.rms_norm_eps=-1e-6", "model.rms_norm_eps"),
+    ("layers-zero", "train {cfg} --set model.num_hidden_layers=0", "model.num_hidden_layers"),
+    ("positions-zero", "train {cfg} --set model.max_position_embeddings=0", "model.max_position_embeddings"),
+    ("deepseek-expert-size", "train {deepseek} --set model.moe_intermediate_size=0", "model.moe_intermediate_size"),
+    ("deepseek-rope-theta", "train {deepseek} --set model.rope_theta=-1", "model.rope_theta"),
+    ("gpt-oss-eps", "train {gpt_oss} --set model.rms_norm_eps=0", "model.rms_norm_eps"),
+    ("gpt-oss-experts", "train {gpt_oss} --set model.num_local_experts=0", "model.num_local_experts"),
+    ("adam-eps-zero", "train {cfg} --set optim.eps=0", "optim.eps"),
+    ("timeout-zero", "train {cfg} --set parallel.timeout_s=0", "parallel.timeout_s"),
+    ("global-batch-zero", "train {cfg} --set train.global_batch_size=0", "train.global_batch_size"),
+    ("micro-batch-zero", "train {cfg} --set train.micro_batch_size=0", "train.micro_batch_size"),
+    ("steps-zero", "train {cfg} --steps 0", "train.steps"),
+    ("seq-len-zero", "train {cfg} --set data.seq_len=0", "data.seq_len"),
+    ("data-seed-negative", "train {cfg} --set data.seed=-1", "data.seed"),
+    ("nproc-zero", "train {cfg} --nproc 0", "--nproc"),
+    ("nproc-negative", "train {cfg} --nproc -2", "--nproc"),
+    ("stop-after-zero", "train {cfg} --stop-after 0", "--stop-after"),
+    ("ep-zero", "train {cfg} --ep 0", "parallel.ep"),
+    ("device-cuda", "train {cfg} --set train.device=cuda", "train.device"),
+    ("device-unknown", "train {cfg} --set train.device=tpu", "train.device"),
+    ("data-missing", "train {cfg} --set data.path={tmp}/nowhere", "data.path"),
+    ("data-file", "train {cfg} --set data.path={notes}", "data.path"),
+    ("data-not-dataset", "train {cfg} --set data.path={tmp}", "meta.json"),
+    ("data-unset", "train {cfg} --set data.path=", "data.path"),
+    ("data-truncated", "train {cfg} --set data.path={data_truncated}", "tokens.bin"),
+    ("data-bad-meta", "train {cfg} --set data.path={data_bad_meta}", "meta.json"),
+    ("data-bad-ids", "train {cfg} --set data.path={data_bad_ids}", "tokens.bin"),
+    ("data-vocab", "train {cfg} --set model.vocab_size=32", "vocab_size"),
+    ("out-under-file", "train {cfg} --out {notes}/run", "notes.txt"),
+    ("out-is-file", "train {cfg} --out {notes}", "notes.txt"),
+    ("checkpoints-is-file", "train {cfg} --out {run_ckfile}", "checkpoints"),
+    ("init-from-missing", "train {cfg} --set train.init_from={tmp}/nowhere", "train.init_from"),
+    ("init-from-corrupt", "train {cfg} --set train.init_from={hf_junk}", "model.safetensors"),
+    ("disk-full", "train {cfg} --out {run_full}", "ENOSPC"),
+    ("resume-corrupt-metadata", "train {cfg} --out {run_bad}", "step_00000001"),
+    ("resume-corrupt-meta-json", "train {cfg} --out {run_badmeta}", "meta.json"),
+    ("eval-corrupt-checkpoint", "eval {run_bad} --tokens {tokens}", "step_00000001"),
+    ("convert-truncated-checkpoint", "convert {run_nodata} {tmp}/hf_out", "step_00000001"),
+    ("convert-junk-safetensors", "convert {hf_junk} {tmp}/ck_out", "model.safetensors"),
+    ("eval-truncated-safetensors", "eval {hf_trunc} --tokens {tokens}", "model.safetensors"),
+    ("convert-missing-shard", "convert {hf_shard} {tmp}/ck_out2", "model-00002-of-00002.safetensors"),
+    ("hf-config-json", "eval {hf_badjson} --tokens {tokens}", "config.json"),
+    ("hf-config-type", "eval {hf_badtype} --tokens {tokens}", "hidden_size"),
+    ("hf-model-type", "convert {hf_llama} {tmp}/ck_out3", "model_type"),
+    ("hf-shape", "eval {hf_shape} --tokens {tokens}", "model.norm.weight"),
+    ("eval-tokens-text", "eval {hf} --tokens {notes}", "notes.txt"),
+    ("eval-tokens-empty-file", "eval {hf} --tokens {empty_npy}", "empty.npy"),
+    ("eval-tokens-1d", "eval {hf} --tokens {tokens_1d}", "tokens_1d.npy"),
+    ("eval-tokens-float", "eval {hf} --tokens {tokens_float}", "tokens_float.npy"),
+    ("eval-tokens-vocab", "eval {hf} --tokens {tokens_big}", "tokens_big.npy"),
+    ("eval-tokens-no-rows", "eval {hf} --tokens {tokens_none}", "tokens_none.npy"),
+    ("eval-tokens-missing", "eval {hf} --tokens {tmp}/none.npy", "none.npy"),
+    ("eval-batch-zero", "eval {hf} --tokens {tokens} --batch-size 0", "--batch-size"),
+    ("eval-batch-negative", "eval {hf} --tokens {tokens} --batch-size -1", "--batch-size"),
+    ("eval-device-cuda", "eval {hf} --tokens {tokens} --device cuda", "--device"),
+    ("eval-device-unknown", "eval {hf} --tokens {tokens} --device tpu", "--device"),
+    ("eval-model-missing", "eval {tmp}/nowhere --tokens {tokens}", "nowhere"),
+    ("eval-no-checkpoints", "eval {empty_dir} --tokens {tokens}", "empty_dir"),
+    ("tokenize-not-tokenizer", "tokenize {corpus} --tokenizer {notes} --out {tmp}/t1", "notes.txt"),
+    ("tokenize-vocab-zero", "tokenize {corpus} --train-tokenizer --vocab-size 0 --out {tmp}/t2", "--vocab-size"),
+    ("tokenize-vocab-small", "tokenize {corpus} --train-tokenizer --vocab-size 100 --out {tmp}/t3", "--vocab-size"),
+    ("tokenize-input-missing", "tokenize {tmp}/nope.txt --train-tokenizer --out {tmp}/t4", "nope.txt"),
+    ("tokenize-out-foreign", "tokenize {corpus} --train-tokenizer --out {tmp}", "--out"),
+    ("tokenize-no-inputs", "tokenize --train-tokenizer --out {tmp}/t5", "--stdlib"),
+    ("tokenize-jsonl-field", "tokenize {jsonl} --train-tokenizer --out {tmp}/t6", "bad.jsonl"),
+    ("tokenize-max-bytes", "tokenize --stdlib --max-bytes 0 --train-tokenizer --out {tmp}/t7", "--max-bytes"),
+]
+
+END_TO_END = ("file-syntax", "type-steps-str", "convert-junk-safetensors", "nproc-zero")
+
+
+def _disk_full():
+    """Every checkpoint data write fails as on a full disk (where DCP writes its files)."""
+    full = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return mock.patch("torch.distributed.checkpoint.filesystem._write_item", side_effect=full)
+
+
+PATCHES = {"disk-full": _disk_full}
+
+
+def make_env(tmp: Path) -> dict:
+    """The battery's files: a tiny dataset and run file, an HF export, a run with one checkpoint,
+    and broken copies of each."""
+    from safetensors.torch import load_file, save_file
+
+    from pithtrain.config import load_run_config
+    from pithtrain.tools.hf import write_hf_dir
+    from pithtrain.train import loop
+    from pithtrain.train.data import write_dataset
+
+    env = {"tmp": tmp, "deepseek": ROOT / "examples/deepseek_v2_tiny.py", "gpt_oss": ROOT / "examples/gpt_oss_tiny.py"}
+    data = env["data"] = tmp / "data"
+    write_dataset(data, markov_docs(np.random.default_rng(0), 64, 60), vocab_size=64, eos_id=0)
+    env["cfg"] = write_run_file(tmp / "tiny.py", data)
+    for name, extra in RUN_FILES.items():
+        env[name] = write_run_file(tmp / f"{name}.py", data, extra)
+
+    def copy(src, name):
+        env[name] = tmp / name
+        shutil.copytree(src, env[name])
+        return env[name]
+
+    with open(copy(data, "data_truncated") / "tokens.bin", "r+b") as f:
+        f.truncate(100)
+    (copy(data, "data_bad_meta") / "meta.json").write_text("{not json")
+    ids = np.memmap(copy(data, "data_bad_ids") / "tokens.bin", dtype=np.uint8, mode="r+")
+    ids[::16] = 200  # inside uint8, outside the vocabulary of 64; meta.json unchanged
+    ids.flush()
+    del ids
+
+    config = load_run_config(env["cfg"])
+    loop.train(config, tmp / "run_good", echo=False, stop_after=1)
+    step = "checkpoints/step_00000001"
+    (copy(tmp / "run_good", "run_bad") / step / ".metadata").write_bytes(b"garbage")
+    (copy(tmp / "run_good", "run_badmeta") / step / "meta.json").write_text("{")
+    with open(next((copy(tmp / "run_good", "run_nodata") / step).glob("*.distcp")), "r+b") as f:
+        f.truncate(10)
+    copy(tmp / "run_good", "run_full")
+    env["run_ckfile"] = tmp / "run_ckfile"
+    env["run_ckfile"].mkdir()
+    (env["run_ckfile"] / "checkpoints").write_text("")
+
+    model = config.model.build_model()
+    model.init_weights(0)
+    hf = env["hf"] = write_hf_dir(model, tmp / "hf")
+    (copy(hf, "hf_junk") / "model.safetensors").write_bytes(b"not safetensors at all")
+    weights = (hf / "model.safetensors").read_bytes()
+    (copy(hf, "hf_trunc") / "model.safetensors").write_bytes(weights[: len(weights) // 2])
+    (copy(hf, "hf_badjson") / "config.json").write_text("{")
+    hf_config = json.loads((hf / "config.json").read_text())
+    (copy(hf, "hf_badtype") / "config.json").write_text(json.dumps(dict(hf_config, hidden_size="32")))
+    (copy(hf, "hf_llama") / "config.json").write_text(json.dumps(dict(hf_config, model_type="llama")))
+    state = load_file(str(hf / "model.safetensors"))
+    save_file(dict(state, **{"model.norm.weight": torch.ones(1)}), str(copy(hf, "hf_shape") / "model.safetensors"))
+    index = {"weight_map": {k: "model-00002-of-00002.safetensors" if k == "model.norm.weight" else "model.safetensors" for k in state}}
+    (copy(hf, "hf_shard") / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    rng = np.random.default_rng(1)
+    for name, array in {"tokens": rng.integers(0, 64, (3, 12)), "tokens_1d": np.arange(5), "tokens_float": np.ones((2, 5)),
+                        "tokens_big": np.full((2, 5), 64), "tokens_none": np.zeros((0, 12), np.int64)}.items():
+        env[name] = tmp / f"{name}.npy"
+        np.save(env[name], array)
+    env["empty_npy"] = tmp / "empty.npy"
+    env["empty_npy"].write_bytes(b"")
+    env["notes"] = tmp / "notes.txt"
+    env["notes"].write_text("not a tokenizer, not an array, not a directory\n")
+    env["corpus"] = tmp / "corpus.txt"
+    env["corpus"].write_text(" ".join(["alpha beta gamma delta"] * 200))
+    env["jsonl"] = tmp / "bad.jsonl"
+    env["jsonl"].write_text('{"body": "no text field"}\n')
+    env["empty_dir"] = tmp / "empty_dir"
+    env["empty_dir"].mkdir()
+    return env
+
+
+def command(env: dict, case_id: str, line: str) -> list[str]:
+    args = shlex.split(line.format(**{k: shlex.quote(str(v)) for k, v in env.items()}))
+    if args[:1] == ["train"] and "--out" not in args:  # never write into the working directory
+        args += ["--out", str(env["tmp"] / "runs" / case_id)]
+    return args
+
+
+def run_case(env: dict, case_id: str, line: str) -> tuple[int, str]:
+    """Run one case in-process through cli.main; (exit code, stderr)."""
+    err = io.StringIO()
+    with PATCHES.get(case_id, nullcontext)(), redirect_stdout(io.StringIO()), redirect_stderr(err):
+        try:
+            main(command(env, case_id, line))
+        except SystemExit as e:
+            return e.code, err.getvalue()
+    raise AssertionError("cli.main returned without exiting")
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    return make_env(tmp_path_factory.mktemp("errors"))
+
+
+@pytest.mark.parametrize("case_id, line, names", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_ends_in_one_line(env, case_id, line, names):
+    if "cuda" in case_id and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    code, err = run_case(env, case_id, line)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], err
+    if case_id == "disk-full":  # the partial save is removed and the last good checkpoint is named
+        assert "No space left on device" in err and "step_00000001" in err
+        assert [p.name for p in (env["run_full"] / "checkpoints").iterdir()] == ["step_00000001"]
+
+
+def test_end_to_end_exit_code_and_debug_traceback(env):
+    lines = dict((c[0], c[1]) for c in CASES)
+    base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    for case_id in END_TO_END:
+        args = [sys.executable, "-m", "pithtrain", *command(env, case_id, lines[case_id])]
+        result = subprocess.run(args, capture_output=True, text=True, env=base)
+        assert result.returncode == 2, (case_id, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
+    result = subprocess.run(args, capture_output=True, text=True, env=dict(base, PITHTRAIN_DEBUG="1"))
+    assert result.returncode != 0 and "Traceback" in result.stderr

@@ -1,0 +1,136 @@
+"""Resume against a changed config, token ids outside the vocabulary, and HF weights of the wrong shape:
+each case a run of the CLI (in-process `cli.main`) on the CPU with a tiny Qwen3-MoE (HF shapes: every family)."""
+
+import io
+import json
+import shutil
+from contextlib import redirect_stderr, redirect_stdout
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import tiny_config, tiny_deepseek_config, tiny_gpt_oss_config, write_run_file
+from pithtrain.cli import main
+from pithtrain.config import load_run_config
+from pithtrain.train import checkpoint as ckpt
+from pithtrain.train.loop import check_resume
+from pithtrain.train.metrics import read_metrics
+
+
+def cli(*args) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of `pithtrain ARGS`."""
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err), pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    return exit_info.value.code, out.getvalue(), err.getvalue()
+
+
+def refused(code, err, *names):
+    lines = err.strip().splitlines()
+    return code == 2 and len(lines) == 1 and all(name in lines[0] for name in names) and "Traceback" not in err
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, dataset_dir):
+    """A run of the tiny config (train.steps=2, lr 3e-3 cosine) stopped after step 1."""
+    tmp = tmp_path_factory.mktemp("resume")
+    config = write_run_file(tmp / "tiny.py", dataset_dir)
+    code, _, err = cli("train", config, "--out", tmp / "run", "--stop-after", "1")
+    assert code == 0, err
+    return tmp, config, tmp / "run"
+
+
+def test_changed_model_data_order_or_batch_is_refused(run, dataset_dir):
+    tmp, config, out = run
+    moved = shutil.copytree(dataset_dir, tmp / "other_data")
+    for sets, names in [
+        (["model.moe_intermediate_size=32", "data.seed=7"], ["model.moe_intermediate_size 16 -> 32", "data.seed 1234 -> 7"]),
+        (["train.global_batch_size=16"], ["train.global_batch_size 8 -> 16"]),
+        (["data.seq_len=16"], ["data.seq_len 32 -> 16"]),
+        ([f"data.path={moved}"], ["data.path", "other_data"]),
+    ]:
+        args = [a for s in sets for a in ("--set", s)]
+        code, _, err = cli("train", config, "--out", out, *args)
+        assert refused(code, err, "cannot resume", *names, "new --out"), err
+    assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_00000001"]
+
+
+def test_lr_schedule_and_steps_change_with_a_warning_then_fewer_steps_are_refused(run):
+    tmp, config, out = run
+    code, printed, err = cli("train", config, "--out", out, "--steps", "3", "--set", "optim.lr=1e-3",
+                             "--set", "optim.schedule=constant", "--set", "train.log_every=2")
+    assert code == 0, err
+    warning = next(line for line in printed.splitlines() if line.startswith("warning:"))
+    for change in ("optim.lr 0.003 -> 0.001", "optim.schedule 'cosine' -> 'constant'", "train.steps 2 -> 3"):
+        assert change in warning
+    assert "train.log_every 1 -> 2" in next(line for line in printed.splitlines() if line.startswith("note:"))
+    assert [(m["step"], m["lr"]) for m in read_metrics(out / "metrics.jsonl")][1:] == [(2, 1e-3), (3, 1e-3)]
+
+    code, _, err = cli("train", config, "--out", out, "--steps", "2")
+    assert refused(code, err, "already at step 3", "train.steps=2"), err
+    code, _, err = cli("train", config, "--out", out, "--steps", "5", "--stop-after", "2")
+    assert refused(code, err, "already at step 3", "--stop-after=2"), err
+    code, printed, err = cli("train", config, "--out", out, "--steps", "3", "--set", "optim.lr=1e-3",
+                             "--set", "optim.schedule=constant")
+    assert code == 0 and "nothing to do" in printed, err
+
+
+def test_mesh_compile_and_logging_may_change(run):
+    _, config_file, out = run
+    config = load_run_config(config_file)
+    config.parallel.ep, config.parallel.pp, config.parallel.hsdp = 2, 2, True  # checkpoints reshard
+    config.train.compile, config.train.checkpoint_every, config.train.micro_batch_size = True, 5, 2
+    config.train.steps = 10
+    checkpoint = ckpt.list_checkpoints(out)[-1]
+    check_resume(config, checkpoint, echo=False)
+    meta = json.loads((checkpoint / "meta.json").read_text())
+    meta["config"]["train"]["fp8"] = True  # a field this version does not know (another branch, a newer run)
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    check_resume(config, checkpoint, echo=False)
+
+
+def test_token_ids_outside_the_vocabulary_fail_before_step_one(tmp_path, dataset_dir):
+    bad = shutil.copytree(dataset_dir, tmp_path / "bad")
+    ids = np.memmap(bad / "tokens.bin", dtype=np.uint8, mode="r+")  # vocab 64: uint8 ids; meta.json unchanged
+    ids[::16] = 64
+    ids.flush()
+    del ids
+    config = write_run_file(tmp_path / "tiny.py", bad)
+    code, _, err = cli("train", config, "--out", tmp_path / "r1")
+    assert refused(code, err, "tokens.bin holds token id 64", "max_token_id is 63"), err
+    config = write_run_file(tmp_path / "small.py", dataset_dir, "CONFIG.model.vocab_size = 32\n")
+    code, _, err = cli("train", config, "--out", tmp_path / "r2")
+    assert refused(code, err, "contains token id 63", "vocab_size is 32"), err
+
+    # a tokenizer whose ids have gaps: the dataset's vocabulary is its largest id + 1, not its size
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"<|endoftext|>": 0, "alpha": 1, "beta": 300}, unk_token="<|endoftext|>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "gaps.json"))
+    (tmp_path / "corpus.txt").write_text("alpha beta " * 50)
+    code, _, err = cli("tokenize", tmp_path / "corpus.txt", "--tokenizer", tmp_path / "gaps.json", "--out", tmp_path / "gaps")
+    meta = json.loads((tmp_path / "gaps" / "meta.json").read_text())
+    assert code == 0 and (meta["vocab_size"], meta["max_token_id"], meta["dtype"]) == (301, 300, "uint16"), err
+    config = write_run_file(tmp_path / "gaps.py", tmp_path / "gaps", "CONFIG.data.seq_len = 8\n")
+    code, _, err = cli("train", config, "--out", tmp_path / "r3")
+    assert refused(code, err, "contains token id 300", "vocab_size is 64"), err
+
+
+@pytest.mark.parametrize("family", [tiny_config, tiny_deepseek_config, tiny_gpt_oss_config])
+def test_hf_weights_of_another_shape_are_named(tmp_path, family):
+    from pithtrain.tools.hf import write_hf_dir
+
+    model = family(tmp_path).model.build_model()
+    model.init_weights(0)
+    hf = write_hf_dir(model, tmp_path / "hf")
+    state = load_file(str(hf / "model.safetensors"))
+    np.save(tmp_path / "tokens.npy", np.zeros((1, 4), np.int64))
+    expert = next(k for k in sorted(state) if ".experts." in k and "down_proj" in k and "bias" not in k)
+    for key, bad in (("model.norm.weight", torch.ones(1)), (expert, state[expert].transpose(-1, -2).contiguous())):
+        save_file(dict(state, **{key: bad}), str(hf / "model.safetensors"))
+        code, _, err = cli("eval", hf, "--tokens", tmp_path / "tokens.npy")
+        shapes = f"{key} has shape {tuple(bad.shape)}, the model expects {tuple(state[key].shape)}"
+        assert refused(code, err, shapes), err
