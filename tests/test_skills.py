@@ -226,3 +226,17 @@ def test_estimate_memory_matches_the_measured_h200_peaks_and_fails_clearly():
     bad = subprocess.run([sys.executable, script, "benchmarks/qwen3_width.py", "--nproc", "3", "--ep", "2"],
                          capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stdout.startswith("FAIL:") and "ep" in bad.stdout, bad.stdout
+
+
+def test_validate_correctness_compares_fp8_with_full_precision(tmp_path, dataset_dir):
+    """The skill's FP8 procedure: the same run with and without FP8 (emulated on the CPU), PASS within
+    FP8's tolerance, and a real difference (FP8 ran)."""
+    from conftest import write_run_file
+
+    run = write_run_file(tmp_path / "run.py", dataset_dir)
+    out = subprocess.run([sys.executable, SCRIPT, str(run), "--steps", "3", "--a", "--nproc 1",
+                          "--b", "--nproc 1 --set train.fp8=rowwise --set train.fp8_emulate=true",
+                          "--rtol", "1e-2", "--rtol-aux", "5e-2"], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+    worst = float(out.stdout.split("worst relative difference: loss ")[1].split(",")[0])
+    assert 0 < worst < 1e-2

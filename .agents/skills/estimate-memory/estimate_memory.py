@@ -93,9 +93,11 @@ def estimate(config, world: int) -> list[dict]:
     for chunks in ranks:
         dense = expert = 0
         act = 0.0
+        table = 0  # embedding and head parameters: never FP8
         for layer_ids, embed, head, in_flight in chunks:
             d, e = param_counts(cfg, layer_ids, embed, head)
             dense, expert = dense + d, expert + e
+            table += cfg.vocab_size * cfg.hidden_size * (int(embed) + int(head))
             per_token = sum(layer_activation_bytes(cfg, i, config.data.seq_len) for i in layer_ids)
             per_token = per_token * ACTIVATION_FACTOR + (HEAD_BYTES_PER_LOGIT * cfg.vocab_size if head else 0.0)
             act += in_flight * tokens * per_token
@@ -107,8 +109,12 @@ def estimate(config, world: int) -> list[dict]:
             "gradients (fp32)": 4 * local,
             "AdamW moments (fp32)": 8 * local,
         }
+        fp8 = config.train.fp8 != "off"
+        if fp8:  # ops/fp8.py: two 1-byte layouts of every FP8 weight (experts, projections), per step
+            parts["FP8 weight caches (2 layouts)"] = 2 * (expert / (1 if world == 1 else ep) + dense - table)
         if world == 1:
-            parts["bf16 expert weights (cast once per step)"] = 2 * expert
+            if not fp8:
+                parts["bf16 expert weights (cast once per step)"] = 2 * expert
         else:
             parts["gathered bf16 parameters"] = 2 * (dense + expert / ep)
             if micro_per_rank > 1:  # the pipeline adds expert gradients to the shards directly
