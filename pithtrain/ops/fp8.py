@@ -75,7 +75,10 @@ def quantize_t_reference(x: torch.Tensor, counts: torch.Tensor | None) -> tuple[
     SEGMENT_ALIGN * sum_{j<g} ceil(counts[j] / SEGMENT_ALIGN); the rest is zeros, so the weight
     gradient's loop needs no masks. Returns (qt, s) with s [E, K] (E = 1 without counts)."""
     n, k = x.shape
-    counts = torch.tensor([n]) if counts is None else counts.cpu()
+    if counts is None:  # one segment, no host loop (compiles): zero columns quantize to zeros
+        q, s = quantize_reference(F.pad(x.t(), (0, t_width(n, 1) - n)))
+        return q, s.unsqueeze(0)
+    counts = counts.cpu()
     qt = torch.zeros(k, t_width(n, len(counts)), dtype=torch.uint8, device=x.device)
     scales, col = [], 0
     for seg in x.split(counts.tolist()):
@@ -367,7 +370,7 @@ def _quantize_nd(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_t(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Transposed FP8 copy of x [N, K] for a weight gradient, scaled per column within each segment."""
-    if use_triton(x):
+    if use_triton(x) and not torch.compiler.is_compiling():
         if counts is None:
             counts = torch.full((1,), x.shape[0], dtype=torch.int32, device=x.device)
         return _quantize_t_cuda(x.contiguous(), counts.to(torch.int32))
