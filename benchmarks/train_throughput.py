@@ -168,7 +168,7 @@ def main():
     parser.add_argument("--hf-batch", type=int, help="micro-batch of the transformers loop, when --batch does not fit "
                         "there (it accumulates more micro-batches: the same tokens per optimizer step)")
     parser.add_argument("--compile", action="store_true", help="torch.compile stages 1 and 5")
-    parser.add_argument("--fp8", default="off", choices=["off", "rowwise"], help="train.fp8 (MFU stays model FLOPs "
+    parser.add_argument("--fp8", default="off", choices=["off", "rowwise", "rowwise_bf16_wgrad"], help="train.fp8 (MFU stays model FLOPs "
                         "over the bf16 matmul peak, so FP8 and bf16 runs compare directly)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()

@@ -67,8 +67,9 @@ class TrainConfig:
     compile: bool = False  # torch.compile(fullgraph=True) stages 1 and 5 of every layer
     profile_step: int = 0  # profile this step (1-based) into OUT/profile/rank<r>.json; 0: off
     # FP8 GEMMs (experts, attention and MLP projections; not the router, embeddings or head):
-    # off | rowwise (e4m3, one scale per row of each operand; ops/fp8.py). Needs FP8 tensor cores
-    # (compute capability 8.9+); on the CPU only with fp8_emulate (plain-PyTorch numerics, slow).
+    # off | rowwise (e4m3, one scale per row of each operand; ops/fp8.py) | rowwise_bf16_wgrad
+    # (weight gradients in bf16: no transposed copies). Needs FP8 tensor cores (compute
+    # capability 8.9+); on the CPU only with fp8_emulate (plain-PyTorch numerics, slow).
     fp8: str = "off"
     fp8_emulate: bool = False
 
@@ -258,7 +259,8 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(d.seed >= 0, f"data.seed={d.seed}: must be >= 0")
     _check(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
     _check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype={t.dtype!r}: use auto, fp32 or bf16")
-    _check(t.fp8 in ("off", "rowwise"), f"train.fp8={t.fp8!r}: use off or rowwise")
+    _check(t.fp8 in ("off", "rowwise", "rowwise_bf16_wgrad"),
+           f"train.fp8={t.fp8!r}: use off, rowwise or rowwise_bf16_wgrad")
     if t.fp8 != "off":
         _check_fp8_device(t)
     _check(t.lb_type in ("micro", "global", "seq"), f"train.lb_type={t.lb_type!r}: use micro, global or seq")

@@ -195,10 +195,36 @@ def test_hf_import_refreshes_the_cache(tmp_path, dataset_dir):
 def test_bad_fp8_input_is_refused(dataset_dir):
     cfg = tiny_config(dataset_dir)
     cfg.train.fp8 = "tensorwise"
-    with pytest.raises(ConfigError, match=r"train.fp8='tensorwise': use off or rowwise"):
+    with pytest.raises(ConfigError, match=r"train.fp8=.tensorwise.: use off, rowwise or rowwise_bf16_wgrad"):
         validate(cfg)
     cfg.train.fp8, cfg.train.device = "rowwise", "cpu"
     with pytest.raises(ConfigError, match=r"train.fp8=rowwise on the CPU.*train.fp8_emulate=true"):
         validate(cfg)
     cfg.train.fp8_emulate = True
     validate(cfg)
+
+
+def test_bf16_weight_gradient_recipe():
+    """rowwise_bf16_wgrad: forward and input gradient as in `rowwise`, the weight gradient the plain
+    product (fp32 on the CPU) of the saved activations, for Linear and the expert GEMM, queued too."""
+    from pithtrain.ops.grouped_gemm import DeferredWeightGrads, accumulate_grad
+
+    gen = torch.Generator().manual_seed(7)
+    layer = fp8.Linear(40, 24, bias=False)
+    layer.fp8 = "rowwise_bf16_wgrad"
+    x, dy = torch.randn(30, 40, generator=gen).requires_grad_(), torch.randn(30, 24, generator=gen)
+    layer(x).backward(dy)
+    assert torch.allclose(layer.weight.grad.double(), dy.double().t() @ x.detach().double(), rtol=1e-5, atol=1e-5)
+    assert torch.allclose(x.grad.double(), quantized64(dy) @ quantized64(layer.weight.detach().t().contiguous()).t(),
+                          rtol=1e-5, atol=1e-5)
+    experts = nn.Module()
+    experts.fp8 = "rowwise_bf16_wgrad"
+    experts.w = nn.Parameter(torch.randn(3, 32, 48, generator=gen) * 0.1)
+    counts = torch.tensor([10, 0, 20])
+    xe, dye = torch.randn(30, 32, generator=gen).requires_grad_(), torch.randn(30, 48, generator=gen)
+    queue = DeferredWeightGrads(accumulate_grad)
+    fp8.fp8_expert_mm(xe, experts, "w", counts, torch.float32, queue).backward(dye)
+    queue.run()
+    want = torch.stack([xe[:10].double().t() @ dye[:10].double(), torch.zeros(32, 48, dtype=torch.float64),
+                        xe[10:].double().t() @ dye[10:].double()])
+    assert torch.allclose(experts.w.grad.double(), want.detach(), rtol=1e-5, atol=1e-5)

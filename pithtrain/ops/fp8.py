@@ -1,4 +1,4 @@
-"""FP8 training numerics (`train.fp8="rowwise"`): e4m3 GEMMs with fp32 scales per row, and cached weights.
+"""FP8 training numerics (`train.fp8`): e4m3 GEMMs with fp32 scales per row, and cached weights.
 
 The recipe. Every GEMM operand is quantized along its contraction dimension with one fp32 scale
 per row (`q = x / s`, `s = amax(|row|) / 448`), so a scale factors out of the dot product and is
@@ -8,7 +8,8 @@ applied to the fp32 accumulator at the end. For Y = X W (X: tokens x K):
   dgrad     dX = dY W^T   dY row-wise (per token), W per input row              (along M)
   wgrad     dW = X^T dY   X and dY per column along the tokens: transposed copies
                           (experts: one scale per expert and column, so the scales only span the
-                          expert's own rows and do not depend on how tokens are spread over ranks)
+                          expert's own rows). Recipe `rowwise_bf16_wgrad`: this GEMM in bf16 on
+                          the saved bf16 X instead (no transposed copies to make)
 
 Weights are quantized once per weight update into both layouts (forward and dgrad) and reused by
 every micro-batch, pipeline chunk and backward: `FP8Cache` keys them by the parameter's version
@@ -53,7 +54,8 @@ def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     with x ~= q * s."""
     xf = x.float()
     s = xf.abs().amax(-1).clamp(min=_TINY) / FP8_MAX
-    q = (xf / s.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    inv = 1.0 / s  # one division a row, then products: what the kernels do, bit for bit
+    q = (xf * inv.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, s
 
 
@@ -77,7 +79,7 @@ def quantize_t_reference(x: torch.Tensor, counts: torch.Tensor | None) -> tuple[
     n, k = x.shape
     if counts is None:  # one segment, no host loop (compiles): zero columns quantize to zeros
         q, s = quantize_reference(F.pad(x.t(), (0, t_width(n, 1) - n)))
-        return q, s.unsqueeze(0)
+        return q.contiguous(), s.unsqueeze(0)  # contiguous: _scaled_mm reads its transpose as column-major
     counts = counts.cpu()
     qt = torch.zeros(k, t_width(n, len(counts)), dtype=torch.uint8, device=x.device)
     scales, col = [], 0
@@ -130,8 +132,9 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, rows, cols, BLOCK_R: tl.constexpr, B
     mask = (r < rows)[:, None] & (c < cols)[None, :]
     offs = r.to(tl.int64)[:, None] * cols + c[None, :]
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    s = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / 448.0
-    q = tl.clamp(tl.math.div_rn(x, s[:, None]), -448.0, 448.0)
+    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-12), tl.full([BLOCK_R], 448.0, tl.float32))
+    inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)  # exact, once a row; products after
+    q = tl.clamp(x * inv[:, None], -448.0, 448.0)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + r, s, mask=r < rows)
 
@@ -181,12 +184,13 @@ def _quant_t_kernel(x_ptr, counts_ptr, s_ptr, qt_ptr, cols, width, num_seg, spli
     lo = split * per
     hi = tl.minimum(lo + per, length)
     s = tl.load(s_ptr + g * cols + c, mask=c < cols, other=1.0)
+    inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
     for i0 in range(lo, hi, BLOCK_R):
         i = i0 + tl.arange(0, BLOCK_R)
         r = start + i
         x = tl.load(x_ptr + r.to(tl.int64)[:, None] * cols + c[None, :],
                     mask=(r < end)[:, None] & (c < cols)[None, :], other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(x, s[None, :]), -448.0, 448.0).to(qt_ptr.dtype.element_ty)
+        q = tl.clamp(x * inv[None, :], -448.0, 448.0).to(qt_ptr.dtype.element_ty)
         tl.store(qt_ptr + c.to(tl.int64)[None, :] * width + (pstart + i)[:, None], q, mask=(c < cols)[None, :])
 
 
@@ -447,32 +451,38 @@ class _FP8Linear(torch.autograd.Function):
     """y = x W^T (+ b) with W [out, in]; the FP8 weight layouts come in already quantized."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_fwd_q, w_fwd_s, w_bwd_q, w_bwd_s, out_dtype):
+    def forward(ctx, x, weight, bias, w_fwd_q, w_fwd_s, w_bwd_q, w_bwd_s, out_dtype, fp8_wgrad):
         x2 = x.reshape(-1, x.shape[-1])
         xq, xs = quantize(x2)
         y = scaled_mm(xq, xs, w_fwd_q, w_fwd_s, out_dtype)
         if bias is not None:
             y = y + bias.to(out_dtype)
-        xtq, xts = quantize_t(x2) if ctx.needs_input_grad[1] else (None, None)  # saved: 1 byte a value
-        ctx.save_for_backward(xtq, xts, w_bwd_q, w_bwd_s)
+        xtq = xts = x_hp = None
+        if ctx.needs_input_grad[1] and fp8_wgrad:
+            xtq, xts = quantize_t(x2)  # saved: 1 byte a value
+        elif ctx.needs_input_grad[1]:
+            x_hp = x2.to(out_dtype)  # what autocast's nn.Linear saves
+        ctx.save_for_backward(xtq, xts, x_hp, w_bwd_q, w_bwd_s)
         ctx.meta = (x.shape, x.dtype, weight.dtype, bias is not None)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        xtq, xts, w_bwd_q, w_bwd_s = ctx.saved_tensors
+        xtq, xts, x_hp, w_bwd_q, w_bwd_s = ctx.saved_tensors
         x_shape, x_dtype, w_dtype, has_bias = ctx.meta
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             dyq, dys = quantize(dy2)
             dx = scaled_mm(dyq, dys, w_bwd_q, w_bwd_s, dy.dtype).view(x_shape).to(x_dtype)
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and x_hp is None:
             dytq, dyts = quantize_t(dy2)
             dw = scaled_mm(dytq, dyts[0], xtq, xts[0], torch.float32).to(w_dtype)
+        elif ctx.needs_input_grad[1]:
+            dw = (dy2.to(x_hp.dtype).t() @ x_hp).to(w_dtype)
         if has_bias and ctx.needs_input_grad[2]:
             db = dy2.float().sum(0).to(w_dtype)
-        return dx, dw, db, None, None, None, None, None
+        return dx, dw, db, None, None, None, None, None, None
 
 
 class Linear(nn.Linear):
@@ -481,7 +491,7 @@ class Linear(nn.Linear):
     compiled stage reads `fp8_weight`, which `refresh_fp8_weights` fills (from the same cache, in
     eager code) before the compiled graph runs, so the cache is not bypassed."""
 
-    fp8 = False
+    fp8: bool | str = False  # or the recipe: "rowwise" | "rowwise_bf16_wgrad"
     fp8_weight: FP8Weight | None = None
 
     def forward(self, x):
@@ -490,7 +500,8 @@ class Linear(nn.Linear):
         kind = x.device.type
         out_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
         w = self.fp8_weight if torch.compiler.is_compiling() else cached_weight(self, "weight", True)
-        return _FP8Linear.apply(x, self.weight, self.bias, *w.fwd, *w.bwd, out_dtype)
+        return _FP8Linear.apply(x, self.weight, self.bias, *w.fwd, *w.bwd, out_dtype,
+                                self.fp8 != "rowwise_bf16_wgrad")
 
 
 def refresh_fp8_weights(module: nn.Module) -> None:
@@ -506,35 +517,46 @@ class _FP8GroupedMM(torch.autograd.Function):
     gradient is deferred to it (zero-bubble W pass); otherwise it is returned to autograd."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, w_fwd_q, w_fwd_s, w_bwd_q, w_bwd_s, out_dtype, queue, module, name):
+    def forward(ctx, x, weight, counts, w_fwd_q, w_fwd_s, w_bwd_q, w_bwd_s, out_dtype, queue, module, name, fp8_wgrad):
         xq, xs = quantize(x)
         y = grouped_mm(xq, xs, w_fwd_q, w_fwd_s, counts, out_dtype)
-        xtq, xts = quantize_t(x, counts) if ctx.needs_input_grad[1] else (None, None)
-        ctx.save_for_backward(xtq, xts, counts, w_bwd_q, w_bwd_s)
+        xtq = xts = x_hp = None
+        if ctx.needs_input_grad[1] and fp8_wgrad:
+            xtq, xts = quantize_t(x, counts)
+        elif ctx.needs_input_grad[1]:
+            x_hp = x.to(out_dtype)
+        ctx.save_for_backward(xtq, xts, x_hp, counts, w_bwd_q, w_bwd_s)
         ctx.queue, ctx.module, ctx.name, ctx.x_dtype, ctx.w_dtype = queue, module, name, x.dtype, weight.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        xtq, xts, counts, w_bwd_q, w_bwd_s = ctx.saved_tensors
+        xtq, xts, x_hp, counts, w_bwd_q, w_bwd_s = ctx.saved_tensors
         dy = dy.contiguous()
         dx = dw = None
         if ctx.needs_input_grad[0]:
             dyq, dys = quantize(dy)
             dx = grouped_mm(dyq, dys, w_bwd_q, w_bwd_s, counts, dy.dtype).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            dytq, dyts = quantize_t(dy, counts)
+            if x_hp is None:
+                dytq, dyts = quantize_t(dy, counts)
+                wgrad = lambda: grouped_wgrad(xtq, xts, dytq, dyts, counts)  # noqa: E731
+            else:  # rowwise_bf16_wgrad: the bf16 grouped GEMM (lazy import: grouped_gemm imports this module)
+                from pithtrain.ops.grouped_gemm import grouped_weight_grad
+
+                dy_hp, groups = dy.to(x_hp.dtype), w_bwd_q.shape[0]
+                wgrad = lambda: grouped_weight_grad(x_hp, dy_hp, counts, groups)  # noqa: E731
             if ctx.queue is None:
-                dw = grouped_wgrad(xtq, xts, dytq, dyts, counts).to(ctx.w_dtype)
+                dw = wgrad().to(ctx.w_dtype)
             else:
                 queue, module, name = ctx.queue, ctx.module, ctx.name
 
-                def weight_pass():  # needs only the FP8 activations: the weights may be resharded by now
+                def weight_pass():  # needs only saved activations: the weights may be resharded by now
                     with stage_range(3, "wgrad"):
-                        queue.add_grad(getattr(module, name), grouped_wgrad(xtq, xts, dytq, dyts, counts))
+                        queue.add_grad(getattr(module, name), wgrad())
 
                 queue.work.append(weight_pass)
-        return dx, dw, None, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None, None
 
 
 def fp8_expert_mm(x, module, name: str, counts, out_dtype, queue=None):
@@ -542,17 +564,17 @@ def fp8_expert_mm(x, module, name: str, counts, out_dtype, queue=None):
     from the per-version cache; with a queue, the weight gradient is deferred to it."""
     w = cached_weight(module, name, contraction_last=False)
     return _FP8GroupedMM.apply(x.contiguous(), getattr(module, name), counts, *w.fwd, *w.bwd, out_dtype,
-                               queue, module, name)
+                               queue, module, name, getattr(module, "fp8", "rowwise") != "rowwise_bf16_wgrad")
 
 
-def enable_fp8(model: nn.Module, compiled: bool) -> None:
+def enable_fp8(model: nn.Module, compiled: bool, recipe: str = "rowwise") -> None:
     """Switch the model's FP8-capable modules (ops/fp8.Linear and the `Experts` of each family, which
     declare `fp8`) to FP8. With compiled stage 1s (train.compile), each layer's stage 1 first
     refreshes its Linears' FP8 layouts in eager code. Call before FSDP wraps the stages, so that its
     all-gather runs before the refresh."""
     for m in model.modules():
         if isinstance(m, Linear) or "fp8" in type(m).__dict__:
-            m.fp8 = True
+            m.fp8 = recipe
     if compiled:
         for layer in model.layers.values():
             layer.stage1 = _refreshing(layer, layer.stage1)

@@ -121,7 +121,7 @@ def train(
     if t.compile:  # before FSDP, so that its hooks stay outside the compiled graphs
         compile_stages(model)
     if t.fp8 != "off":  # before FSDP too: its all-gather runs before the FP8 weight refresh
-        enable_fp8(model, compiled=t.compile)
+        enable_fp8(model, compiled=t.compile, recipe=t.fp8)
     keep_local_experts(model, mesh.ep_rank, mesh.ep)
     model.to(device)  # fp32 master weights; bf16 compute from autocast (one process) or FSDP's policy
     if mesh.world > 1:

@@ -72,7 +72,8 @@ def test_grouped_gemms_match_reference(k, m):
     assert dw[1].abs().max() == 0  # the empty expert
 
 
-def test_layers_match_cpu_emulation():
+@pytest.mark.parametrize("recipe", [True, "rowwise_bf16_wgrad"])
+def test_layers_match_cpu_emulation(recipe):
     """FP8 Linear and expert GEMM on CUDA vs the CPU emulation: outputs and every gradient."""
     from torch import nn
 
@@ -88,7 +89,7 @@ def test_layers_match_cpu_emulation():
     def run(device):
         m = fp8.Linear(256, 512, bias=True).to(device)
         m.load_state_dict(lin.state_dict())
-        m.fp8 = True
+        m.fp8 = recipe
         xi = x.to(device).requires_grad_()
         y = m(xi)
         y.backward(dy.to(device))
@@ -104,6 +105,7 @@ def test_layers_match_cpu_emulation():
 
     def run_experts(device):
         mod = nn.Module()
+        mod.fp8 = recipe
         mod.w = nn.Parameter(experts.w.detach().to(device).clone())
         xi = xe.to(device).requires_grad_()
         y = fp8.fp8_expert_mm(xi, mod, "w", counts.to(device), torch.float32)
