@@ -86,7 +86,7 @@ def train(
     stop_after: int | None = None,
     mesh: Mesh | None = None,
 ) -> list[dict]:
-    """Train (resuming from the latest checkpoint in out_dir); returns this run's per-step metrics.
+    """Train (resuming from the newest intact checkpoint in out_dir); returns this run's per-step metrics.
     `stop_after` ends the run early (with a checkpoint) without changing the schedule of `train.steps`.
     `mesh` is None for one process; launched runs pass the mesh built by `init_mesh`."""
     if steps is not None:
@@ -113,7 +113,7 @@ def train(
         chunks = None
         model = config.model.build_model()
         model.init_weights(t.seed)
-    found = ckpt.list_checkpoints(out_dir)
+    found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True))
     if t.init_from and not found:
         _init_from(model, t.init_from)
     n_params = sum(p.numel() for p in model.parameters())
@@ -132,15 +132,16 @@ def train(
 
     start = 0
     if found:
-        meta = ckpt.load_training_state(found[-1], model, optimizer, mesh)
+        meta = ckpt.load_training_state(found, model, optimizer, mesh)
         start = meta["step"]
         if echo:
-            print(f"resumed from {found[-1]} (step {start})", flush=True)
+            print(f"resumed from {found} (step {start})", flush=True)
     metrics_path = out_dir / "metrics.jsonl"
     if mesh.is_main:
         if metrics_path.exists():  # drop steps after the checkpoint we resume from
             kept = [m for m in read_metrics(metrics_path) if m["step"] <= start]
-            metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+            metrics_path.with_suffix(".tmp").write_text("".join(json.dumps(m) + "\n" for m in kept))
+            metrics_path.with_suffix(".tmp").replace(metrics_path)  # a kill mid-write keeps the old file
         (out_dir / "config.json").write_text(json.dumps(config.model.to_hf(), indent=2))
     log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main)
     if echo and start == 0:
