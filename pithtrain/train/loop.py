@@ -85,10 +85,13 @@ def train(
     echo: bool = True,
     stop_after: int | None = None,
     mesh: Mesh | None = None,
+    stop=None,
 ) -> list[dict]:
     """Train (resuming from the newest intact checkpoint in out_dir); returns this run's per-step metrics.
     `stop_after` ends the run early (with a checkpoint) without changing the schedule of `train.steps`.
-    `mesh` is None for one process; launched runs pass the mesh built by `init_mesh`."""
+    `mesh` is None for one process; launched runs pass the mesh built by `init_mesh`. `stop` (see
+    launch.GracefulStop): once its `signum` is set on any rank, every rank ends after the same step,
+    with a checkpoint, and `stop.stopped_at` is that step."""
     if steps is not None:
         config.train.steps = steps
     t, o = config.train, config.optim
@@ -190,10 +193,10 @@ def train(
         n_label = int((batch["labels"] != -100).sum())  # over the whole global batch
         micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
         n_micro_global = len(micros) * mesh.data_ranks
-        sums = torch.zeros(2, dtype=torch.float64, device=device)  # [cross-entropy sum, lb sum] of this rank
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # [cross-entropy sum, lb sum, stop requested] of this rank
         engines.clear()
         if chunks is not None:
-            sums += pipeline_step(runner, micros, n_label, n_moe, t.lb_coef / (n_moe * n_micro_global), device, dtype)
+            sums[:2] += pipeline_step(runner, micros, n_label, n_moe, t.lb_coef / (n_moe * n_micro_global), device, dtype)
         else:
             for i, micro in enumerate(micros):
                 if mesh.world > 1:  # accumulate unsharded gradients; reduce-scatter after the last micro-batch
@@ -205,10 +208,14 @@ def train(
                     sums[1] += lb.detach().double()
                 total.backward()
                 sums[0] += ce.detach().double()
+        if stop is not None and stop.signum:  # summed with the losses, so every rank stops after the same step
+            sums[2] = 1
         if mesh.world > 1:  # cross-entropy: pipeline rank 0 of every dp x cp x ep rank; lb terms: every rank
             torch.distributed.all_reduce(sums, group=None if mesh.pp > 1 else mesh.dense_mesh.get_group())
             sums[1] /= mesh.cp  # each CP rank holds the same (whole-sequence) load-balance value
-        loss = sums[0].item() / max(n_label, 1)
+        ce_sum, lb_sum, stops = sums.tolist()  # the step's one host sync for its scalars
+        loss = ce_sum / max(n_label, 1)
+        halt = stops > 0 and step + 1 < end
         grad_norm = global_grad_norm(params, mesh)
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             raise FloatingPointError(
@@ -228,7 +235,7 @@ def train(
         m = {
             "step": step + 1,
             "loss": loss,
-            "lb_loss": sums[1].item() / n_micro_global,
+            "lb_loss": lb_sum / n_micro_global,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": batch["input_ids"].numel() / dt,
@@ -248,10 +255,14 @@ def train(
                 print(f"profile of step {step + 1} written to {path.parent}/rank*.json", flush=True)
             profiler = None
         log.log(m, t.steps, echo=echo and ((step + 1) % t.log_every == 0 or step + 1 == t.steps))
-        if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < end:
+        if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < end or halt and t.checkpoint_every >= 0:
             save(step + 1)
-    if (start < end or not found) and t.checkpoint_every >= 0:
-        save(end)
+        if halt:
+            stop.stopped_at = step + 1
+            break
+    else:
+        if (start < end or not found) and t.checkpoint_every >= 0:
+            save(end)
     log.close()
     return history
 
