@@ -1,5 +1,7 @@
 """Shared fixtures: a small synthetic token dataset and a tiny Qwen3-MoE run config."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -69,3 +71,13 @@ def tiny_gpt_oss_config(data_path, **train) -> RunConfig:
                              num_experts_per_tok=2, sliding_window=8, swiglu_limit=3.0,
                              max_position_embeddings=128)
     return cfg
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` run only with PITHTRAIN_SLOW=1 or when `-m` names them."""
+    if os.environ.get("PITHTRAIN_SLOW") == "1" or "slow" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: set PITHTRAIN_SLOW=1 or pass -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
