@@ -6,6 +6,8 @@ import argparse
 import json
 import logging
 import os
+import shlex
+import signal
 import sys
 from pathlib import Path
 
@@ -31,58 +33,62 @@ def train_config(args):
 
 def _cmd_train(args) -> int:
     from pithtrain.config import validate
+    from pithtrain.launch import GracefulStop, die_with_launcher, launch_local
+    from pithtrain.train.rundir import claim
 
+    if "PITHTRAIN_LAUNCHER" in os.environ:  # a worker of launch_local
+        die_with_launcher(int(os.environ["PITHTRAIN_LAUNCHER"]))
     config = train_config(args)
-    out = args.out or f"runs/{config.model.model_type}"
+    out = Path(args.out or f"runs/{config.model.model_type}")
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # a worker under torchrun/srun/our launcher
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     validate(config, world_size=world)  # refuse an impossible mesh before any process starts
-    if not launched and args.nproc > 1:
-        from pithtrain.train.loop import check_run, pick_device
+    # one writer per run directory: this process, our launcher (not its workers), or rank 0 under another launcher
+    owner = "PITHTRAIN_LAUNCHER" not in os.environ and os.environ.get("RANK", "0") == "0"
+    lock = claim(out) if owner else None
+    try:
+        if not launched and args.nproc > 1:
+            from pithtrain.train.loop import check_run, pick_device
 
-        pick_device(config.train.device)
-        check_run(config, Path(out), args.stop_after)  # paths, data, resume: once, here
-        return _launch_local(args)
+            pick_device(config.train.device)
+            check_run(config, out, args.stop_after)  # paths, data, resume: once, here
+            return launch_local(args.argv, args.nproc)
+        return _train_here(args, config, out, launched, GracefulStop(loud=os.environ.get("RANK", "0") == "0"))
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _train_here(args, config, out: Path, launched: bool, stop) -> int:
     from pithtrain.train.loop import train
 
-    mesh = None
-    if launched:
-        from pithtrain.parallel.mesh import init_mesh
-        from pithtrain.train.loop import pick_device
+    try:
+        mesh = None
+        if launched:
+            from pithtrain.parallel.mesh import init_mesh
+            from pithtrain.train.loop import pick_device
 
-        device = pick_device(config.train.device)
-        mesh = init_mesh(config.parallel.pp, config.parallel.cp, config.parallel.ep, device.type,
-                         config.parallel.timeout_s, config.parallel.hsdp)
-    history = train(config, out, stop_after=args.stop_after, mesh=mesh)
-    if history and (mesh is None or mesh.is_main):
-        print(f"done: {len(history)} steps, final loss {history[-1]['loss']:.4f}; metrics in {out}/metrics.jsonl, "
-              f"checkpoints in {out}/checkpoints")
+            device = pick_device(config.train.device)
+            mesh = init_mesh(config.parallel.pp, config.parallel.cp, config.parallel.ep, device.type,
+                             config.parallel.timeout_s, config.parallel.hsdp)
+        history = train(config, out, stop_after=args.stop_after, mesh=mesh, stop=stop)
+    finally:
+        stop.restore()
+    if mesh is None or mesh.is_main:
+        if stop.stopped_at:
+            saved = (f"checkpoint {out}/checkpoints/step_{stop.stopped_at:08d}" if config.train.checkpoint_every >= 0
+                     else "no checkpoint (train.checkpoint_every=-1)")
+            by = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
+            print(f"stopped by {by} after step {stop.stopped_at} of {config.train.steps}; "
+                  f"{saved}\nresume with: {shlex.join(['pithtrain', *args.argv])}", flush=True)
+        elif history:
+            print(f"done: {len(history)} steps, final loss {history[-1]['loss']:.4f}; metrics in {out}/metrics.jsonl, "
+                  f"checkpoints in {out}/checkpoints")
     if mesh is not None:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    return 0
-
-
-def _launch_local(args) -> int:
-    """Start --nproc local worker processes with PyTorch's elastic launcher (what torchrun uses);
-    if one fails, the others are stopped and its error is reported."""
-    import uuid
-
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    worker_args = args.argv
-    launch = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5,
-    )
-    try:
-        elastic_launch(launch, sys.executable)("-m", "pithtrain", *worker_args)
-    except ChildFailedError as e:
-        print(f"error: a worker process failed; the job was stopped.\n{e.format_msg()}", file=sys.stderr)
-        return 1
-    return 0
+    return 128 + (stop.signum or signal.SIGTERM) if stop.stopped_at else 0
 
 
 def _cmd_tokenize(args) -> int:
@@ -94,7 +100,7 @@ def _cmd_tokenize(args) -> int:
 def _cmd_convert(args) -> int:
     from pithtrain.tools.hf import convert
 
-    out = convert(args.src, args.dst)
+    out = convert(args.src, args.dst, overwrite=args.overwrite)
     print(f"wrote {out}")
     return 0
 
@@ -149,6 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="HF directory <-> PithTrain checkpoint (direction from SRC)")
     p.add_argument("src", help="HF directory (config.json + safetensors), checkpoint, or run directory")
     p.add_argument("dst", help="output: a checkpoint directory (from HF) or an HF directory (from PithTrain)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (never SRC or a directory holding it)")
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("eval", help="mean next-token cross-entropy over an int array [batch, seq]")
@@ -181,6 +188,9 @@ def _main(argv: list[str] | None = None) -> int:
     stderr and exit code 2; anything else is a bug and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.getLogger().addFilter(_not_dcp)
+    from pithtrain.launch import SafeStdout
+
+    sys.stdout = SafeStdout(sys.stdout)  # a reader that goes away (`| head -1`) must not end the run
     try:
         args = build_parser().parse_args(argv)
         args.argv = argv
@@ -190,3 +200,5 @@ def _main(argv: list[str] | None = None) -> int:
             raise
         print(f"error: {' '.join(str(e).split())} (PITHTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
+    finally:
+        sys.stdout = sys.stdout.stream

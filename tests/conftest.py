@@ -1,5 +1,7 @@
 """Shared fixtures: a small synthetic token dataset and a tiny Qwen3-MoE run config."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -90,3 +92,13 @@ def write_run_file(path, data_path, extra: str = ""):
     """A run file (`CONFIG = RunConfig(...)`) of a tiny Qwen3-MoE on `data_path`, then `extra` lines."""
     path.write_text(RUN_FILE.format(data=str(data_path)) + extra)
     return path
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `slow` run only with PITHTRAIN_SLOW=1 or when `-m` names them."""
+    if os.environ.get("PITHTRAIN_SLOW") == "1" or "slow" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: set PITHTRAIN_SLOW=1 or pass -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)

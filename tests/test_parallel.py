@@ -7,10 +7,6 @@ meshes (ep4 -> dp2 x ep2 -> ep2 -> one process) continuing the uninterrupted cur
 """
 
 import copy
-import subprocess
-import sys
-import textwrap
-import time
 
 import pytest
 import torch
@@ -176,25 +172,6 @@ def test_checkpoints_reshard_across_meshes(runs, dataset_dir):
     for name in o_ref:
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.allclose(o_got[name][key], o_ref[name][key], rtol=1e-4, atol=1e-9), (name, key)
-
-
-def test_a_failing_rank_stops_the_job_with_its_error(tmp_path, dataset_dir):
-    config = tmp_path / "fails.py"
-    config.write_text(textwrap.dedent(f"""
-        import os, sys
-        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
-        from conftest import tiny_config, tiny_deepseek_config, tiny_gpt_oss_config
-        if os.environ.get("RANK") == "1":
-            raise RuntimeError("boom on rank 1")
-        CONFIG = tiny_config({str(dataset_dir)!r})
-        CONFIG.parallel.timeout_s = 30
-    """))
-    started = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "pithtrain", "train", str(config), "--nproc", "2", "--ep", "2",
-                             "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0
-    assert "boom on rank 1" in result.stderr + result.stdout
-    assert time.perf_counter() - started < 90
 
 
 @pytest.mark.parametrize("ref, name, rel", [("fp8_ref", "fp8_dp2", FP8_MESH_REL), ("fp8_ref", "fp8_ep2", FP8_MESH_REL),

@@ -23,6 +23,7 @@ from pithtrain.models import config_from_hf
 from pithtrain.ops.core import cross_entropy_sum
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train import checkpoint as ckpt
+from pithtrain.train import rundir
 
 SHARD_BYTES = 4 * 2**30
 
@@ -115,9 +116,23 @@ def write_hf_dir(model, out: str | Path, tokenizer_file: str | None = None) -> P
     return out
 
 
-def convert(src: str | Path, dst: str | Path) -> Path:
-    """HF directory -> PithTrain checkpoint, or PithTrain checkpoint/run directory -> HF directory."""
+def convert(src: str | Path, dst: str | Path, overwrite: bool = False) -> Path:
+    """HF directory -> PithTrain checkpoint, or PithTrain checkpoint/run directory -> HF directory.
+    An existing non-empty `dst` is replaced only with `overwrite`, and never when it is, holds or lies
+    in `src` (replacing it would delete the source)."""
     src, dst = Path(src), Path(dst)
+    a, b = src.resolve(), dst.resolve()
+    for path, name in ((b, f"DST {dst}"), (b.with_name(b.name + ".tmp"), f"{dst}.tmp, where DST is written first,")):
+        if a == path or a in path.parents or path in a.parents:
+            raise ValueError(f"convert: {name} is SRC {src}, or one holds the other; writing it would delete the "
+                             f"source. Choose a DST outside {src}")
+        if path.exists() and not path.is_dir():
+            raise FileExistsError(f"convert: {name} is a file; choose another DST")
+        if path.is_dir() and any(path.iterdir()) and not overwrite:
+            raise FileExistsError(f"convert: {name} exists and is not empty; choose a new DST, "
+                                  f"or pass --overwrite to replace it")
+    if overwrite and (dst / rundir.LOCK).exists():
+        rundir.RunLock(dst).release()  # raises while a run is writing there
     if is_hf_dir(src):
         model = load_model(src)
         return ckpt.write_checkpoint(dst, {"model": ckpt.canonical_model_state(model)}, {"step": 0, "source": str(src)}, model.cfg.to_hf())

@@ -3,7 +3,9 @@
 Layout of a run directory:  OUT/checkpoints/step_00000100/{DCP files, meta.json, config.json}
 A checkpoint is written into `step_N.tmp` and renamed when complete, so a crash mid-save leaves
 the previous checkpoint as the latest usable one. `config.json` is the HF model config, so a
-checkpoint can be converted or evaluated on its own.
+checkpoint can be converted or evaluated on its own. `meta.json`, written last, marks it complete
+and lists the size and CRC32 of every other file (each rank hashes the files it wrote); resume
+takes the newest checkpoint that matches them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import json
 import os
 import re
 import shutil
+import sys
 import warnings
+import zlib
 from pathlib import Path
 
 import torch
@@ -33,17 +37,38 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+def _step_dirs(run_dir) -> list[tuple[int, Path]]:
     root = Path(run_dir) / "checkpoints"
-    if not root.is_dir():
-        return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and (p / "meta.json").is_file()]
-    return [p for _, p in sorted(found)]
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name))) if root.is_dir() else []
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run (their marker, meta.json, is present), oldest first."""
+    return [p for _, p in _step_dirs(run_dir) if (p / "meta.json").is_file()]
 
 
 def is_checkpoint(path: str | Path) -> bool:
     return (Path(path) / "meta.json").is_file() and (Path(path) / ".metadata").is_file()
+
+
+def _crc32(path: Path) -> int:
+    crc, buf = 0, bytearray(16 << 20)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            crc = zlib.crc32(memoryview(buf)[:n], crc)
+    return crc
+
+
+def _digests(folder: Path, names) -> dict:
+    return {name: [(folder / name).stat().st_size, _crc32(folder / name)] for name in names}
+
+
+def _all_ranks(value) -> list:
+    if not dist.is_initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
 
 
 def write_checkpoint(final: str | Path, state: dict, meta: dict, hf_config: dict) -> Path:
@@ -57,27 +82,95 @@ def write_checkpoint(final: str | Path, state: dict, meta: dict, hf_config: dict
     with warnings.catch_warnings():  # single-process saves are intended; DCP warns about them
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, checkpoint_id=str(tmp))
-    _barrier()
+    # each rank hashes the data files it wrote (DCP names them __<rank>_<n>.distcp), still in the page cache
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    files = {}
+    for part in _all_ranks(_digests(tmp, [p.name for p in tmp.glob(f"__{rank}_*.distcp")])):
+        files.update(part)
     if _is_main():
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+        files.update(_digests(tmp, [".metadata", "config.json"]))
+        (tmp / "meta.json").write_text(json.dumps(dict(meta, files=files), indent=2))  # last: it marks completion
         for f in tmp.iterdir():  # make the data durable before the rename publishes it
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
         if final.exists():
-            shutil.rmtree(final)
+            _remove(final)
         os.rename(tmp, final)
+        _fsync_dir(final.parent)
     _barrier()
     return final
 
 
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _remove(ckpt: Path) -> None:
+    """Delete a checkpoint, its marker first: a half-deleted directory never counts as a checkpoint."""
+    (ckpt / "meta.json").unlink(missing_ok=True)
+    _fsync_dir(ckpt)
+    shutil.rmtree(ckpt, ignore_errors=True)
+
+
 def save_checkpoint(run_dir, step: int, state: dict, meta: dict, hf_config: dict, keep: int) -> Path:
-    """Save `state` (a DCP state dict) after `step` optimizer steps; prune to the newest `keep`."""
+    """Save `state` (a DCP state dict) after `step` optimizer steps; prune to the newest `keep`
+    (and remove step directories without a marker: what an interrupted deletion left)."""
     final = write_checkpoint(Path(run_dir) / "checkpoints" / f"step_{step:08d}", state, dict(meta, step=step), hf_config)
     if _is_main():
         for old in list_checkpoints(run_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+            _remove(old)
+        for _, left in _step_dirs(run_dir):
+            if not (left / "meta.json").exists():
+                shutil.rmtree(left, ignore_errors=True)
     return final
+
+
+def check_checkpoint(ckpt: str | Path, rank: int = 0, world: int = 1) -> str | None:
+    """What is wrong with a checkpoint directory, or None if it is intact: its marker, and its files
+    against the sizes and CRC32s that meta.json lists (this rank's share of them: rank::world)."""
+    ckpt = Path(ckpt)
+    try:
+        files = json.loads((ckpt / "meta.json").read_text()).get("files", {".metadata": None})
+    except FileNotFoundError:
+        return "no meta.json (never finished, or partly deleted)"
+    except ValueError:
+        return "meta.json is not valid JSON"
+    for name in sorted(files)[rank::world]:
+        path = ckpt / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if files[name] is None:
+            continue  # written before checksums: presence is all we can check
+        size, crc = files[name]
+        if path.stat().st_size != size:
+            return f"{name} has {path.stat().st_size} bytes, not {size} (truncated or overwritten)"
+        if _crc32(path) != crc:
+            return f"{name} is corrupted (CRC32 mismatch)"
+    return None
+
+
+def newest_intact(run_dir, report=print) -> Path | None:
+    """The newest checkpoint of a run that passes check_checkpoint (all ranks verify, each a share of
+    the files); damaged ones are reported by name and skipped. Raises when checkpoints exist but none
+    is intact, rather than let a run start over them."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    bad = []
+    for _, path in reversed(_step_dirs(run_dir)):
+        problem = next((p for p in _all_ranks(check_checkpoint(path, rank, world)) if p), None)
+        if problem is None:
+            return path
+        bad.append(f"{path.name}: {problem}")
+        if rank == 0:
+            report(f"warning: checkpoint {path} is damaged ({problem}); falling back to an older one")
+    if bad:
+        raise ValueError(f"{Path(run_dir) / 'checkpoints'}: no intact checkpoint ({'; '.join(bad)}); "
+                         f"move or delete that directory to start over, or choose another --out")
+    return None
 
 
 def read_meta(ckpt: str | Path) -> dict:
@@ -96,14 +189,16 @@ def load_checkpoint(ckpt: str | Path, state: dict) -> dict:
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
-    """A checkpoint directory, or the latest checkpoint of a run directory."""
+    """A checkpoint directory (verified), or the newest intact checkpoint of a run directory."""
     path = Path(path)
     if is_checkpoint(path):
+        if problem := check_checkpoint(path):
+            raise ValueError(f"checkpoint {path} is damaged: {problem}; use another checkpoint of its run")
         return path
-    found = list_checkpoints(path)
-    if not found:
+    found = newest_intact(path, report=lambda line: print(line, file=sys.stderr))
+    if found is None:
         raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with checkpoints")
-    return found[-1]
+    return found
 
 
 def canonical_model_state(model: torch.nn.Module) -> dict:

@@ -91,10 +91,13 @@ def train(
     echo: bool = True,
     stop_after: int | None = None,
     mesh: Mesh | None = None,
+    stop=None,
 ) -> list[dict]:
-    """Train (resuming from the latest checkpoint in out_dir); returns this run's per-step metrics.
+    """Train (resuming from the newest intact checkpoint in out_dir); returns this run's per-step metrics.
     `stop_after` ends the run early (with a checkpoint) without changing the schedule of `train.steps`.
-    `mesh` is None for one process; launched runs pass the mesh built by `init_mesh`."""
+    `mesh` is None for one process; launched runs pass the mesh built by `init_mesh`. `stop` (see
+    launch.GracefulStop): once its `signum` is set on any rank, every rank ends after the same step,
+    with a checkpoint, and `stop.stopped_at` is that step."""
     if steps is not None:
         config.train.steps = steps
     t, o = config.train, config.optim
@@ -136,19 +139,20 @@ def train(
     start = 0
     if found:
         try:
-            meta = ckpt.load_training_state(found[-1], model, optimizer, mesh)
+            meta = ckpt.load_training_state(found, model, optimizer, mesh)
         except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
             cause = dcp_cause(e)
-            raise UserError(f"checkpoint {found[-1]} could not be loaded ({type(cause).__name__}: {cause}); move it "
+            raise UserError(f"checkpoint {found} could not be loaded ({type(cause).__name__}: {cause}); move it "
                             f"out of {out_dir / 'checkpoints'} to resume from the one before") from e
         start = meta["step"]
         if echo:
-            print(f"resumed from {found[-1]} (step {start})", flush=True)
+            print(f"resumed from {found} (step {start})", flush=True)
     metrics_path = out_dir / "metrics.jsonl"
     if mesh.is_main:
         if metrics_path.exists():  # drop steps after the checkpoint we resume from
             kept = [m for m in read_metrics(metrics_path) if m["step"] <= start]
-            metrics_path.write_text("".join(json.dumps(m) + "\n" for m in kept))
+            metrics_path.with_suffix(".tmp").write_text("".join(json.dumps(m) + "\n" for m in kept))
+            metrics_path.with_suffix(".tmp").replace(metrics_path)  # a kill mid-write keeps the old file
         (out_dir / "config.json").write_text(json.dumps(config.model.to_hf(), indent=2))
     log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main)
     if echo and start == 0:
@@ -205,10 +209,10 @@ def train(
         n_label = int((batch["labels"] != -100).sum())  # over the whole global batch
         micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
         n_micro_global = len(micros) * mesh.data_ranks
-        sums = torch.zeros(2, dtype=torch.float64, device=device)  # [cross-entropy sum, lb sum] of this rank
+        sums = torch.zeros(3, dtype=torch.float64, device=device)  # [cross-entropy sum, lb sum, stop requested] of this rank
         engines.clear()
         if chunks is not None:
-            sums += pipeline_step(runner, micros, n_label, n_moe, t.lb_coef / (n_moe * n_micro_global), device, dtype)
+            sums[:2] += pipeline_step(runner, micros, n_label, n_moe, t.lb_coef / (n_moe * n_micro_global), device, dtype)
         else:
             for i, micro in enumerate(micros):
                 if mesh.world > 1:  # accumulate unsharded gradients; reduce-scatter after the last micro-batch
@@ -220,10 +224,14 @@ def train(
                     sums[1] += lb.detach().double()
                 total.backward()
                 sums[0] += ce.detach().double()
+        if stop is not None and stop.signum:  # summed with the losses, so every rank stops after the same step
+            sums[2] = 1
         if mesh.world > 1:  # cross-entropy: pipeline rank 0 of every dp x cp x ep rank; lb terms: every rank
             torch.distributed.all_reduce(sums, group=None if mesh.pp > 1 else mesh.dense_mesh.get_group())
             sums[1] /= mesh.cp  # each CP rank holds the same (whole-sequence) load-balance value
-        loss = sums[0].item() / max(n_label, 1)
+        ce_sum, lb_sum, stops = sums.tolist()  # the step's one host sync for its scalars
+        loss = ce_sum / max(n_label, 1)
+        halt = stops > 0 and step + 1 < end
         grad_norm = global_grad_norm(params, mesh)
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             raise FloatingPointError(
@@ -243,7 +251,7 @@ def train(
         m = {
             "step": step + 1,
             "loss": loss,
-            "lb_loss": sums[1].item() / n_micro_global,
+            "lb_loss": lb_sum / n_micro_global,
             "lr": lr,
             "grad_norm": grad_norm,
             "tokens_per_s": batch["input_ids"].numel() / dt,
@@ -263,20 +271,24 @@ def train(
                 print(f"profile of step {step + 1} written to {path.parent}/rank*.json", flush=True)
             profiler = None
         log.log(m, t.steps, echo=echo and ((step + 1) % t.log_every == 0 or step + 1 == t.steps))
-        if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < end:
+        if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < end or halt and t.checkpoint_every >= 0:
             save(step + 1)
-    if (start < end or not found) and t.checkpoint_every >= 0:
-        save(end)
+        if halt:
+            stop.stopped_at = step + 1
+            break
+    else:
+        if (start < end or not found) and t.checkpoint_every >= 0:
+            save(end)
     log.close()
     return history
 
 
 def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, echo: bool = False,
-              create: bool = True) -> tuple[TokenDataset, list[Path]]:
+              create: bool = True) -> tuple[TokenDataset, Path | None]:
     """What can fail before a model is built, checked first (and by `pithtrain train` before it starts
     workers): the run directory takes files (`create`: make it, on one rank), data.path is a dataset
     whose ids fit the model's vocabulary, and a checkpoint to resume agrees with this config
-    (check_resume). Returns the dataset and the checkpoints found, oldest first."""
+    (check_resume). Returns the dataset and the checkpoint to resume from (None: start afresh)."""
     if stop_after is not None and stop_after < 1:
         raise ConfigError(f"--stop-after {stop_after}: must be at least 1")
     if create:
@@ -290,9 +302,9 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
     except (OSError, ValueError) as e:
         raise UserError(f"data.path={config.data.path!r}: {e}") from None
     dataset.check_vocab(config.model.vocab_size)
-    found = ckpt.list_checkpoints(out_dir)
-    if found:
-        check_resume(config, found[-1], stop_after, echo)
+    found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None)
+    if found is not None:  # the newest checkpoint whose files pass their checksums
+        check_resume(config, found, stop_after, echo)
     return dataset, found
 
 

@@ -57,4 +57,7 @@ class MetricsLog:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    lines = Path(path).read_text().splitlines(keepends=True)
+    if lines and not lines[-1].endswith("\n"):
+        lines.pop()  # a line cut short by a killed run
+    return [json.loads(line) for line in lines if line.strip()]

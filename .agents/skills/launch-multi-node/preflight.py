@@ -170,7 +170,7 @@ def checks(config, args, device) -> int:
 
 
 def launch_local(nproc: int, argv: list) -> int:
-    """--nproc workers with PyTorch's elastic launcher, as `pithtrain train --nproc` does."""
+    """--nproc workers with PyTorch's elastic launcher (its failure summary carries the exit codes of the checks)."""
     import uuid
 
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -1,0 +1,106 @@
+"""Run directories: what counts as one, their one-writer lock, and what a killed run leaves behind.
+
+A run directory holds `run.lock`, `checkpoints/` or `metrics.jsonl`. `run.lock` marks it and, while a
+run writes to it, names the writer (host, pid, process start time); it is emptied when the writer
+ends. Taking it is atomic through flock; the recorded holder names a live writer in the refusal and
+tells a stale lock (same host, that process gone) from a live one where flock is unavailable.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import socket
+from pathlib import Path
+
+LOCK = "run.lock"
+
+
+def is_run_dir(path: Path) -> bool:
+    return any((path / name).exists() for name in (LOCK, "checkpoints", "metrics.jsonl"))
+
+
+def _start_time(pid: int) -> str | None:
+    """The process start time in clock ticks since boot (Linux), so that a reused pid is not taken for the holder."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(holder: dict) -> bool:
+    try:
+        os.kill(holder["pid"], 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's live process
+    start = _start_time(holder["pid"])
+    return start is None or holder.get("start") in (None, start)
+
+
+class RunLock:
+    """Held by the one process that owns a run directory for writing: the single process of
+    `pithtrain train`, our launcher (its workers skip the lock), or rank 0 under torchrun."""
+
+    def __init__(self, out: Path):
+        self.path = out / LOCK
+        self.note = None  # what taking the lock over says, if it was stale
+        out.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            taken = True
+        except BlockingIOError:
+            taken = False
+        except OSError:  # no flock on this filesystem: the recorded holder decides alone
+            taken = True
+        try:
+            holder = json.loads(os.pread(self.fd, 4096, 0) or b"null")
+            holder = holder if isinstance(holder["pid"], int) and isinstance(holder["host"], str) else None
+        except (ValueError, TypeError, KeyError):  # empty, being written by a starting holder, or damaged
+            holder = None
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+        if holder and taken and holder["host"] == me["host"] and not _alive(holder):
+            self.note = f"note: took over the stale lock {self.path} of pid {holder['pid']} on {holder['host']} (no longer running)"
+        elif holder or not taken:
+            os.close(self.fd)
+            who = f"pid {holder['pid']} on host {holder['host']}" if holder else "another process"
+            hint = ("wait for it to end or stop it" if not holder or holder["host"] == me["host"]
+                    else f"if that run is gone, delete {self.path}")
+            raise ValueError(f"run directory {self.path.parent} is in use by {who} (lock {self.path}); {hint}, "
+                             f"or choose another directory")
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, json.dumps(me).encode(), 0)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.ftruncate(self.fd, 0)  # emptied, not deleted: unlinking a flocked file lets two writers in
+            os.close(self.fd)
+            self.fd = None
+
+
+def claim(out: Path, echo=print) -> RunLock:
+    """Check that `out` is new, empty or a run directory, take its lock and remove what a killed
+    run left: unpublished checkpoints (`checkpoints/step_N.tmp`, ours only)."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; pass a directory (new, empty, or a PithTrain run directory)")
+    if out.is_dir() and any(out.iterdir()) and not is_run_dir(out):
+        raise ValueError(f"--out {out} is neither empty nor a PithTrain run directory (one holding {LOCK}, checkpoints/ "
+                         f"or metrics.jsonl); choose a new or empty directory")
+    lock = RunLock(out)
+    if lock.note:
+        echo(lock.note)
+    steps = [p for p in (out / "checkpoints").glob("step_*") if re.fullmatch(r"step_\d+(\.tmp)?", p.name)]
+    for tmp in [p for p in steps if p.suffix == ".tmp"]:
+        shutil.rmtree(tmp, ignore_errors=True)
+        echo(f"note: removed {tmp}, a checkpoint a stopped run did not finish writing")
+    done = [p for p in steps if p.suffix != ".tmp"]
+    if done and not any((p / "meta.json").is_file() for p in done):
+        lock.release()
+        raise ValueError(f"{out / 'checkpoints'}: no checkpoint has its meta.json ({', '.join(sorted(p.name for p in done))}): "
+                         f"none can be resumed; move or delete that directory to start over, or choose another --out")
+    return lock
