@@ -163,12 +163,13 @@ def newest_intact(run_dir, report=print) -> Path | None:
     for _, path in reversed(_step_dirs(run_dir)):
         problem = next((p for p in _all_ranks(check_checkpoint(path, rank, world)) if p), None)
         if problem is None:
+            for damaged, why in bad if rank == 0 else ():  # said only when there is one to fall back to
+                report(f"warning: checkpoint {damaged} is damaged ({why}); falling back to {path.name}")
             return path
-        bad.append(f"{path.name}: {problem}")
-        if rank == 0:
-            report(f"warning: checkpoint {path} is damaged ({problem}); falling back to an older one")
+        bad.append((path, problem))
     if bad:
-        raise ValueError(f"{Path(run_dir) / 'checkpoints'}: no intact checkpoint ({'; '.join(bad)}); "
+        listed = "; ".join(f"{path.name}: {why}" for path, why in bad)
+        raise ValueError(f"{Path(run_dir) / 'checkpoints'}: no intact checkpoint ({listed}); "
                          f"move or delete that directory to start over, or choose another --out")
     return None
 
