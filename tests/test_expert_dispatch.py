@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from dist_util import run_fn
-from pithtrain.models.protocol import RoutingInfo
+from pithtrain.protocol import RoutingInfo
 import pithtrain.parallel.expert as expert_module
 from pithtrain.parallel.expert import AllToAllDispatch, LocalDispatch
 

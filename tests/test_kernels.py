@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from pithtrain.models.protocol import RoutingInfo
+from pithtrain.protocol import RoutingInfo
 from pithtrain.ops import core, kernels
 from pithtrain.parallel.expert import LocalDispatch
 

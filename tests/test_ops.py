@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pithtrain.models.protocol import RoutingInfo
+from pithtrain.protocol import RoutingInfo
 from pithtrain.ops.core import attention, attention_mask, rms_norm
 from pithtrain.ops.grouped_gemm import DeferredWeightGrads, expert_mm, grouped_mm
 from pithtrain.parallel.expert import LocalDispatch

@@ -10,7 +10,7 @@ import torch.distributed.checkpoint as dcp
 
 from conftest import tiny_config
 from pithtrain.config import OptimConfig, UserError
-from pithtrain.models.protocol import RoutingInfo
+from pithtrain.protocol import RoutingInfo
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import loop
 from pithtrain.train.balance import LoadBalance

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.config import ConfigError, UserError, check_positive
-from pithtrain.models.protocol import RoutingInfo, Stage1Out, hf_tensor, init_by_name, run_layer
+from pithtrain.protocol import RoutingInfo, Stage1Out, hf_tensor, init_by_name, run_layer
 from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8

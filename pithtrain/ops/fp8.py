@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.models.protocol import stage_range
+from pithtrain.protocol import stage_range
 from pithtrain.ops.kernels import _cdiv, _Kernel, _pow2, use_triton
 
 FP8 = torch.float8_e4m3fn

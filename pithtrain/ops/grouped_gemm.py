@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from pithtrain.models.protocol import stage_range
+from pithtrain.protocol import stage_range
 from pithtrain.ops.fp8 import fp8_expert_mm
 
 

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from pithtrain.models.protocol import RoutingInfo
+from pithtrain.protocol import RoutingInfo
 from pithtrain.ops.core import count_ids
 from pithtrain.ops.kernels import dispatch_plan, permute, unpermute  # Triton row moves on GPUs
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
-from pithtrain.models.protocol import RoutingInfo, stage_range
+from pithtrain.protocol import RoutingInfo, stage_range
 from pithtrain.ops.grouped_gemm import DeferredWeightGrads
 from pithtrain.parallel.fsdp import add_grad
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from pithtrain.models.protocol import RoutingInfo
+from pithtrain.protocol import RoutingInfo
 from pithtrain.ops.core import count_ids
 
 

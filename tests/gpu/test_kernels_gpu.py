@@ -133,7 +133,7 @@ def test_local_dispatch_round_trip_on_cuda_matches_the_cpu(dtype):
     """LocalDispatch uses the Triton permute/unpermute on CUDA: dispatch -> per-row weights ->
     combine gives the CPU (index_select/index_copy) result, values and input gradient; bf16 in
     one rounding (the kernel sums a row's copies in fp32)."""
-    from pithtrain.models.protocol import RoutingInfo
+    from pithtrain.protocol import RoutingInfo
     from pithtrain.parallel.expert import LocalDispatch
 
     tokens, topk, experts, hidden = 1000, 4, 16, 256

@@ -142,7 +142,7 @@ STAGE = "pithtrain::stage"  # the ranges of protocol.stage_range
 
 
 def stage_times(events, threads=None):
-    """Time per layer stage (the five of models/protocol.py), forward and backward.
+    """Time per layer stage (the five of protocol.py), forward and backward.
 
     Forward work is what runs inside a `pithtrain::stage<n>` range; backward work is what runs
     inside autograd's `evaluate_function` of a node whose forward op (same sequence number) ran
