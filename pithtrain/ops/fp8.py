@@ -12,10 +12,10 @@ applied to the fp32 accumulator at the end. For Y = X W (X: tokens x K):
                           the saved bf16 X instead (no transposed copies to make)
 
 Weights are quantized once per weight update into both layouts (forward and dgrad) and reused by
-every micro-batch, pipeline chunk and backward: `FP8Cache` keys them by the parameter's version
-counter, which every in-place update bumps (`optim.optimizer_step`, checkpoint loads; FSDP's
-all-gather writes the unsharded weight in place, so a new gather is a new version too).
-Activations are saved for the weight gradient as their transposed FP8 copies (1 byte a value).
+every micro-batch, pipeline chunk and backward: `cached_weight` keys them by the parameter's
+version counter, which every in-place update bumps (`optim.optimizer_step`, checkpoint loads;
+FSDP's all-gather writes the unsharded weight in place, so a new gather is a new version too).
+`rowwise` saves activations for the weight gradient as their transposed FP8 copies (1 byte a value).
 
 Paths: on CUDA, Triton kernels for quantization and the expert grouped GEMMs, and
 `torch._scaled_mm` for dense projections; elsewhere (`train.fp8_emulate` on the CPU) the same
@@ -324,7 +324,7 @@ def _(x, counts):
 
 
 _GMM_CONFIG = dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3)  # the best of benchmarks/fp8.py --sweep (H200)
-_WGRAD_CONFIG = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4)
+_WGRAD_CONFIG = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4)  # the sweep's best weight-gradient tiles
 
 
 @torch.library.custom_op("pithtrain::fp8_grouped_mm", mutates_args=())
