@@ -134,6 +134,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("tokenize-no-inputs", "tokenize --train-tokenizer --out {tmp}/t5", "--stdlib"),
     ("tokenize-jsonl-field", "tokenize {jsonl} --train-tokenizer --out {tmp}/t6", "bad.jsonl"),
     ("tokenize-max-bytes", "tokenize --stdlib --max-bytes 0 --train-tokenizer --out {tmp}/t7", "--max-bytes"),
+    ("dry-run-mesh", "train {cfg} --dry-run --nproc 2 --pp 2", "parallel.pp"),
+    ("dry-run-data", "train {cfg} --dry-run --set data.path={tmp}/nowhere", "data.path"),
 ]
 
 END_TO_END = ("file-syntax", "type-steps-str", "convert-junk-safetensors", "nproc-zero")
