@@ -1,4 +1,4 @@
-"""The `pithtrain` command line: train, tokenize, convert, eval."""
+"""The `pithtrain` command line: train, tokenize, convert, eval, plot."""
 
 from __future__ import annotations
 
@@ -132,6 +132,13 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    from pithtrain.tools.plot import plot_runs
+
+    print(f"wrote {plot_runs([Path(r) for r in args.runs], args.out and Path(args.out))}")
+    return 0
+
+
 def _cmd_eval(args) -> int:
     from pithtrain.tools.hf import evaluate, load_model, load_tokens
     from pithtrain.train.loop import pick_device
@@ -194,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="output: a checkpoint directory (from HF) or an HF directory (from PithTrain)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (never SRC or a directory holding it)")
     p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("plot", help="loss, eval loss, learning rate and tokens/s of runs into one PNG")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or their metrics.jsonl)")
+    p.add_argument("--out", help="the PNG to write; default: metrics.png in the first RUN")
+    p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("eval", help="mean next-token cross-entropy over an int array [batch, seq]")
     p.add_argument("checkpoint", help="HF directory, PithTrain checkpoint, or run directory (latest)")

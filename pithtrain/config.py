@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
 import inspect
 import io
 import json
 import math
 import runpy
+import sys
 import textwrap
 import tokenize
 import traceback
@@ -68,7 +70,8 @@ class TrainConfig:
     log_every: int = 1  # print a metrics line every N steps (metrics.jsonl gets every step)
     checkpoint_every: int = 0  # 0: only at the end; -1: never (benchmarks)
     keep_checkpoints: int = 2  # the newest N checkpoints are kept, older ones deleted
-    tensorboard: bool = True  # when tensorboard is installed
+    tensorboard: bool = True  # scalars into OUT/tensorboard (needs tensorboard: the `tensorboard` extra, in make setup)
+    wandb_project: str = ""  # Weights & Biases project to log to (needs `pip install wandb`); '': off
     compile: bool = False  # torch.compile(fullgraph=True) stages 1 and 5 of every layer
     profile_step: int = 0  # profile this step (1-based) into OUT/profile/rank<r>.json; 0: off
     # FP8 GEMMs (experts, attention and MLP projections; not the router, embeddings or head):
@@ -161,6 +164,11 @@ def describe(config: RunConfig) -> str:
     """The effective config, one `section.field = value` per line (values as JSON)."""
     return "\n".join(f"  {section}.{k} = {json.dumps(v)}" for section, fields in run_dict(config).items()
                      for k, v in fields.items())
+
+
+def _installed(module: str) -> bool:
+    """Importable, without importing it (wandb takes seconds); an already imported module may lack a spec."""
+    return sys.modules.get(module) is not None or importlib.util.find_spec(module) is not None
 
 
 def load_run_config(path: str | Path) -> RunConfig:
@@ -332,6 +340,8 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
         _check_fp8_device(t)
     _check(t.lb_type in ("micro", "global", "seq"), f"train.lb_type={t.lb_type!r}: use micro, global or seq")
     _check(t.lb_coef >= 0, f"train.lb_coef={t.lb_coef}: must be >= 0 (0 disables the load-balance loss)")
+    _check(not t.wandb_project or _installed("wandb"),
+           f"train.wandb_project={t.wandb_project!r}: wandb is not installed; pip install wandb, or set train.wandb_project=''")
     _check(t.log_every >= 1, f"train.log_every={t.log_every}: must be at least 1")
     _check(t.checkpoint_every >= -1, f"train.checkpoint_every={t.checkpoint_every}: use N > 0, 0 (only at the end) or -1 (never)")
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be at least 1")

@@ -154,7 +154,7 @@ def train(
             metrics_path.with_suffix(".tmp").replace(metrics_path)  # a kill mid-write keeps the old file
         (out_dir / "config.json").write_text(json.dumps(config.model.to_hf(), indent=2))
         (out_dir / "run_config.json").write_text(json.dumps(run_dict(config), indent=2))  # the effective run config
-    log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main)
+    log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main, wandb_project=t.wandb_project, config=run_dict(config))
     if echo and start == 0:
         print(
             f"model {config.model.model_type}: {n_params / 1e6:.2f}M parameters{' on this rank' if mesh.world > 1 else ''} | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
