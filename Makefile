@@ -13,7 +13,7 @@ $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@# torch is pinned first: an open range would pull a multi-GB CUDA build onto a CPU-only machine
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,tensorboard,plot]"
 	touch $@
 
 setup: $(VENV)/.ready

@@ -1,4 +1,4 @@
-"""The `pithtrain` command line: train, tokenize, convert, eval."""
+"""The `pithtrain` command line: train, tokenize, convert, eval, plot."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import signal
 import sys
 from pathlib import Path
 
-from pithtrain.config import UserError
+from pithtrain.config import UserError, config_help
 
 
 def train_config(args):
@@ -32,7 +32,7 @@ def train_config(args):
 
 
 def _cmd_train(args) -> int:
-    from pithtrain.config import validate
+    from pithtrain.config import describe, validate
     from pithtrain.launch import GracefulStop, die_with_launcher, launch_local
     from pithtrain.train.rundir import claim
 
@@ -43,8 +43,12 @@ def _cmd_train(args) -> int:
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # a worker under torchrun/srun/our launcher
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     validate(config, world_size=world)  # refuse an impossible mesh before any process starts
+    if args.print_config or args.dry_run:
+        return _check_only(args, config, out, world)
     # one writer per run directory: this process, our launcher (not its workers), or rank 0 under another launcher
     owner = "PITHTRAIN_LAUNCHER" not in os.environ and os.environ.get("RANK", "0") == "0"
+    if owner:
+        print(f"config (also in {out}/run_config.json):\n{describe(config)}", flush=True)
     lock = claim(out) if owner else None
     try:
         if not launched and args.nproc > 1:
@@ -57,6 +61,29 @@ def _cmd_train(args) -> int:
     finally:
         if lock is not None:
             lock.release()
+
+
+def _check_only(args, config, out: Path, world: int) -> int:
+    """--print-config and --dry-run: what `train` checks before it starts (config, mesh, device, run
+    directory, data, resume), then the config; nothing is written."""
+    from pithtrain.config import describe, run_dict
+    from pithtrain.train.loop import check_run, pick_device
+    from pithtrain.train.rundir import check_out
+
+    pick_device(config.train.device)
+    check_out(out)
+    parent = next(p for p in (out, *out.parents) if p.exists())
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UserError(f"--out {out}: {parent} is not a writable directory; choose another --out")
+    _, found = check_run(config, out, args.stop_after, echo=False, create=False)
+    if args.print_config:
+        print(json.dumps(run_dict(config), indent=2))
+        return 0
+    p = config.parallel
+    print(f"config:\n{describe(config)}\ndry run ok: {world} process(es), mesh pp={p.pp} dp={world // (p.pp * p.cp * p.ep)} "
+          f"cp={p.cp} ep={p.ep}; {f'would resume from {found}' if found else 'would start at step 0'} in {out}; "
+          f"nothing was written")
+    return 0
 
 
 def _train_here(args, config, out: Path, launched: bool, stop) -> int:
@@ -105,6 +132,13 @@ def _cmd_convert(args) -> int:
     return 0
 
 
+def _cmd_plot(args) -> int:
+    from pithtrain.tools.plot import plot_runs
+
+    print(f"wrote {plot_runs([Path(r) for r in args.runs], args.out and Path(args.out))}")
+    return 0
+
+
 def _cmd_eval(args) -> int:
     from pithtrain.tools.hf import evaluate, load_model, load_tokens
     from pithtrain.train.loop import pick_device
@@ -128,6 +162,13 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
 
+    more_help = None  # a function whose text ends --help (built only when asked for: it imports the models)
+
+    def format_help(self):
+        if self.more_help:
+            self.epilog = self.more_help()
+        return super().format_help()
+
 
 def build_parser() -> argparse.ArgumentParser:
     from pithtrain.tools.tokenize import add_tokenize_args
@@ -135,7 +176,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="pithtrain", description="Compact Mixture-of-Experts training.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train a model from a run config file")
+    p = sub.add_parser("train", help="train a model from a run config file", formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.more_help = config_help
     p.add_argument("config", help="Python file defining CONFIG = RunConfig(...)")
     p.add_argument("--out", help="run directory (metrics, checkpoints); default runs/<model_type>")
     p.add_argument("--steps", type=int, help="override train.steps")
@@ -146,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cp", type=int, help="context-parallel size (parallel.cp)")
     p.add_argument("--ep", type=int, help="expert-parallel size (parallel.ep); dp = nproc / (pp*cp*ep)")
     p.add_argument("--hsdp", action="store_true", help="replicate weights over dp, shard within cp x ep")
+    p.add_argument("--print-config", action="store_true", help="check as train does, print the effective config as JSON, exit")
+    p.add_argument("--dry-run", action="store_true", help="check config, mesh, run directory, data and resume; print; do not train")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("tokenize", help="text files, directories or JSONL -> token dataset")
@@ -157,6 +201,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", help="output: a checkpoint directory (from HF) or an HF directory (from PithTrain)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (never SRC or a directory holding it)")
     p.set_defaults(func=_cmd_convert)
+
+    p = sub.add_parser("plot", help="loss, eval loss, learning rate and tokens/s of runs into one PNG")
+    p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or their metrics.jsonl)")
+    p.add_argument("--out", help="the PNG to write; default: metrics.png in the first RUN")
+    p.set_defaults(func=_cmd_plot)
 
     p = sub.add_parser("eval", help="mean next-token cross-entropy over an int array [batch, seq]")
     p.add_argument("checkpoint", help="HF directory, PithTrain checkpoint, or run directory (latest)")

@@ -7,10 +7,17 @@ works as is. Everything is validated before any expensive work starts.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import importlib.util
+import inspect
+import io
 import json
 import math
 import runpy
+import sys
+import textwrap
+import tokenize
 import traceback
 import typing
 from dataclasses import dataclass, field
@@ -30,28 +37,28 @@ class ConfigError(UserError):
 @dataclass
 class DataConfig:
     path: str = ""  # dataset directory written by `pithtrain tokenize`
-    seq_len: int = 256
+    seq_len: int = 256  # tokens per sample
     pack_documents: bool = False  # attention restricted to each document (cu_seqlens-style)
     seed: int = 1234  # sample order
 
 
 @dataclass
 class OptimConfig:
-    lr: float = 3e-4
+    lr: float = 3e-4  # peak learning rate (after warmup)
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
     schedule: str = "cosine"  # cosine | wsd | constant
-    warmup_steps: int = 0
+    warmup_steps: int = 0  # linear warmup from 0 to lr
     decay_fraction: float = 0.2  # wsd: share of the steps spent in the final linear decay
     weight_decay: float = 0.1  # not applied to norms, biases and embeddings
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    beta1: float = 0.9  # AdamW first-moment decay
+    beta2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
+    steps: int = 100  # optimizer steps of the whole run (the schedule spans them)
     global_batch_size: int = 8  # samples per optimizer step, over all data-parallel ranks
     micro_batch_size: int = 8  # samples per forward/backward on one rank
     seed: int = 0  # parameter initialisation
@@ -60,10 +67,11 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 compute on GPU, fp32 on CPU) | fp32 | bf16
     lb_coef: float = 1e-3  # MoE load-balance loss coefficient; 0 disables
     lb_type: str = "micro"  # micro | global | seq (load-balance loss statistics scope)
-    log_every: int = 1
+    log_every: int = 1  # print a metrics line every N steps (metrics.jsonl gets every step)
     checkpoint_every: int = 0  # 0: only at the end; -1: never (benchmarks)
-    keep_checkpoints: int = 2
-    tensorboard: bool = True  # when tensorboard is installed
+    keep_checkpoints: int = 2  # the newest N checkpoints are kept, older ones deleted
+    tensorboard: bool = True  # scalars into OUT/tensorboard (needs tensorboard: the `tensorboard` extra, in make setup)
+    wandb_project: str = ""  # Weights & Biases project to log to (needs `pip install wandb`); '': off
     compile: bool = False  # torch.compile(fullgraph=True) stages 1 and 5 of every layer
     profile_step: int = 0  # profile this step (1-based) into OUT/profile/rank<r>.json; 0: off
     # FP8 GEMMs (experts, attention and MLP projections; not the router, embeddings or head):
@@ -71,14 +79,14 @@ class TrainConfig:
     # (weight gradients in bf16: no transposed copies). Needs FP8 tensor cores (compute
     # capability 8.9+); on the CPU only with fp8_emulate (plain-PyTorch numerics, slow).
     fp8: str = "off"
-    fp8_emulate: bool = False
+    fp8_emulate: bool = False  # FP8 numerics in plain PyTorch on the CPU (tests; slow)
 
 
 @dataclass
 class ParallelConfig:
-    pp: int = 1
-    cp: int = 1
-    ep: int = 1
+    pp: int = 1  # pipeline-parallel size (DualPipeV)
+    cp: int = 1  # context-parallel size (ring attention over sequence chunks)
+    ep: int = 1  # expert-parallel size (experts split over ep ranks; dp = world / (pp*cp*ep))
     hsdp: bool = False  # replicate over dp, shard within cp x ep (dense) and cp (experts)
     timeout_s: float = 600.0  # collective timeout: a hung rank fails the job after this long
     # pp = 1 with ep > 1 and >= 2 micro-batches per rank: run DualPipeV on one rank to hide each
@@ -94,6 +102,73 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+SECTIONS = (("data", DataConfig), ("optim", OptimConfig), ("train", TrainConfig), ("parallel", ParallelConfig))
+
+
+def field_help(cls: type) -> dict[str, str]:
+    """{field: its meaning}, read from the comments of the class's source (so they are written once):
+    the comment on the field's line, else the comment lines right above it."""
+    source = textwrap.dedent(inspect.getsource(cls))
+    lines = source.splitlines()
+    comments = {t.start[0]: t.string.lstrip("#").strip()
+                for t in tokenize.generate_tokens(io.StringIO(source).readline) if t.type == tokenize.COMMENT}
+    out = {}
+    for node in ast.parse(source).body[0].body:
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            row, above = node.lineno, []
+            while row - 1 - len(above) in comments and lines[row - 2 - len(above)].lstrip().startswith("#"):
+                above.insert(0, comments[row - 1 - len(above)])
+            out[node.target.id] = comments.get(row) or " ".join(above)
+    return out
+
+
+def _type_name(hint: Any) -> str:
+    return hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+
+
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
+def config_help() -> str:
+    """Every run config field with its type, default and meaning (`pithtrain train --help`); the model
+    families' fields by name and default."""
+    from pithtrain.models.deepseek_v2 import DeepseekV2Config
+    from pithtrain.models.gpt_oss import GptOssConfig
+    from pithtrain.models.qwen3_moe import Qwen3MoeConfig
+
+    out = ["config fields (set in the run file or with --set SECTION.FIELD=VALUE):"]
+    for section, cls in SECTIONS:
+        hints, meaning = typing.get_type_hints(cls), field_help(cls)
+        for f in dataclasses.fields(cls):
+            head = f"  {section}.{f.name}: {_type_name(hints[f.name])} = {_default(f)!r}"
+            out.append(textwrap.fill(meaning[f.name], 110, initial_indent=f"{head:<46} ", subsequent_indent=" " * 47))
+    out.append("\nmodel.*: the fields of the family's HF config.json (pithtrain/models/<family>.py), with defaults:")
+    for cls in (Qwen3MoeConfig, DeepseekV2Config, GptOssConfig):
+        fields = ", ".join(f"{f.name}={_default(f)!r}" for f in dataclasses.fields(cls))
+        out.append(textwrap.fill(f"{cls.model_type} ({cls.__name__}): {fields}", 110, initial_indent="  ",
+                                 subsequent_indent="    "))
+    return "\n".join(out)
+
+
+def run_dict(config: RunConfig) -> dict:
+    """The run config as plain JSON values, the model with its model_type (OUT/run_config.json)."""
+    out = dataclasses.asdict(config)
+    out["model"] = dict(model_type=config.model.model_type, **out["model"])
+    return out
+
+
+def describe(config: RunConfig) -> str:
+    """The effective config, one `section.field = value` per line (values as JSON)."""
+    return "\n".join(f"  {section}.{k} = {json.dumps(v)}" for section, fields in run_dict(config).items()
+                     for k, v in fields.items())
+
+
+def _installed(module: str) -> bool:
+    """Importable, without importing it (wandb takes seconds); an already imported module may lack a spec."""
+    return sys.modules.get(module) is not None or importlib.util.find_spec(module) is not None
 
 
 def load_run_config(path: str | Path) -> RunConfig:
@@ -265,6 +340,8 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
         _check_fp8_device(t)
     _check(t.lb_type in ("micro", "global", "seq"), f"train.lb_type={t.lb_type!r}: use micro, global or seq")
     _check(t.lb_coef >= 0, f"train.lb_coef={t.lb_coef}: must be >= 0 (0 disables the load-balance loss)")
+    _check(not t.wandb_project or _installed("wandb"),
+           f"train.wandb_project={t.wandb_project!r}: wandb is not installed; pip install wandb, or set train.wandb_project=''")
     _check(t.log_every >= 1, f"train.log_every={t.log_every}: must be at least 1")
     _check(t.checkpoint_every >= -1, f"train.checkpoint_every={t.checkpoint_every}: use N > 0, 0 (only at the end) or -1 (never)")
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be at least 1")

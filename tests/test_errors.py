@@ -134,6 +134,11 @@ CASES = [  # (id, command line, what the one line must name)
     ("tokenize-no-inputs", "tokenize --train-tokenizer --out {tmp}/t5", "--stdlib"),
     ("tokenize-jsonl-field", "tokenize {jsonl} --train-tokenizer --out {tmp}/t6", "bad.jsonl"),
     ("tokenize-max-bytes", "tokenize --stdlib --max-bytes 0 --train-tokenizer --out {tmp}/t7", "--max-bytes"),
+    ("wandb-missing", "train {cfg} --set train.wandb_project=moe", "train.wandb_project"),
+    ("dry-run-mesh", "train {cfg} --dry-run --nproc 2 --pp 2", "parallel.pp"),
+    ("dry-run-data", "train {cfg} --dry-run --set data.path={tmp}/nowhere", "data.path"),
+    ("plot-no-metrics", "plot {tmp}/run_good {empty_dir}", "empty_dir"),
+    ("plot-out-unwritable", "plot {tmp}/run_good --out {notes}/x.png", "notes.txt"),
 ]
 
 END_TO_END = ("file-syntax", "type-steps-str", "convert-junk-safetensors", "nproc-zero")
@@ -145,7 +150,7 @@ def _disk_full():
     return mock.patch("torch.distributed.checkpoint.filesystem._write_item", side_effect=full)
 
 
-PATCHES = {"disk-full": _disk_full}
+PATCHES = {"disk-full": _disk_full, "wandb-missing": lambda: mock.patch.dict(sys.modules, {"wandb": None})}
 
 
 def make_env(tmp: Path) -> dict:

@@ -17,13 +17,12 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import CheckpointException
 
-from pithtrain.config import ConfigError, RunConfig, UserError, read_json, runs_dualpipev, validate
+from pithtrain.config import ConfigError, RunConfig, UserError, read_json, run_dict, runs_dualpipev, validate
 from pithtrain.models.routing import update_correction_bias
 from pithtrain.ops.fp8 import enable_fp8
 from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
@@ -154,7 +153,8 @@ def train(
             metrics_path.with_suffix(".tmp").write_text("".join(json.dumps(m) + "\n" for m in kept))
             metrics_path.with_suffix(".tmp").replace(metrics_path)  # a kill mid-write keeps the old file
         (out_dir / "config.json").write_text(json.dumps(config.model.to_hf(), indent=2))
-    log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main)
+        (out_dir / "run_config.json").write_text(json.dumps(run_dict(config), indent=2))  # the effective run config
+    log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main, wandb_project=t.wandb_project, config=run_dict(config))
     if echo and start == 0:
         print(
             f"model {config.model.model_type}: {n_params / 1e6:.2f}M parameters{' on this rank' if mesh.world > 1 else ''} | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
@@ -165,7 +165,7 @@ def train(
 
     def save(step):
         state = ckpt.training_state(model, optimizer, mesh)
-        meta = {"samples_consumed": step * t.global_batch_size, "config": _plain(config)}
+        meta = {"samples_consumed": step * t.global_batch_size, "config": run_dict(config)}
         try:
             ckpt.save_checkpoint(out_dir, step, state, meta, config.model.to_hf(), t.keep_checkpoints)
         except (Exception, CheckpointException) as e:
@@ -319,7 +319,7 @@ WARNED = ("optim.", "train.steps", "train.lb_coef", "train.lb_type", "data.pack_
 def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = None, echo: bool = True) -> None:
     """Compare the run config stored in `checkpoint` (meta.json) with `config`, field by field."""
     meta = read_json(checkpoint / "meta.json", f"move {checkpoint} away to resume from the checkpoint before it")
-    old, new = _flat(meta.get("config", {})), _flat(json.loads(json.dumps(_plain(config))))
+    old, new = _flat(meta.get("config", {})), _flat(json.loads(json.dumps(run_dict(config))))
     changed = {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
 
     def show(keys):
@@ -450,12 +450,6 @@ def rank_balance(loads: torch.Tensor, ep: int) -> float:
     busiest, so this bounds how well the expert stage scales."""
     per_rank = loads.view(loads.shape[0], ep, -1).sum(-1).double()
     return float(per_rank.mean(1).sum() / per_rank.max(1).values.sum().clamp(min=1))
-
-
-def _plain(config: RunConfig) -> dict:
-    out = asdict(config)
-    out["model"] = dict(asdict(config.model), model_type=config.model.model_type)
-    return out
 
 
 def _init_from(model, path: str) -> None:

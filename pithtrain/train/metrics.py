@@ -1,5 +1,5 @@
 """Per-step metrics: one JSON object per line in OUT/metrics.jsonl, one readable line on stdout,
-and TensorBoard scalars when tensorboard is installed."""
+TensorBoard scalars when tensorboard is installed, Weights & Biases when `train.wandb_project` is set."""
 
 from __future__ import annotations
 
@@ -27,17 +27,21 @@ def format_line(m: dict, total_steps: int) -> str:
 
 
 class MetricsLog:
-    def __init__(self, out_dir: str | Path, tensorboard: bool, enabled: bool = True):
+    def __init__(self, out_dir: str | Path, tensorboard: bool, enabled: bool = True, wandb_project: str = "",
+                 config: dict | None = None):
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
-        self.writer = None
+        self.writer = self.wandb = None
         if enabled and tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
                 self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
             except ImportError:
-                pass  # tensorboard is optional
+                print("note: tensorboard is not installed (pip install tensorboard, or make setup); "
+                      "train.tensorboard=false silences this", flush=True)
+        if enabled and wandb_project:
+            self.wandb = _wandb_run(wandb_project, Path(out_dir), config)
 
     def log(self, metrics: dict, total_steps: int, echo: bool = True) -> None:
         if not self.enabled:
@@ -50,10 +54,22 @@ class MetricsLog:
             for k, v in metrics.items():
                 if k != "step" and isinstance(v, (int, float)):
                     self.writer.add_scalar(f"train/{k}", v, metrics["step"])
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _wandb_run(project: str, out_dir: Path, config: dict | None):
+    """A wandb run named after the run directory; WANDB_MODE (offline, disabled) and the other WANDB_*
+    variables act as wandb documents. `validate` refused a missing package before training."""
+    import wandb
+
+    return wandb.init(project=project, name=out_dir.resolve().name, dir=str(out_dir), config=config)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

@@ -83,14 +83,19 @@ class RunLock:
             self.fd = None
 
 
-def claim(out: Path, echo=print) -> RunLock:
-    """Check that `out` is new, empty or a run directory, take its lock and remove what a killed
-    run left: unpublished checkpoints (`checkpoints/step_N.tmp`, ours only)."""
+def check_out(out: Path) -> None:
+    """`out` is new, empty or a run directory."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a directory (new, empty, or a PithTrain run directory)")
     if out.is_dir() and any(out.iterdir()) and not is_run_dir(out):
         raise ValueError(f"--out {out} is neither empty nor a PithTrain run directory (one holding {LOCK}, checkpoints/ "
                          f"or metrics.jsonl); choose a new or empty directory")
+
+
+def claim(out: Path, echo=print) -> RunLock:
+    """Check that `out` is new, empty or a run directory, take its lock and remove what a killed
+    run left: unpublished checkpoints (`checkpoints/step_N.tmp`, ours only)."""
+    check_out(out)
     lock = RunLock(out)
     if lock.note:
         echo(lock.note)

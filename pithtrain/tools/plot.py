@@ -1,0 +1,53 @@
+"""`pithtrain plot`: loss (and eval loss), learning rate and tokens/s of one or several runs in one PNG."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pithtrain.config import UserError
+from pithtrain.train.metrics import read_metrics
+
+PANELS = (("loss", "loss (dashed: eval_loss)"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
+
+
+def _rows(run: Path) -> list[dict]:
+    path = run if run.is_file() else run / "metrics.jsonl"
+    if not path.is_file():
+        raise UserError(f"{run}: no metrics.jsonl there; pass run directories written by pithtrain train")
+    try:
+        return read_metrics(path)
+    except ValueError as e:  # a line that is not JSON
+        raise UserError(f"{path}: not a metrics file ({e})") from None
+
+
+def plot_runs(runs: list[Path], out: Path | None = None) -> Path:
+    """Draw the runs' metrics.jsonl into `out` (default: metrics.png in the first run); returns the path."""
+    rows = [(run, _rows(run)) for run in runs]  # every input is checked before anything is drawn
+    out = out or (runs[0] if runs[0].is_dir() else runs[0].parent) / "metrics.png"
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise UserError(f"--out {out}: {out.parent} is not a writable directory; choose another path")
+    try:
+        import matplotlib
+    except ImportError:
+        raise UserError("pithtrain plot needs matplotlib: pip install matplotlib (or the `plot` extra)") from None
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(5 * len(PANELS), 4))
+    for i, (run, ms) in enumerate(rows):
+        color, label = f"C{i % 10}", str(run)
+        for ax, (key, title) in zip(axes, PANELS):
+            # rows may lack a key (eval-only rows, older runs): each line takes the rows that have it
+            points = [(m["step"], m[key]) for m in ms if key in m]
+            if points:
+                ax.plot(*zip(*points), color=color, label=label)
+            ax.set(title=title, xlabel="step")
+        evals = [(m["step"], m["eval_loss"]) for m in ms if "eval_loss" in m]
+        if evals:
+            axes[0].plot(*zip(*evals), color=color, linestyle="--", marker=".")
+    axes[0].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return out
