@@ -100,7 +100,7 @@ def _cmd_tokenize(args) -> int:
 def _cmd_convert(args) -> int:
     from pithtrain.tools.hf import convert
 
-    out = convert(args.src, args.dst, overwrite=args.overwrite)
+    out = convert(args.src, args.dst, overwrite=args.overwrite, echo=lambda line: print(line, file=sys.stderr))
     print(f"wrote {out}")
     return 0
 
@@ -111,8 +111,10 @@ def _cmd_eval(args) -> int:
 
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.seq_len < 2 or (args.max_tokens or 2) < 2:
+        raise UserError(f"--seq-len {args.seq_len} / --max-tokens {args.max_tokens}: each must be at least 2")
     device = pick_device(args.device or "auto", "--device")
-    tokens = load_tokens(args.tokens)
+    tokens = load_tokens(args.tokens, args.max_tokens, args.seq_len)
     model = load_model(args.checkpoint)
     if int(tokens.max()) >= model.cfg.vocab_size:
         raise UserError(f"--tokens {args.tokens}: token id {int(tokens.max())} is outside the model's vocabulary "
@@ -158,9 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (never SRC or a directory holding it)")
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("eval", help="mean next-token cross-entropy over an int array [batch, seq]")
+    p = sub.add_parser("eval", help="mean next-token cross-entropy over held-out tokens")
     p.add_argument("checkpoint", help="HF directory, PithTrain checkpoint, or run directory (latest)")
-    p.add_argument("--tokens", required=True, help=".npy file of token ids, shape [batch, seq]")
+    p.add_argument("--tokens", required=True, help="a dataset directory of `pithtrain tokenize` (held-out texts "
+                   "tokenized with the run's tokenizer.json), or a .npy file of token ids [batch, seq]")
+    p.add_argument("--max-tokens", type=int, help="at most this many tokens: a dataset's last N, a .npy's first rows")
+    p.add_argument("--seq-len", type=int, default=128, help="row length for a dataset directory (default 128)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", choices=("cpu", "cuda"), help="cpu or cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help='print one line {"loss": ..., "tokens": ...}')
