@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -45,6 +46,7 @@ def _cmd_train(args) -> int:
     validate(config, world_size=world)  # refuse an impossible mesh before any process starts
     # one writer per run directory: this process, our launcher (not its workers), or rank 0 under another launcher
     owner = "PITHTRAIN_LAUNCHER" not in os.environ and os.environ.get("RANK", "0") == "0"
+    created = owner and not out.exists()
     lock = claim(out) if owner else None
     try:
         if not launched and args.nproc > 1:
@@ -56,7 +58,27 @@ def _cmd_train(args) -> int:
         return _train_here(args, config, out, launched, GracefulStop(loud=os.environ.get("RANK", "0") == "0"))
     finally:
         if lock is not None:
+            if created:
+                _drop_unused(out)
             lock.release()
+
+
+def _drop_unused(out: Path) -> None:
+    """Remove the run directory this command created if the run ended before its first step: then it
+    holds only what train wrote on the way (lock, config.json, an empty checkpoints/...), nothing to resume."""
+    from pithtrain.train.rundir import LOCK
+
+    ours = {LOCK, "config.json", "checkpoints", "tensorboard"}
+    if {p.name for p in out.iterdir()} - ours or any((out / "checkpoints").glob("*")):
+        return
+    (out / "config.json").unlink(missing_ok=True)
+    for name in ("checkpoints", "tensorboard"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    (out / LOCK).unlink()  # still held: a process that opens it now makes a new file, and then OUT stays
+    try:
+        out.rmdir()
+    except OSError:
+        pass
 
 
 def _train_here(args, config, out: Path, launched: bool, stop) -> int:
@@ -111,7 +133,7 @@ def _cmd_eval(args) -> int:
 
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
-    if args.seq_len < 2 or (args.max_tokens or 2) < 2:
+    if args.seq_len < 2 or args.max_tokens is not None and args.max_tokens < 2:
         raise UserError(f"--seq-len {args.seq_len} / --max-tokens {args.max_tokens}: each must be at least 2")
     device = pick_device(args.device or "auto", "--device")
     tokens = load_tokens(args.tokens, args.max_tokens, args.seq_len)

@@ -257,6 +257,8 @@ def test_bad_input_ends_in_one_line(env, case_id, line, names):
     code, err = run_case(env, case_id, line)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], err
+    if line.startswith("train") and "--out" not in line:  # a run that failed to start leaves no directory
+        assert not (env["tmp"] / "runs" / case_id).exists(), list((env["tmp"] / "runs" / case_id).iterdir())
     if case_id == "disk-full":  # the partial save is removed and the last good checkpoint is named
         assert "No space left on device" in err and "step_00000001" in err
         assert [p.name for p in (env["run_full"] / "checkpoints").iterdir()] == ["step_00000001"]
