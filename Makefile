@@ -27,5 +27,10 @@ test: setup
 test-gpu: setup
 	$(PY) -m pytest -q tests/gpu
 
+# clean removes only what make made: the venv and the quickstart's outputs (runs/quickstart, and
+# data/stdlib when it holds the quickstart's eval.npy), then runs/ and data/ if that left them empty.
+# Never your own datasets or runs.
 clean:
-	rm -rf runs data
+	rm -rf $(VENV) runs/quickstart
+	if [ -f data/stdlib/eval.npy ]; then rm -rf data/stdlib; fi
+	rmdir runs data 2>/dev/null || true

@@ -3,7 +3,7 @@
 Exercises what makes the family different from Qwen3-MoE: MLA with q-LoRA and a shared rope key,
 shared experts next to the routed ones, and a dense first layer.
 
-Data: the embedded default dataset (`make data`: the Python standard library's sources,
+Data: data/stdlib, which `make train` builds (the Python standard library's sources,
 byte-level BPE of 4096 tokens). Run: pithtrain train examples/deepseek_v2_tiny.py --out runs/dsv2_tiny
 """
 

@@ -2,7 +2,7 @@
 
 Every GPT-OSS feature is live: attention sinks, sliding-window layers (window 32 < seq_len 128)
 alternating with full-attention layers, YaRN RoPE, a biased router, clamped-SwiGLU experts with biases.
-Data: the embedded default dataset (`make data`: the Python standard library's sources,
+Data: data/stdlib, which `make train` builds (the Python standard library's sources,
 byte-level BPE of 4096 tokens). Run: pithtrain train examples/gpt_oss_tiny.py --out runs/gpt_oss_tiny
 """
 

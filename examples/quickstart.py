@@ -102,7 +102,7 @@ def main() -> int:
     final_loss = float(np.mean([m["loss"] for m in history[-10:]]))
 
     ckpt = resolve_checkpoint(out)
-    hf_dir = write_hf_dir(load_model(ckpt), out / "hf", TokenDataset(data_dir).tokenizer_file)
+    hf_dir = write_hf_dir(load_model(ckpt), out / "hf", TokenDataset(data_dir))
     print(f"[export] {ckpt} -> {hf_dir} (HF format)")
 
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,6 +1,6 @@
 """A tiny Qwen3-MoE that trains on 2 CPU cores in well under a second per step.
 
-Data: the embedded default dataset (`make data`: the Python standard library's sources,
+Data: data/stdlib, which `make train` builds (the Python standard library's sources,
 byte-level BPE of 4096 tokens). Run: pithtrain train examples/qwen3_tiny.py --out runs/tiny
 """
 

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shlex
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -49,6 +50,7 @@ def _cmd_train(args) -> int:
     owner = "PITHTRAIN_LAUNCHER" not in os.environ and os.environ.get("RANK", "0") == "0"
     if owner:
         print(f"config (also in {out}/run_config.json):\n{describe(config)}", flush=True)
+    created = owner and not out.exists()
     lock = claim(out) if owner else None
     try:
         if not launched and args.nproc > 1:
@@ -60,6 +62,8 @@ def _cmd_train(args) -> int:
         return _train_here(args, config, out, launched, GracefulStop(loud=os.environ.get("RANK", "0") == "0"))
     finally:
         if lock is not None:
+            if created:
+                _drop_unused(out)
             lock.release()
 
 
@@ -84,6 +88,24 @@ def _check_only(args, config, out: Path, world: int) -> int:
           f"cp={p.cp} ep={p.ep}; {f'would resume from {found}' if found else 'would start at step 0'} in {out}; "
           f"nothing was written")
     return 0
+
+
+def _drop_unused(out: Path) -> None:
+    """Remove the run directory this command created if the run ended before its first step: then it
+    holds only what train wrote on the way (lock, config.json, an empty checkpoints/...), nothing to resume."""
+    from pithtrain.train.rundir import LOCK
+
+    ours = {LOCK, "config.json", "checkpoints", "tensorboard"}
+    if {p.name for p in out.iterdir()} - ours or any((out / "checkpoints").glob("*")):
+        return
+    (out / "config.json").unlink(missing_ok=True)
+    for name in ("checkpoints", "tensorboard"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    (out / LOCK).unlink()  # still held: a process that opens it now makes a new file, and then OUT stays
+    try:
+        out.rmdir()
+    except OSError:
+        pass
 
 
 def _train_here(args, config, out: Path, launched: bool, stop) -> int:
@@ -127,7 +149,7 @@ def _cmd_tokenize(args) -> int:
 def _cmd_convert(args) -> int:
     from pithtrain.tools.hf import convert
 
-    out = convert(args.src, args.dst, overwrite=args.overwrite)
+    out = convert(args.src, args.dst, overwrite=args.overwrite, echo=lambda line: print(line, file=sys.stderr))
     print(f"wrote {out}")
     return 0
 
@@ -145,8 +167,10 @@ def _cmd_eval(args) -> int:
 
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
+    if args.seq_len < 2 or args.max_tokens is not None and args.max_tokens < 2:
+        raise UserError(f"--seq-len {args.seq_len} / --max-tokens {args.max_tokens}: each must be at least 2")
     device = pick_device(args.device or "auto", "--device")
-    tokens = load_tokens(args.tokens)
+    tokens = load_tokens(args.tokens, args.max_tokens, args.seq_len)
     model = load_model(args.checkpoint)
     if int(tokens.max()) >= model.cfg.vocab_size:
         raise UserError(f"--tokens {args.tokens}: token id {int(tokens.max())} is outside the model's vocabulary "
@@ -207,9 +231,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="the PNG to write; default: metrics.png in the first RUN")
     p.set_defaults(func=_cmd_plot)
 
-    p = sub.add_parser("eval", help="mean next-token cross-entropy over an int array [batch, seq]")
+    p = sub.add_parser("eval", help="mean next-token cross-entropy over held-out tokens")
     p.add_argument("checkpoint", help="HF directory, PithTrain checkpoint, or run directory (latest)")
-    p.add_argument("--tokens", required=True, help=".npy file of token ids, shape [batch, seq]")
+    p.add_argument("--tokens", required=True, help="a dataset directory of `pithtrain tokenize` (held-out texts "
+                   "tokenized with the run's tokenizer.json), or a .npy file of token ids [batch, seq]")
+    p.add_argument("--max-tokens", type=int, help="at most this many tokens: a dataset's last N, a .npy's first rows")
+    p.add_argument("--seq-len", type=int, default=128, help="row length for a dataset directory (default 128)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", choices=("cpu", "cuda"), help="cpu or cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help='print one line {"loss": ..., "tokens": ...}')

@@ -1,6 +1,7 @@
 """The command line end to end: tokenize -> train -> convert (both ways) -> eval, checked against transformers."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -45,6 +46,7 @@ def test_tokenize_train_convert_eval(tmp_path, capsys):
 
     hf_dir = tmp_path / "hf"
     run_cli(["convert", str(run), str(hf_dir)], capsys)
+    check_hf_export(hf_dir, meta["eos_id"])
     tokens = rng.integers(0, meta["vocab_size"], size=(3, 20))
     np.save(tmp_path / "tokens.npy", tokens)
     results = {}
@@ -63,6 +65,43 @@ def test_tokenize_train_convert_eval(tmp_path, capsys):
         logits = model(ids[:, :-1]).logits
     ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).item()
     assert results["hf"]["loss"] == pytest.approx(ref, rel=1e-5)
+
+    # eval on a dataset directory: its last --max-tokens tokens in rows of --seq-len, the same loss as that .npy
+    stream = np.fromfile(data / "tokens.bin", dtype=np.uint16)[-60:].astype(np.int64).reshape(3, 20)
+    np.save(tmp_path / "tail.npy", stream)
+    tail = json.loads(run_cli(["eval", str(hf_dir), "--tokens", str(tmp_path / "tail.npy"), "--json"], capsys))
+    from_dir = json.loads(run_cli(["eval", str(hf_dir), "--tokens", str(data), "--max-tokens", "60", "--seq-len", "20",
+                                   "--json"], capsys))
+    assert from_dir == tail and from_dir["tokens"] == 57
+
+    # the run's dataset gone: the model is exported anyway, with one line saying why there is no tokenizer
+    data.rename(tmp_path / "moved")
+    with pytest.raises(SystemExit):
+        main(["convert", str(run), str(tmp_path / "hf2")])
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no tokenizer written" in err and str(data) in err
+    assert sorted(p.name for p in (tmp_path / "hf2").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def check_hf_export(hf_dir, eos_id):
+    """A complete HF directory: files of the umask's mode (0644 under 022, not safetensors' 0600), bos/eos/pad ids, and a tokenizer and model
+    that AutoTokenizer and generate() use as they are."""
+    from transformers import AutoTokenizer
+
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in hf_dir.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o666 & ~mask, f
+    config = json.loads((hf_dir / "config.json").read_text())
+    assert config["bos_token_id"] == config["eos_token_id"] == config["pad_token_id"] == eos_id
+    tok = AutoTokenizer.from_pretrained(str(hf_dir))
+    assert tok.eos_token_id == tok.pad_token_id == eos_id
+    model = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
+    assert model.generation_config.eos_token_id == eos_id
+    prompt = tok("alpha beta", return_tensors="pt")
+    ids = model.generate(**prompt, max_new_tokens=8, do_sample=False)
+    assert ids.shape[1] > prompt["input_ids"].shape[1]
+    assert tok.decode(ids[0, : prompt["input_ids"].shape[1]]) == "alpha beta"
 
 
 def test_bad_inputs_give_clear_errors(tmp_path, capsys):

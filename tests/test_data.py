@@ -5,6 +5,7 @@ import json
 import math
 import warnings
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -299,3 +300,13 @@ def test_cli(tmp_path, capsys):
     assert "20 docs" in printed and "unigram entropy" in printed
     ds = TokenDataset(out)
     assert ds.num_docs == 20 and 257 < ds.vocab_size < 300 and ds.tokenizer_file is not None
+    # an existing dataset is replaced only with --overwrite; other files never
+    (tmp_path / "corpus2.txt").write_text("just one document, different from the others")
+    again = [str(tmp_path / "corpus2.txt"), "--out", out, "--tokenizer", ds.tokenizer_file]
+    with pytest.raises(UserError, match="already holds a dataset.*--overwrite"):
+        run_tokenize(parser.parse_args(again))
+    assert TokenDataset(out).num_docs == 20
+    assert run_tokenize(parser.parse_args([*again, "--overwrite"])) == 0 and TokenDataset(out).num_docs == 1
+    (Path(out) / "notes.txt").write_text("mine")
+    with pytest.raises(UserError, match="notes.txt"):
+        run_tokenize(parser.parse_args([*again, "--overwrite"]))

@@ -126,6 +126,10 @@ CASES = [  # (id, command line, what the one line must name)
     ("eval-device-unknown", "eval {hf} --tokens {tokens} --device tpu", "--device"),
     ("eval-model-missing", "eval {tmp}/nowhere --tokens {tokens}", "nowhere"),
     ("eval-no-checkpoints", "eval {empty_dir} --tokens {tokens}", "empty_dir"),
+    ("eval-tokens-not-dataset", "eval {hf} --tokens {empty_dir}", "a .npy file of token ids [batch, seq] or a dataset"),
+    ("eval-seq-len", "eval {hf} --tokens {data} --seq-len 1", "--seq-len"),
+    ("eval-max-tokens", "eval {hf} --tokens {data} --max-tokens 0", "--max-tokens"),
+    ("tokenize-out-dataset", "tokenize {corpus} --train-tokenizer --out {data}", "--overwrite"),
     ("tokenize-not-tokenizer", "tokenize {corpus} --tokenizer {notes} --out {tmp}/t1", "notes.txt"),
     ("tokenize-vocab-zero", "tokenize {corpus} --train-tokenizer --vocab-size 0 --out {tmp}/t2", "--vocab-size"),
     ("tokenize-vocab-small", "tokenize {corpus} --train-tokenizer --vocab-size 100 --out {tmp}/t3", "--vocab-size"),
@@ -258,6 +262,8 @@ def test_bad_input_ends_in_one_line(env, case_id, line, names):
     code, err = run_case(env, case_id, line)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], err
+    if line.startswith("train") and "--out" not in line:  # a run that failed to start leaves no directory
+        assert not (env["tmp"] / "runs" / case_id).exists(), list((env["tmp"] / "runs" / case_id).iterdir())
     if case_id == "disk-full":  # the partial save is removed and the last good checkpoint is named
         assert "No space left on device" in err and "step_00000001" in err
         assert [p.name for p in (env["run_full"] / "checkpoints").iterdir()] == ["step_00000001"]

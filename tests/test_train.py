@@ -162,3 +162,27 @@ def test_rank_balance_of_expert_loads():
     busiest = sum(max(int(loads[l, 2 * r : 2 * r + 2].sum()) for r in range(4)) for l in range(3))
     assert loop.rank_balance(loads, 4) == pytest.approx(int(loads.sum()) / 4 / busiest, rel=1e-12)
     assert loop.rank_balance(torch.ones(2, 8, dtype=torch.long), 2) == 1.0
+
+
+def _startup_line(rank, world, config, out):
+    import contextlib
+    import io
+
+    from pithtrain.parallel.mesh import init_mesh
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        loop.train(config, out, mesh=init_mesh(1, 1, config.parallel.ep, "cpu", 30) if world > 1 else None)
+    return [line for line in printed.getvalue().splitlines() if line.startswith("model ")]
+
+
+def test_startup_line_counts_the_whole_model_and_what_a_rank_holds(dataset_dir, tmp_path):
+    from dist_util import run_fn
+
+    config = tiny_config(dataset_dir, steps=1, checkpoint_every=-1)
+    total = sum(p.numel() for p in config.model.build_model().parameters())
+    assert _startup_line(0, 1, config, tmp_path / "one")[0].startswith(f"model qwen3_moe: {total:,} parameters |")
+    config.parallel.ep = 2  # dp1 x ep2: half the experts, half of every dense weight (FSDP over the two ranks)
+    lines = run_fn(2, _startup_line, config, tmp_path / "ep2")
+    assert lines[0][0].startswith(f"model qwen3_moe: {total:,} parameters ({total // 2:,} held by this rank) |")
+    assert lines[1] == []

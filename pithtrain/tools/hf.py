@@ -9,6 +9,7 @@ An HF directory is `config.json` plus `model.safetensors` or sharded `*.safetens
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from pithtrain.ops.core import cross_entropy_sum
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import rundir
+from pithtrain.train.data import TokenDataset
 
 SHARD_BYTES = 4 * 2**30
 
@@ -81,8 +83,10 @@ def load_model(path: str | Path):
     return model
 
 
-def write_hf_dir(model, out: str | Path, tokenizer_file: str | None = None) -> Path:
-    """config.json + safetensors (sharded at 4 GiB with an index), written to a temp dir then renamed."""
+def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None) -> Path:
+    """config.json + safetensors (sharded at 4 GiB with an index), written to a temp dir then renamed.
+    With the `dataset` the model trained on: its EOS as the bos/eos/pad ids of config.json and
+    generation_config.json, and its tokenizer as files `AutoTokenizer.from_pretrained` reads."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -105,19 +109,57 @@ def write_hf_dir(model, out: str | Path, tokenizer_file: str | None = None) -> P
             save_file(shard, str(tmp / name), metadata={"format": "pt"})
             weight_map.update({k: name for k in shard})
         total = sum(v.numel() * v.element_size() for v in state.values())
-        (tmp / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
-        )
-    (tmp / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
-    if tokenizer_file:
-        shutil.copy(tokenizer_file, tmp / "tokenizer.json")
+        _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+    hf = model.cfg.to_hf()
+    if dataset is not None and dataset.eos_id is not None:  # documents end with EOS; BOS and padding reuse it (as GPT-2)
+        ids = {f"{k}_token_id": dataset.eos_id for k in ("bos", "eos", "pad")}
+        hf.update(ids)
+        _write_json(tmp / "generation_config.json", ids)
+    _write_json(tmp / "config.json", hf)
+    if dataset is not None and dataset.tokenizer_file:
+        write_tokenizer(dataset, tmp, hf.get("max_position_embeddings"))
+    mask = os.umask(0)
+    os.umask(mask)
+    for f in tmp.iterdir():  # safetensors writes 0600 (a private temp file, renamed): give the mode open() gives
+        f.chmod(0o666 & ~mask)
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
 
 
-def convert(src: str | Path, dst: str | Path, overwrite: bool = False) -> Path:
-    """HF directory -> PithTrain checkpoint, or PithTrain checkpoint/run directory -> HF directory.
+def _write_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")
+
+
+def write_tokenizer(dataset: TokenDataset, folder: Path, max_length: int | None) -> None:
+    """tokenizer.json plus the tokenizer_config.json / special_tokens_map.json by which transformers'
+    AutoTokenizer loads it as a PreTrainedTokenizerFast with the dataset's EOS as bos/eos/pad."""
+    from tokenizers import Tokenizer
+
+    shutil.copyfile(dataset.tokenizer_file, folder / "tokenizer.json")
+    special = {}
+    if dataset.eos_id is not None:
+        eos = Tokenizer.from_file(dataset.tokenizer_file).id_to_token(dataset.eos_id)
+        special = {"bos_token": eos, "eos_token": eos, "pad_token": eos}
+    _write_json(folder / "special_tokens_map.json", special)
+    _write_json(folder / "tokenizer_config.json", dict(special, tokenizer_class="PreTrainedTokenizerFast",
+                                                        model_max_length=max_length, clean_up_tokenization_spaces=False))
+
+
+def trained_on(ck: Path) -> tuple[TokenDataset | None, str]:
+    """The dataset of the run that wrote checkpoint `ck` (data.path in its meta.json), or None and why not."""
+    path = ckpt.read_meta(ck).get("config", {}).get("data", {}).get("path")
+    if not path:
+        return None, f"{ck / 'meta.json'} names no data.path"
+    try:
+        return TokenDataset(path), ""
+    except (OSError, ValueError) as e:
+        return None, f"the run's dataset data.path={path!r} does not open ({e})"
+
+
+def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=print) -> Path:
+    """HF directory -> PithTrain checkpoint, or PithTrain checkpoint/run directory -> HF directory (with
+    the tokenizer and token ids of the run's dataset when it is found; else `echo` says why not).
     An existing non-empty `dst` is replaced only with `overwrite`, and never when it is, holds or lies
     in `src` (replacing it would delete the source)."""
     src, dst = Path(src), Path(dst)
@@ -137,21 +179,41 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False) -> Path:
         model = load_model(src)
         return ckpt.write_checkpoint(dst, {"model": ckpt.canonical_model_state(model)}, {"step": 0, "source": str(src)}, model.cfg.to_hf())
     model = load_model(src)
-    return write_hf_dir(model, dst)
+    dataset, why = trained_on(ckpt.resolve_checkpoint(src))
+    if dataset is None or not dataset.tokenizer_file:
+        echo(f"note: no tokenizer written to {dst}: " + (why or f"the run's dataset {dataset.path} has no tokenizer.json"))
+    return write_hf_dir(model, dst, dataset)
 
 
-def load_tokens(path: str | Path) -> torch.Tensor:
+TOKEN_FORMS = ("a .npy file of token ids [batch, seq] or a dataset directory of `pithtrain tokenize` "
+               "(e.g. held-out texts tokenized with --tokenizer RUN_DATA/tokenizer.json)")
+
+
+def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 128) -> torch.Tensor:
+    """Token ids [batch, seq] from a .npy array (its first rows, up to `max_tokens` tokens) or a token
+    dataset directory (its last `max_tokens` tokens, all by default, in rows of `seq_len`)."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"token file {path} does not exist")
-    try:
-        arr = np.load(path)
-    except (ValueError, OSError, EOFError) as e:  # not an .npy file (numpy refuses pickles)
-        raise UserError(f"token file {path} is not a .npy array ({e}); write one with numpy.save") from None
+    if path.is_dir():
+        try:
+            stream = TokenDataset(path).tokens
+        except (OSError, ValueError) as e:
+            raise UserError(f"--tokens {path}: {e}; --tokens takes {TOKEN_FORMS}") from None
+        stream = np.asarray(stream[-max_tokens:] if max_tokens else stream, dtype=np.int64)
+        rows = max(1, len(stream) // seq_len)
+        arr = stream[: rows * seq_len].reshape(rows, -1) if len(stream) >= seq_len else stream[None]
+    elif not path.is_file():
+        raise FileNotFoundError(f"--tokens {path} does not exist; it takes {TOKEN_FORMS}")
+    else:
+        try:
+            arr = np.load(path)
+        except (ValueError, OSError, EOFError) as e:  # not an .npy file (numpy refuses pickles)
+            raise UserError(f"--tokens {path} is not a .npy array ({e}); it takes {TOKEN_FORMS}") from None
+        if max_tokens and arr.ndim == 2:
+            arr = arr[: max(1, max_tokens // max(arr.shape[1], 1))]
     integer = np.issubdtype(arr.dtype, np.integer)
     if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 2 or not integer or arr.min() < 0:
         raise UserError(f"{path}: expected non-negative integer token ids of shape [batch, seq] with batch >= 1 and "
-                        f"seq >= 2, got {arr.dtype} {arr.shape}")
+                        f"seq >= 2, got {arr.dtype} {arr.shape}; --tokens takes {TOKEN_FORMS}")
     return torch.from_numpy(arr.astype(np.int64))
 
 

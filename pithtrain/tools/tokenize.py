@@ -229,7 +229,8 @@ def unigram_entropy(dataset: TokenDataset) -> float:
 
 def add_tokenize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("inputs", nargs="*", metavar="INPUT", help="text files, directories (recursive) or .jsonl files")
-    parser.add_argument("--out", required=True, metavar="DIR", help="dataset directory to write")
+    parser.add_argument("--out", required=True, metavar="DIR", help="dataset directory to write (new or empty)")
+    parser.add_argument("--overwrite", action="store_true", help="replace the dataset at --out (never other files)")
     parser.add_argument("--tokenizer", metavar="FILE", help="an existing tokenizer.json")
     parser.add_argument("--train-tokenizer", action="store_true", help="train a byte-level BPE on the inputs first (saved as OUT/tokenizer.json)")
     parser.add_argument("--vocab-size", type=int, metavar="N", help="vocabulary size for --train-tokenizer (default 4096)")
@@ -259,6 +260,8 @@ def _argument_error(args) -> str | None:
         check_output_dir(args.out)
     except FileExistsError as e:
         return f"--out: {e}"
+    if Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
+        return f"--out {args.out} already holds a dataset; choose a new directory, or pass --overwrite to replace it"
     return None
 
 

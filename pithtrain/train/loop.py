@@ -119,7 +119,8 @@ def train(
         model.init_weights(t.seed)
     if t.init_from and not found:
         _init_from(model, t.init_from)
-    n_params = sum(p.numel() for p in model.parameters())
+    with torch.device("meta"):  # the whole model's size, without memory (this rank may build only its pipeline chunks)
+        n_total = sum(p.numel() for p in config.model.build_model().parameters())
     if t.compile:  # before FSDP, so that its hooks stay outside the compiled graphs
         compile_stages(model)
     if t.fp8 != "off":  # before FSDP too: its all-gather runs before the FP8 weight refresh
@@ -129,6 +130,8 @@ def train(
     if mesh.world > 1:
         for part in chunks or (model,):
             shard_model(part, mesh, bf16_params=dtype == torch.bfloat16, reshard_after_forward=chunks is None)
+    # after slicing the experts and sharding: what this rank holds (a DTensor's numel is the whole tensor's)
+    n_held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
     count_group = mesh.data_group if t.lb_type == "global" else None
     balance = LoadBalance(t.lb_type, count_group, cp_group=mesh.cp_group) if t.lb_coef > 0 else None
@@ -157,7 +160,8 @@ def train(
     log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main, wandb_project=t.wandb_project, config=run_dict(config))
     if echo and start == 0:
         print(
-            f"model {config.model.model_type}: {n_params / 1e6:.2f}M parameters{' on this rank' if mesh.world > 1 else ''} | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
+            f"model {config.model.model_type}: {_count(n_total)} parameters"
+            f"{f' ({_count(n_held)} held by this rank)' if n_held != n_total else ''} | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
             f"device {device} | compute {dtype} | {loader.num_samples} samples of {config.data.seq_len} tokens | "
             f"{t.steps} steps of {t.global_batch_size} samples",
             flush=True,
@@ -450,6 +454,10 @@ def rank_balance(loads: torch.Tensor, ep: int) -> float:
     busiest, so this bounds how well the expert stage scales."""
     per_rank = loads.view(loads.shape[0], ep, -1).sum(-1).double()
     return float(per_rank.mean(1).sum() / per_rank.max(1).values.sum().clamp(min=1))
+
+
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
 
 
 def _init_from(model, path: str) -> None:
