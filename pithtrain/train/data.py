@@ -264,7 +264,7 @@ class BatchLoader:
                 f"corpus of {dataset.num_tokens} tokens gives {self.num_samples + held_out} samples of seq_len {seq_len}"
                 + (f", {held_out} of them held out for eval (data.eval_samples)," if held_out else ",")
                 + f" fewer than one global batch of {global_batch_size} left to train on; "
-                "use more data or a smaller data.seq_len / train.global_batch_size"
+                "use more data or a smaller data.seq_len / train.global_batch_size" + (" / data.eval_samples" if held_out else "")
             )
         self._perms: dict[int, np.ndarray] = {}  # at most two epochs: a batch can straddle a boundary
 

@@ -380,11 +380,11 @@ def cpu_threads(device: torch.device) -> str:
     if device.type != "cpu":
         return ""
     if "OMP_NUM_THREADS" in os.environ:
-        return f" ({torch.get_num_threads()} threads: OMP_NUM_THREADS)"
+        return f" (torch threads: {torch.get_num_threads()}, from OMP_NUM_THREADS)"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     torch.set_num_threads(min(torch.get_num_threads(), max(1, cores // local)))
-    return f" ({torch.get_num_threads()} threads: {cores} cores / {local} process{'es' if local > 1 else ''})"
+    return f" (torch threads: {torch.get_num_threads()}, at most {cores} cores // {local} processes on this host)"
 
 
 # Resuming with a change to these is refused: the checkpoint's weights or the data order would not
