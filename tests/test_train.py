@@ -19,7 +19,7 @@ from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import loop
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, TokenDataset, write_dataset
-from pithtrain.train.metrics import duration, format_line, read_metrics
+from pithtrain.train.metrics import MetricsLog, duration, format_line, read_metrics
 from pithtrain.train.optim import lr_at
 
 
@@ -241,9 +241,15 @@ def test_cpu_threads_share_the_cores(monkeypatch):
         torch.set_num_threads(before)
 
 
-def test_progress_line_and_durations():
+def test_progress_line_durations_and_tensorboard_tags(tmp_path):
     m = {"step": 7, "loss": 2.0, "eval_loss": 2.5, "lb_loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 2e3,
          "step_time_s": 0.1, "peak_mem_bytes": 2**30}
     line = format_line(m, 100, elapsed=75, eta=7384)
     assert line.startswith("step 7/100 | loss 2.0000 | eval 2.5000 |") and line.endswith("| 1m15s elapsed, ETA 2h03m")
     assert [duration(s) for s in (0.2, 59.6, 3599, 36000)] == ["0s", "1m00s", "59m59s", "10h00m"]
+    log, scalars = MetricsLog(tmp_path, tensorboard=False), []
+    log.writer = type("Writer", (), {"add_scalar": lambda self, *a: scalars.append(a), "close": lambda self: None})()
+    log.log(dict(m, time=1.7e9), 100, echo=False)
+    tags = {tag: value for tag, value, step in scalars}
+    assert tags["eval/loss"] == 2.5 and tags["train/loss"] == 2.0 and "train/time" not in tags
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["time"] == 1.7e9
