@@ -298,8 +298,9 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
               create: bool = True) -> tuple[TokenDataset, Path | None]:
     """What can fail before a model is built, checked first (and by `pithtrain train` before it starts
     workers): the run directory takes files (`create`: make it, on one rank), data.path is a dataset
-    whose ids fit the model's vocabulary, and a checkpoint to resume agrees with this config
-    (check_resume). Returns the dataset and the checkpoint to resume from (None: start afresh)."""
+    whose ids fit the model's vocabulary (and so is data.eval_path), the hold-out leaves a batch to
+    train on, and a checkpoint to resume agrees with this config (check_resume). Returns the batch
+    loader, the eval samples (eval_windows) and the checkpoint to resume from (None: start afresh)."""
     if stop_after is not None and stop_after < 1:
         raise ConfigError(f"--stop-after {stop_after}: must be at least 1")
     if create:
