@@ -270,7 +270,7 @@ def train(
             m["eval_loss"] = evaluate(chunks or (model,), runner, evaluation, config, mesh, dispatcher, dtype)
         m["time"] = now = time.time()
         first_done = first_done or (now, step + 1)
-        rate = (now - first_done[0]) / (step + 1 - first_done[1]) if step + 1 > first_done[1] else now - began
+        rate = (now - first_done[0]) / (step + 1 - first_done[1]) if step + 1 > first_done[1] else time.perf_counter() - t0
         history.append(m)
         if profiler is not None:
             profiler.stop()
@@ -295,7 +295,7 @@ def train(
 
 
 def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, echo: bool = False,
-              create: bool = True) -> tuple[TokenDataset, Path | None]:
+              create: bool = True) -> tuple[BatchLoader, tuple | None, Path | None]:
     """What can fail before a model is built, checked first (and by `pithtrain train` before it starts
     workers): the run directory takes files (`create`: make it, on one rank), data.path is a dataset
     whose ids fit the model's vocabulary (and so is data.eval_path), the hold-out leaves a batch to
