@@ -196,7 +196,7 @@ def test_eval_on_held_out_samples_and_progress_lines(tmp_path, dataset_dir, caps
     # progress: the first 3 steps, then every log_every and the last (and eval steps), with elapsed and ETA
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert [line.split()[1] for line in lines] == ["1/5", "2/5", "3/5", "5/5"]
-    assert all(re.search(r"\| \d+s elapsed, ETA \d+s$", line) for line in lines) and "| eval " in lines[2]
+    assert all(re.search(r"\| [\dhms]+ elapsed, ETA [\dhms]+$", line) for line in lines) and "| eval " in lines[2]
     stamps = [m["time"] for m in read_metrics(tmp_path / "metrics.jsonl")]
     assert began <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= ended
 
