@@ -40,6 +40,11 @@ class DataConfig:
     seq_len: int = 256  # tokens per sample
     pack_documents: bool = False  # attention restricted to each document (cu_seqlens-style)
     seed: int = 1234  # sample order
+    # validation (train.eval_every): the first eval_samples windows of eval_path (a dataset; 0: all
+    # of them), or, with eval_path empty, the LAST eval_samples windows of `path`, which training
+    # then never reads (0: none held out, the training order of older runs)
+    eval_path: str = ""
+    eval_samples: int = 0
 
 
 @dataclass
@@ -67,7 +72,8 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 compute on GPU, fp32 on CPU) | fp32 | bf16
     lb_coef: float = 1e-3  # MoE load-balance loss coefficient; 0 disables
     lb_type: str = "micro"  # micro | global | seq (load-balance loss statistics scope)
-    log_every: int = 1  # print a metrics line every N steps (metrics.jsonl gets every step)
+    log_every: int = 1  # print a metrics line every N steps (and always the first 3); metrics.jsonl gets every step
+    eval_every: int = 0  # held-out loss (data.eval_path / data.eval_samples) every N steps and at the end; 0: off
     checkpoint_every: int = 0  # 0: only at the end; -1: never (benchmarks)
     keep_checkpoints: int = 2  # the newest N checkpoints are kept, older ones deleted
     tensorboard: bool = True  # scalars into OUT/tensorboard (needs tensorboard: the `tensorboard` extra, in make setup)
@@ -343,6 +349,11 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(not t.wandb_project or _installed("wandb"),
            f"train.wandb_project={t.wandb_project!r}: wandb is not installed; pip install wandb, or set train.wandb_project=''")
     _check(t.log_every >= 1, f"train.log_every={t.log_every}: must be at least 1")
+    _check(t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0 turns evaluation off)")
+    _check(d.eval_samples >= 0, f"data.eval_samples={d.eval_samples}: must be >= 0")
+    _check(t.eval_every == 0 or d.eval_path or d.eval_samples,
+           f"train.eval_every={t.eval_every} needs held-out data: set data.eval_path (a tokenized dataset) or "
+           "data.eval_samples=N (the last N samples of data.path)")
     _check(t.checkpoint_every >= -1, f"train.checkpoint_every={t.checkpoint_every}: use N > 0, 0 (only at the end) or -1 (never)")
     _check(t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be at least 1")
     for name in ("pp", "cp", "ep"):
@@ -370,6 +381,9 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
         not t.init_from or Path(t.init_from).exists(),
         f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''",
     )
+    _check(d.eval_samples % (t.micro_batch_size * data_ranks) == 0,
+           f"data.eval_samples={d.eval_samples} is not divisible by train.micro_batch_size ({t.micro_batch_size}) x "
+           f"data-parallel ranks ({data_ranks}); use a multiple of {t.micro_batch_size * data_ranks}")
     micro_per_rank = t.global_batch_size // max(1, t.micro_batch_size * data_ranks)
     _check(
         p.pp == 1 or micro_per_rank >= 2 * p.pp,

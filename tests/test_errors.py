@@ -96,6 +96,14 @@ CASES = [  # (id, command line, what the one line must name)
     ("data-bad-meta", "train {cfg} --set data.path={data_bad_meta}", "meta.json"),
     ("data-bad-ids", "train {cfg} --set data.path={data_bad_ids}", "tokens.bin"),
     ("data-vocab", "train {cfg} --set model.vocab_size=32", "vocab_size"),
+    ("eval-every-negative", "train {cfg} --set train.eval_every=-1", "train.eval_every"),
+    ("eval-every-no-data", "train {cfg} --set train.eval_every=5", "train.eval_every"),
+    ("eval-samples-negative", "train {cfg} --set data.eval_samples=-4", "data.eval_samples"),
+    ("eval-samples-indivisible", "train {cfg} --set data.eval_samples=3", "data.eval_samples"),
+    ("eval-samples-too-many", "train {cfg} --set data.eval_samples=10000", "data.eval_samples"),
+    ("eval-path-not-dataset", "train {cfg} --set train.eval_every=1 --set data.eval_path={tmp}", "data.eval_path"),
+    ("eval-path-vocab", "train {cfg} --set train.eval_every=1 --set data.eval_path={data_big_vocab}", "data.eval_path"),
+    ("eval-path-too-small", "train {cfg} --set data.eval_samples=400 --set data.eval_path={data}", "data.eval_path"),
     ("out-under-file", "train {cfg} --out {notes}/run", "notes.txt"),
     ("out-is-file", "train {cfg} --out {notes}", "notes.txt"),
     ("checkpoints-is-file", "train {cfg} --out {run_ckfile}", "checkpoints"),
@@ -186,6 +194,8 @@ def make_env(tmp: Path) -> dict:
     ids[::16] = 200  # inside uint8, outside the vocabulary of 64; meta.json unchanged
     ids.flush()
     del ids
+    env["data_big_vocab"] = tmp / "data_big_vocab"
+    write_dataset(env["data_big_vocab"], [list(range(200)) * 2], vocab_size=256, eos_id=0)
 
     config = load_run_config(env["cfg"])
     loop.train(config, tmp / "run_good", echo=False, stop_after=1)

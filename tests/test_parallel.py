@@ -30,6 +30,13 @@ def mesh_config(dataset_dir, ep=1, hsdp=False, steps=STEPS, family=tiny_config, 
     return cfg
 
 
+def evals(cfg):
+    """Held-out loss every 2 steps and at the end, on the first 8 windows of the training data
+    (data.eval_path: the training order stays that of the other runs)."""
+    cfg.train.eval_every, cfg.data.eval_path, cfg.data.eval_samples = 2, cfg.data.path, 8
+    return cfg
+
+
 def fp8(cfg):
     """FP8 row-wise, emulated on the CPU (ops/fp8.py's reference numerics)."""
     cfg.train.fp8, cfg.train.fp8_emulate = "rowwise", True
@@ -51,13 +58,13 @@ def runs(tmp_path_factory, dataset_dir):
     four = [
         (mesh_config(dataset_dir, ep=4), root / "ep4", {}),
         (mesh_config(dataset_dir, ep=2), root / "dp2ep2", {}),
-        (mesh_config(dataset_dir, ep=2, hsdp=True), root / "hsdp_dp2ep2", {}),
+        (evals(mesh_config(dataset_dir, ep=2, hsdp=True)), root / "hsdp_dp2ep2", {}),
         (mesh_config(dataset_dir, ep=1), root / "dp4", {}),
         (mesh_config(dataset_dir, ep=4, steps=8, checkpoint_every=2), chain, {"stop_after": 2}),
-        (mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config), root / "pp2ep2", {}),
+        (evals(mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config)), root / "pp2ep2", {}),
         (mesh_config(dataset_dir, pp=2, steps=3, family=deep_config), root / "pp2dp2", {}),
         (mesh_config(dataset_dir, pp=4, steps=3, family=deep_config), root / "pp4", {}),
-        (mesh_config(dataset_dir, cp=2), root / "cp2", {}),
+        (evals(mesh_config(dataset_dir, cp=2)), root / "cp2", {}),
         (mesh_config(dataset_dir, cp=4), root / "cp4", {}),
         (mesh_config(dataset_dir, cp=2, ep=2), root / "cp2ep2", {}),
         (mesh_config(dataset_dir, cp=2, ep=2, steps=3, packed=True, lb_type="seq"), root / "cp2ep2_packed", {}),
@@ -67,34 +74,34 @@ def runs(tmp_path_factory, dataset_dir):
     no_overlap = mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config)
     no_overlap.parallel.overlap_ep = False
     two = [
-        (mesh_config(dataset_dir, ep=1), root / "dp2", {}),
-        (mesh_config(dataset_dir, ep=2), root / "ep2", {}),
+        (evals(mesh_config(dataset_dir, ep=1)), root / "dp2", {}),
+        (evals(mesh_config(dataset_dir, ep=2)), root / "ep2", {}),
         (mesh_config(dataset_dir, ep=1, steps=2, lb_type="global", lb_coef=0.5), root / "global_dp2", {}),
         (mesh_config(dataset_dir, ep=2, steps=2, lb_type="seq", lb_coef=0.5), root / "seq_ep2", {}),
         (mesh_config(dataset_dir, ep=2, steps=8, checkpoint_every=2), chain, {"stop_after": 6}),
         (mesh_config(dataset_dir, ep=2, steps=3, family=tiny_deepseek_config), root / "ds_ep2", {}),
         (mesh_config(dataset_dir, ep=1, steps=3, family=tiny_deepseek_config), root / "ds_dp2", {}),
         (mesh_config(dataset_dir, ep=2, steps=3, family=tiny_gpt_oss_config), root / "oss_ep2", {}),
-        (mesh_config(dataset_dir, pp=2, steps=3, family=deep_config), root / "pp2", {}),
+        (evals(mesh_config(dataset_dir, pp=2, steps=3, family=deep_config)), root / "pp2", {}),
         # pp = 1 with EP: DualPipeV still overlaps two micro-batches on one rank
-        (mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config), root / "pp1ep2", {}),
+        (evals(mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config)), root / "pp1ep2", {}),
         (no_overlap, root / "ep2_no_overlap", {}),  # the same mesh, one micro-batch at a time
         (fp8(mesh_config(dataset_dir, ep=2)), root / "fp8_ep2", {}),
         (fp8(mesh_config(dataset_dir, ep=1)), root / "fp8_dp2", {}),  # FSDP-gathered weights: a new version each gather
     ]
     run_world(4, four)
     run_world(2, two)
-    run_world(8, [(mesh_config(dataset_dir, pp=2, cp=2, ep=2, steps=3, family=deep_config), root / "pp2cp2ep2", {})])
+    run_world(8, [(evals(mesh_config(dataset_dir, pp=2, cp=2, ep=2, steps=3, family=deep_config)), root / "pp2cp2ep2", {})])
     train(mesh_config(dataset_dir, steps=8, checkpoint_every=2), chain, echo=False)  # the last leg: one process
     refs = {
-        "ref": train(mesh_config(dataset_dir), root / "ref", echo=False),
+        "ref": train(evals(mesh_config(dataset_dir)), root / "ref", echo=False),
         "ref8": train(mesh_config(dataset_dir, steps=8), root / "ref8", echo=False),
         # `global` on 2 data ranks == `micro` on one process with micro-batches twice as large
         "ref_global": train(mesh_config(dataset_dir, steps=2, lb_type="micro", lb_coef=0.5, micro_batch_size=4),
                             root / "ref_global", echo=False),
         "ref_seq": train(mesh_config(dataset_dir, steps=2, lb_type="seq", lb_coef=0.5), root / "ref_seq", echo=False),
         "packed_ref": train(mesh_config(dataset_dir, steps=3, packed=True, lb_type="seq"), root / "packed_ref", echo=False),
-        "deep_ref": train(mesh_config(dataset_dir, steps=3, family=deep_config), root / "deep_ref", echo=False),
+        "deep_ref": train(evals(mesh_config(dataset_dir, steps=3, family=deep_config)), root / "deep_ref", echo=False),
         "ds_ref": train(mesh_config(dataset_dir, steps=3, family=tiny_deepseek_config), root / "ds_ref", echo=False),
         "oss_ref": train(mesh_config(dataset_dir, steps=3, family=tiny_gpt_oss_config), root / "oss_ref", echo=False),
         "fp8_ref": train(fp8(mesh_config(dataset_dir)), root / "fp8_ref", echo=False),
@@ -146,6 +153,19 @@ def test_pipeline_other_families_and_aux_free_bias_do_not_depend_on_the_mesh(run
             assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), (name, key)
         for key in biases:  # updated from integer loads summed over ranks and micro-batches: exact
             assert torch.equal(got_w[key], ref_w[key]), (name, key)
+
+
+@pytest.mark.parametrize("ref, names", [("ref", ["dp2", "ep2", "cp2", "hsdp_dp2ep2"]),
+                                        ("deep_ref", ["pp2", "pp1ep2", "pp2ep2", "pp2cp2ep2"])])
+def test_eval_loss_does_not_depend_on_the_mesh(runs, ref, names):
+    """The held-out loss (forward only, on every layout: FSDP, EP, CP, both DualPipeV chunks in
+    sequence) equals one process's."""
+    root, refs = runs
+    want = {m["step"]: m["eval_loss"] for m in refs[ref] if "eval_loss" in m}
+    assert sorted(want) == ([2, 4] if ref == "ref" else [2, 3])  # every 2 steps and the last
+    for name in names:
+        got = {m["step"]: m["eval_loss"] for m in read_metrics(root / name / "metrics.jsonl") if "eval_loss" in m}
+        assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (name, got, want)
 
 
 def test_load_balance_variants_across_ranks(runs):

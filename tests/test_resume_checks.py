@@ -50,6 +50,7 @@ def test_changed_model_data_order_or_batch_is_refused(run, dataset_dir):
         (["train.global_batch_size=16"], ["train.global_batch_size 8 -> 16"]),
         (["data.seq_len=16"], ["data.seq_len 32 -> 16"]),
         ([f"data.path={moved}"], ["data.path", "other_data"]),
+        (["data.eval_samples=8"], ["data.eval_samples held out of data.path 0 -> 8"]),  # the training order changes
     ]:
         args = [a for s in sets for a in ("--set", s)]
         code, _, err = cli("train", config, "--out", out, *args)
@@ -83,6 +84,7 @@ def test_mesh_compile_and_logging_may_change(run):
     config.parallel.ep, config.parallel.pp, config.parallel.hsdp = 2, 2, True  # checkpoints reshard
     config.train.compile, config.train.checkpoint_every, config.train.micro_batch_size = True, 5, 2
     config.train.steps = 10
+    config.train.eval_every, config.data.eval_path, config.data.eval_samples = 2, str(config.data.path), 8  # order kept
     checkpoint = ckpt.list_checkpoints(out)[-1]
     check_resume(config, checkpoint, echo=False)
     meta = json.loads((checkpoint / "meta.json").read_text())

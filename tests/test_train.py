@@ -2,19 +2,24 @@
 non-finite stop, schedules and load-balance losses."""
 
 import math
+import os
+import re
 import shutil
+import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import tiny_config
+from conftest import markov_docs, tiny_config
 from pithtrain.config import OptimConfig, UserError
 from pithtrain.protocol import RoutingInfo
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import loop
 from pithtrain.train.balance import LoadBalance
-from pithtrain.train.metrics import read_metrics
+from pithtrain.train.data import BatchLoader, TokenDataset, write_dataset
+from pithtrain.train.metrics import MetricsLog, duration, format_line, read_metrics
 from pithtrain.train.optim import lr_at
 
 
@@ -186,3 +191,89 @@ def test_startup_line_counts_the_whole_model_and_what_a_rank_holds(dataset_dir, 
     lines = run_fn(2, _startup_line, config, tmp_path / "ep2")
     assert lines[0][0].startswith(f"model qwen3_moe: {total:,} parameters ({total // 2:,} held by this rank) |")
     assert lines[1] == []
+
+
+def direct_loss(cfg, run_dir, batch) -> float:
+    """The final checkpoint's model (its independent reference_forward) on a batch: mean over label tokens."""
+    model = cfg.model.build_model()
+    ckpt.read_model_state(ckpt.resolve_checkpoint(run_dir), model)
+    with torch.no_grad():
+        logits = model.reference_forward(batch["input_ids"], batch["position_ids"]).double()
+    labels = batch["labels"]
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+    return ce.item() / int((labels != -100).sum())
+
+
+def test_eval_on_held_out_samples_and_progress_lines(tmp_path, dataset_dir, capsys):
+    cfg = tiny_config(dataset_dir, steps=5, eval_every=3, log_every=50)
+    cfg.data.eval_samples = 8  # the last 8 windows of the dataset
+    began = time.time()
+    history = loop.train(cfg, tmp_path, echo=True)
+    ended = time.time()
+    assert [m["step"] for m in history if "eval_loss" in m] == [3, 5]  # every 3 steps and the final one
+    total = (TokenDataset(dataset_dir).num_tokens - 1) // cfg.data.seq_len
+    loader = BatchLoader(TokenDataset(dataset_dir), cfg.data.seq_len, 8, cfg.data.seed, held_out=8)
+    assert loader.num_samples == total - 8 and max(loader.sample_index(k) for k in range(total)) < total - 8
+    held_out = loader.windows(np.arange(total - 8, total))
+    assert history[-1]["eval_loss"] == pytest.approx(direct_loss(cfg, tmp_path, held_out), rel=1e-5)
+    assert history[2]["eval_loss"] != pytest.approx(history[-1]["eval_loss"], rel=1e-4)
+    # progress: the first 3 steps, then every log_every and the last (and eval steps), with elapsed and ETA
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert [line.split()[1] for line in lines] == ["1/5", "2/5", "3/5", "5/5"]
+    assert all(re.search(r"\| [\dhms]+ elapsed, ETA [\dhms]+$", line) for line in lines) and "| eval " in lines[2]
+    stamps = [m["time"] for m in read_metrics(tmp_path / "metrics.jsonl")]
+    assert began <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= ended
+
+
+def test_eval_on_an_eval_dataset_equals_the_direct_loss(tmp_path, dataset_dir):
+    write_dataset(tmp_path / "eval", markov_docs(np.random.default_rng(3), 64, 12), vocab_size=64, eos_id=0)
+    cfg = tiny_config(dataset_dir, steps=1, eval_every=1)
+    cfg.data.eval_path, cfg.data.pack_documents = str(tmp_path / "eval"), True
+    history = loop.train(cfg, tmp_path / "run", echo=False)
+    eval_set = BatchLoader(TokenDataset(tmp_path / "eval"), cfg.data.seq_len, 1, 0, pack_documents=True)
+    n = eval_set.num_samples // 8 * 8  # eval_samples=0: every whole global batch of the eval set
+    assert n >= 16
+    batch = eval_set.windows(np.arange(n))
+    model = cfg.model.build_model()
+    ckpt.read_model_state(ckpt.resolve_checkpoint(tmp_path / "run"), model)
+    with torch.no_grad():  # packed documents: the model's own forward (reference_forward takes doc_ids too)
+        logits = model.reference_forward(batch["input_ids"], batch["position_ids"], batch["doc_ids"]).double()
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
+    assert history[0]["eval_loss"] == pytest.approx(ce.item() / int((batch["labels"] != -100).sum()), rel=1e-5)
+    # with eval off, the training order is that of a run without the eval fields
+    assert BatchLoader(TokenDataset(dataset_dir), 32, 8, 5, held_out=0).global_batch(3)["input_ids"].equal(
+        BatchLoader(TokenDataset(dataset_dir), 32, 8, 5).global_batch(3)["input_ids"])
+
+
+def test_cpu_threads_share_the_cores(monkeypatch):
+    before, cpu = torch.get_num_threads(), torch.device("cpu")
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    try:
+        for local, threads in (("4", 2), ("16", 1), ("1", 8)):
+            torch.set_num_threads(8)
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+            assert loop.cpu_threads(cpu) == f" (torch threads: {threads}, at most 8 cores // {local} processes on this host)"
+            assert torch.get_num_threads() == threads
+        torch.set_num_threads(3)  # a lower explicit setting is kept
+        assert loop.cpu_threads(cpu).startswith(" (torch threads: 3,") and torch.get_num_threads() == 3
+        monkeypatch.setenv("OMP_NUM_THREADS", "5")
+        torch.set_num_threads(5)
+        assert loop.cpu_threads(cpu) == " (torch threads: 5, from OMP_NUM_THREADS)" and torch.get_num_threads() == 5
+        assert loop.cpu_threads(torch.device("cuda")) == ""
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_progress_line_durations_and_tensorboard_tags(tmp_path):
+    m = {"step": 7, "loss": 2.0, "eval_loss": 2.5, "lb_loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 2e3,
+         "step_time_s": 0.1, "peak_mem_bytes": 2**30}
+    line = format_line(m, 100, elapsed=75, eta=7384)
+    assert line.startswith("step 7/100 | loss 2.0000 | eval 2.5000 |") and line.endswith("| 1m15s elapsed, ETA 2h03m")
+    assert [duration(s) for s in (0.2, 59.6, 3599, 36000)] == ["0s", "1m00s", "59m59s", "10h00m"]
+    log, scalars = MetricsLog(tmp_path, tensorboard=False), []
+    log.writer = type("Writer", (), {"add_scalar": lambda self, *a: scalars.append(a), "close": lambda self: None})()
+    log.log(dict(m, time=1.7e9), 100, echo=False)
+    tags = {tag: value for tag, value, step in scalars}
+    assert tags["eval/loss"] == 2.5 and tags["train/loss"] == 2.0 and "train/time" not in tags
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["time"] == 1.7e9

@@ -416,6 +416,34 @@ class PipelineRunner:
         self.peer = {d: dist.get_global_rank(self.group, mesh.pp_rank + d) for d in (-1, 1)
                      if 0 <= mesh.pp_rank + d < mesh.pp}
 
+    def forward_only(self, micros: list[dict], loss_fn, make_engine) -> torch.Tensor:
+        """Evaluation (call under no_grad): each micro-batch through the 2pp chunks in model order,
+        one micro-batch after another, down the ranks (phase 0) and back up (phase 1) with blocking
+        send/recv: without a backward there is nothing for a schedule to overlap. Returns the sum of
+        loss_fn(logits, micro) over the micro-batches (rank 0, which holds the head; 0 elsewhere)."""
+        rank, last, hidden = self.mesh.pp_rank, self.mesh.pp - 1, self.chunks[0].cfg.hidden_size
+        total = torch.zeros((), dtype=torch.float64, device=self.mesh.device)
+
+        def recv(b, s, side):
+            buf = torch.empty(b, s, hidden, dtype=self.act_dtype, device=self.mesh.device)
+            dist.recv(buf, self.peer[side], group=self.group)
+            return buf
+
+        for micro in micros:
+            pos, doc, cp = self.forward_inputs(micro)
+            b, s = micro["input_ids"].shape
+            x = micro["input_ids"] if rank == 0 else recv(b, s, -1)
+            x = self.chunks[0](x, pos, make_engine(b, s), doc_ids=doc, cp=cp)
+            if rank < last:  # the last rank feeds its own phase-1 chunk
+                dist.send(x.to(self.act_dtype).contiguous(), self.peer[1], group=self.group)
+                x = recv(b, s, 1)
+            x = self.chunks[1](x, pos, make_engine(b, s), doc_ids=doc, cp=cp)
+            if rank > 0:
+                dist.send(x.to(self.act_dtype).contiguous(), self.peer[-1], group=self.group)
+            else:
+                total += loss_fn(x, micro).double()
+        return total
+
     def _sends(self, rank_ops: list[Op], rank: int):
         """Messages a rank sends, in its order: (destination pp rank, kind, phase, mb)."""
         pp, out = self.mesh.pp, []

@@ -251,17 +251,20 @@ class BatchLoader:
     (seed, epoch); global batch `step` is stream positions [step*G, (step+1)*G).
     """
 
-    def __init__(self, dataset: TokenDataset, seq_len: int, global_batch_size: int, seed: int, pack_documents: bool = False):
+    def __init__(self, dataset: TokenDataset, seq_len: int, global_batch_size: int, seed: int, pack_documents: bool = False,
+                 held_out: int = 0):
+        """`held_out`: the last windows of the dataset are left out of the order (eval's; see `windows`)."""
         if seq_len < 1 or global_batch_size < 1:
             raise ValueError(f"data.seq_len ({seq_len}) and train.global_batch_size ({global_batch_size}) must be >= 1")
         self.dataset, self.seq_len, self.global_batch_size = dataset, seq_len, global_batch_size
         self.seed, self.pack_documents = seed, pack_documents
-        self.num_samples = (dataset.num_tokens - 1) // seq_len
+        self.num_samples = (dataset.num_tokens - 1) // seq_len - held_out
         if self.num_samples < global_batch_size:
             raise ValueError(
-                f"corpus of {dataset.num_tokens} tokens gives {self.num_samples} samples of seq_len {seq_len}, "
-                f"fewer than one global batch of {global_batch_size}; "
-                "use more data or a smaller data.seq_len / train.global_batch_size"
+                f"corpus of {dataset.num_tokens} tokens gives {self.num_samples + held_out} samples of seq_len {seq_len}"
+                + (f", {held_out} of them held out for eval (data.eval_samples)," if held_out else ",")
+                + f" fewer than one global batch of {global_batch_size} left to train on; "
+                "use more data or a smaller data.seq_len / train.global_batch_size" + (" / data.eval_samples" if held_out else "")
             )
         self._perms: dict[int, np.ndarray] = {}  # at most two epochs: a batch can straddle a boundary
 
@@ -287,8 +290,12 @@ class BatchLoader:
 
     def global_batch(self, step: int) -> dict[str, torch.Tensor]:
         """CPU int64 tensors [G, S]: input_ids, labels, position_ids (+ doc_ids when packing)."""
-        G, S = self.global_batch_size, self.seq_len
-        indices = self._sample_indices(np.arange(step * G, (step + 1) * G, dtype=np.int64))
+        G = self.global_batch_size
+        return self.windows(self._sample_indices(np.arange(step * G, (step + 1) * G, dtype=np.int64)))
+
+    def windows(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
+        """The batch of these window indices, in this order (global_batch's layout)."""
+        G, S = len(indices), self.seq_len
         starts = indices * S
         token_positions = starts[:, None] + np.arange(S + 1, dtype=np.int64)  # [G, S+1] absolute positions
         windows = self.dataset.tokens[token_positions].astype(np.int64)

@@ -19,8 +19,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.fsdp import FSDPModule
 
 from pithtrain.config import ConfigError, RunConfig, UserError, read_json, run_dict, runs_dualpipev, validate
 from pithtrain.models.routing import update_correction_bias
@@ -97,6 +99,7 @@ def train(
     `mesh` is None for one process; launched runs pass the mesh built by `init_mesh`. `stop` (see
     launch.GracefulStop): once its `signum` is set on any rank, every rank ends after the same step,
     with a checkpoint, and `stop.stopped_at` is that step."""
+    began = time.time()
     if steps is not None:
         config.train.steps = steps
     t, o = config.train, config.optim
@@ -107,8 +110,8 @@ def train(
     dtype = compute_dtype(t.dtype, device)
     echo = echo and mesh.is_main
     out_dir = Path(out_dir)
-    dataset, found = check_run(config, out_dir, stop_after, echo, create=mesh.is_main)
-    loader = BatchLoader(dataset, config.data.seq_len, t.global_batch_size, config.data.seed, config.data.pack_documents)
+    threads = cpu_threads(device)
+    loader, evaluation, found = check_run(config, out_dir, stop_after, echo, create=mesh.is_main)
 
     if runs_dualpipev(config, mesh.world):  # this rank's two DualPipeV chunks, seen as one module for state and optimizer
         chunks = build_chunks(config.model, mesh.pp, mesh.pp_rank, t.seed)
@@ -162,8 +165,8 @@ def train(
         print(
             f"model {config.model.model_type}: {_count(n_total)} parameters"
             f"{f' ({_count(n_held)} held by this rank)' if n_held != n_total else ''} | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
-            f"device {device} | compute {dtype} | {loader.num_samples} samples of {config.data.seq_len} tokens | "
-            f"{t.steps} steps of {t.global_batch_size} samples",
+            f"device {device}{threads} | compute {dtype} | {loader.num_samples} samples of {config.data.seq_len} tokens"
+            f"{f' (+{len(evaluation[1])} for eval)' if evaluation else ''} | {t.steps} steps of {t.global_batch_size} samples",
             flush=True,
         )
 
@@ -185,6 +188,7 @@ def train(
         engines.append(ExpertEngine(dispatcher, balance, batch, seq))
         return engines[-1]
 
+    runner = None
     if chunks is not None:
         runner = PipelineRunner(
             *chunks, mesh, new_engine,
@@ -200,6 +204,7 @@ def train(
     if echo and start == end:
         print(f"nothing to do: {out_dir} is already at step {start}; raise --steps to train further", flush=True)
     profiler = None
+    first_done = None  # (time, step) at the end of this run's first step: the ETA's rate excludes its warm-up
     for step in range(start, end):
         if t.profile_step and step + 1 == t.profile_step:
             profiler = start_profiler(device)
@@ -265,6 +270,11 @@ def train(
         }
         if balance_ep is not None:
             m["ep_load_balance"] = balance_ep
+        if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+            m["eval_loss"] = evaluate(chunks or (model,), runner, evaluation, config, mesh, dispatcher, dtype)
+        m["time"] = now = time.time()
+        first_done = first_done or (now, step + 1)
+        rate = (now - first_done[0]) / (step + 1 - first_done[1]) if step + 1 > first_done[1] else time.perf_counter() - t0
         history.append(m)
         if profiler is not None:
             profiler.stop()
@@ -274,7 +284,8 @@ def train(
             if echo:
                 print(f"profile of step {step + 1} written to {path.parent}/rank*.json", flush=True)
             profiler = None
-        log.log(m, t.steps, echo=echo and ((step + 1) % t.log_every == 0 or step + 1 == t.steps))
+        shown = step - start < 3 or (step + 1) % t.log_every == 0 or step + 1 in (t.steps, end) or "eval_loss" in m
+        log.log(m, t.steps, echo=echo and shown, elapsed=now - began, eta=rate * (end - step - 1))
         if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < end or halt and t.checkpoint_every >= 0:
             save(step + 1)
         if halt:
@@ -288,11 +299,12 @@ def train(
 
 
 def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, echo: bool = False,
-              create: bool = True) -> tuple[TokenDataset, Path | None]:
+              create: bool = True) -> tuple[BatchLoader, tuple | None, Path | None]:
     """What can fail before a model is built, checked first (and by `pithtrain train` before it starts
     workers): the run directory takes files (`create`: make it, on one rank), data.path is a dataset
-    whose ids fit the model's vocabulary, and a checkpoint to resume agrees with this config
-    (check_resume). Returns the dataset and the checkpoint to resume from (None: start afresh)."""
+    whose ids fit the model's vocabulary (and so is data.eval_path), the hold-out leaves a batch to
+    train on, and a checkpoint to resume agrees with this config (check_resume). Returns the batch
+    loader, the eval samples (eval_windows) and the checkpoint to resume from (None: start afresh)."""
     if stop_after is not None and stop_after < 1:
         raise ConfigError(f"--stop-after {stop_after}: must be at least 1")
     if create:
@@ -306,15 +318,84 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
     except (OSError, ValueError) as e:
         raise UserError(f"data.path={config.data.path!r}: {e}") from None
     dataset.check_vocab(config.model.vocab_size)
+    d = config.data
+    loader = BatchLoader(dataset, d.seq_len, config.train.global_batch_size, d.seed, d.pack_documents,
+                         held_out=0 if d.eval_path else d.eval_samples)
     found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None)
     if found is not None:  # the newest checkpoint whose files pass their checksums
         check_resume(config, found, stop_after, echo)
-    return dataset, found
+    return loader, eval_windows(config, loader), found
+
+
+def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, np.ndarray] | None:
+    """The eval samples: (a loader whose `windows` reads them, their window indices), or None.
+    data.eval_path: its first data.eval_samples windows (0: as many whole global batches as it
+    holds); otherwise the last data.eval_samples windows of data.path, which `loader` holds out."""
+    d, batch = config.data, config.train.global_batch_size
+    if not d.eval_path:
+        return (loader, np.arange(loader.num_samples, loader.num_samples + d.eval_samples)) if d.eval_samples else None
+    try:
+        dataset = TokenDataset(d.eval_path)
+        dataset.check_vocab(config.model.vocab_size)
+    except (OSError, ValueError) as e:
+        raise UserError(f"data.eval_path={d.eval_path!r}: {e}") from None
+    total = (dataset.num_tokens - 1) // d.seq_len
+    n = d.eval_samples or total // batch * batch
+    if not 0 < n <= total:
+        raise UserError(f"data.eval_path={d.eval_path!r}: {total} samples of {d.seq_len} tokens, fewer than "
+                        f"{f'data.eval_samples={n}' if d.eval_samples else f'one global batch ({batch})'}; "
+                        "use a larger eval set or set data.eval_samples lower")
+    return BatchLoader(dataset, d.seq_len, 1, 0, d.pack_documents), np.arange(n)
+
+
+@torch.no_grad()
+def evaluate(parts, runner, evaluation, config: RunConfig, mesh: Mesh, dispatcher, dtype) -> float:
+    """The held-out loss on the training mesh, in eval mode: the sum of token cross-entropies over
+    the eval samples / their number of label tokens (the training loss's definition). Samples go
+    in global batches, cut into micro-batches as in training; `parts`: the model or its chunks."""
+    loader, indices = evaluation
+    t, device = config.train, mesh.device
+    ce, n_label = torch.zeros((), dtype=torch.float64, device=device), 0
+    for part in parts:
+        part.eval()
+    for i in range(0, len(indices), t.global_batch_size):
+        batch = loader.windows(indices[i : i + t.global_batch_size])
+        n_label += int((batch["labels"] != -100).sum())
+        micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
+        if runner is None:
+            for micro in micros:
+                ce += forward_loss(parts[0], micro, ExpertEngine(dispatcher, None, *micro["input_ids"].shape), device, dtype)[0].double()
+            continue
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            ce += runner.forward_only(micros, lambda logits, micro: cross_entropy_sum(logits, micro["labels"]),
+                                      lambda b, s: ExpertEngine(dispatcher, None, b, s))
+    for part in parts:
+        part.train()
+        if runner is not None and isinstance(part, FSDPModule):  # a pipeline chunk keeps its gathered weights
+            part.reshard()
+    if mesh.world > 1:  # as the training loss: pipeline rank 0 of every dp x cp x ep rank holds a share
+        torch.distributed.all_reduce(ce, group=None if mesh.pp > 1 else mesh.dense_mesh.get_group())
+    return ce.item() / max(n_label, 1)
+
+
+def cpu_threads(device: torch.device) -> str:
+    """On the CPU, at most (usable cores // processes on this host) torch threads per process, so
+    that launched workers do not oversubscribe the cores; an explicit OMP_NUM_THREADS, or a lower
+    torch.set_num_threads, is kept. Returns the choice for the startup line."""
+    if device.type != "cpu":
+        return ""
+    if "OMP_NUM_THREADS" in os.environ:
+        return f" (torch threads: {torch.get_num_threads()}, from OMP_NUM_THREADS)"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    torch.set_num_threads(min(torch.get_num_threads(), max(1, cores // local)))
+    return f" (torch threads: {torch.get_num_threads()}, at most {cores} cores // {local} processes on this host)"
 
 
 # Resuming with a change to these is refused: the checkpoint's weights or the data order would not
 # fit (every model.* field is refused too).
-FIXED = ("data.path", "data.seed", "data.seq_len", "train.global_batch_size")
+HELD_OUT = "data.eval_samples held out of data.path"
+FIXED = ("data.path", "data.seed", "data.seq_len", "train.global_batch_size", HELD_OUT)
 # Applied from the resumed step with a warning: they change the optimisation from there on. Any
 # other field (logging, checkpointing, compile, dtype, the mesh: checkpoints reshard) changes freely.
 WARNED = ("optim.", "train.steps", "train.lb_coef", "train.lb_type", "data.pack_documents")
@@ -350,6 +431,8 @@ def _flat(config: dict) -> dict:
     flat = {f"{section}.{k}": v for section, fields in config.items() if isinstance(fields, dict) for k, v in fields.items()}
     if isinstance(flat.get("data.path"), str):
         flat["data.path"] = os.path.realpath(flat["data.path"])
+        # the hold-out changes the training order (eval_samples alone does not, with an eval_path)
+        flat[HELD_OUT] = 0 if flat.get("data.eval_path") else flat.get("data.eval_samples", 0)
     return flat
 
 

@@ -16,13 +16,23 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def format_line(m: dict, total_steps: int) -> str:
+def duration(seconds: float) -> str:
+    """45s, 3m05s, 2h03m."""
+    s = int(max(seconds, 0) + 0.5)
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s // 60 % 60:02d}m"
+
+
+def format_line(m: dict, total_steps: int, elapsed: float | None = None, eta: float | None = None) -> str:
     tps = m["tokens_per_s"]
     tps_text = f"{tps / 1e3:.1f}k" if tps >= 1e3 else f"{tps:.0f}"
+    progress = "" if elapsed is None else f" | {duration(elapsed)} elapsed, ETA {duration(eta)}"
     return (
-        f"step {m['step']}/{total_steps} | loss {m['loss']:.4f} | lb {m['lb_loss']:.4f} | lr {m['lr']:.2e} | "
+        f"step {m['step']}/{total_steps} | loss {m['loss']:.4f}"
+        + (f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else "")
+        + f" | lb {m['lb_loss']:.4f} | lr {m['lr']:.2e} | "
         f"gnorm {m['grad_norm']:.3f} | {tps_text} tok/s | {m['step_time_s']:.3f} s/step | "
         f"mem {m['peak_mem_bytes'] / 2**30:.2f} GiB" + (f" | ep balance {m['ep_load_balance']:.2f}" if "ep_load_balance" in m else "")
+        + progress
     )
 
 
@@ -43,17 +53,18 @@ class MetricsLog:
         if enabled and wandb_project:
             self.wandb = _wandb_run(wandb_project, Path(out_dir), config)
 
-    def log(self, metrics: dict, total_steps: int, echo: bool = True) -> None:
+    def log(self, metrics: dict, total_steps: int, echo: bool = True, elapsed: float | None = None,
+            eta: float | None = None) -> None:
         if not self.enabled:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(metrics) + "\n")  # json writes floats with full precision (repr)
         if echo:
-            print(format_line(metrics, total_steps), flush=True)
+            print(format_line(metrics, total_steps, elapsed, eta), flush=True)
         if self.writer is not None:
             for k, v in metrics.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.writer.add_scalar(f"train/{k}", v, metrics["step"])
+                if k not in ("step", "time") and isinstance(v, (int, float)):  # eval_loss as eval/loss
+                    self.writer.add_scalar("eval/loss" if k == "eval_loss" else f"train/{k}", v, metrics["step"])
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 
