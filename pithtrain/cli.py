@@ -79,7 +79,7 @@ def _check_only(args, config, out: Path, world: int) -> int:
     parent = next(p for p in (out, *out.parents) if p.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UserError(f"--out {out}: {parent} is not a writable directory; choose another --out")
-    _, found = check_run(config, out, args.stop_after, echo=False, create=False)
+    *_, found = check_run(config, out, args.stop_after, echo=False, create=False)
     if args.print_config:
         print(json.dumps(run_dict(config), indent=2))
         return 0
@@ -131,7 +131,8 @@ def _train_here(args, config, out: Path, launched: bool, stop) -> int:
             print(f"stopped by {by} after step {stop.stopped_at} of {config.train.steps}; "
                   f"{saved}\nresume with: {shlex.join(['pithtrain', *args.argv])}", flush=True)
         elif history:
-            print(f"done: {len(history)} steps, final loss {history[-1]['loss']:.4f}; metrics in {out}/metrics.jsonl, "
+            held_out = f", eval loss {history[-1]['eval_loss']:.4f}" if "eval_loss" in history[-1] else ""
+            print(f"done: {len(history)} steps, final loss {history[-1]['loss']:.4f}{held_out}; metrics in {out}/metrics.jsonl, "
                   f"checkpoints in {out}/checkpoints")
     if mesh is not None:
         import torch.distributed as dist

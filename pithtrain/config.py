@@ -43,8 +43,8 @@ class DataConfig:
     # validation (train.eval_every): the first eval_samples windows of eval_path (a dataset; 0: all
     # of them), or, with eval_path empty, the LAST eval_samples windows of `path`, which training
     # then never reads (0: none held out, the training order of older runs)
-    eval_path: str = ""
-    eval_samples: int = 0
+    eval_path: str = ""  # held-out dataset for train.eval_every; '' holds out the last eval_samples of path
+    eval_samples: int = 0  # held-out samples for train.eval_every (0 with eval_path: all of it)
 
 
 @dataclass
