@@ -160,6 +160,8 @@ def config_help() -> str:
         hints, meaning = typing.get_type_hints(cls), field_help(cls)
         for f in dataclasses.fields(cls):
             head = f"  {section}.{f.name}: {_type_name(hints[f.name])} = {_default(f)!r}"
+            if len(head) > 46:  # a long default (optim.muon_exclude): the meaning goes below it
+                out, head = out + [head], ""
             out.append(textwrap.fill(meaning[f.name], 110, initial_indent=f"{head:<46} ", subsequent_indent=" " * 47))
     out.append("\nmodel.*: the fields of the family's HF config.json (pithtrain/models/<family>.py), with defaults:")
     for cls in (Qwen3MoeConfig, DeepseekV2Config, GptOssConfig):

@@ -21,11 +21,11 @@ def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConf
     groups = {}
     for name, p in params:
         decay = not (p.ndim < 2 or "embed" in name or "norm" in name)
-        key = ("muon",) if muon and takes_muon(name, p, cfg.muon_exclude) else (decay, isinstance(p, DTensor))
+        key = "muon" if muon and takes_muon(name, p, cfg.muon_exclude) else (decay, isinstance(p, DTensor))
         groups.setdefault(key, []).append((name, p))
-    groups = [{"params": [p for _, p in ps], "weight_decay": cfg.weight_decay if key[0] else 0.0}
-              | ({"muon": key == ("muon",), "momentum": cfg.momentum,
-                  "experts": [".experts." in n for n, _ in ps]} if muon else {})
+    groups = [{"params": [p for _, p in ps], "weight_decay": cfg.weight_decay if key == "muon" or key[0] else 0.0}
+              | ({"muon": key == "muon", "momentum": cfg.momentum, "experts": [".experts." in n for n, _ in ps]}
+                 if muon else {})
               for key, ps in groups.items()]
     fused = device_type == "cuda"  # the fused kernel is the fastest on GPUs; foreach on the CPU
     return (Muon if muon else torch.optim.AdamW)(
