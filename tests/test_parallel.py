@@ -78,6 +78,7 @@ def runs(tmp_path_factory, dataset_dir):
         (fp8(mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config)), root / "fp8_pp2ep2", {}),
         (muon(mesh_config(dataset_dir, ep=2, steps=3)), root / "muon_dp2ep2", {}),
         (muon(mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config)), root / "muon_pp2ep2", {}),
+        (muon(mesh_config(dataset_dir, ep=2, steps=3, checkpoint_every=2)), root / "muon_chain", {"stop_after": 2}),
     ]
     no_overlap = mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config)
     no_overlap.parallel.overlap_ep = False
@@ -104,6 +105,7 @@ def runs(tmp_path_factory, dataset_dir):
     run_world(2, two)
     run_world(8, [(evals(mesh_config(dataset_dir, pp=2, cp=2, ep=2, steps=3, family=deep_config)), root / "pp2cp2ep2", {})])
     train(mesh_config(dataset_dir, steps=8, checkpoint_every=2), chain, echo=False)  # the last leg: one process
+    train(muon(mesh_config(dataset_dir, steps=3, checkpoint_every=2)), root / "muon_chain", echo=False)  # dp2 x ep2 -> 1
     refs = {
         "ref": train(evals(mesh_config(dataset_dir)), root / "ref", echo=False),
         "ref8": train(mesh_config(dataset_dir, steps=8), root / "ref8", echo=False),
@@ -181,6 +183,26 @@ def test_muon_does_not_depend_on_the_mesh(runs, dataset_dir, family, ref, names)
         got_w = final_weights(root / name, dataset_dir, family)
         for key in ref_w:
             assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), (name, key)
+
+
+def test_muon_momentum_reshards(runs, dataset_dir):
+    """Muon's momentum, saved on dp2 x ep2 (one entry per global expert) and resumed on one process,
+    continues the one-process curve and ends with the same weights and momentum."""
+    root, refs = runs
+    assert_same_curve(refs["muon_ref"], read_metrics(root / "muon_chain" / "metrics.jsonl"))
+    states = []
+    for run in ("muon_ref", "muon_chain"):
+        cfg = muon(mesh_config(dataset_dir))
+        model = cfg.model.build_model()
+        optimizer = build_optimizer(list(model.named_parameters()), cfg.optim, "cpu")
+        ckpt.load_training_state(ckpt.resolve_checkpoint(root / run), model, optimizer)
+        states.append({n: (p.detach().clone(), optimizer.state[p]) for n, p in model.named_parameters()})
+    for name, (w, st) in states[0].items():
+        got_w, got_st = states[1][name]
+        assert torch.allclose(got_w, w, rtol=1e-5, atol=1e-5), name
+        for key in st.keys() & {"momentum_buffer", "exp_avg"}:
+            assert torch.allclose(got_st[key], st[key], rtol=1e-4, atol=1e-7), (name, key)
+    assert sum("momentum_buffer" in st for _, st in states[1].values()) == 12  # 2 layers x (q, k, v, o, 2 expert stacks)
 
 
 @pytest.mark.parametrize("ref, names", [("ref", ["dp2", "ep2", "cp2", "hsdp_dp2ep2"]),
