@@ -34,6 +34,11 @@ class ConfigError(UserError):
     """A config problem; the message names the field and the fix."""
 
 
+# Kept on AdamW under optim.name=muon (besides any tensor that is not one matrix, or a stack of expert matrices):
+# embeddings, LM head, norms, biases, router gates (Qwen3/DeepSeek `mlp.gate`, GPT-OSS `mlp.router`), attention sinks.
+MUON_EXCLUDE = ("embed_tokens.*", "lm_head.*", "*norm*", "*bias", "*.mlp.gate.weight", "*.router.*", "*.sinks")
+
+
 @dataclass
 class DataConfig:
     path: str = ""  # dataset directory written by `pithtrain tokenize`
@@ -49,6 +54,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
+    name: str = "adamw"  # adamw | muon (Muon for 2-D weight matrices, AdamW for the rest; docs/architecture.md)
     lr: float = 3e-4  # peak learning rate (after warmup)
     min_lr_ratio: float = 0.1  # final lr = lr * min_lr_ratio
     schedule: str = "cosine"  # cosine | wsd | constant
@@ -59,6 +65,10 @@ class OptimConfig:
     beta2: float = 0.95  # AdamW second-moment decay
     eps: float = 1e-8  # AdamW denominator epsilon
     grad_clip: float = 1.0  # max global grad norm; 0 disables clipping
+    momentum: float = 0.95  # Muon Nesterov momentum
+    # Muon: parameters whose name matches one of these fnmatch patterns stay on AdamW (setting the list replaces it)
+    muon_exclude: list[str] = field(default_factory=lambda: list(MUON_EXCLUDE))
+    allow_switch: bool = False  # resume a checkpoint written with another optim.name (its optimizer state is dropped)
 
 
 @dataclass
@@ -150,6 +160,8 @@ def config_help() -> str:
         hints, meaning = typing.get_type_hints(cls), field_help(cls)
         for f in dataclasses.fields(cls):
             head = f"  {section}.{f.name}: {_type_name(hints[f.name])} = {_default(f)!r}"
+            if len(head) > 46:  # a long default (optim.muon_exclude): the meaning goes below it
+                out, head = out + [head], ""
             out.append(textwrap.fill(meaning[f.name], 110, initial_indent=f"{head:<46} ", subsequent_indent=" " * 47))
     out.append("\nmodel.*: the fields of the family's HF config.json (pithtrain/models/<family>.py), with defaults:")
     for cls in (Qwen3MoeConfig, DeepseekV2Config, GptOssConfig):
@@ -415,3 +427,5 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
     _check(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables clipping)")
     _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+    _check(o.name in ("adamw", "muon"), f"optim.name={o.name!r}: use adamw or muon")
+    _check(0 <= o.momentum < 1, f"optim.momentum={o.momentum}: must be in [0, 1)")

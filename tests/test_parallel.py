@@ -43,6 +43,12 @@ def fp8(cfg):
     return cfg
 
 
+def muon(cfg):
+    """optim.name=muon: Newton-Schulz on whole matrices, gathered from FSDP shards."""
+    cfg.optim.name = "muon"
+    return cfg
+
+
 def deep_config(dataset_dir, **train):
     """Six layers (one of them dense), one sample per micro-batch: enough micro-batches and
     layers for pp up to 4 (DualPipeV needs 2*pp micro-batches per step)."""
@@ -70,6 +76,9 @@ def runs(tmp_path_factory, dataset_dir):
         (mesh_config(dataset_dir, cp=2, ep=2, steps=3, packed=True, lb_type="seq"), root / "cp2ep2_packed", {}),
         (mesh_config(dataset_dir, ep=2, steps=8, checkpoint_every=2), chain, {"stop_after": 4}),
         (fp8(mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config)), root / "fp8_pp2ep2", {}),
+        (muon(mesh_config(dataset_dir, ep=2, steps=3)), root / "muon_dp2ep2", {}),
+        (muon(mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config)), root / "muon_pp2ep2", {}),
+        (muon(mesh_config(dataset_dir, ep=2, steps=3, checkpoint_every=2)), root / "muon_chain", {"stop_after": 2}),
     ]
     no_overlap = mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config)
     no_overlap.parallel.overlap_ep = False
@@ -88,11 +97,15 @@ def runs(tmp_path_factory, dataset_dir):
         (no_overlap, root / "ep2_no_overlap", {}),  # the same mesh, one micro-batch at a time
         (fp8(mesh_config(dataset_dir, ep=2)), root / "fp8_ep2", {}),
         (fp8(mesh_config(dataset_dir, ep=1)), root / "fp8_dp2", {}),  # FSDP-gathered weights: a new version each gather
+        (muon(mesh_config(dataset_dir, ep=1, steps=3)), root / "muon_dp2", {}),  # experts sharded too
+        (muon(mesh_config(dataset_dir, ep=2, steps=3)), root / "muon_ep2", {}),  # experts whole, local
+        (muon(mesh_config(dataset_dir, cp=2, steps=3)), root / "muon_cp2", {}),
     ]
     run_world(4, four)
     run_world(2, two)
     run_world(8, [(evals(mesh_config(dataset_dir, pp=2, cp=2, ep=2, steps=3, family=deep_config)), root / "pp2cp2ep2", {})])
     train(mesh_config(dataset_dir, steps=8, checkpoint_every=2), chain, echo=False)  # the last leg: one process
+    train(muon(mesh_config(dataset_dir, steps=3, checkpoint_every=2)), root / "muon_chain", echo=False)  # dp2 x ep2 -> 1
     refs = {
         "ref": train(evals(mesh_config(dataset_dir)), root / "ref", echo=False),
         "ref8": train(mesh_config(dataset_dir, steps=8), root / "ref8", echo=False),
@@ -106,6 +119,8 @@ def runs(tmp_path_factory, dataset_dir):
         "oss_ref": train(mesh_config(dataset_dir, steps=3, family=tiny_gpt_oss_config), root / "oss_ref", echo=False),
         "fp8_ref": train(fp8(mesh_config(dataset_dir)), root / "fp8_ref", echo=False),
         "fp8_deep_ref": train(fp8(mesh_config(dataset_dir, steps=3, family=deep_config)), root / "fp8_deep_ref", echo=False),
+        "muon_ref": train(muon(mesh_config(dataset_dir, steps=3)), root / "muon_ref", echo=False),
+        "muon_deep_ref": train(muon(mesh_config(dataset_dir, steps=3, family=deep_config)), root / "muon_deep_ref", echo=False),
     }
     return root, refs
 
@@ -153,6 +168,41 @@ def test_pipeline_other_families_and_aux_free_bias_do_not_depend_on_the_mesh(run
             assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), (name, key)
         for key in biases:  # updated from integer loads summed over ranks and micro-batches: exact
             assert torch.equal(got_w[key], ref_w[key]), (name, key)
+
+
+@pytest.mark.parametrize("family, ref, names", [(tiny_config, "muon_ref", ["muon_dp2", "muon_ep2", "muon_dp2ep2", "muon_cp2"]),
+                                                 (deep_config, "muon_deep_ref", ["muon_pp2ep2"])])
+def test_muon_does_not_depend_on_the_mesh(runs, dataset_dir, family, ref, names):
+    """Muon orthogonalises whole matrices (dense ones gathered from their FSDP shards, expert stacks
+    per expert on the shard that holds them): every mesh equals one process, weights included."""
+    root, refs = runs
+    assert refs[ref][-1]["loss"] != refs["ref" if family is tiny_config else "deep_ref"][2]["loss"]  # Muon really ran
+    ref_w = final_weights(root / ref, dataset_dir, family)
+    for name in names:
+        assert_same_curve(refs[ref], read_metrics(root / name / "metrics.jsonl"))
+        got_w = final_weights(root / name, dataset_dir, family)
+        for key in ref_w:
+            assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), (name, key)
+
+
+def test_muon_momentum_reshards(runs, dataset_dir):
+    """Muon's momentum, saved on dp2 x ep2 (one entry per global expert) and resumed on one process,
+    continues the one-process curve and ends with the same weights and momentum."""
+    root, refs = runs
+    assert_same_curve(refs["muon_ref"], read_metrics(root / "muon_chain" / "metrics.jsonl"))
+    states = []
+    for run in ("muon_ref", "muon_chain"):
+        cfg = muon(mesh_config(dataset_dir))
+        model = cfg.model.build_model()
+        optimizer = build_optimizer(list(model.named_parameters()), cfg.optim, "cpu")
+        ckpt.load_training_state(ckpt.resolve_checkpoint(root / run), model, optimizer)
+        states.append({n: (p.detach().clone(), optimizer.state[p]) for n, p in model.named_parameters()})
+    for name, (w, st) in states[0].items():
+        got_w, got_st = states[1][name]
+        assert torch.allclose(got_w, w, rtol=1e-5, atol=1e-5), name
+        for key in st.keys() & {"momentum_buffer", "exp_avg"}:
+            assert torch.allclose(got_st[key], st[key], rtol=1e-4, atol=1e-7), (name, key)
+    assert sum("momentum_buffer" in st for _, st in states[1].values()) == 12  # 2 layers x (q, k, v, o, 2 expert stacks)
 
 
 @pytest.mark.parametrize("ref, names", [("ref", ["dp2", "ep2", "cp2", "hsdp_dp2ep2"]),

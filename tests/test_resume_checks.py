@@ -58,6 +58,18 @@ def test_changed_model_data_order_or_batch_is_refused(run, dataset_dir):
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_00000001"]
 
 
+def test_switching_the_optimizer_is_refused_unless_allowed(run, tmp_path):
+    """The checkpoint holds AdamW's moments: optim.name=muon is refused in one line naming the escape;
+    with optim.allow_switch=true the run goes on (weights loaded, Muon's state fresh), with a warning."""
+    _, config, out = run
+    code, _, err = cli("train", config, "--out", out, "--set", "optim.name=muon")
+    assert refused(code, err, "cannot resume", "adamw", "optim.name=muon", "optim.allow_switch=true"), err
+    copy = shutil.copytree(out, tmp_path / "run")
+    code, printed, err = cli("train", config, "--out", copy, "--set", "optim.name=muon", "--set", "optim.allow_switch=true")
+    assert code == 0 and "optim.name 'adamw' -> 'muon'" in printed, err
+    assert [m["step"] for m in read_metrics(copy / "metrics.jsonl")] == [1, 2]
+
+
 def test_lr_schedule_and_steps_change_with_a_warning_then_fewer_steps_are_refused(run):
     tmp, config, out = run
     code, printed, err = cli("train", config, "--out", out, "--steps", "3", "--set", "optim.lr=1e-3",

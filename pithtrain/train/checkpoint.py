@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -258,7 +258,7 @@ def _split_optim(state: dict, mesh) -> dict:
         if ".experts." not in name:
             out[name] = entry
             continue
-        for key, value in entry.items():
+        for key, value in entry.items():  # AdamW: step, exp_avg, exp_avg_sq; Muon: momentum_buffer
             if key != "step":
                 for expert_name, row in _split_experts({name: value}, mesh).items():
                     out.setdefault(expert_name, {"step": entry["step"].clone()})[key] = row
@@ -272,7 +272,7 @@ def _join_optim(canonical: dict, template: dict, mesh) -> dict:
         if ".experts." not in name:
             out[name] = canonical[name]
             continue
-        local = entry["exp_avg"].shape[0]
+        local = next(v for k, v in entry.items() if k != "step").shape[0]
         rows = [f"{name}.{_expert_offset(mesh, local) + i}" for i in range(local)]
         out[name] = {"step": canonical[rows[0]]["step"]}
         for key, value in entry.items():
@@ -292,13 +292,21 @@ def _canonical(model_sd: dict, optim_sd: dict, mesh) -> dict:
     return {"model": _split_experts(model_sd, mesh), "optim": {"state": _split_optim(optim_sd["state"], mesh)}}
 
 
-def load_training_state(ckpt: str | Path, model: torch.nn.Module, optimizer, mesh=None) -> dict:
+def load_training_state(ckpt: str | Path, model: torch.nn.Module, optimizer, mesh=None, with_optim: bool = True) -> dict:
+    """Load model and optimizer state; `with_optim=False` loads the weights only (the optimizer starts
+    fresh: resuming with another optim.name)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = _canonical(model_sd, optim_sd, mesh)
+    if not with_optim:
+        del state["optim"]
     meta = load_checkpoint(ckpt, state)
+    model_sd = _join_experts(state["model"], model_sd, mesh)
+    if not with_optim:
+        set_model_state_dict(model, model_sd)
+        optimizer.state.clear()  # get_state_dict made the state with a zero step: start truly fresh
+        return meta
     set_state_dict(
-        model, optimizer,
-        model_state_dict=_join_experts(state["model"], model_sd, mesh),
+        model, optimizer, model_state_dict=model_sd,
         optim_state_dict={"state": _join_optim(state["optim"]["state"], optim_sd["state"], mesh),
                           "param_groups": optim_sd["param_groups"]},
     )

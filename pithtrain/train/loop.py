@@ -144,7 +144,8 @@ def train(
     start = 0
     if found:
         try:
-            meta = ckpt.load_training_state(found, model, optimizer, mesh)
+            switched = _flat(ckpt.read_meta(found).get("config", {}))["optim.name"] != o.name  # optim.allow_switch
+            meta = ckpt.load_training_state(found, model, optimizer, mesh, with_optim=not switched)
         except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
             cause = dcp_cause(e)
             raise UserError(f"checkpoint {found} could not be loaded ({type(cause).__name__}: {cause}); move it "
@@ -393,7 +394,7 @@ def cpu_threads(device: torch.device) -> str:
 
 
 # Resuming with a change to these is refused: the checkpoint's weights or the data order would not
-# fit (every model.* field is refused too).
+# fit (every model.* field is refused too; so is optim.name, unless optim.allow_switch: check_resume).
 HELD_OUT = "data.eval_samples held out of data.path"
 FIXED = ("data.path", "data.seed", "data.seq_len", "train.global_batch_size", HELD_OUT)
 # Applied from the resumed step with a warning: they change the optimisation from there on. Any
@@ -414,6 +415,11 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
     if fixed:
         raise UserError(f"cannot resume from {checkpoint}: {show(fixed)} changed since it was written; "
                         f"undo the change (--set) or train into a new --out")
+    if "optim.name" in changed and not config.optim.allow_switch:
+        was, now = changed["optim.name"]
+        raise UserError(f"cannot resume from {checkpoint}: it holds {was} optimizer state and optim.name={now}; set "
+                        f"optim.name={was}, or --set optim.allow_switch=true to go on with {now} from fresh optimizer "
+                        f"state, or train into a new --out")
     step = meta["step"]
     for name, value in (("train.steps", config.train.steps), ("--stop-after", stop_after)):
         if value is not None and value < step:
@@ -429,6 +435,7 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
 def _flat(config: dict) -> dict:
     """{"train.steps": 6, ...} from a stored run config (data.path as the real path it names)."""
     flat = {f"{section}.{k}": v for section, fields in config.items() if isinstance(fields, dict) for k, v in fields.items()}
+    flat.setdefault("optim.name", "adamw")  # checkpoints from before Muon
     if isinstance(flat.get("data.path"), str):
         flat["data.path"] = os.path.realpath(flat["data.path"])
         # the hold-out changes the training order (eval_samples alone does not, with an eval_path)

@@ -1,11 +1,13 @@
-"""AdamW with decay/no-decay parameter groups, and the learning-rate schedules (warmup + cosine, WSD, constant)."""
+"""AdamW with decay/no-decay parameter groups, Muon for weight matrices (optim.name=muon), and the
+learning-rate schedules (warmup + cosine, WSD, constant)."""
 
 from __future__ import annotations
 
 import math
+from fnmatch import fnmatchcase
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pithtrain.config import OptimConfig
 
@@ -13,16 +15,92 @@ from pithtrain.config import OptimConfig
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConfig, device_type: str):
     """Weight decay skips norms, biases and embeddings (1-D tensors and the embedding table).
     FSDP-sharded (DTensor) and plain local parameters (experts that FSDP leaves alone) go to
-    separate groups: one fused kernel call cannot mix the two."""
+    separate groups: one fused kernel call cannot mix the two. With optim.name=muon the matrices
+    (`takes_muon`) form one more group, `muon=True`, with the same learning rate and weight decay."""
+    muon = cfg.name == "muon"
     groups = {}
     for name, p in params:
         decay = not (p.ndim < 2 or "embed" in name or "norm" in name)
-        groups.setdefault((decay, isinstance(p, DTensor)), []).append(p)
-    groups = [{"params": ps, "weight_decay": cfg.weight_decay if decay else 0.0} for (decay, _), ps in groups.items()]
+        key = "muon" if muon and takes_muon(name, p, cfg.muon_exclude) else (decay, isinstance(p, DTensor))
+        groups.setdefault(key, []).append((name, p))
+    groups = [{"params": [p for _, p in ps], "weight_decay": cfg.weight_decay if key == "muon" or key[0] else 0.0}
+              | ({"muon": key == "muon", "momentum": cfg.momentum, "experts": [".experts." in n for n, _ in ps]}
+                 if muon else {})
+              for key, ps in groups.items()]
     fused = device_type == "cuda"  # the fused kernel is the fastest on GPUs; foreach on the CPU
-    return torch.optim.AdamW(
+    return (Muon if muon else torch.optim.AdamW)(
         groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None, foreach=None if fused else True
     )
+
+
+def takes_muon(name: str, p: torch.Tensor, exclude) -> bool:
+    """Muon takes a 2-D weight matrix, or a stack of them under `experts` ([E, in, out]: E matrices),
+    unless its name matches an optim.muon_exclude pattern (embeddings, head, norms, biases, router)."""
+    return p.ndim - (".experts." in name) == 2 and not any(fnmatchcase(name, pattern) for pattern in exclude)
+
+
+# Keller Jordan's quintic Newton-Schulz coefficients ("Muon: An optimizer for hidden layers in neural
+# networks", 2024, kellerjordan.github.io/posts/muon): chosen to push every singular value of the
+# Frobenius-normalised matrix quickly into a band around 1 rather than to converge to exactly 1.
+NS_COEFFS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """An approximate U V^T of g = U S V^T (each matrix of a batch [..., m, n]): singular values end in
+    about [0.7, 1.2], not at 1 (tests/test_muon.py). X <- a X + (b A + c A^2) X with A = X X^T, on the
+    wide orientation (A is the smaller Gram matrix); bf16 on GPUs, fp32 on the CPU unless `dtype`."""
+    a, b, c = NS_COEFFS
+    x = g.to(dtype or (torch.bfloat16 if g.is_cuda else torch.float32))
+    tall = x.size(-2) > x.size(-1)
+    x = x.mT if tall else x
+    x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)  # Frobenius norm >= the spectral norm: sigma <= 1
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.mT if tall else x).to(g.dtype)
+
+
+def orthogonalize(u: torch.Tensor, expert: bool) -> torch.Tensor:
+    """newton_schulz of this rank's part of the update u, returned as a local tensor (the shard of a
+    DTensor). FSDP shards dim 0: a dense matrix is gathered whole, orthogonalised by every rank of
+    its group and sliced back (exact, redundant); an expert stack's shard is whole expert matrices."""
+    if not isinstance(u, DTensor):
+        return newton_schulz(u)
+    if expert:
+        return newton_schulz(u.to_local())
+    whole = newton_schulz(u.full_tensor())
+    return distribute_tensor(whole, u.device_mesh, u.placements, src_data_rank=None).to_local()
+
+
+class Muon(torch.optim.AdamW):
+    """AdamW for the groups with `muon=False`; Muon for the `muon=True` group (state: step, momentum_buffer).
+    Per matrix, as Moonlight (Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv:2502.16982):
+      B <- mu B + G;  U <- G + mu B (Nesterov);  W <- W (1 - lr wd) - lr 0.2 sqrt(max(m, n)) NS(U).
+    The factor 0.2 sqrt(max(m, n)) brings the update's RMS (that of an m x n semi-orthogonal matrix is
+    1/sqrt(max(m, n))) to 0.2, about AdamW's, so one learning rate and weight decay serve both."""
+
+    def step(self, closure=None):
+        groups = self.param_groups
+        self.param_groups = [g for g in groups if not g["muon"]]  # AdamW.step sees only its own groups
+        try:
+            super().step(closure)
+        finally:
+            self.param_groups = groups
+        with torch.no_grad():
+            for group in (g for g in groups if g["muon"]):
+                lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+                for p, expert in zip(group["params"], group["experts"]):
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if not state:  # a step count beside the momentum, as AdamW keeps (its code reads every state's)
+                        state.update(step=torch.tensor(0.0), momentum_buffer=torch.zeros_like(p))
+                    state["step"] += 1
+                    buf = state["momentum_buffer"]
+                    buf.mul_(mu).add_(p.grad)
+                    update = orthogonalize(p.grad.add(buf, alpha=mu), expert)
+                    local = p.to_local() if isinstance(p, DTensor) else p
+                    local.mul_(1 - lr * wd).add_(update, alpha=-lr * 0.2 * math.sqrt(max(p.shape[-2:])))
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params) -> None:

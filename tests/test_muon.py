@@ -1,0 +1,163 @@
+"""Muon (optim.name=muon): Newton-Schulz against an SVD reference, the update rule and its RMS, which
+parameters Muon takes per family, training, checkpoints (bit-exact resume, one entry per expert) and
+the refused optimizer switch. Meshes: tests/test_parallel.py."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_config, tiny_deepseek_config, tiny_gpt_oss_config
+from pithtrain.config import UserError
+from pithtrain.train import checkpoint as ckpt
+from pithtrain.train.loop import train
+from pithtrain.train.metrics import read_metrics
+from pithtrain.train.optim import build_optimizer, newton_schulz, takes_muon
+
+
+def with_spectrum(m, n, cond, gen):
+    """A float64 m x n matrix U diag(s) V^T with log-spaced singular values from 1 down to 1/cond."""
+    k = min(m, n)
+    u, _ = torch.linalg.qr(torch.randn(m, k, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(n, k, generator=gen, dtype=torch.float64))
+    return u @ torch.diag(torch.logspace(0, -math.log10(cond), k, dtype=torch.float64)) @ v.T, u, v
+
+
+@pytest.mark.parametrize("m, n", [(64, 64), (96, 32), (32, 96)])
+def test_newton_schulz_against_svd(m, n):
+    """What 5 quintic steps guarantee (measured in float64): the singular vectors are exactly G's (the
+    iteration is an odd polynomial of G); singular values of a condition number up to 100 end in
+    [0.68, 1.21] (not at 1: Keller Jordan's coefficients trade convergence for speed); so the result is
+    within a third (Frobenius) of the orthogonal factor U V^T, and its direction at cosine >= 0.98."""
+    gen = torch.Generator().manual_seed(m + n)
+    for cond in (1, 10, 100):
+        g, u, v = with_spectrum(m, n, cond, gen)
+        x = newton_schulz(g, dtype=torch.float64)
+        inner = u.T @ x @ v  # diagonal: the same singular vectors
+        assert (inner - torch.diag(torch.diagonal(inner))).abs().max() < 1e-10
+        sv = torch.linalg.svdvals(x)
+        assert 0.65 <= sv.min() and sv.max() <= 1.25, (cond, sv.min(), sv.max())
+        target = u @ v.T
+        assert (x - target).norm() / target.norm() < 0.33  # at worst every singular value at 0.68
+        assert (x * target).sum() / (x.norm() * target.norm()) > 0.98
+    # any matrix: nothing grows past the band (tiny singular values of a random square matrix stay small)
+    x = newton_schulz(torch.randn(m, n, generator=gen, dtype=torch.float64), dtype=torch.float64)
+    assert torch.linalg.svdvals(x).max() <= 1.25
+    # batched: each matrix of a stack separately; fp32 by default on the CPU
+    stack = torch.randn(3, m, n, generator=gen)
+    got = newton_schulz(stack)
+    assert got.dtype == torch.float32
+    for i in range(3):
+        torch.testing.assert_close(got[i], newton_schulz(stack[i]), rtol=1e-5, atol=1e-6)
+
+
+def muon_step_reference(w, grads, lr, wd, mu=0.95):
+    """Moonlight's update, written out per matrix: B <- mu B + G; W <- W(1 - lr wd) - lr 0.2 sqrt(max(m, n)) NS(G + mu B)."""
+    buf = torch.zeros_like(w)
+    for g in grads:
+        buf = mu * buf + g
+        w = w * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(w.shape)) * newton_schulz(g + mu * buf)
+    return w
+
+
+def test_muon_update_rule_rms_and_expert_stacks():
+    """Two steps on a dense matrix and on a [E, in, out] expert stack (E matrices, each its own NS)
+    equal the written-out rule; an update's RMS is about 0.2 (AdamW's range), whatever the shape."""
+    cfg = tiny_config("unused").optim
+    cfg.name, cfg.weight_decay = "muon", 0.1
+    gen = torch.Generator().manual_seed(0)
+    dense = torch.nn.Parameter(torch.randn(48, 16, generator=gen))
+    experts = torch.nn.Parameter(torch.randn(3, 16, 40, generator=gen))
+    norm = torch.nn.Parameter(torch.ones(16))
+    opt = build_optimizer([("layers.0.mlp.up_proj.weight", dense), ("layers.0.mlp.experts.gate_up", experts),
+                           ("layers.0.input_layernorm.weight", norm)], cfg, "cpu")
+    assert [len(g["params"]) for g in opt.param_groups if g["muon"]] == [2]
+    start = (dense.detach().clone(), experts.detach().clone())
+    grads = [(torch.randn(48, 16, generator=gen), torch.randn(3, 16, 40, generator=gen), torch.randn(16, generator=gen))
+             for _ in range(2)]
+    for gd, ge, gn in grads:
+        dense.grad, experts.grad, norm.grad = gd, ge, gn
+        opt.step()
+    torch.testing.assert_close(dense.detach(), muon_step_reference(start[0], [g[0] for g in grads], cfg.lr, 0.1))
+    for i in range(3):
+        torch.testing.assert_close(experts.detach()[i], muon_step_reference(start[1][i], [g[1][i] for g in grads], cfg.lr, 0.1))
+    assert set(opt.state[dense]) == {"step", "momentum_buffer"} and set(opt.state[norm]) == {"step", "exp_avg", "exp_avg_sq"}
+    for shape in ((48, 16), (16, 48), (64, 64), (4, 32, 96)):  # one step from zero momentum, no decay, lr 1
+        p = torch.nn.Parameter(torch.zeros(shape))
+        cfg.weight_decay, cfg.lr = 0.0, 1.0
+        opt = build_optimizer([("layers.0.mlp.experts.down" if len(shape) == 3 else "x.weight", p)], cfg, "cpu")
+        p.grad = torch.randn(shape, generator=gen)
+        opt.step()
+        assert 0.2 * 0.75 < p.detach().pow(2).mean().sqrt() < 0.2 * 1.15, shape
+
+
+@pytest.mark.parametrize("family, muon, adamw", [
+    (tiny_config, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                   "self_attn.o_proj.weight", "mlp.experts.gate_up", "mlp.experts.down"],
+     ["input_layernorm.weight", "self_attn.q_norm.weight", "self_attn.k_norm.weight",
+      "post_attention_layernorm.weight", "mlp.gate.weight"]),
+    (tiny_deepseek_config, ["self_attn.q_a_proj.weight", "self_attn.q_b_proj.weight",
+                            "self_attn.kv_a_proj_with_mqa.weight", "self_attn.kv_b_proj.weight", "self_attn.o_proj.weight",
+                            "mlp.experts.gate_up", "mlp.experts.down", "mlp.shared_experts.gate_proj.weight",
+                            "mlp.shared_experts.up_proj.weight", "mlp.shared_experts.down_proj.weight"],
+     ["input_layernorm.weight", "self_attn.q_a_layernorm.weight", "self_attn.kv_a_layernorm.weight",
+      "post_attention_layernorm.weight", "mlp.gate.weight"]),
+    (tiny_gpt_oss_config, ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                           "self_attn.o_proj.weight", "mlp.experts.gate_up", "mlp.experts.down"],
+     ["input_layernorm.weight", "self_attn.sinks", "self_attn.q_proj.bias", "self_attn.k_proj.bias",
+      "self_attn.v_proj.bias", "self_attn.o_proj.bias", "post_attention_layernorm.weight", "mlp.router.weight",
+      "mlp.router.bias", "mlp.experts.gate_up_bias", "mlp.experts.down_bias"]),
+])
+def test_which_parameters_muon_takes(family, muon, adamw):
+    """Per family, the last (MoE) layer's matrices go to Muon; embeddings, head, norms, biases, router
+    gates and sinks stay on AdamW; optim.muon_exclude moves more to AdamW by name pattern."""
+    cfg = family("unused")
+    model = cfg.model.build_model()
+    last = f"layers.{cfg.model.num_hidden_layers - 1}."
+    taken = {n[len(last):] for n, p in model.named_parameters() if takes_muon(n, p, cfg.optim.muon_exclude) and n.startswith(last)}
+    left = {n[len(last):] for n, p in model.named_parameters() if not takes_muon(n, p, cfg.optim.muon_exclude) and n.startswith(last)}
+    assert taken == set(muon) and left == set(adamw)
+    assert not any(takes_muon(n, p, cfg.optim.muon_exclude) for n, p in model.named_parameters() if not n.startswith("layers."))
+    if family is tiny_deepseek_config:  # the dense first layer's MLP too
+        assert takes_muon("layers.0.mlp.down_proj.weight", model.layers["0"].mlp.down_proj.weight, cfg.optim.muon_exclude)
+    p = model.layers["0"].self_attn.o_proj.weight
+    assert not takes_muon("layers.0.self_attn.o_proj.weight", p, [*cfg.optim.muon_exclude, "*.o_proj.*"])
+
+
+def muon_config(dataset_dir, **train_kw):
+    cfg = tiny_config(dataset_dir, **train_kw)
+    cfg.optim.name = "muon"
+    return cfg
+
+
+def test_tiny_model_trains_resumes_bit_exact_and_refuses_a_switch(tmp_path, dataset_dir):
+    """Muon lowers the loss; a run stopped at step 3 and resumed equals the uninterrupted run bit for bit
+    (loss, grad norm, weights, momentum); the checkpoint holds the momentum one entry per global expert;
+    resuming with optim.name=adamw is refused unless optim.allow_switch (then the optimizer starts fresh)."""
+    whole = train(muon_config(dataset_dir, steps=6, lb_coef=0.0), tmp_path / "whole", echo=False)
+    assert whole[-1]["loss"] < whole[0]["loss"] - 0.2  # 4.16 -> 3.93 (AdamW: about the same)
+    train(muon_config(dataset_dir, steps=6, lb_coef=0.0, checkpoint_every=3), tmp_path / "split", echo=False, stop_after=3)
+    stored = torch.distributed.checkpoint.FileSystemReader(str(ckpt.resolve_checkpoint(tmp_path / "split"))).read_metadata()
+    keys = set(stored.state_dict_metadata)
+    assert {f"optim.state.layers.1.mlp.experts.down.{e}.momentum_buffer" for e in range(4)} <= keys
+    assert "optim.state.layers.1.self_attn.q_proj.weight.momentum_buffer" in keys
+    assert "optim.state.lm_head.weight.exp_avg" in keys and "optim.state.lm_head.weight.momentum_buffer" not in keys
+    train(muon_config(dataset_dir, steps=6, lb_coef=0.0, checkpoint_every=3), tmp_path / "split", echo=False)
+    assert [(m["loss"], m["grad_norm"]) for m in read_metrics(tmp_path / "split" / "metrics.jsonl")] == \
+           [(m["loss"], m["grad_norm"]) for m in whole]
+    states = []
+    for run in ("whole", "split"):
+        cfg = muon_config(dataset_dir)
+        model = cfg.model.build_model()
+        opt = build_optimizer(list(model.named_parameters()), cfg.optim, "cpu")
+        ckpt.load_training_state(ckpt.resolve_checkpoint(tmp_path / run), model, opt)
+        states.append({n: (p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()}) for n, p in model.named_parameters()})
+    for name, (w, st) in states[0].items():
+        assert torch.equal(states[1][name][0], w) and st.keys() == states[1][name][1].keys(), name
+        assert all(torch.equal(states[1][name][1][k], v) for k, v in st.items()), name
+    switch = tiny_config(dataset_dir, steps=8, lb_coef=0.0)  # adamw
+    with pytest.raises(UserError, match="optim.allow_switch=true"):
+        train(switch, tmp_path / "split", echo=False)
+    switch.optim.allow_switch = True
+    more = train(switch, tmp_path / "split", echo=False)
+    assert [m["step"] for m in more] == [7, 8] and all(math.isfinite(m["loss"]) for m in more)
