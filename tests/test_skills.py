@@ -259,3 +259,31 @@ def test_resume_and_reshard_continues_the_curve_on_another_mesh(tmp_path, datase
     assert bad.returncode == 1 and bad.stdout.strip().endswith("FAIL"), bad.stdout + bad.stderr
     over = [line for line in bad.stdout.splitlines() if line.endswith("<-- over tolerance")]
     assert over and over[0].startswith("step    4      loss"), bad.stdout  # lr 1e-2 from the update of step 3 on
+
+
+def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):
+    """Random tokens at each family's real vocabulary, the stdlib corpus and a user's corpus (BPE
+    trained on it) are written and PASS; a wrong expected vocabulary and a truncated file FAIL."""
+    script = ".agents/skills/setup-benchmark-inputs/make_inputs.py"
+
+    def make(*args):
+        return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True)
+
+    for family, vocab in (("qwen3", 151936), ("deepseek_v2", 102400), ("gpt_oss", 201088)):
+        out = make("random", "--family", family, "--tokens", 500, "--out", tmp_path / family)
+        assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+        assert f"num_tokens=500, num_docs=1, vocab_size={vocab}" in out.stdout, out.stdout
+    stdlib = make("stdlib", "--max-bytes", 50_000, "--vocab-size", 300, "--out", tmp_path / "stdlib")
+    assert stdlib.returncode == 0 and stdlib.stdout.strip().endswith("PASS"), stdlib.stdout + stdlib.stderr
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 50)
+    corpus = make("corpus", tmp_path / "text", "--vocab-size", 280, "--out", tmp_path / "mine")
+    assert corpus.returncode == 0 and corpus.stdout.strip().endswith("PASS"), corpus.stdout + corpus.stderr
+    assert (tmp_path / "mine" / "tokenizer.json").is_file()
+    small = make("check", "--out", tmp_path / "qwen3", "--vocab", 64)
+    assert small.returncode == 1 and "model's vocab_size is 64" in small.stdout, small.stdout
+    assert small.stdout.strip().endswith(f"FAIL: {tmp_path / 'qwen3'} is not a usable dataset"), small.stdout
+    tokens = tmp_path / "gpt_oss" / "tokens.bin"
+    tokens.write_bytes(tokens.read_bytes()[:-8])
+    cut = make("check", "--out", tmp_path / "gpt_oss")
+    assert cut.returncode == 1 and "truncated" in cut.stdout and "FAIL" in cut.stdout.splitlines()[-1], cut.stdout

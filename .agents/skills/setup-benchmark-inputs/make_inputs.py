@@ -1,0 +1,110 @@
+"""Write a dataset the benchmarks or a run need, then verify it; ends with PASS or FAIL.
+
+  python .agents/skills/setup-benchmark-inputs/make_inputs.py random --family qwen3 --tokens 50000000 --out data/random_qwen3
+  python .agents/skills/setup-benchmark-inputs/make_inputs.py stdlib [--max-bytes 20000000] [--vocab-size 4096] --out data/stdlib
+  python .agents/skills/setup-benchmark-inputs/make_inputs.py corpus DIR [--vocab-size 4096] --out data/mine
+  python .agents/skills/setup-benchmark-inputs/make_inputs.py check --out DIR [--vocab V]   (verify only)
+
+random: uniform token ids at the family's real vocabulary (from benchmarks/train_throughput.py
+family_config), one document, no EOS: what train_throughput.py writes for itself.
+stdlib / corpus: `pithtrain tokenize` with a byte-level BPE trained on the text.
+"""
+
+import argparse
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+def family_vocab(family: str) -> int:
+    """The vocabulary of the family's benchmark config (its examples/ file, or the Qwen3 width)."""
+    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "benchmarks" / "train_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    here = os.getcwd()
+    os.chdir(ROOT)  # family_config reads examples/ relative to the repository root
+    try:
+        return bench.family_config(family, 1).vocab_size
+    finally:
+        os.chdir(here)
+
+
+def write_random(out: str, family: str, tokens: int, seed: int) -> int:
+    from pithtrain.train.data import write_dataset
+
+    vocab = family_vocab(family)
+    ids = np.random.default_rng(seed).integers(0, vocab, size=tokens, dtype=np.int64)
+    write_dataset(out, [ids], vocab, eos_id=None)
+    return vocab
+
+
+def tokenize(out: str, inputs: list[str], vocab: int, overwrite: bool) -> bool:
+    cmd = [sys.executable, "-m", "pithtrain", "tokenize", *inputs, "--train-tokenizer", "--vocab-size", str(vocab), "--out", out]
+    cmd += ["--overwrite"] if overwrite else []
+    print("$", " ".join(cmd), flush=True)
+    return subprocess.run(cmd).returncode == 0
+
+
+def verify(out: str, vocab: int | None, tokens: int | None, tokenizer: bool) -> list[str]:
+    """Open the dataset as training does; return the problems found (empty: usable)."""
+    from pithtrain.train.data import TokenDataset
+
+    try:
+        data = TokenDataset(out)
+        data.check_vocab(vocab or data.vocab_size)  # scans tokens.bin: its max id against meta and the vocabulary
+    except Exception as e:  # noqa: BLE001 - every failure to open is the finding
+        return [f"{type(e).__name__}: {e}"]
+    print(f"{data!r}, dtype {data.tokens.dtype}, max token id {data.max_token_id}, eos_id {data.eos_id}")
+    problems = []
+    if vocab is not None and data.vocab_size != vocab:
+        problems.append(f"vocab_size {data.vocab_size}, expected {vocab}")
+    if tokens is not None and data.num_tokens != tokens:
+        problems.append(f"{data.num_tokens} tokens, expected {tokens}")
+    if data.num_tokens < 2:
+        problems.append("fewer than 2 tokens: no training window fits")
+    if tokenizer and data.tokenizer_file is None:
+        problems.append("no tokenizer.json in the dataset (eval and HF export need it)")
+    return problems
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("kind", choices=["random", "stdlib", "corpus", "check"])
+    parser.add_argument("corpus", nargs="*", help="corpus: text files, directories or .jsonl files")
+    parser.add_argument("--out", required=True, help="dataset directory (new, or a dataset to replace)")
+    parser.add_argument("--family", choices=["qwen3", "deepseek_v2", "gpt_oss"], help="random: the vocabulary's family")
+    parser.add_argument("--tokens", type=int, help="random: how many tokens (seq+1 per sample and step)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab-size", type=int, default=4096, help="stdlib/corpus: the BPE's vocabulary")
+    parser.add_argument("--max-bytes", type=int, default=20_000_000, help="stdlib: how much source text")
+    parser.add_argument("--vocab", type=int, help="check: the vocabulary to expect")
+    parser.add_argument("--overwrite", action="store_true", help="stdlib/corpus: replace a dataset at --out")
+    args = parser.parse_args()
+    vocab, tokens, tokenizer = args.vocab, None, args.kind in ("stdlib", "corpus")
+    if args.kind == "random":
+        if not args.family or not args.tokens or args.tokens < 2:
+            parser.error("random needs --family and --tokens (>= 2)")
+        vocab, tokens = write_random(args.out, args.family, args.tokens, args.seed), args.tokens
+        print(f"wrote {args.out}: {tokens:,} random tokens in [0, {vocab}) ({args.family})")
+    elif args.kind in ("stdlib", "corpus"):
+        if (args.kind == "corpus") != bool(args.corpus):
+            parser.error("corpus takes DIR or files; stdlib takes none")
+        inputs = args.corpus if args.kind == "corpus" else ["--stdlib", "--max-bytes", str(args.max_bytes)]
+        if not tokenize(args.out, inputs, args.vocab_size, args.overwrite):
+            print("FAIL: pithtrain tokenize did not finish (its message is above)")
+            return 1
+    problems = verify(args.out, vocab, tokens, tokenizer)
+    for p in problems:
+        print("problem:", p)
+    print("PASS" if not problems else f"FAIL: {args.out} is not a usable dataset")
+    return 0 if not problems else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
