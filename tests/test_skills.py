@@ -287,3 +287,33 @@ def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):
     tokens.write_bytes(tokens.read_bytes()[:-8])
     cut = make("check", "--out", tmp_path / "gpt_oss")
     assert cut.returncode == 1 and "truncated" in cut.stdout and "FAIL" in cut.stdout.splitlines()[-1], cut.stdout
+
+
+def test_track_experiments_checks_every_step_is_logged(tmp_path, dataset_dir):
+    """A 3-step run with TensorBoard: PASS; a metrics line lost, or the event files gone while
+    --tensorboard asks for them: FAIL naming what is missing."""
+    import shutil
+
+    from pithtrain.train.loop import train
+
+    script = ".agents/skills/track-experiments/check_run.py"
+    run = tmp_path / "run"
+    train(tiny_config(dataset_dir, steps=3, tensorboard=True), run, echo=False)
+
+    def check(*args):
+        return subprocess.run([sys.executable, script, str(run), *args], capture_output=True, text=True)
+
+    ok = check("--tensorboard")
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS: steps 1..3 logged"), ok.stdout + ok.stderr
+    assert "tensorboard: train/loss at 3 steps" in ok.stdout
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (run / "metrics.jsonl").write_text(lines[0] + lines[2])
+    lost = check()
+    assert lost.returncode == 1 and "metrics.jsonl: missing steps [2]" in lost.stdout and lost.stdout.strip().endswith("FAIL")
+    (run / "metrics.jsonl").write_text("".join(lines))
+    shutil.rmtree(run / "tensorboard")
+    assert check().returncode == 0  # event files are checked when present
+    gone = check("--tensorboard")
+    assert gone.returncode == 1 and "tensorboard is missing" in gone.stdout, gone.stdout
+    short = check("--steps", "2")
+    assert short.returncode == 1 and "unexpected [3]" in short.stdout, short.stdout
