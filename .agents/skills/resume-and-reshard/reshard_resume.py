@@ -10,7 +10,7 @@ mesh B, (c) trains 1..N uninterrupted on the reference mesh (default: A) in anot
 
 import argparse
 import importlib.util
-import json
+import re
 import shlex
 import subprocess
 import sys
@@ -64,14 +64,16 @@ def main():
     if moved.exists() or ref.exists():
         parser.error(f"{work} already holds a run: pass a new --work")
     said = {}
-    for what, out, extra, stop in (("A", moved, args.a, args.stop_after), ("B", moved, args.b, None),
+    for what, out, extra, stop in (("mesh A", moved, args.a, args.stop_after), ("mesh B", moved, args.b, None),
                                    ("reference", ref, args.ref or args.a, None)):
         ok, said[what] = train(args.config, out, args.steps, extra, args.set, stop)
         if not ok:
-            print(f"FAIL: the run on mesh {what} did not finish (its output is above)")
+            print(f"FAIL: the {what} run did not finish (its output is above)")
             return 1
-    if f"(step {args.stop_after})" not in said["B"].split("resumed from", 1)[-1].split("\n", 1)[0]:
-        print(f"FAIL: mesh B did not resume from the step-{args.stop_after} checkpoint")
+    resumed = re.search(r"resumed from \S+ \(step (\d+)\)", said["mesh B"])
+    if not resumed or int(resumed.group(1)) != args.stop_after:
+        print(f"FAIL: mesh B did not resume from the step-{args.stop_after} checkpoint "
+              f"({'it resumed at step ' + resumed.group(1) if resumed else 'no resume line in its output'})")
         return 1
     a, b = by_step(ref / "metrics.jsonl"), by_step(moved / "metrics.jsonl")
     print(f"reference: {ref}, resharded: {moved} (A {args.a!r} to step {args.stop_after}, then B {args.b!r})")
