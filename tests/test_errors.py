@@ -271,7 +271,7 @@ def env(tmp_path_factory):
 @pytest.mark.parametrize("case_id, line, names", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_ends_in_one_line(env, case_id, line, names):
     if "cuda" in case_id and torch.cuda.is_available():
-        pytest.skip("CUDA is available here")
+        pytest.skip("this case is train.device=cuda on a machine without CUDA")
     code, err = run_case(env, case_id, line)
     lines = err.strip().splitlines()
     assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], err

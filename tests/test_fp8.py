@@ -60,15 +60,21 @@ def quantized64(x):
     return fp8.dequantize(*fp8.quantize_reference(x)).double()
 
 
+def random_fp8_linear(inp: int, out: int, gen, scale: float, recipe=True) -> fp8.Linear:
+    """An FP8 Linear with a random weight (times `scale`) and a random bias."""
+    layer = fp8.Linear(inp, out, bias=True)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(out, inp, generator=gen) * scale)
+        layer.bias.copy_(torch.randn(out, generator=gen))
+    layer.fp8 = recipe
+    return layer
+
+
 def test_fp8_linear_gradients():
     """Against float64: (a) the recipe exactly (each GEMM's operands rounded as specified), 1e-5;
     (b) the unquantized layer, within e4m3's error (relative Frobenius error < 6%)."""
     gen = torch.Generator().manual_seed(3)
-    layer = fp8.Linear(40, 24, bias=True)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(24, 40, generator=gen) * 0.1)
-        layer.bias.copy_(torch.randn(24, generator=gen))
-    layer.fp8 = True
+    layer = random_fp8_linear(40, 24, gen, 0.1)
     x = torch.randn(3, 10, 40, generator=gen).requires_grad_()
     dy = torch.randn(3, 10, 24, generator=gen)
     y = layer(x)

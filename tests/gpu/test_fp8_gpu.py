@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pithtrain.ops import fp8
+from test_fp8 import random_fp8_linear  # the CPU FP8 tests' helper
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fp8.fp8_supported(torch.device("cuda"))),
                                 reason="needs a GPU with FP8 tensor cores")
@@ -78,11 +79,7 @@ def test_layers_match_cpu_emulation(recipe):
     from torch import nn
 
     gen = torch.Generator().manual_seed(0)
-    lin = fp8.Linear(256, 512, bias=True)
-    with torch.no_grad():
-        lin.weight.copy_(torch.randn(512, 256, generator=gen) * 0.05)
-        lin.bias.copy_(torch.randn(512, generator=gen))
-    lin.fp8 = True
+    lin = random_fp8_linear(256, 512, gen, 0.05)
     x = torch.randn(4, 96, 256, generator=gen)
     dy = torch.randn(4, 96, 512, generator=gen)
 
