@@ -316,6 +316,13 @@ def runs_dualpipev(config: RunConfig, world_size: int) -> bool:
     return p.pp > 1 or (p.ep > 1 and micro_per_rank >= 2 and p.overlap_ep and not tied)
 
 
+def fp8_tensor_cores() -> bool:
+    """The visible GPU has FP8 tensor cores: compute capability 8.9 (Ada) or 9.0+ (Hopper)."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
 def _check_fp8_device(t: TrainConfig) -> None:
     """FP8 needs FP8 tensor cores (compute capability 8.9+), or the emulation asked for explicitly."""
     import torch
@@ -325,7 +332,7 @@ def _check_fp8_device(t: TrainConfig) -> None:
                               "to emulate the numerics (slow: for tests) or train.fp8=off")
         return
     cap = torch.cuda.get_device_capability()
-    _check(cap >= (8, 9), f"train.fp8={t.fp8}: {torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) "
+    _check(fp8_tensor_cores(), f"train.fp8={t.fp8}: {torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) "
                           "has no FP8 tensor cores (8.9+ needed: Ada, Hopper or newer); set train.fp8=off")
 
 

@@ -37,13 +37,6 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 _TINY = 1e-12  # scale floor: an all-zero row quantizes to zeros
 
 
-def fp8_supported(device: torch.device) -> bool:
-    """FP8 tensor cores: compute capability 8.9 (Ada) or 9.0+ (Hopper)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 # ---------------------------------------------------------------------------------------------------
 # References (the CPU path and the oracle of the GPU tests)
 # ---------------------------------------------------------------------------------------------------

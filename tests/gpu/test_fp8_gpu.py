@@ -11,10 +11,11 @@ layers (whose dense GEMMs write bf16 on the GPU) agree with the CPU emulation to
 import pytest
 import torch
 
+from pithtrain.config import fp8_tensor_cores
 from pithtrain.ops import fp8
 from test_fp8 import random_fp8_linear  # the CPU FP8 tests' helper
 
-pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and fp8.fp8_supported(torch.device("cuda"))),
+pytestmark = pytest.mark.skipif(not fp8_tensor_cores(),
                                 reason="needs a GPU with FP8 tensor cores")
 BF16 = torch.bfloat16
 
