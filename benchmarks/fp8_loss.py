@@ -46,6 +46,7 @@ def main():
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--plot", help="write a PNG of both curves here")
     parser.add_argument("--curves", help="write both curves (JSON) here")
+    parser.add_argument("--fp8", default="rowwise", choices=["rowwise", "rowwise_bf16_wgrad"], help="the recipe against bf16")
     args = parser.parse_args()
     cfg = model_config()
     print(f"active parameters: {active_params(cfg) / 1e6:.0f}M", flush=True)
@@ -54,7 +55,7 @@ def main():
         data = f"{tmp}/stdlib"
         subprocess.run([sys.executable, "-m", "pithtrain", "tokenize", "--stdlib", "--train-tokenizer",
                         "--vocab-size", "8192", "--out", data], check=True)
-        for fp8 in ("off", "rowwise"):
+        for fp8 in ("off", args.fp8):
             run = RunConfig(model=model_config(), data=DataConfig(path=data, seq_len=1024, seed=1234),
                             optim=OptimConfig(lr=1e-3, warmup_steps=50, schedule="cosine"),
                             train=TrainConfig(steps=args.steps, global_batch_size=16, micro_batch_size=8, seed=0,
@@ -63,7 +64,7 @@ def main():
             history = train(run, f"{tmp}/{fp8}", echo=True)
             curves[fp8] = [m["loss"] for m in history]
             curves[fp8 + "_tokens_per_s"] = sorted(m["tokens_per_s"] for m in history[2:])[len(history[2:]) // 2]
-    bf16, fp8 = curves["off"], curves["rowwise"]
+    bf16, fp8 = curves["off"], curves[args.fp8]
     tail = min(100, len(bf16))
     mean_bf16, mean_fp8 = sum(bf16[-tail:]) / tail, sum(fp8[-tail:]) / tail
     gap = (mean_fp8 - mean_bf16) / mean_bf16
@@ -74,9 +75,9 @@ def main():
     record({"benchmark": "fp8_loss", "family": "qwen3", "active_params": active_params(cfg), "steps": args.steps,
             "seq": 1024, "global_batch": 16, "loss_bf16_last100": mean_bf16, "loss_fp8_last100": mean_fp8,
             "relative_gap": gap, "worst_step_gap": worst, "tokens_per_s_bf16": curves["off_tokens_per_s"],
-            "tokens_per_s_fp8": curves["rowwise_tokens_per_s"]})
+            "tokens_per_s_fp8": curves[args.fp8 + "_tokens_per_s"], "fp8": args.fp8})
     if args.curves:
-        Path(args.curves).write_text(json.dumps({"bf16": bf16, "fp8_rowwise": fp8}))
+        Path(args.curves).write_text(json.dumps({"bf16": bf16, f"fp8_{args.fp8}": fp8}))
     if args.plot:
         import matplotlib
 
@@ -85,7 +86,7 @@ def main():
 
         fig, ax = plt.subplots(figsize=(7, 4))
         ax.plot(range(1, len(bf16) + 1), bf16, label="bf16", lw=1)
-        ax.plot(range(1, len(fp8) + 1), fp8, label="FP8 row-wise", lw=1)
+        ax.plot(range(1, len(fp8) + 1), fp8, label=f"FP8 {args.fp8}", lw=1)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss")
         ax.set_yscale("log")

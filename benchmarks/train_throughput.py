@@ -90,17 +90,33 @@ def flops_per_token(cfg, seq: int) -> float:
 
 
 def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile: bool = False, accum: int = 1,
-                  profile_step: int = 0, trace: str | None = None, fp8: str = "off") -> tuple[list[dict], tuple | None]:
+                  profile_step: int = 0, trace: str | None = None, fp8: str = "off",
+                  optim: str = "adamw") -> tuple[list[dict], tuple | None]:
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
-    from pithtrain.train.loop import train
+    from pithtrain.train import loop
 
+    optimizer_times = []  # the optimizer step of each training step, timed between two syncs
+
+    def timed_optimizer_step(optimizer, params, untimed=loop.optimizer_step):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        untimed(optimizer, params)
+        torch.cuda.synchronize()
+        optimizer_times.append(time.perf_counter() - t0)
+
+    loop.optimizer_step = timed_optimizer_step
     run = RunConfig(model=cfg, data=DataConfig(path=data_dir, seq_len=seq),
-                    optim=OptimConfig(lr=1e-4, warmup_steps=0, schedule="constant"),
+                    optim=OptimConfig(name=optim, lr=1e-4, warmup_steps=0, schedule="constant"),
                     train=TrainConfig(steps=steps, global_batch_size=batch * accum, micro_batch_size=batch, lb_coef=1e-3,
                                       tensorboard=False, checkpoint_every=-1, log_every=1, compile=compile,
                                       profile_step=profile_step, fp8=fp8))
     with tempfile.TemporaryDirectory() as out:
-        history = train(run, out, echo=True)
+        try:
+            history = loop.train(run, out, echo=True)
+        finally:
+            loop.optimizer_step = timed_optimizer_step.__defaults__[0]
+        for m, t in zip(history, optimizer_times):
+            m["optimizer_s"] = t
         stages = None
         if profile_step:
             profile = _profile_tool()
@@ -170,6 +186,8 @@ def main():
     parser.add_argument("--compile", action="store_true", help="torch.compile stages 1 and 5")
     parser.add_argument("--fp8", default="off", choices=["off", "rowwise", "rowwise_bf16_wgrad"], help="train.fp8 (MFU stays model FLOPs "
                         "over the bf16 matmul peak, so FP8 and bf16 runs compare directly)")
+    parser.add_argument("--optim", default="adamw", choices=["adamw", "muon"], help="optim.name; the optimizer step's "
+                        "share of the step time is reported either way")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     if args.profile_step is None:
@@ -189,17 +207,19 @@ def main():
     with tempfile.TemporaryDirectory() as data:
         write_dataset(data, [tokens], cfg.vocab_size, eos_id=None)
         ours, stages = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile, args.accum,
-                                     args.profile_step, args.trace, args.fp8)
+                                     args.profile_step, args.trace, args.fp8, args.optim)
     import gc
 
     gc.collect()
     torch.cuda.empty_cache()
     warm = [m for m in ours[2:] if m["step"] != args.profile_step] or ours
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "fp8": args.fp8, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "fp8": args.fp8, "optim": args.optim, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
-              "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30}
+              "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30,
+              "optimizer_s": statistics.median(m["optimizer_s"] for m in warm),
+              "optimizer_share": statistics.median(m["optimizer_s"] / m["step_time_s"] for m in warm)}
     if stages is not None:  # one profiled step, milliseconds of GPU kernel time per layer stage
         result["stage_ms"] = {k: round(v / 1e3, 3) for k, v in sorted(stages[0].items())}
     print("pithtrain:", json.dumps(result), flush=True)  # kept even if the transformers loop fails
