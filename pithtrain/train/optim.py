@@ -55,9 +55,10 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype | None = N
     tall = x.size(-2) > x.size(-1)
     x = x.mT if tall else x
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)  # Frobenius norm >= the spectral norm: sigma <= 1
+    mm_add = torch.baddbmm if x.dim() == 3 else torch.addmm  # beta * input + alpha * (m1 @ m2): one pass less
     for _ in range(steps):
         gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
+        x = mm_add(x, mm_add(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return (x.mT if tall else x).to(g.dtype)
 
 
