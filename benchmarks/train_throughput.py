@@ -91,7 +91,7 @@ def flops_per_token(cfg, seq: int) -> float:
 
 def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile: bool = False, accum: int = 1,
                   profile_step: int = 0, trace: str | None = None, fp8: str = "off",
-                  optim: str = "adamw") -> tuple[list[dict], tuple | None]:
+                  optim: str = "adamw", recompute: str = "off") -> tuple[list[dict], tuple | None]:
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from pithtrain.train import loop
 
@@ -109,7 +109,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
                     optim=OptimConfig(name=optim, lr=1e-4, warmup_steps=0, schedule="constant"),
                     train=TrainConfig(steps=steps, global_batch_size=batch * accum, micro_batch_size=batch, lb_coef=1e-3,
                                       tensorboard=False, checkpoint_every=-1, log_every=1, compile=compile,
-                                      profile_step=profile_step, fp8=fp8))
+                                      profile_step=profile_step, fp8=fp8, recompute=recompute))
     with tempfile.TemporaryDirectory() as out:
         try:
             history = loop.train(run, out, echo=True)
@@ -184,6 +184,7 @@ def main():
     parser.add_argument("--hf-batch", type=int, help="micro-batch of the transformers loop, when --batch does not fit "
                         "there (it accumulates more micro-batches: the same tokens per optimizer step)")
     parser.add_argument("--compile", action="store_true", help="torch.compile stages 1 and 5")
+    parser.add_argument("--recompute", default="off", choices=["off", "selective", "full"], help="train.recompute")
     parser.add_argument("--fp8", default="off", choices=["off", "rowwise", "rowwise_bf16_wgrad"], help="train.fp8 (MFU stays model FLOPs "
                         "over the bf16 matmul peak, so FP8 and bf16 runs compare directly)")
     parser.add_argument("--optim", default="adamw", choices=["adamw", "muon"], help="optim.name; the optimizer step's "
@@ -207,14 +208,14 @@ def main():
     with tempfile.TemporaryDirectory() as data:
         write_dataset(data, [tokens], cfg.vocab_size, eos_id=None)
         ours, stages = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile, args.accum,
-                                     args.profile_step, args.trace, args.fp8, args.optim)
+                                     args.profile_step, args.trace, args.fp8, args.optim, args.recompute)
     import gc
 
     gc.collect()
     torch.cuda.empty_cache()
     warm = [m for m in ours[2:] if m["step"] != args.profile_step] or ours
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "fp8": args.fp8, "optim": args.optim, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "fp8": args.fp8, "optim": args.optim, "recompute": args.recompute, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30,

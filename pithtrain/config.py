@@ -89,6 +89,10 @@ class TrainConfig:
     tensorboard: bool = True  # scalars into OUT/tensorboard (needs tensorboard: the `tensorboard` extra, in make setup)
     wandb_project: str = ""  # Weights & Biases project to log to (needs `pip install wandb`); '': off
     compile: bool = False  # torch.compile(fullgraph=True) stages 1 and 5 of every layer
+    # activations recomputed in backward instead of kept (less memory, more compute): off |
+    # selective (the experts' SwiGLU output, from the kept gate/up product) | full (stages 1 and 3
+    # of every layer: only their inputs are kept); docs/architecture.md "Activation recomputation"
+    recompute: str = "off"
     profile_step: int = 0  # profile this step (1-based) into OUT/profile/rank<r>.json; 0: off
     # FP8 GEMMs (experts, attention and MLP projections; not the router, embeddings or head):
     # off | rowwise (e4m3, one scale per row of each operand; ops/fp8.py) | rowwise_bf16_wgrad
@@ -363,6 +367,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
            f"train.fp8={t.fp8!r}: use off, rowwise or rowwise_bf16_wgrad")
     if t.fp8 != "off":
         _check_fp8_device(t)
+    _check(t.recompute in ("off", "selective", "full"), f"train.recompute={t.recompute!r}: use off, selective or full")
     _check(t.lb_type in ("micro", "global", "seq"), f"train.lb_type={t.lb_type!r}: use micro, global or seq")
     _check(t.lb_coef >= 0, f"train.lb_coef={t.lb_coef}: must be >= 0 (0 disables the load-balance loss)")
     _check(not t.wandb_project or _installed("wandb"),

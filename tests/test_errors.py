@@ -77,6 +77,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("gpt-oss-experts", "train {gpt_oss} --set model.num_local_experts=0", "model.num_local_experts"),
     ("adam-eps-zero", "train {cfg} --set optim.eps=0", "optim.eps"),
     ("optim-name", "train {cfg} --set optim.name=sgd", "optim.name"),
+    ("recompute-mode", "train {cfg} --set train.recompute=some", "train.recompute"),
     ("muon-momentum", "train {cfg} --set optim.momentum=1", "optim.momentum"),
     ("muon-exclude-not-list", "train {cfg} --set optim.muon_exclude=lm_head", "optim.muon_exclude"),
     ("timeout-zero", "train {cfg} --set parallel.timeout_s=0", "parallel.timeout_s"),

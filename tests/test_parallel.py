@@ -3,7 +3,8 @@
 Two launches (2 and 4 processes) run every mesh job; single-process references run here.
 Checks: per-step loss, lb_loss and grad norm equal to one process (fp32, rel <= 1e-5), equal
 parameters afterwards, load-balance variants across ranks, and checkpoints resharded across
-meshes (ep4 -> dp2 x ep2 -> ep2 -> one process) continuing the uninterrupted curve.
+meshes (ep4 -> dp2 x ep2 -> ep2 -> one process) continuing the uninterrupted curve;
+train.recompute on pp2 x ep2 (full), dp2 x ep2 (selective) and cp2 (full).
 """
 
 import copy
@@ -49,6 +50,12 @@ def muon(cfg):
     return cfg
 
 
+def recompute(cfg, mode):
+    """train.recompute: stages 1 and 3 (full) or the SwiGLU output (selective) recomputed in backward."""
+    cfg.train.recompute = mode
+    return cfg
+
+
 def deep_config(dataset_dir, **train):
     """Six layers (one of them dense), one sample per micro-batch: enough micro-batches and
     layers for pp up to 4 (DualPipeV needs 2*pp micro-batches per step)."""
@@ -79,6 +86,8 @@ def runs(tmp_path_factory, dataset_dir):
         (muon(mesh_config(dataset_dir, ep=2, steps=3)), root / "muon_dp2ep2", {}),
         (muon(mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config)), root / "muon_pp2ep2", {}),
         (muon(mesh_config(dataset_dir, ep=2, steps=3, checkpoint_every=2)), root / "muon_chain", {"stop_after": 2}),
+        (recompute(mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config), "full"), root / "recompute_pp2ep2", {}),
+        (recompute(mesh_config(dataset_dir, ep=2), "selective"), root / "recompute_dp2ep2", {}),
     ]
     no_overlap = mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config)
     no_overlap.parallel.overlap_ep = False
@@ -100,6 +109,7 @@ def runs(tmp_path_factory, dataset_dir):
         (muon(mesh_config(dataset_dir, ep=1, steps=3)), root / "muon_dp2", {}),  # experts sharded too
         (muon(mesh_config(dataset_dir, ep=2, steps=3)), root / "muon_ep2", {}),  # experts whole, local
         (muon(mesh_config(dataset_dir, cp=2, steps=3)), root / "muon_cp2", {}),
+        (recompute(mesh_config(dataset_dir, cp=2), "full"), root / "recompute_cp2", {}),  # the ring runs again in backward
     ]
     run_world(4, four)
     run_world(2, two)
@@ -138,7 +148,8 @@ def final_weights(run_dir, dataset_dir, family=tiny_config):
     return model.state_dict()
 
 
-@pytest.mark.parametrize("name", ["dp2", "ep2", "ep4", "dp2ep2", "hsdp_dp2ep2", "dp4", "cp2", "cp4", "cp2ep2"])
+@pytest.mark.parametrize("name", ["dp2", "ep2", "ep4", "dp2ep2", "hsdp_dp2ep2", "dp4", "cp2", "cp4", "cp2ep2",
+                                  "recompute_dp2ep2", "recompute_cp2"])
 def test_loss_curve_and_weights_do_not_depend_on_the_mesh(runs, dataset_dir, name):
     root, refs = runs
     metrics = read_metrics(root / name / "metrics.jsonl")
@@ -151,7 +162,7 @@ def test_loss_curve_and_weights_do_not_depend_on_the_mesh(runs, dataset_dir, nam
 
 
 @pytest.mark.parametrize("family, ref, names", [
-    (deep_config, "deep_ref", ["pp2", "pp1ep2", "ep2_no_overlap", "pp2ep2", "pp2dp2", "pp4", "pp2cp2ep2"]),
+    (deep_config, "deep_ref", ["pp2", "pp1ep2", "ep2_no_overlap", "pp2ep2", "pp2dp2", "pp4", "pp2cp2ep2", "recompute_pp2ep2"]),
     (tiny_config, "packed_ref", ["cp2ep2_packed"]),
     (tiny_deepseek_config, "ds_ref", ["ds_ep2", "ds_dp2"]),
     (tiny_gpt_oss_config, "oss_ref", ["oss_ep2"]),

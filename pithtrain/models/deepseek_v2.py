@@ -35,7 +35,7 @@ from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
-from pithtrain.ops.grouped_gemm import expert_mm
+from pithtrain.ops.grouped_gemm import activation_mm, expert_mm
 from pithtrain.parallel.context import ContextParallel, context_attention_expand
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -356,7 +356,7 @@ class Experts(nn.Module):
         kind = tokens.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tokens.dtype
         h = expert_mm(tokens, self, "gate_up", counts, dtype, weight_queue)
-        return expert_mm(swiglu(h), self, "down", counts, dtype, weight_queue)
+        return activation_mm(swiglu, h, self, counts, dtype, weight_queue)
 
 
 class Router(nn.Module):

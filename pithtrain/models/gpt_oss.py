@@ -33,7 +33,7 @@ from pithtrain.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
 from pithtrain.ops import kernels
 from pithtrain.ops.core import apply_rope, attention_mask, rope_cos_sin
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
-from pithtrain.ops.grouped_gemm import expert_mm
+from pithtrain.ops.grouped_gemm import activation_mm, expert_mm
 from pithtrain.parallel.context import ContextParallel, context_attention
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -335,7 +335,7 @@ class Experts(nn.Module):
         kind = tokens.device.type
         dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tokens.dtype
         h = kernels.expert_bias_add(expert_mm(tokens, self, "gate_up", counts, dtype, weight_queue), self.gate_up_bias, counts)
-        out = expert_mm(kernels.clamped_swiglu(h, self.alpha, self.limit), self, "down", counts, dtype, weight_queue)
+        out = activation_mm(lambda g: kernels.clamped_swiglu(g, self.alpha, self.limit), h, self, counts, dtype, weight_queue)
         return kernels.expert_bias_add(out, self.down_bias, counts)
 
 

@@ -130,3 +130,27 @@ def expert_mm(x, module, name: str, counts, dtype, queue: DeferredWeightGrads | 
     if not x.requires_grad and torch.is_grad_enabled():  # the weight gradient still needs a backward
         x = x.detach().requires_grad_()
     return _GroupedMMDeferredW.apply(x, w.detach(), counts, queue, module, name)
+
+
+def activation_mm(act, h, module, counts, dtype, queue: DeferredWeightGrads | None = None):
+    """expert_mm(act(h), module, "down", ...): the experts' activation and down projection. With
+    `module.recompute_act` (train.recompute=selective), act(h), the down GEMM's input (top-k x I
+    per token), is not kept for the backward but recomputed from h, which the activation's own
+    backward keeps anyway: an elementwise kernel instead of a stored tensor. The recomputed
+    tensor also feeds the deferred weight gradient (the W pass)."""
+    a = act(h)
+    if not getattr(module, "recompute_act", False) or not torch.is_grad_enabled():
+        return expert_mm(a, module, "down", counts, dtype, queue)
+
+    def pack(t):  # a itself (or expert_mm's detached alias of it): keep a marker, not the tensor
+        same = t.data_ptr() == a.data_ptr() and t.shape == a.shape and t.dtype == a.dtype
+        return (None,) if same else t
+
+    def unpack(saved):
+        if isinstance(saved, tuple):
+            with torch.no_grad():
+                return act(h)
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        return expert_mm(a, module, "down", counts, dtype, queue)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.utils.checkpoint
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 
@@ -30,7 +31,7 @@ from pithtrain.ops.fp8 import enable_fp8
 from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
 from pithtrain.parallel.context import shard_micro_batch
 from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispatch
-from pithtrain.parallel.fsdp import clip_grads, global_grad_norm, keep_local_experts, shard_model
+from pithtrain.parallel.fsdp import clip_grads, expert_modules, global_grad_norm, keep_local_experts, shard_model
 from pithtrain.parallel.mesh import Mesh
 from pithtrain.parallel.pipeline import ChunkPair, PipelineRunner, build_chunks, dualpipev_schedule
 from pithtrain.train import checkpoint as ckpt
@@ -128,6 +129,7 @@ def train(
         compile_stages(model)
     if t.fp8 != "off":  # before FSDP too: its all-gather runs before the FP8 weight refresh
         enable_fp8(model, compiled=t.compile, recipe=t.fp8)
+    recompute_stages(model, t.recompute)  # around the compiled stages, inside FSDP's hooks
     keep_local_experts(model, mesh.ep_rank, mesh.ep)
     model.to(device)  # fp32 master weights; bf16 compute from autocast (one process) or FSDP's policy
     if mesh.world > 1:
@@ -473,6 +475,28 @@ def compile_stages(model) -> None:
     for layer in model.layers.values():
         layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
         layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
+
+
+def recompute_stages(model, mode: str) -> None:
+    """train.recompute. selective: each MoE layer's SwiGLU output is recomputed from the kept
+    gate/up product (ops/grouped_gemm.activation_mm). full: stages 1 and 3 of every layer run
+    under a non-reentrant checkpoint: only their inputs are kept and the whole stage runs again
+    when the backward reaches it. Stage 1 and 3 hold no all-to-all and no generator yield, so
+    a recomputation stays inside one segment of DualPipeV's backward."""
+    for experts in expert_modules(model) if mode == "selective" else ():
+        experts.recompute_act = True
+    for layer in model.layers.values() if mode == "full" else ():
+        layer.stage1, layer.stage3 = _checkpointed(layer.stage1), _checkpointed(layer.stage3)
+
+
+def _checkpointed(stage):
+    def run(*args):
+        if not torch.is_grad_enabled():
+            return stage(*args)
+        # the stages draw no random numbers: no RNG state to save and restore
+        return torch.utils.checkpoint.checkpoint(stage, *args, use_reentrant=False, preserve_rng_state=False)
+
+    return run
 
 
 def start_profiler(device: torch.device):

@@ -46,8 +46,10 @@ def param_counts(cfg, layer_ids, embed: bool, head: bool) -> tuple[int, int]:
     return dense, expert
 
 
-def layer_activation_bytes(cfg, layer_id: int, seq: int) -> float:
-    """Bytes saved for backward per token by one layer (bf16, before the calibration factor)."""
+def layer_activation_bytes(cfg, layer_id: int, seq: int, recompute: str = "off") -> float:
+    """Bytes saved for backward per token by one layer (bf16, before the calibration factor).
+    train.recompute: selective drops the experts' SwiGLU output (top-k x I); full keeps of stages
+    1 (norms, attention, shared experts or dense MLP, router) and 3 (experts) only their inputs."""
     h = cfg.hidden_size
     heads = cfg.num_attention_heads
     if cfg.model_type == "deepseek_v2":
@@ -56,13 +58,15 @@ def layer_activation_bytes(cfg, layer_id: int, seq: int) -> float:
     else:
         d = getattr(cfg, "head_dim", None) or cfg.dim_per_head
         q, k, v, o = heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d, heads * d
-    elements = 6 * h + q + k + v + o
+    full = recompute == "full"
+    elements = h if full else 6 * h + q + k + v + o  # stage 1's input, or its norms and attention
     if cfg.is_moe_layer(layer_id):
         topk, inter = cfg.num_experts_per_tok, getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
-        elements += topk * (2 * h + 3 * inter) + topk * h + 2 * cfg.num_routed_experts()
-        shared = getattr(cfg, "n_shared_experts", None) or 0
+        experts = 0 if full else 2 * inter if recompute == "selective" else 3 * inter  # gate/up product, SwiGLU output
+        elements += topk * (2 * h + experts) + topk * h + 2 * cfg.num_routed_experts()
+        shared = 0 if full else getattr(cfg, "n_shared_experts", None) or 0  # shared experts run in stage 1
         elements += 3 * inter * shared + (h if shared else 0)
-    else:
+    elif not full:  # the dense MLP runs in stage 1
         elements += 3 * cfg.intermediate_size + h
     return 2.0 * elements
 
@@ -98,7 +102,7 @@ def estimate(config, world: int) -> list[dict]:
             d, e = param_counts(cfg, layer_ids, embed, head)
             dense, expert = dense + d, expert + e
             table += cfg.vocab_size * cfg.hidden_size * (int(embed) + int(head))
-            per_token = sum(layer_activation_bytes(cfg, i, config.data.seq_len) for i in layer_ids)
+            per_token = sum(layer_activation_bytes(cfg, i, config.data.seq_len, t.recompute) for i in layer_ids)
             per_token = per_token * ACTIVATION_FACTOR + (HEAD_BYTES_PER_LOGIT * cfg.vocab_size if head else 0.0)
             act += in_flight * tokens * per_token
         local_dense = dense / (dp * cp * ep)
