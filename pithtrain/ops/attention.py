@@ -163,7 +163,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, sinks_ptr, docs_ptr, out_ptr, lse_ptr,
         col_ok = offs_n < seq
         k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = _dot(q, tl.trans(k)) * qk_scale
         doc_k = tl.load(docs_ptr + b * seq + offs_n, mask=col_ok, other=-2) if HAS_DOCS else offs_n
         # Blocks strictly below the diagonal and inside the window need no mask (the common case).
         if _needs_mask(start_m, start_n, seq, window, BLOCK_M, BLOCK_N, HAS_WINDOW, HAS_DOCS):
@@ -173,7 +173,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, sinks_ptr, docs_ptr, out_ptr, lse_ptr,
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v)
         m_i = m_new
     l_i = tl.where(row_ok, l_i, 1.0)  # rows past seq (never stored) saw no key
     out = acc / l_i[:, None]
@@ -207,12 +207,12 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, docs_ptr, dq
         col_ok = offs_n < seq
         k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        p = tl.exp2(_dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         doc_k = tl.load(docs_ptr + b * seq + offs_n, mask=col_ok, other=-2) if HAS_DOCS else offs_n
         if _needs_mask(start_m, start_n, seq, window, BLOCK_M, BLOCK_N, HAS_WINDOW, HAS_DOCS):
             p = tl.where(_visible(offs_m, offs_n, doc_q, doc_k, seq, window, HAS_WINDOW, HAS_DOCS), p, 0.0)
-        ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        ds = p * (_dot(do, tl.trans(v)) - delta[:, None])
+        dq += _dot(ds.to(k.dtype), k)
     tl.store(dq_ptr + o_offs, (dq * scale).to(dq_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
@@ -252,19 +252,27 @@ def _bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, docs_ptr, e
                          mask=row_ok[:, None], other=0.0)
             lse = tl.load(lse_ptr + row + offs_m, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + row + offs_m, mask=row_ok, other=0.0)
-            p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # [BLOCK_M, BLOCK_N]
+            p = tl.exp2(_dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # [BLOCK_M, BLOCK_N]
             doc_q = tl.load(docs_ptr + b * seq + offs_m, mask=row_ok, other=-1) if HAS_DOCS else offs_m
             if _needs_mask(start_m, start_n, seq, window, BLOCK_M, BLOCK_N, HAS_WINDOW, HAS_DOCS):
                 p = tl.where(_visible(offs_m, offs_n, doc_q, doc_k, seq, window, HAS_WINDOW, HAS_DOCS), p, 0.0)
-            dv += tl.dot(tl.trans(p.to(do.dtype)), do)
-            ds = p * (tl.dot(do, tl.trans(v)) - delta[:, None])
-            dk += tl.dot(tl.trans(ds.to(q.dtype)), q)
+            dv += _dot(tl.trans(p.to(do.dtype)), do)
+            ds = p * (_dot(do, tl.trans(v)) - delta[:, None])
+            dk += _dot(tl.trans(ds.to(q.dtype)), q)
     d_offs = b.to(tl.int64) * sdb + hk * sdh + offs_n[:, None] * sds + offs_d[None, :]
     tl.store(dk_ptr + d_offs, (dk * scale).to(dk_ptr.dtype.element_ty), mask=col_ok[:, None])
     tl.store(dv_ptr + d_offs, dv.to(dv_ptr.dtype.element_ty), mask=col_ok[:, None])
 
 
-_HELPERS = ("_visible", "_needs_mask", "_key_range")
+def _dot(a, b):
+    return tl.dot(a, b)
+
+
+def _dot_upcast(a, b):  # the interpreter (Triton 3.9) multiplies bf16 operands' raw bits: fp32 there
+    return tl.dot(a.to(tl.float32), b.to(tl.float32))
+
+
+_HELPERS = ("_visible", "_needs_mask", "_key_range", "_dot")
 
 
 def _interpreting() -> bool:
@@ -288,6 +296,8 @@ def _launcher(fn, configs):
 
         tl = triton.language
         if not _compiled:  # the helpers the kernels call: jit-compiled in their place
+            if _interpreting():
+                globals()["_dot"] = _dot_upcast
             for name in _HELPERS:
                 globals()[name] = triton.jit(globals()[name])
         jitted = triton.jit(fn)
