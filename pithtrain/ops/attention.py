@@ -77,12 +77,13 @@ def attention_reference(q, k, v, scale: float, sinks=None, window=None, doc_ids=
 
 
 def attention(q, k, v, scale: float, sinks=None, window=None, doc_ids=None) -> torch.Tensor:
-    """See the module docstring. Under autocast q, k, v run in the autocast dtype (as SDPA does)."""
-    if not use_flash(q):
-        return attention_reference(q, k, v, scale, sinks, window, doc_ids)
-    if torch.is_autocast_enabled(q.device.type):
+    """See the module docstring. Under autocast q, k, v run in the autocast dtype (as SDPA does);
+    fp32 runs the SDPA path (the kernel's dots would round fp32 operands to TF32)."""
+    if use_flash(q) and torch.is_autocast_enabled(q.device.type):
         dtype = torch.get_autocast_dtype(q.device.type)
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    if not use_flash(q) or q.dtype not in (torch.bfloat16, torch.float16):
+        return attention_reference(q, k, v, scale, sinks, window, doc_ids)
     return _FlashAttention.apply(q, k, v, sinks, document_bounds(doc_ids), scale, window or 0)
 
 
