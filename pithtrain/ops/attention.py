@@ -143,14 +143,16 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, sinks_ptr, docs_ptr, out_ptr, lse_ptr,
                 seq, heads, rep, qk_scale, window,
                 D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SINK: tl.constexpr,
                 HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # the longest rows first
     b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
     offs_m, offs_d = start_m + tl.arange(0, BLOCK_M), tl.arange(0, D)
     row_ok = offs_m < seq
     q = tl.load(q_ptr + b.to(tl.int64) * sqb + h * sqh + offs_m[:, None] * sqs + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0)
     k_base, v_base = k_ptr + b.to(tl.int64) * skb + (h // rep) * skh, v_ptr + b.to(tl.int64) * svb + (h // rep) * svh
-    doc_q = tl.load(docs_ptr + b * seq + offs_m, mask=row_ok, other=-1) if HAS_DOCS else offs_m
+    doc_q = offs_m
+    if HAS_DOCS:
+        doc_q = tl.load(docs_ptr + b * seq + offs_m, mask=row_ok, other=-1)
     if HAS_SINK:  # the sink's term: running max z, running sum exp(z - z) = 1
         m_i = tl.zeros([BLOCK_M], tl.float32) + tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
         l_i = tl.full([BLOCK_M], 1.0, tl.float32)
@@ -165,7 +167,9 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, sinks_ptr, docs_ptr, out_ptr, lse_ptr,
         k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         s = _dot(q, tl.trans(k)) * qk_scale
-        doc_k = tl.load(docs_ptr + b * seq + offs_n, mask=col_ok, other=-2) if HAS_DOCS else offs_n
+        doc_k = offs_n
+        if HAS_DOCS:
+            doc_k = tl.load(docs_ptr + b * seq + offs_n, mask=col_ok, other=-2)
         # Blocks strictly below the diagonal and inside the window need no mask (the common case).
         if _needs_mask(start_m, start_n, seq, window, BLOCK_M, BLOCK_N, HAS_WINDOW, HAS_DOCS):
             s = tl.where(_visible(offs_m, offs_n, doc_q, doc_k, seq, window, HAS_WINDOW, HAS_DOCS), s, float("-inf"))
@@ -189,7 +193,7 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, docs_ptr, dq
                    D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    HAS_WINDOW: tl.constexpr, HAS_DOCS: tl.constexpr):
     """dQ of one query block: the forward's key loop again. dO and dQ share out's strides."""
-    start_m = tl.program_id(0) * BLOCK_M
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # the longest rows first
     b, h = tl.program_id(1) // heads, tl.program_id(1) % heads
     offs_m, offs_d = start_m + tl.arange(0, BLOCK_M), tl.arange(0, D)
     row_ok = offs_m < seq
@@ -200,7 +204,9 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, docs_ptr, dq
     lse = tl.load(lse_ptr + tl.program_id(1).to(tl.int64) * seq + offs_m, mask=row_ok, other=0.0)
     delta = tl.load(delta_ptr + tl.program_id(1).to(tl.int64) * seq + offs_m, mask=row_ok, other=0.0)
     k_base, v_base = k_ptr + b.to(tl.int64) * skb + (h // rep) * skh, v_ptr + b.to(tl.int64) * svb + (h // rep) * svh
-    doc_q = tl.load(docs_ptr + b * seq + offs_m, mask=row_ok, other=-1) if HAS_DOCS else offs_m
+    doc_q = offs_m
+    if HAS_DOCS:
+        doc_q = tl.load(docs_ptr + b * seq + offs_m, mask=row_ok, other=-1)
     dq = tl.zeros([BLOCK_M, D], tl.float32)
     lo, hi = _key_range(start_m, b, seq, window, docs_ptr, BLOCK_M, BLOCK_N, HAS_WINDOW, HAS_DOCS)
     for start_n in range(lo, hi, BLOCK_N):
@@ -209,7 +215,9 @@ def _bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, docs_ptr, dq
         k = tl.load(k_base + offs_n[:, None] * sks + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svs + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         p = tl.exp2(_dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-        doc_k = tl.load(docs_ptr + b * seq + offs_n, mask=col_ok, other=-2) if HAS_DOCS else offs_n
+        doc_k = offs_n
+        if HAS_DOCS:
+            doc_k = tl.load(docs_ptr + b * seq + offs_n, mask=col_ok, other=-2)
         if _needs_mask(start_m, start_n, seq, window, BLOCK_M, BLOCK_N, HAS_WINDOW, HAS_DOCS):
             p = tl.where(_visible(offs_m, offs_n, doc_q, doc_k, seq, window, HAS_WINDOW, HAS_DOCS), p, 0.0)
         ds = p * (_dot(do, tl.trans(v)) - delta[:, None])
@@ -232,7 +240,9 @@ def _bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, docs_ptr, e
                 mask=col_ok[:, None], other=0.0)
     v = tl.load(v_ptr + b.to(tl.int64) * svb + hk * svh + offs_n[:, None] * svs + offs_d[None, :],
                 mask=col_ok[:, None], other=0.0)
-    doc_k = tl.load(docs_ptr + b * seq + offs_n, mask=col_ok, other=-2) if HAS_DOCS else offs_n
+    doc_k = offs_n
+    if HAS_DOCS:
+        doc_k = tl.load(docs_ptr + b * seq + offs_n, mask=col_ok, other=-2)
     lo = (start_n // BLOCK_M) * BLOCK_M
     hi = seq + start_n * 0
     if HAS_WINDOW:  # the last query that sees key j is j + window - 1
@@ -254,7 +264,9 @@ def _bwd_dkv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, docs_ptr, e
             lse = tl.load(lse_ptr + row + offs_m, mask=row_ok, other=0.0)
             delta = tl.load(delta_ptr + row + offs_m, mask=row_ok, other=0.0)
             p = tl.exp2(_dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # [BLOCK_M, BLOCK_N]
-            doc_q = tl.load(docs_ptr + b * seq + offs_m, mask=row_ok, other=-1) if HAS_DOCS else offs_m
+            doc_q = offs_m
+            if HAS_DOCS:
+                doc_q = tl.load(docs_ptr + b * seq + offs_m, mask=row_ok, other=-1)
             if _needs_mask(start_m, start_n, seq, window, BLOCK_M, BLOCK_N, HAS_WINDOW, HAS_DOCS):
                 p = tl.where(_visible(offs_m, offs_n, doc_q, doc_k, seq, window, HAS_WINDOW, HAS_DOCS), p, 0.0)
             dv += _dot(tl.trans(p.to(do.dtype)), do)
