@@ -15,8 +15,9 @@ L = log(exp(z) + sum_j exp(s_j)), o = sum_j p_j v_j. The forward starts each row
 with running sum 1 (the sink's term), so z only adds to the denominator; it saves L per row.
 Backward (FA2): delta = rowsum(dO * O); dp_j = dO.v_j; ds_j = p_j (dp_j - delta) (the sink's dp is
 0, so delta = sum_j p_j dp_j is unchanged by it); dq = scale sum_j ds_j k_j, dk_j and dv_j summed
-over the queries (and the Hq/Hkv query heads of a key head). The sink's gradient:
-dL/dz = sum over rows of p_z (dp_z - delta) = -sum_rows exp(z - L) * delta, over batch and positions.
+over the queries (and the Hq/Hkv query heads of a key head). The sink's gradient (its logit is
+one more score, with dp_z = 0): d loss/dz = sum_rows p_z (dp_z - delta) = -sum_rows exp(z - L) delta,
+the rows of that head over batch and positions.
 Key blocks wholly outside the window or before the document of the block's first query are never
 visited (and query blocks after the window or document of a key block in dK/dV). dQ and dK/dV are
 separate kernels, so no atomics: gradients are bit-identical run to run.
