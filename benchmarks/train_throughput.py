@@ -4,7 +4,8 @@ same run, peak memory, GPU time per layer stage (from a profiled step, by defaul
 left out of the medians), and the PithTrain/transformers ratio.
 
     PYTHONPATH=. python benchmarks/train_throughput.py --family qwen3 --layers 4 --seq 4096 --steps 8
-    (--family deepseek_v2 | gpt_oss: the DeepSeek-V2-Lite / GPT-OSS-20B widths; --compile)
+    (--family deepseek_v2 | gpt_oss: the DeepSeek-V2-Lite / GPT-OSS-20B widths; --compile;
+     --attention sdpa: GPT-OSS's attention through SDPA with masks instead of ops/attention.py's kernel)
 
 Model FLOPs per token = 6 * (active non-embedding parameters) + 6 * hidden * vocab (LM head)
                         + 6 * layers * seq * head_dim * q_heads (causal attention, fwd+bwd).
@@ -189,8 +190,13 @@ def main():
                         "over the bf16 matmul peak, so FP8 and bf16 runs compare directly)")
     parser.add_argument("--optim", default="adamw", choices=["adamw", "muon"], help="optim.name; the optimizer step's "
                         "share of the step time is reported either way")
+    parser.add_argument("--attention", default="flash", choices=["flash", "sdpa"], help="GPT-OSS attention: the "
+                        "Triton kernel of ops/attention.py, or SDPA with the sink as an extra key and explicit masks")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    from pithtrain.ops import attention
+
+    attention.ENABLED = args.attention == "flash"
     if args.profile_step is None:
         args.profile_step = args.steps
     hf_batch = args.hf_batch or args.batch
@@ -215,7 +221,7 @@ def main():
     torch.cuda.empty_cache()
     warm = [m for m in ours[2:] if m["step"] != args.profile_step] or ours
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "fp8": args.fp8, "optim": args.optim, "recompute": args.recompute, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "fp8": args.fp8, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30,

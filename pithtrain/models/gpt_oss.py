@@ -3,8 +3,9 @@ HF conversion including the MXFP4 expert weights of hub checkpoints.
 
 What differs from Qwen3-MoE:
   - attention has biases and one learnable "sink" logit per head that joins the softmax denominator
-    (it takes probability mass, then is dropped). `sink_attention` runs it through SDPA's fused
-    kernels as one extra key (see there), differentiable in q, k, v and the sinks;
+    (it takes probability mass, then is dropped). On CUDA ops/attention.py's Triton kernel holds it
+    in the denominator and skips the blocks outside the window or document (no mask); on the CPU
+    `sink_attention` runs it through SDPA's fused kernels as one extra key with an explicit mask;
   - layers use sliding-window (the last `sliding_window` tokens, the current one included) or full
     causal attention, per `layer_types`; both combine with the packed-document mask;
   - YaRN RoPE in HF's GPT-OSS form: the two halves of each head rotate against each other (the same
@@ -30,7 +31,8 @@ from torch import nn
 
 from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
-from pithtrain.ops import kernels
+from pithtrain.ops import attention, kernels
+from pithtrain.ops.attention import sink_attention  # the SDPA path (CPU)
 from pithtrain.ops.core import apply_rope, attention_mask, rope_cos_sin
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import activation_mm, expert_mm
@@ -206,30 +208,6 @@ def rope_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, float]:
     return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep, float(scale)
 
 
-def sink_attention(q, k, v, sinks, mask, scale: float) -> torch.Tensor:
-    """Causal GQA attention whose softmax denominator also holds one learnable logit per head.
-    q: [B, Hq, S, D], k/v: [B, Hkv, S, D], sinks: [Hq], mask: bool [B or 1, 1, S, S] (True = attend).
-    Returns [B, S, Hq*Dv]; gradients reach q, k, v and the sinks.
-
-    The sink becomes one more key that every query sees, so SDPA's fused kernels do the work
-    (no [S, S] fp32 scores): queries get an extra coordinate holding sink/scale, the sink key is
-    the unit vector along it (the other keys are 0 there) and its value is 0. Then
-    q'.k_sink * scale = sink and q'.k_j = q.k_j, and the sink only adds to the denominator.
-    Seven more zero coordinates keep the head dim a multiple of 8, as the fused kernels want."""
-    b, hq, s, d = q.shape
-    rep = hq // k.shape[1]
-    if rep > 1:  # the masked fused kernel takes equal head counts
-        k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    sink_q = (sinks.to(q.dtype) / scale).view(1, hq, 1, 1).expand(b, hq, s, 1)
-    q = torch.cat([q, sink_q, q.new_zeros(b, hq, s, 7)], dim=-1)
-    sink_k = F.pad(q.new_ones(b, hq, 1, 1), (d, 7))  # [B, Hq, 1, D+8]: 1 at coordinate D
-    k = torch.cat([sink_k, F.pad(k, (0, 8))], dim=2)
-    v = F.pad(v, (0, 0, 1, 0))  # the sink's value row: zeros
-    mask = F.pad(mask, (1, 0), value=True)  # every query sees the sink
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out.transpose(1, 2).flatten(2)
-
-
 # ---- MXFP4 (hub checkpoints store the experts this way) ----
 
 # FP4 E2M1 code -> value: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa; exponent 0 is subnormal.
@@ -270,9 +248,11 @@ def _deinterleave(t):
 class AttnInputs(NamedTuple):
     cos: torch.Tensor  # [B, S, D]
     sin: torch.Tensor
-    full_mask: torch.Tensor | None  # bool [B or 1, 1, S, S]: causal (and same document); None with cp
-    sliding_mask: torch.Tensor | None  # also within the window; None when no layer slides, or with cp
+    full_mask: torch.Tensor | None  # bool [B or 1, 1, S, S]: causal (and same document); None with cp or flash
+    sliding_mask: torch.Tensor | None  # also within the window; None when no layer slides, with cp or flash
     cp: ContextParallel | None = None  # context parallel: ring attention, masked from cp's global token indices
+    flash: bool = False  # ops/attention.py's kernel: no masks, the window and these document ids instead
+    doc_ids: torch.Tensor | None = None
 
 
 class RMSNorm(nn.Module):
@@ -311,6 +291,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, attn.cos, attn.sin)
         if attn.cp is not None:
             return self.o_proj(context_attention(q, k, v, self.head_dim**-0.5, attn.cp, self.sinks, self.window))
+        if attn.flash:
+            return self.o_proj(attention.attention(q, k, v, self.head_dim**-0.5, self.sinks, self.window, attn.doc_ids))
         mask = attn.sliding_mask if self.sliding else attn.full_mask
         return self.o_proj(sink_attention(q, k, v, self.sinks, mask, self.head_dim**-0.5))
 
@@ -418,6 +400,8 @@ class GptOssModel(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, self.rope_scale, dtype=dtype)
         if cp is not None:  # the ring masks by global token index, the window and cp's document ids
             return AttnInputs(cos, sin, None, None, cp)
+        if attention.use_flash(cos):
+            return AttnInputs(cos, sin, None, None, flash=True, doc_ids=doc_ids)
         s, device = position_ids.shape[1], position_ids.device
         full = attention_mask(doc_ids, s, device)
         if full is None:  # sink attention always takes an explicit mask

@@ -1,0 +1,92 @@
+"""Attention on one GPU: ops/attention.py's Triton flash kernel against the SDPA paths it replaces.
+
+    PYTHONPATH=. python benchmarks/attention.py [--batches 1 2 4] [--seq 4096] [--docs 0] [--repeats 20]
+
+GPT-OSS-20B shapes (Hq=64, Hkv=8, D=64, a sink per head), full causal and a 128-token window: the
+kernel vs `sink_attention` (SDPA with the sink as one extra key and an explicit boolean mask, what
+GPT-OSS ran before); Qwen3-30B-A3B shapes (Hq=32, Hkv=4, D=128, no sink): the kernel vs plain
+causal SDPA. `--docs N` packs N equal documents per row (masks by document on both sides).
+FLOPs count only the visible (query, key) pairs: forward 4 * B * Hq * D * pairs (two matmuls),
+backward 2.5 times that (five), so a window's TFLOP/s is useful work, not the S x S square.
+Times are medians of CUDA events after warm-up (which includes Triton's compiles and autotuning).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels import median_ms  # noqa: E402
+from results import record  # noqa: E402
+
+from pithtrain.ops import attention  # noqa: E402
+
+BF16 = torch.bfloat16
+CASES = [  # name, Hq, Hkv, D, sink, window
+    ("gpt_oss_full", 64, 8, 64, True, None),
+    ("gpt_oss_window128", 64, 8, 64, True, 128),
+    ("qwen3_full", 32, 4, 128, False, None),
+]
+
+
+def time_case(fn, inputs, dout, repeats):
+    def fwd():
+        with torch.no_grad():
+            fn(*inputs)
+
+    def fwd_bwd():
+        torch.autograd.grad(fn(*inputs), inputs, dout)
+
+    return median_ms(fwd, repeats), median_ms(fwd_bwd, repeats)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--docs", type=int, default=0, help="documents packed per row (0: one)")
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    s, figures = args.seq, {}
+    for name, hq, hkv, d, sink, window in CASES:
+        for b in args.batches:
+            q = torch.randn(b, hq, s, d, device="cuda", dtype=BF16, requires_grad=True)
+            k, v = (torch.randn(b, hkv, s, d, device="cuda", dtype=BF16, requires_grad=True) for _ in range(2))
+            inputs = [q, k, v] + ([torch.randn(hq, device="cuda", requires_grad=True)] if sink else [])
+            doc_ids = (torch.arange(s, device="cuda") * args.docs // s).expand(b, s) if args.docs else None
+            dout = torch.randn(b, s, hq * d, device="cuda", dtype=BF16)
+            flops = attention.attention_flops(b, hq, s, d, window)
+            if args.docs:  # the pairs within the documents (equal lengths)
+                flops = args.docs * attention.attention_flops(b, hq, s // args.docs, d, window)
+
+            def run(path):
+                return lambda q, k, v, *z: path(q, k, v, d**-0.5, z[0] if z else None, window, doc_ids)
+
+            row = {}
+            for label, fn in (("flash", run(attention.attention)), ("sdpa", run(attention.attention_reference))):
+                try:
+                    f, fb = time_case(fn, inputs, dout, args.repeats)
+                except torch.OutOfMemoryError:
+                    print(f"{name} B={b} {label}: out of memory")
+                    continue
+                tf, tfb = flops / f / 1e9, 3.5 * flops / fb / 1e9
+                row[label] = {"fwd_ms": round(f, 3), "fwd_bwd_ms": round(fb, 3), "fwd_tflops": round(tf, 1),
+                              "fwd_bwd_tflops": round(tfb, 1)}
+                print(f"{name:18s} B={b} S={s} docs={args.docs} {label:5s}  fwd {f:7.3f} ms {tf:6.1f} TFLOP/s   "
+                      f"fwd+bwd {fb:7.3f} ms {tfb:6.1f} TFLOP/s   (bwd/fwd {(fb - f) / f:.2f})", flush=True)
+                torch.cuda.empty_cache()
+            if len(row) == 2:
+                print(f"{'':18s} flash speed-up: fwd {row['sdpa']['fwd_ms'] / row['flash']['fwd_ms']:.2f}x, "
+                      f"fwd+bwd {row['sdpa']['fwd_bwd_ms'] / row['flash']['fwd_bwd_ms']:.2f}x")
+            figures[f"{name}_b{b}"] = row
+    record({"benchmark": "attention", "seq": s, "docs": args.docs, **figures})
+
+
+if __name__ == "__main__":
+    main()

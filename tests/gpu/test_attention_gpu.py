@@ -1,0 +1,78 @@
+"""The Triton flash attention of pithtrain.ops.attention on CUDA (skipped without CUDA): bf16 at
+GPT-OSS-20B and Qwen3 shapes against float64, values and gradients of q, k, v and the sinks, next to
+the SDPA path it replaces; bit-identical gradients run to run. Speed: benchmarks/attention.py.
+
+Tolerance: relative error (norm of the difference) against float64 below 1e-2 and within twice the
+SDPA path's own bf16 error plus 2e-3 (both round to bf16 once at the output and for the probabilities).
+"""
+
+import pytest
+import torch
+
+from pithtrain.ops import attention
+from test_attention import attention_float64
+from test_kernels import rel_err
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def float64_with_grads(q, k, v, scale, sinks, window, doc_ids, dout):
+    """attention_float64 and its gradients, one key head (and its query heads) at a time: [S, S] float64
+    scores for all 64 heads at S=4096 would not fit."""
+    hq, hkv = q.shape[1], k.shape[1]
+    rep = hq // hkv
+    leaves = [t.double().requires_grad_() for t in (q, k, v)] + ([sinks.double().requires_grad_()] if sinks is not None else [])
+    outs = []
+    for g in range(hkv):
+        heads = slice(g * rep, (g + 1) * rep)
+        out = attention_float64(leaves[0][:, heads], leaves[1][:, g:g + 1], leaves[2][:, g:g + 1], scale,
+                                leaves[3][heads] if sinks is not None else None, window, doc_ids)
+        d = q.shape[-1]
+        out.backward(dout.view(*dout.shape[:2], hq, d)[:, :, heads].flatten(2).double())
+        outs.append(out.detach().view(*out.shape[:2], rep, d))
+    return torch.cat(outs, 2).flatten(2), [t.grad for t in leaves]
+
+
+def with_grads(fn, leaves, dout):
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    out = fn(*leaves)
+    return out, list(torch.autograd.grad(out, leaves, dout))
+
+
+@pytest.mark.parametrize("b, hq, hkv, s, d, sink, window, docs", [
+    (2, 64, 8, 4096, 64, True, 128, True),  # GPT-OSS-20B sliding layer, packed documents
+    (1, 64, 8, 4096, 64, True, None, False),  # GPT-OSS-20B full layer
+    (1, 32, 4, 4096, 128, False, None, True),  # Qwen3-30B-A3B
+    (1, 8, 2, 1000, 64, True, 100, True),  # a length off the block grid
+])
+def test_flash_attention_bf16_against_float64(b, hq, hkv, s, d, sink, window, docs):
+    gen = torch.Generator(device="cuda").manual_seed(s + hq)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    leaves = [torch.randn(b, hq, s, d, generator=gen, **bf16), torch.randn(b, hkv, s, d, generator=gen, **bf16),
+              torch.randn(b, hkv, s, d, generator=gen, **bf16)]
+    sinks = torch.randn(hq, generator=gen, device="cuda") if sink else None
+    doc_ids = None
+    if docs:  # random document lengths, a one-token document, the second row in one piece
+        cuts = torch.rand(b, s, generator=gen, device="cuda") < 4 / s
+        cuts[0, s // 3] = cuts[0, s // 3 + 1] = True
+        cuts[:, 0] = False
+        cuts[1:] = False
+        doc_ids = cuts.long().cumsum(1)
+    dout = torch.randn(b, s, hq * d, generator=gen, **bf16)
+    scale = d**-0.5
+    leaves += [sinks] if sink else []
+
+    def flash(q, k, v, *z):
+        return attention.attention(q, k, v, scale, z[0] if z else None, window, doc_ids)
+
+    def sdpa(q, k, v, *z):
+        return attention.attention_reference(q, k, v, scale, z[0] if z else None, window, doc_ids)
+
+    out, grads = with_grads(flash, leaves, dout)
+    ref, ref_grads = with_grads(sdpa, leaves, dout)
+    exact, exact_grads = float64_with_grads(*leaves[:3], scale, sinks, window, doc_ids, dout)
+    for name, a, r, e in zip(("out", "dq", "dk", "dv", "dsinks"), [out, *grads], [ref, *ref_grads], [exact, *exact_grads]):
+        err, ref_err = rel_err(a, e), rel_err(r, e)
+        assert err < 1e-2 and err <= 2 * ref_err + 2e-3, (name, err, ref_err)
+    again, grads_again = with_grads(flash, leaves, dout)
+    assert torch.equal(again, out) and all(map(torch.equal, grads_again, grads))  # no atomics
