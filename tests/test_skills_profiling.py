@@ -76,3 +76,109 @@ def test_profile_steps_window_is_checked_before_training(tmp_path, dataset_dir, 
         with pytest.raises(UserError, match="PITHTRAIN_PROFILE_STEPS"):
             train(tiny_config(dataset_dir, steps=1), tmp_path / bad.replace(":", "_"), echo=False)
         assert not (tmp_path / bad.replace(":", "_")).exists()
+
+
+ANALYZE = ".agents/skills/analyze-nsys-profile/analyze_nsys.py"
+PID = 4242
+MAIN, AUTOGRAD = (PID << 24) | 1, (PID << 24) | 2  # nsys's globalTid: the pid above bit 24, the tid below
+
+
+def _nsys_sqlite(path, stage5=True):
+    """An export with nsys's schema (the columns the analysis reads, named as nsys names them) and
+    known times in microseconds: host ranges and launches on two threads, kernels on two streams."""
+    import sqlite3
+
+    us = 1000  # the export's unit is ns
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE StringIds (id INTEGER PRIMARY KEY, value TEXT NOT NULL);
+        CREATE TABLE NVTX_EVENTS (start INTEGER NOT NULL, end INTEGER, eventType INTEGER NOT NULL, rangeId INTEGER,
+            category INTEGER, color INTEGER, text TEXT, globalTid INTEGER, endGlobalTid INTEGER, textId INTEGER,
+            domainId INTEGER, uint64Value INTEGER, int64Value INTEGER, doubleValue REAL, uint32Value INTEGER,
+            int32Value INTEGER, floatValue REAL, jsonTextId INTEGER, jsonText TEXT);
+        CREATE TABLE CUPTI_ACTIVITY_KIND_RUNTIME (start INTEGER NOT NULL, end INTEGER NOT NULL, eventClass INTEGER NOT NULL,
+            globalTid INTEGER, correlationId INTEGER, nameId INTEGER NOT NULL, returnValue INTEGER NOT NULL, callchainId INTEGER);
+        CREATE TABLE CUPTI_ACTIVITY_KIND_KERNEL (start INTEGER NOT NULL, end INTEGER NOT NULL, deviceId INTEGER NOT NULL,
+            contextId INTEGER NOT NULL, streamId INTEGER NOT NULL, correlationId INTEGER, globalPid INTEGER,
+            demangledName INTEGER NOT NULL, shortName INTEGER NOT NULL, mangledName INTEGER, gridX INTEGER NOT NULL,
+            gridY INTEGER NOT NULL, gridZ INTEGER NOT NULL, blockX INTEGER NOT NULL, blockY INTEGER NOT NULL,
+            blockZ INTEGER NOT NULL);
+    """)
+    names = ["cudaLaunchKernel", "gemm", "count_ids", "ncclDevKernel_SendRecv", "vectorized_elementwise",
+             "multi_tensor_apply_adam", "pithtrain::stage3.wgrad"]
+    db.executemany("INSERT INTO StringIds VALUES (?, ?)", enumerate(names))
+    ranges = [(0, 100, "pithtrain::stage1"), (100, 200, "pithtrain::stage2"), (150, 190, "pithtrain::dispatch"),
+              (200, 300, "pithtrain::stage3"), (300, 400, "pithtrain::stage4"), (310, 390, "pithtrain::combine"),
+              (600, 700, "pithtrain::optimizer"), (0, 1000, "not ours"),
+              (820, 880, "pithtrain::stage1")]  # while the autograd thread launches in its wgrad range
+    if stage5:
+        ranges.append((400, 500, "pithtrain::stage5"))
+    db.executemany("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid) VALUES (?, ?, 59, ?, ?)",
+                   [(a * us, b * us, name, MAIN) for a, b, name in ranges])
+    # a registered string (textId), on the autograd thread; a mark (eventType 34) is not a range
+    db.execute("INSERT INTO NVTX_EVENTS (start, end, eventType, textId, globalTid) VALUES (?, ?, 59, 6, ?)",
+               (800 * us, 900 * us, AUTOGRAD))
+    db.execute("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid) VALUES (?, NULL, 34, 'pithtrain::stage1', ?)",
+               (10 * us, MAIN))
+    # (launch time, thread, kernel name id, stream, kernel start, end): correlation ids 1..9
+    kernels = [(10, MAIN, 1, 7, 1000, 2000), (120, MAIN, 2, 7, 2000, 2500), (160, MAIN, 3, 13, 2500, 4500),
+               (210, MAIN, 1, 7, 3000, 6000), (320, MAIN, 3, 13, 6000, 8000), (410, MAIN, 4, 7, 8000, 8500),
+               (650, MAIN, 5, 7, 10000, 11000), (11500, MAIN, 4, 7, 12000, 12500), (850, AUTOGRAD, 1, 7, 13000, 14000)]
+    for corr, (launch, tid, name, stream, a, b) in enumerate(kernels, 1):
+        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_RUNTIME VALUES (?, ?, 0, ?, ?, 0, 0, NULL)", (launch * us, launch * us + 5 * us, tid, corr))
+        db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, 0, 1, ?, ?, ?, ?, ?, ?, 1, 1, 1, 128, 1, 1)",
+                   (a * us, b * us, stream, corr, PID << 24, name, name, name))
+    # a kernel whose launch was not captured (correlation id 99): outside ranges
+    db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_KERNEL VALUES (?, ?, 0, 1, 7, 99, ?, 4, 4, 4, 1, 1, 1, 128, 1, 1)",
+               (15000 * us, 15250 * us, PID << 24))
+    db.commit()
+    db.close()
+    return path
+
+
+def test_analyze_nsys_profile_attributes_time_overlap_and_gaps(tmp_path):
+    """Known figures: each kernel to the innermost range open at its launch on its thread
+    (dispatch and combine inside stages 2 and 4, the wgrad range on the autograd thread); NCCL
+    4 ms of which 1.5 ms under the stage-3 GEMM; four idle gaps charged to the range of the launch
+    that ended them (none known: outside), one of them while the host had not launched it yet."""
+    db = _nsys_sqlite(tmp_path / "run.sqlite")
+    out = subprocess.run([sys.executable, ANALYZE, str(db)], capture_output=True, text=True)
+    assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+    text = out.stdout
+    assert f"process {PID} (device 0): 10 GPU activities, 11.75 ms, first to last 14.25 ms" in text, text
+    for ms, share, name in [(3.0, 25.5, "pithtrain::stage3"), (2.0, 17.0, "pithtrain::dispatch"),
+                            (2.0, 17.0, "pithtrain::combine"), (1.0, 8.5, "pithtrain::stage1"),
+                            (1.0, 8.5, "pithtrain::optimizer"), (1.0, 8.5, "pithtrain::stage3.wgrad"),
+                            (0.75, 6.4, "(outside ranges)"), (0.5, 4.3, "pithtrain::stage2"), (0.5, 4.3, "pithtrain::stage5")]:
+        assert f"{ms:9.2f}  {share:5.1f}%  {name}\n" in text, (name, text)
+    assert "not ours" not in text and "pithtrain::stage4\n" not in text
+    assert ("by layer stage, ranges nested in a stage included (ms): stage 1 1.00, stage 2 2.50, stage 3 3.00, "
+            "stage 4 2.00, stage 5 0.50, stage 3 wgrad 1.00, optimizer 1.00") in text, text
+    assert "NCCL 4.00 ms, overlapped with compute: 37.5%" in text, text
+    assert "all-to-all/p2p      4.00 ms,  37.5% overlapped" in text, text
+    assert "GPU idle (gaps >= 20 us, nothing on any stream): 4.00 ms in 4 gaps, 1.00 ms of it before the host" in text, text
+    idle = text.split("GPU idle")[1]
+    assert "     1.50  pithtrain::optimizer" in idle and "     2.00  (outside ranges)" in idle, idle
+    assert "     0.50  pithtrain::stage3.wgrad" in idle, idle
+
+
+def test_analyze_nsys_profile_fails_clearly(tmp_path):
+    """A stage without GPU time, an overlap under the bar, a capture without our ranges, no file."""
+    def analyze(*args):
+        return subprocess.run([sys.executable, ANALYZE, *map(str, args)], capture_output=True, text=True)
+
+    no_stage5 = analyze(_nsys_sqlite(tmp_path / "a.sqlite", stage5=False))
+    assert no_stage5.returncode == 1, no_stage5.stdout
+    assert no_stage5.stdout.strip().splitlines()[-1] == f"FAIL: process {PID}: no GPU time in stage 5", no_stage5.stdout
+    low = analyze(_nsys_sqlite(tmp_path / "b.sqlite"), "--min-overlap", "0.5")
+    assert low.returncode == 1 and low.stdout.strip().endswith(f"FAIL: process {PID}: NCCL overlap 37.5% < 50%"), low.stdout
+    import sqlite3
+
+    db = sqlite3.connect(tmp_path / "b.sqlite")
+    db.execute("DELETE FROM NVTX_EVENTS")
+    db.commit()
+    db.close()
+    bare = analyze(tmp_path / "b.sqlite")
+    assert bare.returncode == 1 and "PITHTRAIN_NVTX=1" in bare.stdout, bare.stdout
+    gone = analyze(tmp_path / "none.sqlite")
+    assert gone.returncode == 1 and "nsys export --type sqlite" in gone.stdout, gone.stdout
