@@ -2,6 +2,8 @@
 ranges and capture window they rely on."""
 
 import contextlib
+import json
+import os
 import subprocess
 import sys
 
@@ -182,3 +184,56 @@ def test_analyze_nsys_profile_fails_clearly(tmp_path):
     assert bare.returncode == 1 and "PITHTRAIN_NVTX=1" in bare.stdout, bare.stdout
     gone = analyze(tmp_path / "none.sqlite")
     assert gone.returncode == 1 and "nsys export --type sqlite" in gone.stdout, gone.stdout
+
+
+CAPTURE = ".agents/skills/capture-nsys-profile/capture_nsys.py"
+
+# Stands in for Nsight Systems on the CPU: `profile` records the environment it got, runs the
+# program after its options and writes the report; `export` copies a prepared SQLite export.
+FAKE_NSYS = """#!/bin/sh
+if [ "$1" = profile ]; then
+    shift; report=""
+    while [ "${1#--}" != "$1" ]; do case "$1" in --output=*) report="${1#--output=}";; esac; shift; done
+    echo "$PITHTRAIN_NVTX $PITHTRAIN_PROFILE_STEPS" > "$(dirname "$report")/env.txt"
+    "$@" && touch "$report"
+elif [ "$1" = export ]; then
+    for a in "$@"; do case "$a" in --output=*) cp "$FAKE_SQLITE" "${a#--output=}";; esac; done
+fi
+"""
+
+
+def test_capture_nsys_profile_runs_exports_and_analyses(tmp_path, dataset_dir):
+    """A real tiny run through the command line the script builds (nsys stood in for: the machines
+    here have none): the run gets PITHTRAIN_NVTX=1 and the capture window, trains to its last
+    step, and the verdict is the analysis of the export."""
+    from conftest import write_run_file
+
+    run = write_run_file(tmp_path / "run.py", dataset_dir)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nsys").write_text(FAKE_NSYS)
+    (bin_dir / "nsys").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+               FAKE_SQLITE=str(_nsys_sqlite(tmp_path / "export.sqlite")))
+    out = subprocess.run([sys.executable, CAPTURE, str(run), "--capture", "2:3", "--out", str(tmp_path / "cap")],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+    assert "--capture-range=cudaProfilerApi" in out.stdout and "PITHTRAIN_PROFILE_STEPS=2:3" in out.stdout
+    assert (tmp_path / "cap" / "env.txt").read_text().split() == ["1", "2:3"]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "cap" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+    assert "by layer stage" in out.stdout  # the analysis ran on the export
+    again = subprocess.run([sys.executable, CAPTURE, str(run), "--out", str(tmp_path / "cap")], capture_output=True, text=True, env=env)
+    assert again.returncode == 1 and "exists" in again.stdout.splitlines()[-1]
+
+
+def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path):
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable))  # python, but no nsys
+    out = subprocess.run([sys.executable, CAPTURE, "examples/qwen3_tiny.py", "--capture", "3:4", "--train-args", "--nproc 2 --ep 2"],
+                         capture_output=True, text=True, env=env)
+    lines = out.stdout.strip().splitlines()
+    assert out.returncode == 1 and lines[-1].startswith("FAIL: nsys is not on PATH: install Nsight Systems"), out.stdout
+    assert lines[0].startswith("$ PITHTRAIN_NVTX=1 PITHTRAIN_PROFILE_STEPS=3:4 nsys profile --trace=cuda,nvtx "), lines[0]
+    assert lines[0].endswith("--steps 4 --nproc 2 --ep 2"), lines[0]
+    bad = subprocess.run([sys.executable, CAPTURE, "examples/qwen3_tiny.py", "--capture", "4:3"], capture_output=True, text=True)
+    assert bad.returncode == 1 and "FIRST:LAST" in bad.stdout
