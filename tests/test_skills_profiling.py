@@ -237,3 +237,88 @@ def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path):
     assert lines[0].endswith("--steps 4 --nproc 2 --ep 2"), lines[0]
     bad = subprocess.run([sys.executable, CAPTURE, "examples/qwen3_tiny.py", "--capture", "4:3"], capture_output=True, text=True)
     assert bad.returncode == 1 and "FIRST:LAST" in bad.stdout
+
+
+KERNEL = ".agents/skills/profile-kernel/profile_kernel.py"
+NCU_HEAD = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
+            '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
+
+
+def _ncu_csv(path, kernels):
+    """ncu --csv output: ==PROF== lines around one row per (kernel launch, metric)."""
+    rows = [f'"{i}","77","python","h","{name}","1","7","(128, 1, 1)","(264, 1, 1)","0","9.0","Command line profiler metrics",'
+            f'"{metric}","{unit}","{value}"' for i, (name, metrics) in enumerate(kernels) for metric, unit, value in metrics]
+    path.write_text("==PROF== Connected to process 77 (python)\n" + NCU_HEAD + "\n" + "\n".join(rows)
+                    + "\n==PROF== Disconnected from process 77\n")
+    return path
+
+
+def test_profile_kernel_roofline_of_an_ncu_csv(tmp_path):
+    """A grouped GEMM: two kernels (units scaled and plain, thousands separators), 0.2 TFLOP in
+    0.5 ms = 400 TFLOP/s, 150 MB of DRAM traffic: compute-bound at 51% of the measured 785;
+    a row gather with no FLOPs: 300 MB in 0.1 ms = 3000 GB/s of the measured 4170."""
+    gemm = _ncu_csv(tmp_path / "gemm.csv", [
+        ("cumsum_kernel", [("gpu__time_duration.sum", "usecond", "2"), ("dram__bytes_read.sum", "Kbyte", "1"),
+                           ("dram__bytes_write.sum", "byte", "1,000"),
+                           ("sm__throughput.avg.pct_of_peak_sustained_elapsed", "%", "0.5"),
+                           ("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "%", "n/a")]),
+        ("sm90_xmma_gemm_bf16", [("gpu__time_duration.sum", "nsecond", "498,000"), ("dram__bytes_read.sum", "byte", "99,999,000"),
+                                 ("dram__bytes_write.sum", "Mbyte", "49.999"),
+                                 ("sm__throughput.avg.pct_of_peak_sustained_elapsed", "%", "61.25"),
+                                 ("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "%", "7.5")])])
+
+    def profile(csv_path, *args):
+        return subprocess.run([sys.executable, KERNEL, "--csv", str(csv_path), *map(str, args)], capture_output=True, text=True)
+
+    ok = profile(gemm, "--flops", 2e11, "--min-bytes", 1e8)
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS"), ok.stdout + ok.stderr
+    assert "op: 2 kernel(s), 0.5000 ms, 200.00 GFLOP, DRAM 150.00 MB (1.50x the 100.00 MB it must move)" in ok.stdout, ok.stdout
+    assert ("achieved 400.0 TFLOP/s (bf16 peak 785), 300 GB/s (HBM peak 4170); intensity 1333.3 FLOP/byte (2000.0 at "
+            "the minimum bytes), ridge 188.2: compute-bound, roofline 785.0 TFLOP/s, efficiency 51.0%") in ok.stdout, ok.stdout
+    assert "   0.4980        100.00     50.00   61.2     7.5  sm90_xmma_gemm_bf16" in ok.stdout, ok.stdout
+    assert "   0.0020          0.00      0.00    0.5     nan  cumsum_kernel" in ok.stdout, ok.stdout  # n/a: not measured
+    high = profile(gemm, "--flops", 2e11, "--min-bytes", 1e8, "--min-efficiency", 0.6)
+    assert high.returncode == 1 and high.stdout.strip().splitlines()[-1].startswith(
+        "FAIL: efficiency 51.0% < 60% (compute-bound below the roof: retile"), high.stdout
+    spec = profile(gemm, "--flops", 2e11, "--min-bytes", 1e8, "--peaks", "spec")
+    assert "ridge 206.0: compute-bound, roofline 989.0 TFLOP/s, efficiency 40.4%" in spec.stdout and spec.returncode == 1
+    fp8 = profile(gemm, "--flops", 2e11, "--min-bytes", 1e8, "--dtype", "fp8")
+    assert "(fp8 peak 1440)" in fp8.stdout and "efficiency 27.8%" in fp8.stdout, fp8.stdout
+    gather = _ncu_csv(tmp_path / "gather.csv", [("move_rows_kernel", [
+        ("gpu__time_duration.sum", "usecond", "100"), ("dram__bytes_read.sum", "Mbyte", "100"),
+        ("dram__bytes_write.sum", "Mbyte", "200")])])
+    moved = profile(gather, "--flops", 0, "--min-bytes", 2.5e8)
+    assert moved.returncode == 0 and "3000 GB/s" in moved.stdout and "memory-bound" in moved.stdout, moved.stdout
+    assert "efficiency 71.9%" in moved.stdout, moved.stdout
+    slow = profile(gather, "--flops", 0, "--min-bytes", 2.5e8, "--min-efficiency", 0.8)
+    assert slow.returncode == 1 and "FAIL: efficiency 71.9% < 80% (memory-bound: moves 1.2x its minimum bytes" in slow.stdout
+    empty = profile(_ncu_csv(tmp_path / "none.csv", []), "--flops", 1, "--min-bytes", 1)
+    assert empty.returncode == 1 and "ncu measured no kernel" in empty.stdout
+
+
+def test_profile_kernel_driver_runs_each_op(tmp_path):
+    """What ncu profiles, on the CPU paths at small shapes: each op runs, with its FLOPs and least bytes."""
+    import argparse
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("profile_kernel", KERNEL)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    shape = dict(experts=4, rows=16, hidden=64, out_dim=96, tokens=32, device="cpu")
+    expect = {"grouped_mm": (2 * 4 * 16 * 64 * 96, 2 * (4 * 16 * 64 + 4 * 64 * 96 + 4 * 16 * 96), (4 * 16, 96)),
+              "fp8_grouped_mm": (2 * 4 * 16 * 64 * 96, 4 * 16 * 64 + 4 * 64 * 96 + 2 * 4 * 16 * 96 + 4 * (4 * 16 + 4 * 96), (4 * 16, 96)),
+              "swiglu": (5 * 32 * 8 * 48, 2 * (32 * 8 * 96 + 32 * 8 * 48), (256, 48)),
+              "permute": (0, 2 * (32 * 64 + 32 * 8 * 64) + 8 * 32 * 8, (256, 64))}
+    for op in tool.OPS:
+        call, flops, min_bytes, dtype = tool.build_op(argparse.Namespace(op=op, **shape), "cpu")
+        assert (flops, min_bytes, dtype) == expect[op][:2] + ("fp8" if op.startswith("fp8") else "bf16",), op
+        assert tuple(call().shape) == expect[op][2], op
+    facts = tmp_path / "facts.json"
+    assert tool.driver(argparse.Namespace(op="permute", facts=str(facts), **shape)) == 0
+    assert json.loads(facts.read_text()) == {"flops": 0.0, "min_bytes": float(expect["permute"][1]), "dtype": "bf16"}
+
+
+def test_profile_kernel_without_ncu_says_where_it_is(tmp_path):
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable))
+    out = subprocess.run([sys.executable, KERNEL, "grouped_mm"], capture_output=True, text=True, env=env)
+    assert out.returncode == 1 and out.stdout.strip().startswith("FAIL: ncu is not on PATH"), out.stdout
