@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -240,6 +241,7 @@ def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path):
 
 
 KERNEL = ".agents/skills/profile-kernel/profile_kernel.py"
+METRIC_SM, METRIC_DRAM = "sm__throughput.avg.pct_of_peak_sustained_elapsed", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"
 NCU_HEAD = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
             '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value"')
 
@@ -322,3 +324,65 @@ def test_profile_kernel_without_ncu_says_where_it_is(tmp_path):
     env = dict(os.environ, PATH=os.path.dirname(sys.executable))
     out = subprocess.run([sys.executable, KERNEL, "grouped_mm"], capture_output=True, text=True, env=env)
     assert out.returncode == 1 and out.stdout.strip().startswith("FAIL: ncu is not on PATH"), out.stdout
+
+
+def test_profile_kernel_judges_a_runs_kernels_by_speed_of_light(tmp_path):
+    """--train's report on an ncu CSV of a step's range: kernels grouped by name; a kernel with
+    5% or more of the time under the bar FAILs, a short one does not."""
+    def kernel(name, us, sm, dram_pct, mbytes):
+        return (name, [("gpu__time_duration.sum", "usecond", str(us)), ("dram__bytes_read.sum", "Mbyte", str(mbytes)),
+                       ("dram__bytes_write.sum", "byte", "0"),
+                       ("sm__throughput.avg.pct_of_peak_sustained_elapsed", "%", str(sm)),
+                       ("gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed", "%", str(dram_pct))])
+
+    csv_path = _ncu_csv(tmp_path / "run.csv", [kernel("gemm", 60, 80, 10, 30), kernel("gemm", 20, 60, 10, 10),
+                                               kernel("swiglu_fwd", 16, 10, 40, 48), kernel("tiny_copy", 4, 1, 2, 0.4)])
+    out = subprocess.run([sys.executable, KERNEL, "--csv", str(csv_path)], capture_output=True, text=True)
+    assert "4 kernel launches, 0.100 ms; by kernel" in out.stdout, out.stdout + out.stderr
+    assert "     0.0800  80.0%     2x  75.0%     500  gemm" in out.stdout, out.stdout  # (60*80 + 20*60) / 80
+    assert "     0.0160  16.0%     1x  40.0%    3000  swiglu_fwd" in out.stdout, out.stdout
+    assert out.returncode == 1 and out.stdout.strip().endswith(
+        "FAIL: under 50% of speed of light: swiglu_fwd (16% of the time at 40%)"), out.stdout
+    ok = subprocess.run([sys.executable, KERNEL, "--csv", str(csv_path), "--min-efficiency", "0.4"], capture_output=True, text=True)
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS"), ok.stdout
+
+
+# Stands in for Nsight Compute: runs the program after its options, then writes an ncu CSV of one
+# kernel to --log-file, and the environment the program got next to it.
+FAKE_NCU = """#!{python}
+import os, subprocess, sys
+args, opts = sys.argv[1:], {{}}
+while args[0].startswith("--"):
+    key = args.pop(0)
+    opts[key] = args.pop(0) if key not in ("--csv", "--nvtx") else True
+code = subprocess.run(args).returncode
+log = opts["--log-file"]
+open(os.path.join(os.path.dirname(log), "env.txt"), "w").write(" ".join(
+    [os.environ["PITHTRAIN_NVTX"], os.environ["PITHTRAIN_PROFILE_STEPS"], opts["--nvtx-include"], opts["--profile-from-start"]]))
+open(log, "w").write({csv!r})
+sys.exit(code)
+"""
+
+
+def test_profile_kernel_profiles_a_range_of_a_real_run(tmp_path, dataset_dir):
+    """--train: the command line runs a real tiny training run to the chosen step, with NVTX on,
+    the capture window on that step and ncu filtered to the range (ncu stood in for)."""
+    from conftest import write_run_file
+
+    rows = [f'"0","1","python","h","grouped_gemm","1","7","(128, 1, 1)","(8, 1, 1)","0","9.0","s","{m}","{u}","{v}"'
+            for m, u, v in (("gpu__time_duration.sum", "nsecond", "5000"), ("dram__bytes_read.sum", "byte", "1000"),
+                            ("dram__bytes_write.sum", "byte", "0"), (METRIC_SM, "%", "70"), (METRIC_DRAM, "%", "3"))]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "ncu").write_text(FAKE_NCU.format(python=sys.executable, csv=NCU_HEAD + "\n" + "\n".join(rows) + "\n"))
+    (bin_dir / "ncu").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    run = write_run_file(tmp_path / "run.py", dataset_dir)
+    out = subprocess.run([sys.executable, KERNEL, "--train", str(run), "--range", "stage3", "--step", "2"],
+                         capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+    assert "     0.0050 100.0%     1x  70.0%       0  grouped_gemm" in out.stdout, out.stdout
+    work = Path(out.stdout.split("--log-file ")[1].split()[0]).parent
+    assert (work / "env.txt").read_text().split() == ["1", "2:2", "pithtrain::stage3/", "off"]
+    steps = [json.loads(line)["step"] for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]

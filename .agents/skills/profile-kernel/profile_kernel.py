@@ -2,7 +2,8 @@
 
     python .agents/skills/profile-kernel/profile_kernel.py OP [--experts 128 --rows 256 --hidden 2048 --out-dim 1536]
         [--tokens 4096] [--peaks measured|spec] [--min-efficiency 0.5]
-    python .agents/skills/profile-kernel/profile_kernel.py --csv NCU.csv --flops F --min-bytes B --dtype bf16
+    python .agents/skills/profile-kernel/profile_kernel.py --train CONFIG --range stage3 [--step 3] [--train-args ...]
+    python .agents/skills/profile-kernel/profile_kernel.py --csv NCU.csv [--flops F --min-bytes B --dtype bf16]
 
 OP is one of OPS below, at Qwen3-30B-A3B-like shapes by default. The script runs
 `ncu --csv --profile-from-start off --metrics ... python profile_kernel.py --driver OP`: the driver
@@ -11,6 +12,12 @@ torch.cuda.profiler.start() and stop(), so ncu measures exactly that call's kern
 least bytes the op must move come from its shape, the DRAM bytes and times from ncu. The op reaches
 min(peak FLOP/s, intensity x peak bandwidth) at best (the roofline, intensity = FLOPs / DRAM bytes);
 PASS when it achieves at least --min-efficiency of that.
+
+--train profiles the kernels a training step launches inside one NVTX range of PithTrain
+(`pithtrain::<range>`, PITHTRAIN_NVTX=1; the step through PITHTRAIN_PROFILE_STEPS): their FLOPs
+are not known, so each kernel is judged by ncu's speed of light, the busier of SM and DRAM
+throughput as a share of its peak; FAIL when a kernel with 5% or more of the range's time is
+under --min-efficiency.
 """
 
 import argparse
@@ -95,6 +102,27 @@ def report(kernels: list[dict], flops: float, min_bytes: float, dtype: str, peak
     return verdict([f"efficiency {100 * r['efficiency']:.1f}% < {100 * min_efficiency:.0f}% ({hint})"])
 
 
+def report_run(kernels: list[dict], min_efficiency: float) -> int:
+    """Kernels of a training step, by name: time, launches, speed of light, bandwidth."""
+    if not kernels:
+        return verdict(["ncu measured no kernel: is the range name right, and did the run reach the step?"])
+    by_name = {}  # name -> [launches, seconds, seconds x speed of light, DRAM bytes]
+    for k in kernels:
+        t = k["gpu__time_duration.sum"]
+        sol = max(k.get(METRICS[3], 0.0), k.get(METRICS[4], 0.0)) / 100
+        agg = by_name.setdefault(k["name"], [0, 0.0, 0.0, 0.0])
+        for i, v in enumerate((1, t, t * sol, k["dram__bytes_read.sum"] + k["dram__bytes_write.sum"])):
+            agg[i] += v
+    total = sum(agg[1] for agg in by_name.values())
+    print(f"{len(kernels)} kernel launches, {total * 1e3:.3f} ms; by kernel: ms, share, launches, speed of light, GB/s")
+    low = []
+    for name, (n, t, weighted, dram) in sorted(by_name.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {t * 1e3:9.4f} {100 * t / total:5.1f}% {n:5d}x {100 * weighted / t:5.1f}% {dram / t / 1e9:7.0f}  {name[:70]}")
+        if t >= 0.05 * total and weighted / t < min_efficiency:
+            low.append(f"{name[:40]} ({100 * t / total:.0f}% of the time at {100 * weighted / t:.0f}%)")
+    return verdict([f"under {100 * min_efficiency:.0f}% of speed of light: " + ", ".join(low)] if low else [])
+
+
 def build_op(args, device: str):
     """(the call, FLOPs, the least bytes it must read and write, dtype of the roof) of OP."""
     import torch
@@ -115,6 +143,7 @@ def build_op(args, device: str):
     if args.op == "swiglu":
         gate_up = torch.randn(t * 8, n, device=device, dtype=bf16)  # [T*k, 2I], 2I = out_dim
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        # silu(g) * u: about 5 FLOPs an output (exp counted as one); memory-bound whatever the count
         return (lambda: kernels.swiglu(gate_up)), 5.0 * rows * inter, 2.0 * (rows * 2 * inter + rows * inter), "bf16"
     x = torch.randn(t, h, device=device, dtype=bf16)
     index = torch.argsort(torch.rand(t * 8, device=device)) // 8  # every token to 8 rows, in expert order
@@ -151,7 +180,14 @@ def main():
     parser.add_argument("--tokens", type=int, default=4096, help="tokens (swiglu: x8 rows, permute: to 8 rows each)")
     parser.add_argument("--peaks", choices=PEAKS, default="measured", help="the roof: measured H200 figures or the data sheet's")
     parser.add_argument("--min-efficiency", type=float, default=0.5, help="FAIL below this share of the roofline")
-    parser.add_argument("--csv", type=Path, help="analyse this ncu --csv output (with --flops, --min-bytes, --dtype)")
+    parser.add_argument("--train", metavar="CONFIG", help="profile a training step's kernels in --range instead of OP")
+    parser.add_argument("--range", default="stage3", help="--train: the PithTrain NVTX range (stage1..5, stage3.wgrad, "
+                        "dispatch, combine, optimizer; kernels in ranges nested in it count)")
+    parser.add_argument("--step", type=int, default=3, help="--train: the step to profile (after warm-up)")
+    parser.add_argument("--train-args", default="", help="--train: extra `pithtrain train` arguments")
+    parser.add_argument("--set", action="append", default=[], help="--train: config overrides")
+    parser.add_argument("--csv", type=Path, help="analyse this ncu --csv output: an op's with --flops and --min-bytes, "
+                        "else a run's")
     parser.add_argument("--flops", type=float)
     parser.add_argument("--min-bytes", type=float)
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
@@ -163,27 +199,41 @@ def main():
     if args.driver:
         return driver(args)
     if args.csv is not None:
-        if args.flops is None or args.min_bytes is None:
-            parser.error("--csv needs --flops and --min-bytes (the op's FLOPs and the least bytes it moves)")
-        return report(read_ncu_csv(args.csv.read_text()), args.flops, args.min_bytes, args.dtype, peaks, args.min_efficiency)
-    if args.op is None:
-        parser.error("give OP or --csv")
+        kernels = read_ncu_csv(args.csv.read_text())
+        if args.flops is None:
+            return report_run(kernels, args.min_efficiency)
+        if args.min_bytes is None:
+            parser.error("--csv with --flops needs --min-bytes (the least bytes the op moves)")
+        return report(kernels, args.flops, args.min_bytes, args.dtype, peaks, args.min_efficiency)
+    if args.op is None and args.train is None:
+        parser.error("give OP, --train CONFIG or --csv")
     if shutil.which("ncu") is None:
         return verdict(["ncu is not on PATH: it comes with the CUDA toolkit (e.g. /usr/local/cuda/bin/ncu); add that to PATH"])
     work = Path(tempfile.mkdtemp(prefix="ncu-"))
-    shape = ["--experts", args.experts, "--rows", args.rows, "--hidden", args.hidden, "--out-dim", args.out_dim, "--tokens", args.tokens]
     cmd = ["ncu", "--csv", "--print-units", "base", "--profile-from-start", "off", "--clock-control", "none",
-           "--metrics", ",".join(METRICS), "--log-file", str(work / "ncu.csv"),
-           sys.executable, __file__, args.op, "--driver", "--facts", str(work / "facts.json"), *map(str, shape)]
-    print("$", shlex.join(cmd), flush=True)
-    run = subprocess.run(cmd, capture_output=True, text=True)
+           "--metrics", ",".join(METRICS), "--log-file", str(work / "ncu.csv")]
+    env = dict(os.environ)
+    if args.train:  # the step's kernels launched inside the range (NVTX push/pop ranges end in '/')
+        env.update(PITHTRAIN_NVTX="1", PITHTRAIN_PROFILE_STEPS=f"{args.step}:{args.step}")
+        cmd += ["--nvtx", "--nvtx-include", f"pithtrain::{args.range}/", sys.executable, "-m", "pithtrain", "train",
+                args.train, "--out", str(work / "run"), "--steps", str(args.step), *shlex.split(args.train_args)]
+        cmd += [a for s in args.set for a in ("--set", s)]
+        print(f"$ PITHTRAIN_NVTX=1 PITHTRAIN_PROFILE_STEPS={args.step}:{args.step} {shlex.join(cmd)}", flush=True)
+    else:
+        shape = ["--experts", args.experts, "--rows", args.rows, "--hidden", args.hidden, "--out-dim", args.out_dim,
+                 "--tokens", args.tokens]
+        cmd += [sys.executable, __file__, args.op, "--driver", "--facts", str(work / "facts.json"), *map(str, shape)]
+        print("$", shlex.join(cmd), flush=True)
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env)
     log = (work / "ncu.csv").read_text() if (work / "ncu.csv").is_file() else ""
     if "ERR_NVGPUCTRPERM" in run.stdout + run.stderr + log:
         return verdict(["ncu may not read the GPU's performance counters here (ERR_NVGPUCTRPERM): run as root, or load "
                         "the driver with NVreg_RestrictProfilingToAdminUsers=0"])
-    if run.returncode != 0 or not (work / "facts.json").is_file():
+    if run.returncode != 0 or not (args.train or (work / "facts.json").is_file()):
         print(run.stdout[-3000:] + run.stderr[-3000:])
-        return verdict([f"the profiled driver failed (exit {run.returncode}); ncu's log: {work / 'ncu.csv'}"])
+        return verdict([f"the profiled program failed (exit {run.returncode}); ncu's log: {work / 'ncu.csv'}"])
+    if args.train:
+        return report_run(read_ncu_csv(log), args.min_efficiency)
     facts = json.loads((work / "facts.json").read_text())
     return report(read_ncu_csv(log), facts["flops"], facts["min_bytes"], facts["dtype"], peaks, args.min_efficiency)
 
