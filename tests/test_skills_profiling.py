@@ -386,3 +386,20 @@ def test_profile_kernel_profiles_a_range_of_a_real_run(tmp_path, dataset_dir):
     assert (work / "env.txt").read_text().split() == ["1", "2:2", "pithtrain::stage3/", "off"]
     steps = [json.loads(line)["step"] for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2]
+
+
+def test_timeline_overlap_matches_pairwise_sums():
+    """The shared one-pass overlap against the sum over all pairs, on random disjoint span sets."""
+    import random
+
+    sys.path.insert(0, ".agents/skills/_common")
+    from timeline import gaps, merged, overlap_time
+
+    rng = random.Random(0)
+    for _ in range(300):
+        def spans():
+            return merged(sorted((x, x + rng.randint(1, 30)) for x in (rng.randint(0, 300) for _ in range(rng.randint(0, 15)))))
+
+        a, b = spans(), spans()
+        assert overlap_time(a, b) == sum(max(0, min(e, g) - max(s, f)) for s, e in a for f, g in b)
+        assert sum(e - s for s, e in gaps(a, 0)) == (a[-1][1] - a[0][0] - sum(e - s for s, e in a) if a else 0)

@@ -15,13 +15,15 @@ def merged(spans):
 
 
 def overlap_time(spans, cover):
-    """Total time of `spans` covered by `cover` (both disjoint: merged())."""
-    total = 0.0
+    """Total time of `spans` covered by `cover`, both sorted and disjoint (merged()); one pass."""
+    total, j = 0.0, 0
     for a, b in spans:
-        for c, d in cover:
-            if d <= a or c >= b:
-                continue
-            total += min(b, d) - max(a, c)
+        while j < len(cover) and cover[j][1] <= a:
+            j += 1
+        k = j
+        while k < len(cover) and cover[k][0] < b:
+            total += min(b, cover[k][1]) - max(a, cover[k][0])
+            k += 1
     return total
 
 

@@ -47,7 +47,8 @@ def read_activity(db) -> list[tuple]:
             "LEFT JOIN StringIds s ON s.id = k.shortName").fetchall()
     for table, name in (("CUPTI_ACTIVITY_KIND_MEMCPY", "[memcpy]"), ("CUPTI_ACTIVITY_KIND_MEMSET", "[memset]")):
         if table in have:
-            rows += db.execute(f"SELECT start, end, globalPid, deviceId, streamId, correlationId, '{name}' FROM {table}").fetchall()
+            rows += db.execute(f"SELECT start, end, globalPid, deviceId, streamId, correlationId, '{name}' "
+                               f"FROM {table}").fetchall()
     return [(a, b, pid_of(gpid), dev, stream, corr, name) for a, b, gpid, dev, stream, corr, name in rows]
 
 
@@ -163,8 +164,9 @@ def report(pid: int, r: dict, gap_us: float) -> None:
     print("GPU time by innermost NVTX range at launch (ms, share):")
     for name, ns in sorted(r["by_range"].items(), key=lambda kv: -kv[1]):
         print(f"  {ms(ns):9.2f}  {100 * ns / r['total']:5.1f}%  {name}")
-    print("by layer stage, ranges nested in a stage included (ms): " + ", ".join(
-        f"{key} {ms(r['by_stage'].get(key, 0)):.2f}" for key in [f"stage {n}" for n in range(1, 6)] + ["stage 3 wgrad", "optimizer"]))
+    keys = [f"stage {n}" for n in range(1, 6)] + ["stage 3 wgrad", "optimizer"]
+    print("by layer stage, ranges nested in a stage included (ms): "
+          + ", ".join(f"{key} {ms(r['by_stage'].get(key, 0)):.2f}" for key in keys))
     print(f"NCCL {ms(r['comm']):.2f} ms, overlapped with compute: {100 * r['overlap']:.1f}%")
     for kind, (ns, share) in r["per_kind"].items():
         print(f"  {kind:15s} {ms(ns):8.2f} ms, {100 * share:5.1f}% overlapped with compute")

@@ -83,8 +83,9 @@ def report(kernels: list[dict], flops: float, min_bytes: float, dtype: str, peak
         return verdict(["ncu measured no kernel (did the driver run the op between the profiler start and stop?)"])
     print(f"{'ms':>9} {'DRAM read MB':>13} {'write MB':>9} {'SM %':>6} {'DRAM %':>7}  kernel")
     for k in kernels:
+        sm, dram_pct = k.get(METRICS[3], float("nan")), k.get(METRICS[4], float("nan"))  # nan: not measured
         print(f"{k['gpu__time_duration.sum'] * 1e3:9.4f} {k['dram__bytes_read.sum'] / 1e6:13.2f} "
-              f"{k['dram__bytes_write.sum'] / 1e6:9.2f} {k.get(METRICS[3], float('nan')):6.1f} {k.get(METRICS[4], float('nan')):7.1f}  {k['name'][:70]}")
+              f"{k['dram__bytes_write.sum'] / 1e6:9.2f} {sm:6.1f} {dram_pct:7.1f}  {k['name'][:70]}")
     seconds = sum(k["gpu__time_duration.sum"] for k in kernels)
     dram = sum(k["dram__bytes_read.sum"] + k["dram__bytes_write.sum"] for k in kernels)
     r = roofline(flops, dram, seconds, dtype, peaks)
