@@ -1,6 +1,6 @@
 """One op's kernels under Nsight Compute: achieved TFLOP/s and bandwidth against the H200 roofline; PASS/FAIL.
 
-    python .agents/skills/profile-kernel/profile_kernel.py OP [--experts 128 --rows 256 --hidden 2048 --out-dim 1536]
+    python .agents/skills/profile-kernel/profile_kernel.py OP [--experts 128 --rows 1024 --hidden 2048 --out-dim 1536]
         [--tokens 4096] [--peaks measured|spec] [--min-efficiency 0.5]
     python .agents/skills/profile-kernel/profile_kernel.py --train CONFIG --range stage3 [--step 3] [--train-args ...]
     python .agents/skills/profile-kernel/profile_kernel.py --csv NCU.csv [--flops F --min-bytes B --dtype bf16]
@@ -34,7 +34,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
 from timeline import verdict  # noqa: E402
 
-# H200 SXM: the data sheet's dense figures, and what this project measured (docs: PLATFORM.md, performance.md)
+# H200 SXM: the data sheet's dense figures, and what this project measured on one
 PEAKS = {
     "spec": {"bf16": 989e12, "fp8": 1979e12, "hbm": 4.8e12},
     "measured": {"bf16": 785e12, "fp8": 1440e12, "hbm": 4.17e12},  # 8192^3 matmul, _scaled_mm, device copy
@@ -175,7 +175,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("op", nargs="?", choices=OPS)
     parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--rows", type=int, default=256, help="rows per expert (grouped GEMMs)")
+    parser.add_argument("--rows", type=int, default=1024, help="rows per expert (grouped GEMMs)")
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--out-dim", type=int, default=1536, help="GEMM output width; swiglu's input width 2I")
     parser.add_argument("--tokens", type=int, default=4096, help="tokens (swiglu: x8 rows, permute: to 8 rows each)")
