@@ -18,6 +18,7 @@ pipeline engine interleaves the same calls of two micro-batches.
 from __future__ import annotations
 
 import contextlib
+import os
 import zlib
 from dataclasses import dataclass
 from typing import Protocol
@@ -61,14 +62,26 @@ class DecoderLayer(Protocol):
     def stage5(self, s1: Stage1Out, combined: torch.Tensor) -> torch.Tensor: ...
 
 
-def stage_range(stage: int, part: str = ""):
-    """While a profiler runs, a range named `pithtrain::stage<n>` (`.wgrad`: a deferred weight
-    gradient) around a stage's host calls: the capture-profile skill attributes GPU time to the
-    five stages by it (backward kernels through autograd's sequence numbers). Without a
-    profiler: nothing, not even the range's cost."""
+NVTX = os.environ.get("PITHTRAIN_NVTX") == "1"  # NVTX ranges for Nsight tools (the capture-nsys-profile skill)
+
+
+def named_range(name: str):
+    """A range named `name` around host calls, for the profilers: a torch.profiler range while
+    one runs, else an NVTX range (Nsight Systems, `ncu --nvtx`) under PITHTRAIN_NVTX=1 on a CUDA
+    build. Otherwise nothing, not even the range's cost. Never open one across a generator's
+    `yield` (parallel/pipeline.py): the other generator would run inside it."""
     if torch._C._autograd._profiler_enabled():
-        return torch.profiler.record_function(f"pithtrain::stage{stage}" + (f".{part}" if part else ""))
+        return torch.profiler.record_function(name)
+    if NVTX and torch.cuda.is_available():  # NVTX calls fail on a CPU-only build
+        return torch.cuda.nvtx.range(name)
     return contextlib.nullcontext()
+
+
+def stage_range(stage: int, part: str = ""):
+    """The range `pithtrain::stage<n>` (`.wgrad`: a deferred weight gradient) around a stage's
+    host calls: the profiling skills attribute GPU time to the five stages by it (capture-profile
+    the backward kernels too, through autograd's sequence numbers)."""
+    return named_range(f"pithtrain::stage{stage}" + (f".{part}" if part else ""))
 
 
 def run_layer(layer, x: torch.Tensor, attn, engine) -> torch.Tensor:

@@ -34,8 +34,8 @@ def expert_fn(tokens, counts, offset):
 def check(rank, world):
     wire_rows = []  # rows each all-to-all sends: dispatch's first call shows the deduplication
     original = expert_module.all_to_all
-    expert_module.all_to_all = lambda x, out_splits, in_splits, group: wire_rows.append(x.shape[0]) or original(
-        x, out_splits, in_splits, group)
+    expert_module.all_to_all = lambda x, out_splits, in_splits, group, *name: wire_rows.append(x.shape[0]) or original(
+        x, out_splits, in_splits, group, *name)
     dispatcher = AllToAllDispatch(dist.group.WORLD, E)
     local_experts = E // world
     for name, (ids, x) in routings(rank).items():

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from pithtrain.protocol import RoutingInfo
+from pithtrain.protocol import RoutingInfo, named_range
 from pithtrain.ops.core import count_ids
 from pithtrain.ops.kernels import dispatch_plan, permute, unpermute  # Triton row moves on GPUs
 
@@ -61,11 +61,12 @@ class ExpertEngine:
 
 
 class _AllToAll(torch.autograd.Function):
-    """all_to_all_single with autograd: the backward sends gradients along the reverse splits."""
+    """all_to_all_single with autograd: the backward sends gradients along the reverse splits,
+    in the profiler range `name`.backward."""
 
     @staticmethod
-    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
-        ctx.splits, ctx.group = (out_splits, in_splits), group
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, name: str):
+        ctx.splits, ctx.group, ctx.name = (out_splits, in_splits), group, name
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
@@ -74,12 +75,13 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None
+        with named_range(ctx.name + ".backward"):
+            dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None, None
 
 
-def all_to_all(x, out_splits, in_splits, group):
-    return _AllToAll.apply(x, out_splits, in_splits, group)
+def all_to_all(x, out_splits, in_splits, group, name: str = "pithtrain::all_to_all"):
+    return _AllToAll.apply(x, out_splits, in_splits, group, name)
 
 
 class Exchange:
@@ -87,14 +89,16 @@ class Exchange:
 
     Plain (async_op=False): the autograd all_to_all, run at once. Async (the overlapped pipeline):
     issued with async_op=True on a detached `src`, so the graph is cut here: `wait()` returns a
-    fresh leaf, and the pipeline sends the leaf's gradient back itself with `reverse(grad)`."""
+    fresh leaf, and the pipeline sends the leaf's gradient back itself with `reverse(grad)`.
+    `name`: the profiler range of the collective (`name`.backward: its gradient's)."""
 
-    def __init__(self, src, out_splits, in_splits, group, async_op=False):
-        self.src, self.splits, self.group, self.work = src, (out_splits, in_splits), group, None
-        if async_op:
-            self.out, self.work = _issue(src.detach(), out_splits, in_splits, group)
-        else:
-            self.out = all_to_all(src, out_splits, in_splits, group)
+    def __init__(self, src, out_splits, in_splits, group, async_op=False, name="pithtrain::all_to_all"):
+        self.src, self.splits, self.group, self.work, self.name = src, (out_splits, in_splits), group, None, name
+        with named_range(name):
+            if async_op:
+                self.out, self.work = _issue(src.detach(), out_splits, in_splits, group)
+            else:
+                self.out = all_to_all(src, out_splits, in_splits, group, name)
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -106,7 +110,8 @@ class Exchange:
     def reverse(self, grad):
         """Issue the all-to-all of a gradient of `out` back to the senders: (buffer, work)."""
         out_splits, in_splits = self.splits
-        return _issue(grad, in_splits, out_splits, self.group)
+        with named_range(self.name + ".backward"):
+            return _issue(grad, in_splits, out_splits, self.group)
 
 
 def _issue(x, out_splits, in_splits, group):
@@ -199,7 +204,8 @@ class AllToAllDispatch:
         ids = routing.topk_ids
         plan = dispatch_plan(ids, self.local_experts, self.ep)
         stream = self.side_stream(ids.device) if async_op and ids.is_cuda else None
-        counts = _Counts(plan.send_counts, self.group, stream)
+        with named_range("pithtrain::dispatch"):  # the exchange of the split sizes
+            counts = _Counts(plan.send_counts, self.group, stream)
         return _Plan(plan.send_token, plan.slot_meta, plan.home_index, counts, *ids.shape)
 
     def dispatch_start(self, x: torch.Tensor, routing: RoutingInfo, async_op: bool = False, plan=None):
@@ -208,10 +214,11 @@ class AllToAllDispatch:
         send_rows, send_pairs = [c[0] for c in counts], [c[1] for c in counts]
         recv_rows, recv_pairs = [c[2] for c in counts], [c[3] for c in counts]
         real = sum(send_rows)  # the plan's rows past this are padding
-        rows = Exchange(permute(x, plan.send_token[:real]), recv_rows, send_rows, self.group, async_op)
+        send, send_meta = permute(x, plan.send_token[:real]), plan.slot_meta[:real].contiguous()
+        rows = Exchange(send, recv_rows, send_rows, self.group, async_op, "pithtrain::dispatch")
         meta = torch.empty((sum(recv_rows), plan.topk), dtype=plan.slot_meta.dtype, device=plan.slot_meta.device)
-        meta_work = dist.all_to_all_single(meta, plan.slot_meta[:real].contiguous(), recv_rows, send_rows,
-                                           group=self.group, async_op=True)
+        with named_range("pithtrain::dispatch"):
+            meta_work = dist.all_to_all_single(meta, send_meta, recv_rows, send_rows, group=self.group, async_op=True)
         return rows, (meta, meta_work), (recv_pairs, send_pairs, plan.home_index, plan.num_tokens, plan.topk)
 
     def dispatch_finish(self, pending):
@@ -230,7 +237,8 @@ class AllToAllDispatch:
     def combine_start(self, expert_out: torch.Tensor, handle, async_op: bool = False):
         order, recv_pairs, send_pairs, home_index, num_tokens, topk = handle
         by_source = unpermute(expert_out, order, expert_out.shape[0])  # undo expert grouping
-        return Exchange(by_source, send_pairs, recv_pairs, self.group, async_op), (home_index, num_tokens, topk)
+        back = Exchange(by_source, send_pairs, recv_pairs, self.group, async_op, "pithtrain::combine")
+        return back, (home_index, num_tokens, topk)
 
     def combine_finish(self, pending) -> torch.Tensor:
         back, (home_index, num_tokens, topk) = pending

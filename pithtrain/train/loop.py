@@ -34,6 +34,7 @@ from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispa
 from pithtrain.parallel.fsdp import clip_grads, expert_modules, global_grad_norm, keep_local_experts, shard_model
 from pithtrain.parallel.mesh import Mesh
 from pithtrain.parallel.pipeline import ChunkPair, PipelineRunner, build_chunks, dualpipev_schedule
+from pithtrain.protocol import named_range
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, TokenDataset
@@ -105,6 +106,7 @@ def train(
         config.train.steps = steps
     t, o = config.train, config.optim
     device = pick_device(t.device)
+    capture = cuda_profiler_steps()
     mesh = mesh or Mesh.single(device)
     validate(config, world_size=mesh.world)
     device = mesh.device
@@ -211,6 +213,8 @@ def train(
     for step in range(start, end):
         if t.profile_step and step + 1 == t.profile_step:
             profiler = start_profiler(device)
+        if capture and step + 1 == capture[0] and device.type == "cuda":
+            torch.cuda.profiler.start()
         t0 = time.perf_counter()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -251,7 +255,8 @@ def train(
                 f"is kept. Lower optim.lr, raise optim.warmup_steps or check the data, then resume."
             )
         clip_grads(params, o.grad_clip, grad_norm)
-        optimizer_step(optimizer, params)
+        with named_range("pithtrain::optimizer"):
+            optimizer_step(optimizer, params)
         optimizer.zero_grad(set_to_none=True)
         biases = model.correction_biases()
         step_loads = step_expert_loads(engines) if biases or mesh.ep > 1 else {}  # summed once, for both
@@ -259,6 +264,8 @@ def train(
         balance_ep = ep_load_balance(step_loads, mesh) if mesh.ep > 1 else None
         if device.type == "cuda":
             torch.cuda.synchronize(device)
+            if capture and step + 1 == capture[1]:
+                torch.cuda.profiler.stop()
         dt = time.perf_counter() - t0
         m = {
             "step": step + 1,
@@ -497,6 +504,17 @@ def _checkpointed(stage):
         return torch.utils.checkpoint.checkpoint(stage, *args, use_reentrant=False, preserve_rng_state=False)
 
     return run
+def cuda_profiler_steps() -> tuple[int, int] | None:
+    """PITHTRAIN_PROFILE_STEPS=FIRST:LAST (1-based, inclusive): on GPUs the loop calls
+    torch.cuda.profiler.start() before step FIRST and stop() after step LAST, the capture range of
+    `nsys profile --capture-range=cudaProfilerApi` and `ncu --profile-from-start off`."""
+    spec = os.environ.get("PITHTRAIN_PROFILE_STEPS")
+    if not spec:
+        return None
+    first, _, last = spec.partition(":")
+    if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
+        raise UserError(f"PITHTRAIN_PROFILE_STEPS={spec!r}: expected FIRST:LAST with 1 <= FIRST <= LAST, e.g. 3:4")
+    return int(first), int(last)
 
 
 def start_profiler(device: torch.device):

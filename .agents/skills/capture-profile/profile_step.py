@@ -19,30 +19,13 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+from timeline import COLLECTIVES, collective, gaps, merged, overlap_time, verdict  # noqa: E402
+
 
 def intervals(events, predicate):
     out = [(e["ts"], e["ts"] + e["dur"]) for e in events if e.get("ph") == "X" and "dur" in e and predicate(e)]
     return sorted(out)
-
-
-def merged(spans):
-    out = []
-    for a, b in spans:
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
-
-
-def overlap_time(spans, cover):
-    total = 0.0
-    for a, b in spans:
-        for c, d in cover:
-            if d <= a or c >= b:
-                continue
-            total += min(b, d) - max(a, c)
-    return total
 
 
 CATEGORIES = (  # first match wins; by substring of the lower-cased kernel name
@@ -56,21 +39,6 @@ CATEGORIES = (  # first match wins; by substring of the lower-cased kernel name
     ("reduction", ("reduce",)),
     ("elementwise", ("elementwise", "vectorized", "unrolled")),
 )
-
-
-COLLECTIVES = ("all-to-all/p2p", "all-gather", "reduce-scatter", "all-reduce", "other")
-
-
-def collective(name: str) -> str | None:
-    """The kind of an NCCL kernel (all_to_all_single and pipeline send/recv run as SendRecv)."""
-    low = name.lower()
-    if "nccl" not in low:
-        return None
-    for key, kind in (("sendrecv", "all-to-all/p2p"), ("allgather", "all-gather"),
-                      ("reducescatter", "reduce-scatter"), ("allreduce", "all-reduce")):
-        if key in low:
-            return kind
-    return "other"
 
 
 def category(name: str) -> str:
@@ -115,9 +83,9 @@ def idle_gaps(threads, busy, min_us: float = 20.0):
     if not threads or not busy:
         return []
     main = threads[max(threads, key=lambda t: len(threads[t]))]
-    gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_us]
-    stacks = _stacks(main, [start for start, _ in gaps])
-    return [(end - start, [e["name"][:50] for e in stack]) for (start, end), stack in zip(gaps, stacks)]
+    idle = gaps(busy, min_us)
+    stacks = _stacks(main, [start for start, _ in idle])
+    return [(end - start, [e["name"][:50] for e in stack]) for (start, end), stack in zip(idle, stacks)]
 
 
 SYNCS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy")
@@ -352,8 +320,7 @@ def main():
         print(f"FAIL: no trace at {', '.join(missing)}")
         return 1
     failures = [f for f in (report(trace, args) for trace in traces) if f is not None]
-    print("PASS" if not failures else f"FAIL: {'; '.join(failures)}")
-    return 0 if not failures else 1
+    return verdict(failures)
 
 
 if __name__ == "__main__":
