@@ -37,6 +37,7 @@ from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, TokenDataset
 from pithtrain.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
+from pithtrain.train.norms import NormLog
 from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step
 
 
@@ -135,6 +136,10 @@ def train(
             shard_model(part, mesh, bf16_params=dtype == torch.bfloat16, reshard_after_forward=chunks is None)
     # after slicing the experts and sharding: what this rank holds (a DTensor's numel is the whole tensor's)
     n_held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    norms = None  # the debug-divergence skill's per-layer norms (train/norms.py); nothing when unset
+    if os.environ.get("PITHTRAIN_DEBUG_NORMS"):
+        norms = NormLog(os.environ["PITHTRAIN_DEBUG_NORMS"], out_dir, mesh.rank)
+        norms.watch(model)
     optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
     count_group = mesh.data_group if t.lb_type == "global" else None
     balance = LoadBalance(t.lb_type, count_group, cp_group=mesh.cp_group) if t.lb_coef > 0 else None
@@ -210,6 +215,8 @@ def train(
         if t.profile_step and step + 1 == t.profile_step:
             profiler = start_profiler(device)
         t0 = time.perf_counter()
+        if norms:
+            norms.step = step + 1
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         lr = lr_at(step, o, t.steps)
@@ -242,6 +249,8 @@ def train(
         ce_sum, lb_sum, stops = sums.tolist()  # the step's one host sync for its scalars
         loss = ce_sum / max(n_label, 1)
         halt = stops > 0 and step + 1 < end
+        if norms:
+            norms.grads(model.named_parameters())
         grad_norm = global_grad_norm(params, mesh)
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             raise FloatingPointError(
