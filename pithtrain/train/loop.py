@@ -37,7 +37,7 @@ from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, TokenDataset
 from pithtrain.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
-from pithtrain.train.norms import NormLog
+from pithtrain.train.debug import MemoryRecorder, NormLog
 from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step
 
 
@@ -136,10 +136,11 @@ def train(
             shard_model(part, mesh, bf16_params=dtype == torch.bfloat16, reshard_after_forward=chunks is None)
     # after slicing the experts and sharding: what this rank holds (a DTensor's numel is the whole tensor's)
     n_held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
-    norms = None  # the debug-divergence skill's per-layer norms (train/norms.py); nothing when unset
+    norms = None  # the debug skills' instruments (train/debug.py); nothing when unset
     if os.environ.get("PITHTRAIN_DEBUG_NORMS"):
         norms = NormLog(os.environ["PITHTRAIN_DEBUG_NORMS"], out_dir, mesh.rank)
         norms.watch(model)
+    memory_step, memory = int(os.environ.get("PITHTRAIN_DEBUG_MEMORY") or 0), None
     optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
     count_group = mesh.data_group if t.lb_type == "global" else None
     balance = LoadBalance(t.lb_type, count_group, cp_group=mesh.cp_group) if t.lb_coef > 0 else None
@@ -214,6 +215,8 @@ def train(
     for step in range(start, end):
         if t.profile_step and step + 1 == t.profile_step:
             profiler = start_profiler(device)
+        if step + 1 == memory_step:
+            memory = MemoryRecorder(device)
         t0 = time.perf_counter()
         if norms:
             norms.step = step + 1
@@ -286,6 +289,10 @@ def train(
         first_done = first_done or (now, step + 1)
         rate = (now - first_done[0]) / (step + 1 - first_done[1]) if step + 1 > first_done[1] else time.perf_counter() - t0
         history.append(m)
+        if memory is not None:
+            path, memory = memory.save(out_dir, mesh.rank), None
+            if echo:
+                print(f"memory of step {step + 1} written to {path}", flush=True)
         if profiler is not None:
             profiler.stop()
             path = out_dir / "profile" / f"rank{mesh.rank}.json"

@@ -8,7 +8,7 @@
    when --run names the run (a non-finite step ends a run before it is logged: the step after
    the last logged one, when the run stopped short); otherwise from a run of CONFIG made here.
 2. The first tensor: steps S-1 and S again (from step 1, the same schedule) with per-layer norms
-   (PITHTRAIN_DEBUG_NORMS, pithtrain/train/norms.py); in the order they were made at step S,
+   (PITHTRAIN_DEBUG_NORMS, pithtrain/train/debug.py); in the order they were made at step S,
    the first tensor (layer, stage, forward or backward, or a parameter's gradient) that is
    non-finite, else the first whose norm is above --jump times its norm at step S-1.
 3. Bisection: the same steps with one factor changed at a time (one process instead of the
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
 import runs  # noqa: E402
 
 compare_runs = runs.skill_script("validate-correctness/compare_runs.py")
-MESH_FLAGS = ("--nproc", "--pp", "--ep", "--cp", "--hsdp")
+MESH_FLAGS = ("--nproc", "--pp", "--ep", "--cp")
 
 
 def first_bad_step(steps: list[dict], jump: float) -> tuple[int, str] | None:
@@ -82,14 +82,23 @@ def first_tensors(norms_file: Path, step: int, jump: float) -> dict[str, str]:
     return found
 
 
+def one_process(extra: str) -> str | None:
+    """The run's `pithtrain train` arguments with its mesh replaced by --nproc 1; None if it had none."""
+    mesh = argparse.ArgumentParser(add_help=False)
+    for flag in MESH_FLAGS:
+        mesh.add_argument(flag, type=int)
+    mesh.add_argument("--hsdp", action="store_true")
+    found, rest = mesh.parse_known_args(shlex.split(extra))
+    return shlex.join(rest + ["--nproc", "1"]) if (found.nproc or 1) > 1 else None
+
+
 def variants(args, config, cuda: bool) -> list[tuple[str, str, str, list, dict]]:
     """(factor, what changes, extra args, extra --set, env) for each factor that applies."""
     t = config.train
-    words = shlex.split(args.args)
-    one_process = " ".join(w for i, w in enumerate(words) if w not in MESH_FLAGS and (i == 0 or words[i - 1] not in MESH_FLAGS))
+    single = one_process(args.args)
     dtype = {"auto": "bf16" if cuda else "fp32"}.get(t.dtype, t.dtype)
     table = {
-        "mesh": ("the mesh -> one process", one_process + " --nproc 1", [], {}) if any(w in MESH_FLAGS for w in words) else None,
+        "mesh": ("the mesh -> one process", single, [], {}) if single else None,
         "compile": (f"train.compile {t.compile} -> {not t.compile}", args.args, [f"train.compile={not t.compile}"], {}),
         "triton": ("Triton kernels -> PyTorch references", args.args, [], {"PITHTRAIN_TRITON": "0"}) if cuda else None,
         "dtype": (f"{dtype} -> {'fp32' if dtype == 'bf16' else 'bf16'}", args.args,
@@ -186,8 +195,8 @@ def main():
                                    f"(optim.lr, warmup, grad_clip), the data of step {step} or the weights; see the first tensor above")
     differ = [f"{factor} ({change})" for factor, change, _, agree in results if not agree]
     if differ:
-        return runs.verdict(False, f"no step diverged; the losses change beyond --rtol with: {', '.join(differ)}")
-    return runs.verdict(True, "no step diverged and no factor changed the losses beyond --rtol")
+        return runs.verdict(False, f"no step diverged; the metrics change beyond --rtol with: {', '.join(differ)}")
+    return runs.verdict(True, "no step diverged and no factor changed the metrics beyond --rtol")
 
 
 if __name__ == "__main__":

@@ -1,14 +1,21 @@
-"""Per-layer activation and gradient norms of chosen steps, for the debug-divergence skill.
+"""Debugging instruments, off unless their environment variable is set (loop.py reads them once).
 
-Off unless PITHTRAIN_DEBUG_NORMS names steps ("7", "3-5", "1,4"): then every rank appends one
-JSON line per tensor to OUT/norms_rank<r>.jsonl, in the order the tensors are made: forward
-outputs of the embedding, of stages 1, 3 and 5 of every layer and of the final norm; the gradient
-reaching each of them in backward; each parameter's gradient (this rank's shard) before clipping.
+PITHTRAIN_DEBUG_NORMS names steps ("7", "3-5", "1,4"), for the debug-divergence skill: every rank
+appends one JSON line per tensor to OUT/norms_rank<r>.jsonl, in the order the tensors are made:
+forward outputs of the embedding, of stages 1, 3 and 5 of every layer and of the final norm; the
+gradient reaching each of them in backward; each parameter's gradient (this rank's shard) before
+clipping.
+
+PITHTRAIN_DEBUG_MEMORY names one step, for the debug-memory skill: on CUDA the caching
+allocator's history over that step (`_record_memory_history`, Python stacks) and its snapshot at
+the end, in OUT/memory/rank<r>.pickle; on the CPU, which keeps no history, torch.profiler's
+allocation events (sizes, addresses, the Python stack of each) in OUT/memory/rank<r>.json.
 """
 
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import torch
@@ -62,3 +69,27 @@ class NormLog:
             if p.grad is not None:
                 g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
                 self.write(f"{name}.grad", "param_grad", g)
+
+
+class MemoryRecorder:
+    """Started before the step's first allocation, saved after its optimizer step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        else:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU],
+                                                   profile_memory=True, with_stack=True)
+            self.profiler.start()
+
+    def save(self, out_dir: Path, rank: int) -> Path:
+        path = Path(out_dir) / "memory" / f"rank{rank}.{'pickle' if self.cuda else 'json'}"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if self.cuda:
+            path.write_bytes(pickle.dumps(torch.cuda.memory._snapshot()))
+            torch.cuda.memory._record_memory_history(enabled=None)
+        else:
+            self.profiler.stop()
+            self.profiler.export_chrome_trace(str(path))
+        return path
