@@ -28,13 +28,14 @@ def skill_script(relative: str):
 
 
 def train(config: str, out: Path, steps: int, extra: str = "", sets=(), stop_after: int | None = None,
-          env: dict | None = None, quiet: bool = False) -> tuple[int, str]:
+          env: dict | None = None, quiet: bool = False, checkpoints: bool = True) -> tuple[int, str]:
     """`pithtrain train CONFIG --out OUT --steps N [extra] [--set ...]`; returns (exit code, output).
+    checkpoints=False: none written (a throwaway run of a large model saves minutes and disk).
     Its step, error and done lines are shown as they come (all of them without quiet); all are kept."""
     cmd = [sys.executable, "-m", "pithtrain", "train", config, "--out", str(out), "--steps", str(steps), *shlex.split(extra)]
     if stop_after is not None:
         cmd += ["--stop-after", str(stop_after)]
-    for s in sets:
+    for s in [*sets, *([] if checkpoints else ["train.checkpoint_every=-1"])]:
         cmd += ["--set", s]
     shown_env = " ".join(f"{k}={v}" for k, v in (env or {}).items())
     print("$", (shown_env + " " if shown_env else "") + shlex.join(cmd), flush=True)

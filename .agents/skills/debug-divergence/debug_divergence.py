@@ -9,8 +9,8 @@
    the last logged one, when the run stopped short); otherwise from a run of CONFIG made here.
 2. The first tensor: steps S-1 and S again (from step 1, the same schedule) with per-layer norms
    (PITHTRAIN_DEBUG_NORMS, pithtrain/train/debug.py); in the order they were made at step S,
-   the first tensor (layer, stage, forward or backward, or a parameter's gradient) that is
-   non-finite, else the first whose norm is above --jump times its norm at step S-1.
+   per rank, the first tensor (layer, stage, forward or backward, or a parameter's gradient) that
+   is non-finite, and the first whose norm is above --jump times its norm at step S-1.
 3. Bisection: the same steps with one factor changed at a time (one process instead of the
    mesh, train.compile flipped, the PyTorch references instead of the Triton kernels, fp32
    instead of bf16 or the reverse); each run against the re-run of step 2, loss by loss
@@ -149,7 +149,7 @@ def main():
             found = logged[-1] + 1, f"the run stopped after step {logged[-1]} of {args.steps} (a non-finite step is not logged)"
     else:  # norms of every step: the script's own runs are short
         code, said = runs.train(args.config, work / "run", args.steps, args.args, args.set,
-                                env={"PITHTRAIN_DEBUG_NORMS": f"1-{args.steps}"}, quiet=True)
+                                env={"PITHTRAIN_DEBUG_NORMS": f"1-{args.steps}"}, quiet=True, checkpoints=False)
         found = divergence(work / "run", code, said, args.jump)
         if found is None and code != 0:
             return runs.verdict(False, "the run failed for another reason than divergence (its output is above)")
@@ -160,14 +160,22 @@ def main():
         print(f"\nfirst bad step: {step} ({found[1]})")
 
     # 2. the first tensor: the baseline again to step S, with norms of S-1 and S (the run of 1. when made here)
-    base = work / "run"
+    base, stop = work / "run", step if step < args.steps else None
     if args.run:
-        code, said = runs.train(args.config, base, args.steps, args.args, args.set, stop_after=step if step < args.steps else None,
-                                env={"PITHTRAIN_DEBUG_NORMS": f"{max(1, step - 1)}-{step}"}, quiet=True)
+        code, said = runs.train(args.config, base, args.steps, args.args, args.set, stop_after=stop,
+                                env={"PITHTRAIN_DEBUG_NORMS": f"{max(1, step - 1)}-{step}"}, quiet=True, checkpoints=False)
+        again = divergence(base, code, said, args.jump)
+        if code != 0 and again is None:
+            return runs.verdict(False, "the re-run failed for another reason than divergence (its output is above)")
+        if found and (again is None or again[0] != step):
+            print(f"note: the re-run does not diverge at step {step} ({again or 'not at all'}): the run is not "
+                  f"reproducible (data, code or nondeterministic kernels changed); the norms below are the re-run's")
     if found:
-        for what, tensor in first_tensors(base / "norms_rank0.jsonl", step, args.jump).items():
-            print(f"step {step}, rank 0, first tensor {what}: {tensor}" if what != "largest ratios"
-                  else f"largest norm ratios to step {step - 1}: {tensor}")
+        for path in sorted(base.glob("norms_rank*.jsonl"), key=lambda p: int(p.stem.removeprefix("norms_rank"))):
+            rank = path.stem.removeprefix("norms_rank")  # each rank holds its own layers (pipeline) or shards
+            for what, tensor in first_tensors(path, step, args.jump).items():
+                print(f"step {step}, rank {rank}, first tensor {what}: {tensor}" if what != "largest ratios"
+                      else f"  largest norm ratios to step {step - 1}: {tensor}")
     base_steps = runs.metrics(base)
 
     # 3. bisection: one factor at a time, to step S
@@ -175,25 +183,27 @@ def main():
     for factor, change, extra, sets, env in variants(args, config, cuda):
         print(f"\n--- factor {factor}: {change}")
         out = work / factor
-        code, said = runs.train(args.config, out, args.steps, extra, args.set + sets, stop_after=step if step < args.steps else None, env=env, quiet=True)
+        code, said = runs.train(args.config, out, args.steps, extra, args.set + sets, stop_after=stop, env=env,
+                                quiet=True, checkpoints=False)
         bad = divergence(out, code, said, args.jump)
         if code != 0 and bad is None:
             print(said[-2000:])
             return runs.verdict(False, f"the {factor} run failed for another reason than divergence (its output is above)")
         mine = runs.metrics(out)
         n = min(len(mine), len(base_steps))
-        agree = n > 0 and compare_runs.compare(base_steps[:n], mine[:n], args.rtol)
+        agree = compare_runs.compare(base_steps[:n], mine[:n], args.rtol) if n else None  # None: no step to compare
         results.append((factor, change, bad, agree))
     print("\nfactor   change                                   diverges           metrics agree (rtol %.0e)" % args.rtol)
     for factor, change, bad, agree in results:
-        print(f"{factor:8} {change:40} {('at step %d' % bad[0]) if bad else 'no':18} {'yes' if agree else 'NO'}")
+        diverges = f"at step {bad[0]}" if bad else "no"
+        print(f"{factor:8} {change:40} {diverges:18} {({True: 'yes', False: 'NO', None: '-'})[agree]}")
     if found:
         cured = [f"{factor} ({change})" for factor, change, bad, _ in results if bad is None]
         if cured:
             return runs.verdict(False, f"divergence at step {step}; it goes away when changing: {', '.join(cured)}")
         return runs.verdict(False, f"divergence at step {step}; no single factor removes it: the optimisation "
                                    f"(optim.lr, warmup, grad_clip), the data of step {step} or the weights; see the first tensor above")
-    differ = [f"{factor} ({change})" for factor, change, _, agree in results if not agree]
+    differ = [f"{factor} ({change})" for factor, change, _, agree in results if agree is False]
     if differ:
         return runs.verdict(False, f"no step diverged; the metrics change beyond --rtol with: {', '.join(differ)}")
     return runs.verdict(True, "no step diverged and no factor changed the metrics beyond --rtol")

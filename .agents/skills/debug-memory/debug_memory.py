@@ -178,7 +178,7 @@ def main():
         out = Path(args.work or tempfile.mkdtemp(prefix="memory-")) / "run"
         mesh = f"--nproc {args.nproc}" + "".join(f" --{n} {getattr(args, n)}" for n in ("pp", "cp", "ep") if getattr(args, n))
         code, said = runs.train(args.config, out, args.step, mesh, args.set, env={"PITHTRAIN_DEBUG_MEMORY": str(args.step)},
-                                quiet=True)
+                                quiet=True, checkpoints=False)
         record = next((out / "memory").glob("rank0.*"), None) if (out / "memory").is_dir() else None
         if code != 0 or record is None:
             print(said[-3000:])
