@@ -161,3 +161,22 @@ def test_debug_memory_replays_a_cuda_allocator_snapshot():
     assert stages == {"before the step (weights, optimizer state, caches)": 64, "stage 3 forward": 30,
                       tool.NO_STACK: 25}
     assert tool.call_site(blocks[1][1], None) == "pithtrain/ops/grouped_gemm.py(31): grouped_mm"
+
+
+def test_debug_memory_places_a_compiled_stage_by_its_calling_line():
+    """A compiled stage's allocations carry Inductor's frames, not the stage's: the calling line
+    of protocol.run_layer (CUDA stacks give the current line of each frame) places them."""
+    import inspect
+
+    from pithtrain import protocol
+
+    sys.path.insert(0, ".agents/skills/_common")
+    import runs
+
+    tool = runs.skill_script("debug-memory/debug_memory.py")
+    source, first = inspect.getsourcelines(protocol.run_layer)
+    path = inspect.getsourcefile(protocol.run_layer)
+    line = first + next(i for i, text in enumerate(source) if "layer.stage5(" in text)
+    frames = ["/tmp/torchinductor_x/ab.py(12): call", f"{path}({line}): run_layer", "/x/pithtrain/models/qwen3_moe.py(280): forward"]
+    assert tool.stage_of(frames) == "stage 5 forward"
+    assert tool.stage_of(frames[:1] + frames[2:]) == "embedding, final norm, head (forward)"

@@ -25,6 +25,7 @@ import argparse
 import bisect
 import collections
 import json
+import linecache
 import pickle
 import re
 import sys
@@ -54,10 +55,21 @@ STAGES = (  # (part of the step, a frame that places an allocation there): the f
 )
 
 
+CALLS = {"stage1": "stage 1 forward", "stage3": "stage 3 forward", "stage5": "stage 5 forward",
+         "dispatch": "stage 2 dispatch", "combine": "stage 4 combine"}
+
+
 def stage_of(frames: list[str]) -> str:
-    """The layer stage (or part of the step) of an allocation, from its stack."""
+    """The layer stage (or part of the step) of an allocation, from its stack: first the source line
+    of each frame (CUDA stacks carry the calling line: `layer.stage1(x, attn)` places what a compiled
+    stage allocates, whose own frame is Inductor's), then the function names."""
     if frames == [BEFORE]:
         return "before the step (weights, optimizer state, caches)"
+    for f in frames:
+        where = re.match(r"(.*)\((\d+)\): ", f)
+        call = re.search(r"\.(stage[135]|dispatch|combine)\w*\(", linecache.getline(where[1], int(where[2]))) if where else None
+        if call and "pithtrain/" in f:
+            return CALLS[call[1]]
     for stage, pattern in STAGES:
         if any(re.search(pattern, f) for f in frames):
             return stage
