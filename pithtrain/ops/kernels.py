@@ -25,6 +25,7 @@ How it is built:
 from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotations unevaluated
 
 import importlib.util
+import os
 from typing import NamedTuple
 
 import torch
@@ -32,7 +33,8 @@ import torch.nn.functional as F
 
 from pithtrain.ops import core
 
-_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
+# PITHTRAIN_TRITON=0: the references on GPUs too (the debug-divergence skill's Triton-vs-reference bisection)
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None and os.environ.get("PITHTRAIN_TRITON") != "0"
 tl = None  # triton.language; bound on the first kernel launch, where the kernels' bodies need it
 
 

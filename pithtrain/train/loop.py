@@ -38,6 +38,7 @@ from pithtrain.protocol import named_range
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, TokenDataset
+from pithtrain.train.debug import MemoryRecorder, NormLog
 from pithtrain.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
 from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step
 
@@ -139,6 +140,11 @@ def train(
             shard_model(part, mesh, bf16_params=dtype == torch.bfloat16, reshard_after_forward=chunks is None)
     # after slicing the experts and sharding: what this rank holds (a DTensor's numel is the whole tensor's)
     n_held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    norms = None  # the debug skills' instruments (train/debug.py); nothing when unset
+    if os.environ.get("PITHTRAIN_DEBUG_NORMS"):
+        norms = NormLog(os.environ["PITHTRAIN_DEBUG_NORMS"], out_dir, mesh.rank)
+        norms.watch(model)
+    memory_step, memory = int(os.environ.get("PITHTRAIN_DEBUG_MEMORY") or 0), None
     optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
     count_group = mesh.data_group if t.lb_type == "global" else None
     balance = LoadBalance(t.lb_type, count_group, cp_group=mesh.cp_group) if t.lb_coef > 0 else None
@@ -215,7 +221,11 @@ def train(
             profiler = start_profiler(device)
         if capture and step + 1 == capture[0] and device.type == "cuda":
             torch.cuda.profiler.start()
+        if step + 1 == memory_step:
+            memory = MemoryRecorder(device)
         t0 = time.perf_counter()
+        if norms:
+            norms.step = step + 1
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         lr = lr_at(step, o, t.steps)
@@ -248,6 +258,8 @@ def train(
         ce_sum, lb_sum, stops = sums.tolist()  # the step's one host sync for its scalars
         loss = ce_sum / max(n_label, 1)
         halt = stops > 0 and step + 1 < end
+        if norms:
+            norms.grads(model.named_parameters())
         grad_norm = global_grad_norm(params, mesh)
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             raise FloatingPointError(
@@ -286,6 +298,10 @@ def train(
         first_done = first_done or (now, step + 1)
         rate = (now - first_done[0]) / (step + 1 - first_done[1]) if step + 1 > first_done[1] else time.perf_counter() - t0
         history.append(m)
+        if memory is not None:
+            path, memory = memory.save(out_dir, mesh.rank), None
+            if echo:
+                print(f"memory of step {step + 1} written to {path}", flush=True)
         if profiler is not None:
             profiler.stop()
             path = out_dir / "profile" / f"rank{mesh.rank}.json"
@@ -504,6 +520,8 @@ def _checkpointed(stage):
         return torch.utils.checkpoint.checkpoint(stage, *args, use_reentrant=False, preserve_rng_state=False)
 
     return run
+
+
 def cuda_profiler_steps() -> tuple[int, int] | None:
     """PITHTRAIN_PROFILE_STEPS=FIRST:LAST (1-based, inclusive): on GPUs the loop calls
     torch.cuda.profiler.start() before step FIRST and stop() after step LAST, the capture range of
