@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -46,7 +47,9 @@ def cmd_run(args) -> int:
     select = [s for part in args.tasks for s in part.replace(",", " ").split()] if args.tasks else None
     tasks = load_tasks(select)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ate_bench.json").write_text('{"kind": "ate-bench results"}\n')
+    manifest = out / "ate_bench.json"  # marks the directory; the frameworks in the order first run (the report's)
+    known = json.loads(manifest.read_text()).get("frameworks", []) if manifest.exists() else []
+    manifest.write_text(json.dumps({"kind": "ate-bench results", "frameworks": known + [f for f in frameworks if f not in known]}) + "\n")
     from ate_bench.runner import run_one
 
     for task in tasks:

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ate_bench.tasks import Task
 
-COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pyc", ".pytest_cache")
+# never copied: version control (a fresh repository is made), environments, caches, earlier run outputs
+COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pyc", ".pytest_cache", "runs")
 
 
 def normalize(text: str) -> str:

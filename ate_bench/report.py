@@ -48,8 +48,16 @@ def summarize(results: list[dict]) -> dict:
     return summary
 
 
-def markdown(results: list[dict], baseline: str | None = None) -> str:
-    frameworks = list(dict.fromkeys(r["framework"] for r in results))
+def framework_order(results: list[dict], out: Path | None = None) -> list[str]:
+    """The order the frameworks were first run in (ate_bench.json), then any others."""
+    manifest = out / "ate_bench.json" if out else None
+    first = json.loads(manifest.read_text()).get("frameworks", []) if manifest and manifest.exists() else []
+    present = {r["framework"] for r in results}
+    return [f for f in first if f in present] + sorted(present - set(first))
+
+
+def markdown(results: list[dict], baseline: str | None = None, frameworks: list[str] | None = None) -> str:
+    frameworks = frameworks or framework_order(results)
     base = baseline or frameworks[0]
     summary = summarize(results)
     cats = [c for c in CATEGORIES if any(r["category"] == c for r in results)] + ["all"]
@@ -92,13 +100,13 @@ def markdown(results: list[dict], baseline: str | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: list[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path, frameworks: list[str] | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    frameworks = list(dict.fromkeys(r["framework"] for r in results))
+    frameworks = frameworks or framework_order(results)
     summary = summarize(results)
     cats = [c for c in CATEGORIES if any(r["category"] == c for r in results)]
     fig, axes = plt.subplots(1, len(METRICS) + 1, figsize=(3.2 * (len(METRICS) + 1), 3.4))
@@ -119,11 +127,14 @@ def write_report(out: Path, baseline: str | None = None) -> tuple[Path, Path | N
     results = load_results(out)
     if not results:
         raise FileNotFoundError(f"{out} holds no */*/r*/result.json; pass the --out directory of `ate_bench run`")
+    frameworks = framework_order(results, out)
+    if baseline and baseline not in frameworks:
+        raise FileNotFoundError(f"--baseline {baseline}: no sessions of it in {out}; use one of {', '.join(frameworks)}")
     md = out / "report.md"
-    md.write_text(markdown(results, baseline))
+    md.write_text(markdown(results, baseline, frameworks))
     try:
         png = out / "report.png"
-        plot(results, png)
+        plot(results, png, frameworks)
     except ImportError:  # matplotlib is the optional `plot` extra
         png = None
     return md, png

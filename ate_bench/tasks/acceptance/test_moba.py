@@ -53,3 +53,18 @@ def test_sparse_differs_from_dense():
     q, k, v = (torch.randn(1, 1, 32, 8, dtype=torch.float64) for _ in range(3))
     dense = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3)
     assert (moba_attention(q, k, v, 8, 1, 0.3) - dense).abs().max() > 1e-3
+
+
+def test_the_framework_still_works():
+    """The feature must not break what was there: a tiny Qwen3-MoE still matches its reference."""
+    from pithtrain.models.qwen3_moe import Qwen3MoeConfig
+    from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
+
+    model = Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                           max_position_embeddings=64).build_model()
+    model.init_weights(0)
+    ids = torch.randint(0, 64, (2, 11))
+    pos = torch.arange(11).expand(2, 11)
+    out, ref = model(ids, pos, ExpertEngine(LocalDispatch())), model.reference_forward(ids, pos)
+    assert ((out - ref).norm() / ref.norm()).item() < 1e-5
