@@ -15,9 +15,13 @@ A framework with no key, verifier or acceptance test for a task is graded by `--
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package
+    import tomli as tomllib
 
 TASKS_DIR = Path(__file__).parent / "tasks"
 CATEGORIES = ("understand", "operate", "extend")

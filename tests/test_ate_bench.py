@@ -207,17 +207,16 @@ def test_runner_metrics_grades_failures_and_report(tmp_path, capsys):
 # ---- extend: acceptance tests on fresh copies ----
 
 def test_acceptance_tests_reject_unmodified_and_broken_checkouts_and_accept_a_feature(tmp_path, capsys):
-    tests = {t.id: t.acceptance["pithtrain"] for t in TASKS.values() if t.category == "extend"}
-
-    def grade_copy(task_id, work):
-        return grading.run_acceptance(tests[task_id], work, tmp_path / f"grade_{task_id}" / "grade", timeout=300)
-
+    tests = [t.acceptance["pithtrain"] for t in TASKS.values() if t.category == "extend"]
     plain = tmp_path / "plain"
     shutil.copytree(ROOT, plain, ignore=grading.COPY_IGNORE)
-    with ThreadPoolExecutor(4) as pool:
-        grades = dict(zip(tests, pool.map(lambda t: grade_copy(t, plain), tests)))
-    assert all(g["grade"] == "fail" for g in grades.values()), grades
-    assert not (plain / "ate_acceptance").exists()  # graded in a copy, not in the agent's directory
+    for test in tests:
+        shutil.copy(test, plain / test.name)
+    # one process for the four files (each import of torch costs seconds); every file must fail
+    p = subprocess.run([PY, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+                        *[t.name for t in tests]], cwd=plain, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(plain)})
+    for test in tests:
+        assert re.search(rf"^(FAILED|ERROR) {test.name}", p.stdout, re.M), (test.name, p.stdout[-3000:])
 
     # the stand-in implements MoBA (a fixed edit), once cleanly and once breaking the checkout as well
     out = tmp_path / "results"
@@ -323,11 +322,12 @@ def test_memory_verifier(tmp_path):
     verifier, answer = TASKS["op_memory_fit"].verifier["pithtrain"], tmp_path / "answer.txt"
     answer.write_text("FITS=no")  # no PEAK_GIB: rejected before the estimate runs
     assert "PEAK_GIB" in grading.run_verifier(verifier, tmp_path, answer, ROOT, timeout=60)["note"]
-    answer.write_text("It needs about PEAK_GIB=150 per GPU, so FITS=no.")
-    g = grading.run_verifier(verifier, tmp_path, answer, ROOT, timeout=120)
-    assert g["grade"] == "pass", g
-    answer.write_text("PEAK_GIB=150 FITS=yes")
-    assert grading.run_verifier(verifier, tmp_path, answer, ROOT, timeout=120)["grade"] == "fail"
+    answers = {"pass": "It needs about PEAK_GIB=150 per GPU, so FITS=no.", "fail": "PEAK_GIB=70 FITS=yes"}
+    for name, text in answers.items():
+        (tmp_path / f"{name}.txt").write_text(text)
+    with ThreadPoolExecutor(2) as pool:
+        grades = dict(zip(answers, pool.map(lambda n: grading.run_verifier(verifier, tmp_path, tmp_path / f"{n}.txt", ROOT, 300), answers)))
+    assert grades["pass"]["grade"] == "pass" and grades["fail"]["grade"] == "fail", grades
 
 
 # ---- the CLI's bad input ----
