@@ -75,11 +75,13 @@ def markdown(results: list[dict], baseline: str | None = None, frameworks: list[
             lines.append(f"| {cat} | {fw} | " + " | ".join(_fmt(row[m]) for m, _ in METRICS) + f" | {rate} | {row['runs']} |")
     others = [fw for fw in frameworks if fw != base]
     if others:
-        lines += ["", f"## Ratios to {base}", "", "| category | framework | " + " | ".join(t for _, t in METRICS) + " |",
+        lines += ["", f"## Ratios to {base} (over the tasks both ran)", "", "| category | framework | " + " | ".join(t for _, t in METRICS) + " |",
                   "|---|---|" + "---|" * len(METRICS)]
-        for cat in cats:
-            for fw in others:
-                row, ref = summary.get((fw, cat)), summary.get((base, cat))
+        for fw in others:  # over the tasks both ran, so that a partial run does not skew the ratio
+            both = {r["task"] for r in results if r["framework"] == fw} & {r["task"] for r in results if r["framework"] == base}
+            paired = summarize([r for r in results if r["task"] in both and r["framework"] in (fw, base)])
+            for cat in cats:
+                row, ref = paired.get((fw, cat)), paired.get((base, cat))
                 if row and ref:
                     ratio = [f"{row[m] / ref[m]:.2f}" if ref[m] else "-" for m, _ in METRICS]
                     lines.append(f"| {cat} | {fw} | " + " | ".join(ratio) + " |")
