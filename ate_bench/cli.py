@@ -42,6 +42,8 @@ def cmd_run(args) -> int:
     if args.repeats < 1 or args.time_limit <= 0:
         raise UsageError("--repeats must be >= 1 and --time-limit > 0 (seconds)")
     out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: is a file; give a directory")
     if out.exists() and any(out.iterdir()) and not (out / "ate_bench.json").exists():
         raise UsageError(f"--out {out}: exists and is not an ATE-Bench results directory; choose a new directory")
     select = [s for part in args.tasks for s in part.replace(",", " ").split()] if args.tasks else None

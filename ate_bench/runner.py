@@ -71,6 +71,9 @@ def run_agent(template: str, prompt: str, run_dir: Path, work: Path, time_limit:
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 rc, status = None, "timeout"
+            except BaseException:  # Ctrl-C: the agent has its own session, so it would outlive us
+                _kill_group(proc)
+                raise
     return {"status": status, "exit_code": rc, "session_seconds": round(time.monotonic() - start, 3),
             "gpu_seconds": round(gpu.busy_seconds, 3), "gpu_source": gpu.source, "gpus_seen": gpu.gpus}
 
