@@ -336,6 +336,8 @@ def test_memory_verifier(tmp_path):
     (["--framework", "pithtrain=.", "--keys", "ghost=pithtrain"], "--keys"),
     (["--framework", "pithtrain=.", "--agent", "claude -p"], "--agent"),
     (["--framework", "pithtrain=.", "--tasks", "qa_nothing"], "--tasks"),
+    (["--framework", "pithtrain=.", "--out", "AGENTS.md"], "--out"),
+    (["--framework", "pithtrain=.", "--out", "pithtrain"], "--out"),  # someone's directory: never written into
 ])
 def test_cli_bad_input_is_one_line(tmp_path, capsys, args, flag):
     base = {"--agent": "x {prompt}", "--format": "generic-jsonl", "--out": str(tmp_path / "o")}
