@@ -1,0 +1,3 @@
+from ate_bench.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,123 @@
+"""python -m ate_bench run | report | list  (see ate_bench/README.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from ate_bench import transcripts
+from ate_bench.tasks import TaskError, load_tasks
+
+
+class UsageError(Exception):
+    pass
+
+
+def _pairs(values: list[str], flag: str, example: str) -> dict[str, str]:
+    out = {}
+    for v in values:
+        name, sep, rest = v.partition("=")
+        if not sep or not name or not rest:
+            raise UsageError(f"{flag} {v!r}: write NAME=VALUE, e.g. {flag} {example}")
+        out[name] = rest
+    return out
+
+
+def cmd_run(args) -> int:
+    frameworks = _pairs(args.framework, "--framework", "pithtrain=/path/to/PithTrain")
+    if not frameworks:
+        raise UsageError("--framework: give at least one, e.g. --framework pithtrain=/path/to/PithTrain")
+    for name, path in frameworks.items():
+        if not Path(path).is_dir():
+            raise UsageError(f"--framework {name}={path}: no such directory; give the framework's checkout")
+    keysets = _pairs(args.keys, "--keys", "myfork=pithtrain")
+    for name in keysets:
+        if name not in frameworks:
+            raise UsageError(f"--keys {name}=...: {name} is not a --framework name; use one of {', '.join(frameworks)}")
+    if "{prompt" not in args.agent:
+        raise UsageError("--agent: the command must contain {prompt} or {prompt_file}, e.g. "
+                         "--agent \"claude -p {prompt} --output-format stream-json --verbose\"")
+    if args.repeats < 1 or args.time_limit <= 0:
+        raise UsageError("--repeats must be >= 1 and --time-limit > 0 (seconds)")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out}: is a file; give a directory")
+    if out.exists() and any(out.iterdir()) and not (out / "ate_bench.json").exists():
+        raise UsageError(f"--out {out}: exists and is not an ATE-Bench results directory; choose a new directory")
+    select = [s for part in args.tasks for s in part.replace(",", " ").split()] if args.tasks else None
+    tasks = load_tasks(select)
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = out / "ate_bench.json"  # marks the directory; the frameworks in the order first run (the report's)
+    known = json.loads(manifest.read_text()).get("frameworks", []) if manifest.exists() else []
+    manifest.write_text(json.dumps({"kind": "ate-bench results", "frameworks": known + [f for f in frameworks if f not in known]}) + "\n")
+    from ate_bench.runner import run_one
+
+    for task in tasks:
+        for name, path in frameworks.items():
+            for k in range(args.repeats):
+                r = run_one(task, name, Path(path).resolve(), keysets.get(name, name), k, out.resolve(), args.agent,
+                            args.format, args.time_limit, args.grade_timeout, args.judge)
+                print(f"{task.id:24s} {name:12s} r{k} {r['status']:11s} {r['grade']:8s} turns={r['turns']} "
+                      f"out={r['output_tokens']} {r['session_seconds']:.1f}s  {r['note']}", flush=True)
+    from ate_bench.report import write_report
+
+    md, png = write_report(out)
+    print(f"report: {md}" + (f", {png}" if png else " (install matplotlib for the plot)"))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from ate_bench.report import write_report
+
+    if not Path(args.dir).is_dir():
+        raise UsageError(f"report {args.dir}: no such directory; pass the --out directory of `ate_bench run`")
+    try:
+        md, png = write_report(Path(args.dir), args.baseline)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from e
+    print(md.read_text())
+    print(f"report: {md}" + (f", {png}" if png else " (install matplotlib for the plot)"))
+    return 0
+
+
+def cmd_list(args) -> int:
+    for t in load_tasks():
+        graded = sorted(set(t.keys) | set(t.verifier) | set(t.acceptance))
+        print(f"{t.id:26s} {t.category:10s} graded for: {', '.join(graded) or '(judge only)'}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m ate_bench", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="run an agent on tasks x frameworks x repeats")
+    r.add_argument("--framework", action="append", default=[], metavar="NAME=PATH", help="a framework checkout (repeatable)")
+    r.add_argument("--keys", action="append", default=[], metavar="NAME=KEYSET",
+                   help="grade NAME with another framework's keys/verifiers/tests, e.g. a fork: myfork=pithtrain")
+    r.add_argument("--tasks", action="append", metavar="IDS", help="task ids or categories, comma separated (default: all)")
+    r.add_argument("--agent", required=True, help="agent command template: {prompt}, {prompt_file}, {workdir} are filled in")
+    r.add_argument("--format", required=True, choices=transcripts.FORMATS, help="the agent's transcript format (its stdout)")
+    r.add_argument("--repeats", type=int, default=1)
+    r.add_argument("--time-limit", type=float, default=1800.0, help="seconds per session; the agent is killed after it")
+    r.add_argument("--grade-timeout", type=float, default=900.0, help="seconds for a verifier, acceptance test or judge")
+    r.add_argument("--judge", help="grading command for tasks without a key for the framework: "
+                   "{prompt_file} {answer_file} {workdir} {task} {framework}; exit 0 passes")
+    r.add_argument("--out", required=True, help="results directory (new, or an earlier ATE-Bench one)")
+    r.set_defaults(func=cmd_run)
+    rep = sub.add_parser("report", help="report.md and report.png of a results directory")
+    rep.add_argument("dir")
+    rep.add_argument("--baseline", help="framework the ratios are taken against (default: the first)")
+    rep.set_defaults(func=cmd_report)
+    sub.add_parser("list", help="the tasks and the frameworks each is graded for").set_defaults(func=cmd_list)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (UsageError, TaskError) as e:
+        print(f"ate_bench: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,113 @@
+"""Grading a finished session: required facts (understand), a verifier script over the agent's
+artifacts (operate), an acceptance test run on a fresh copy of the final checkout (extend), or a
+user's judge command where the task has nothing for the framework.
+
+A grade is {"grade": "pass" | "fail" | "ungraded", "score": 0..1 or None, "note": str}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from ate_bench.tasks import Task
+
+# never copied: version control (a fresh repository is made), environments, caches, earlier run outputs
+COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pyc", ".pytest_cache", "runs")
+
+
+def normalize(text: str) -> str:
+    """Lower case, letters and digits only: `parallel/mesh.py` ~ "parallel mesh.py", and
+    "(pp, dp, cp, ep)" ~ "pp x dp x cp x ep"."""
+    return re.sub(r"[^a-z0-9]", "", text.lower().replace(" x ", " ").replace("×", ""))
+
+
+def grade_facts(answer: str, facts: list[list[str]]) -> dict:
+    text = normalize(answer)
+    missing = [alts[0] for alts in facts if not any(normalize(a) in text for a in alts)]
+    score = 1 - len(missing) / len(facts) if facts else 0.0
+    note = "all facts present" if not missing else "missing: " + ", ".join(missing)
+    return {"grade": "pass" if facts and not missing else "fail", "score": round(score, 3), "note": note}
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else ""
+
+
+def _env(pythonpath: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(pythonpath)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+def run_verifier(script: Path, workdir: Path, answer_file: Path, checkout: Path, timeout: float) -> dict:
+    """The verifier checks the artifacts the agent left in `workdir` and the numbers in its answer,
+    rerunning with the unmodified `checkout` where it needs to; exit 0 passes."""
+    cmd = [sys.executable, str(script), "--workdir", str(workdir), "--answer", str(answer_file), "--checkout", str(checkout)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=workdir, env=_env(checkout))
+    except subprocess.TimeoutExpired:
+        return {"grade": "fail", "score": 0.0, "note": f"verifier timed out after {timeout:.0f} s"}
+    note = _last_line(p.stdout) or _last_line(p.stderr)
+    return {"grade": "pass" if p.returncode == 0 else "fail", "score": 1.0 if p.returncode == 0 else 0.0, "note": note}
+
+
+def run_acceptance(test_file: Path, workdir: Path, grade_dir: Path, timeout: float) -> dict:
+    """Copy the agent's final checkout to `grade_dir` (the agent's directory stays as it left it),
+    drop the acceptance test in and run it there; it passes when pytest passes."""
+    if grade_dir.exists():
+        shutil.rmtree(grade_dir)
+    shutil.copytree(workdir, grade_dir, ignore=COPY_IGNORE, symlinks=True)
+    dest = grade_dir / "ate_acceptance" / test_file.name
+    dest.parent.mkdir(exist_ok=True)
+    shutil.copy(test_file, dest)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--rootdir", str(dest.parent), str(dest)]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=grade_dir, env=_env(grade_dir))
+    except subprocess.TimeoutExpired:
+        return {"grade": "fail", "score": 0.0, "note": f"acceptance test timed out after {timeout:.0f} s"}
+    (grade_dir.parent / "acceptance.log").write_text(p.stdout + p.stderr)
+    ok = p.returncode == 0
+    return {"grade": "pass" if ok else "fail", "score": 1.0 if ok else 0.0, "note": _last_line(p.stdout) or _last_line(p.stderr)}
+
+
+def run_judge(judge: str, task: Task, framework: str, workdir: Path, answer_file: Path, timeout: float) -> dict:
+    """`--judge "CMD {prompt_file} {answer_file} {workdir} {task} {framework}"`: exit 0 passes;
+    a last stdout line `score=<0..1>` is recorded."""
+    prompt_file = answer_file.parent / "prompt.txt"
+    cmd = judge.format(prompt_file=shlex.quote(str(prompt_file)), answer_file=shlex.quote(str(answer_file)),
+                       workdir=shlex.quote(str(workdir)), task=task.id, framework=framework)
+    try:
+        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=timeout, cwd=workdir)
+    except subprocess.TimeoutExpired:
+        return {"grade": "fail", "score": 0.0, "note": "judge timed out"}
+    last = _last_line(p.stdout)
+    m = re.match(r"score\s*=\s*([0-9.]+)", last)
+    score = float(m.group(1)) if m else (1.0 if p.returncode == 0 else 0.0)
+    return {"grade": "pass" if p.returncode == 0 else "fail", "score": score, "note": "judge: " + last}
+
+
+def grade(task: Task, keyset: str, run_dir: Path, workdir: Path, checkout: Path, answer: str,
+          judge: str | None, timeout: float) -> dict:
+    answer_file = run_dir / "answer.txt"
+    answer_file.write_text(answer)
+    if task.category == "understand" and keyset in task.keys:
+        return grade_facts(answer, task.keys[keyset])
+    if task.category == "operate" and keyset in task.verifier:
+        return run_verifier(task.verifier[keyset], workdir, answer_file, checkout, timeout)
+    if task.category == "extend" and keyset in task.acceptance:
+        return run_acceptance(task.acceptance[keyset], workdir, run_dir / "grade", timeout)
+    if judge:
+        return run_judge(judge, task, keyset, workdir, answer_file, timeout)
+    return {"grade": "ungraded", "score": None, "note": f"no key for {keyset}; pass --judge to grade it"}
+
+
+def dump(obj, path: Path) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n")

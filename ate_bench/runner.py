@@ -1,0 +1,104 @@
+"""The runner: one session per (task, framework, repeat) on a fresh copy of the framework.
+
+OUT/<framework>/<task>/r<k>/ holds work/ (the copy the agent worked in, its own git repository
+with the starting state committed, so `changes.diff` is what the agent changed), prompt.txt,
+transcript.jsonl (the agent's stdout), agent.stderr, answer.txt, grade/ (acceptance copies) and
+result.json (the metrics and the grade). The framework checkout itself is never touched.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from ate_bench import transcripts
+from ate_bench.gpu import GpuSampler
+from ate_bench.grading import COPY_IGNORE, dump, grade
+from ate_bench.tasks import Task
+
+FOOTER = ("\n\nYou are working in a copy of the framework's repository (your working directory); change it as the task "
+          "needs. End with your final answer as your last message.")
+
+
+def _git(work: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=ate-bench", "-c", "user.email=ate-bench@localhost", *args],
+                          cwd=work, capture_output=True, text=True).stdout
+
+
+def fresh_copy(checkout: Path, work: Path) -> None:
+    """A standalone copy: no .git of the original (a worktree's .git file would point back into
+    it); a new repository with the starting state committed instead."""
+    shutil.copytree(checkout, work, ignore=COPY_IGNORE, symlinks=True)
+    if shutil.which("git"):
+        _git(work, "init", "-q")
+        _git(work, "add", "-A")
+        _git(work, "commit", "-q", "-m", "ATE-Bench start", "--no-verify")
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """The agent runs in its own session: end its process group (the agent and what it started)."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_agent(template: str, prompt: str, run_dir: Path, work: Path, time_limit: float, env: dict | None = None) -> dict:
+    prompt_file = run_dir / "prompt.txt"
+    prompt_file.write_text(prompt)
+    cmd = template.format(prompt=shlex.quote(prompt), prompt_file=shlex.quote(str(prompt_file)),
+                          workdir=shlex.quote(str(work)))
+    start = time.monotonic()
+    with open(run_dir / "transcript.jsonl", "w") as out, open(run_dir / "agent.stderr", "w") as err:
+        proc = subprocess.Popen(["bash", "-c", cmd], cwd=work, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env={**os.environ, **(env or {})})
+        with GpuSampler() as gpu:
+            try:
+                rc = proc.wait(timeout=time_limit)
+                status = "ok" if rc == 0 else "agent_error"
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                rc, status = None, "timeout"
+            except BaseException:  # Ctrl-C: the agent has its own session, so it would outlive us
+                _kill_group(proc)
+                raise
+    return {"status": status, "exit_code": rc, "session_seconds": round(time.monotonic() - start, 3),
+            "gpu_seconds": round(gpu.busy_seconds, 3), "gpu_source": gpu.source, "gpus_seen": gpu.gpus}
+
+
+def run_one(task: Task, framework: str, checkout: Path, keyset: str, repeat: int, out: Path, agent: str, fmt: str,
+            time_limit: float, grade_timeout: float, judge: str | None = None) -> dict:
+    run_dir = out / framework / task.id / f"r{repeat}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # the benchmark's own output: a rerun of the same cell replaces it
+    run_dir.mkdir(parents=True)
+    work = run_dir / "work"
+    fresh_copy(checkout, work)
+    session = run_agent(agent, task.prompt_for(keyset) + FOOTER, run_dir, work, time_limit,
+                        env={"ATE_TASK": task.id, "ATE_FRAMEWORK": framework, "ATE_CHECKOUT": str(checkout)})
+    parsed = transcripts.parse(fmt, (run_dir / "transcript.jsonl").read_text(errors="replace"))
+    if shutil.which("git") and (work / ".git").is_dir():
+        _git(work, "add", "-A")
+        (run_dir / "changes.diff").write_text(_git(work, "diff", "--cached", "--binary"))
+    result = {"task": task.id, "category": task.category, "framework": framework, "keyset": keyset, "repeat": repeat,
+              "format": fmt, **session, **asdict(parsed),
+              "mean_context_tokens": round(sum(parsed.context_tokens) / len(parsed.context_tokens)) if parsed.context_tokens else 0,
+              "max_context_tokens": max(parsed.context_tokens, default=0)}
+    if session["status"] == "timeout":
+        result.update(grade="fail", score=0.0, note=f"agent stopped at the time limit ({time_limit:g} s)")
+    else:
+        result.update(grade(task, keyset, run_dir, work, checkout, parsed.answer, judge, grade_timeout))
+    dump(result, run_dir / "result.json")
+    return result

@@ -1,0 +1,350 @@
+"""ATE-Bench's harness with the scripted stand-in agent: runner, transcript metrics, time limit, graders
+(accepting right and rejecting wrong work), acceptance tests on fresh copies, the report and the CLI."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from ate_bench import cli, grading, transcripts  # noqa: E402
+from ate_bench.gpu import GpuSampler, utilization_reader  # noqa: E402
+from ate_bench.tasks import load_tasks  # noqa: E402
+
+STANDIN = ROOT / "ate_bench" / "standin.py"
+PY = sys.executable
+TASKS = {t.id: t for t in load_tasks()}
+MESH_ANSWER = ("The mesh is built by init_mesh in pithtrain/parallel/mesh.py with dimensions (pp, dp, cp, ep), outer "
+               "to inner. Dense weights are sharded over the dense group dp x cp x ep, expert weights over dp x cp; "
+               "the ep_group carries the all-to-all.")
+
+
+def script(tmp_path, name, **body) -> Path:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(body))
+    return path
+
+
+def fake_framework(tmp_path, name="fw") -> Path:
+    d = tmp_path / name
+    (d / "src").mkdir(parents=True)
+    (d / "src" / "core.py").write_text("x = 1\n")
+    return d
+
+
+def run(args, capsys) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def result(out: Path, fw: str, task: str, r: int = 0) -> dict:
+    return json.loads((out / fw / task / f"r{r}" / "result.json").read_text())
+
+
+# ---- tasks and keys ----
+
+def test_task_suite_shape():
+    by_cat = {c: [t for t in TASKS.values() if t.category == c] for c in ("understand", "operate", "extend")}
+    assert [len(v) for v in by_cat.values()] == [12, 4, 4]
+    assert all("pithtrain" in t.keys for t in by_cat["understand"])
+    assert all("pithtrain" in t.verifier for t in by_cat["operate"])
+    assert all("pithtrain" in t.acceptance and "pithtrain" in t.interface for t in by_cat["extend"])
+
+
+def test_pithtrain_keys_name_real_code():
+    """Every identifier-like phrasing in PithTrain's answer keys (a file, a dotted field, a snake_case
+    or CamelCase name) names a file or occurs in the code or docs, so the keys cannot go stale silently."""
+    files = [*(ROOT / "pithtrain").rglob("*.py"), *(ROOT / ".agents").rglob("*.py"), *(ROOT / "docs").glob("*.md")]
+    text = grading.normalize("\n".join(p.read_text() for p in files))
+    paths = [p.relative_to(ROOT).as_posix() for p in files]
+    for task in TASKS.values():
+        for alts in task.keys.get("pithtrain", []):
+            names = [a for a in alts if " " not in a and re.search(r"[._]|[A-Z]", a)]
+            found = [a for a in names if (any(p.endswith(a) for p in paths) if a.endswith(".py") else grading.normalize(a) in text)]
+            assert found or not names, (task.id, alts)
+
+
+def test_fact_grader_accepts_right_and_rejects_wrong_answers():
+    facts = TASKS["qa_device_mesh"].keys["pithtrain"]
+    assert grading.grade_facts(MESH_ANSWER, facts)["grade"] == "pass"
+    wrong = ("The mesh is a ParallelDims built in torchtitan/distributed/parallel_dims.py with dims dp_replicate, "
+             "dp_shard, cp, tp, pp; FSDP shards over dp_shard.")
+    g = grading.grade_facts(wrong, facts)
+    assert g["grade"] == "fail" and g["score"] < 0.5 and "init_mesh" in g["note"]
+    partial = MESH_ANSWER.replace("init_mesh", "a helper")
+    assert grading.grade_facts(partial, facts)["grade"] == "fail"
+
+
+# ---- transcripts ----
+
+def test_transcript_parsers():
+    claude = [{"type": "system", "subtype": "init"},
+              {"type": "assistant", "message": {"id": "m1", "content": [{"type": "text", "text": "looking"}],
+                                                "usage": {"input_tokens": 10, "cache_read_input_tokens": 900, "output_tokens": 5}}},
+              {"type": "assistant", "message": {"id": "m1", "content": [{"type": "tool_use"}],
+                                                "usage": {"input_tokens": 10, "cache_read_input_tokens": 900, "output_tokens": 40}}},
+              {"type": "user", "message": {"content": [{"type": "tool_result", "content": "ok"}]}},
+              {"type": "assistant", "message": {"id": "m2", "content": [{"type": "text", "text": "final"}],
+                                                "usage": {"input_tokens": 4, "cache_creation_input_tokens": 100,
+                                                          "cache_read_input_tokens": 950, "output_tokens": 60}}},
+              {"type": "result", "subtype": "success", "is_error": False, "num_turns": 3, "result": "THE ANSWER",
+               "duration_ms": 2500, "usage": {"output_tokens": 101}}]
+    text = "warning: not json\n" + "\n".join(json.dumps(e) for e in claude)
+    t = transcripts.parse("claude-stream-json", text)
+    assert (t.turns, t.output_tokens, t.context_tokens, t.answer, t.is_error, t.reported_seconds) == \
+        (2, 101, [910, 1054], "THE ANSWER", False, 2.5)
+    one = transcripts.parse("claude-json", json.dumps(claude[-1]))
+    assert (one.turns, one.output_tokens, one.answer) == (3, 101, "THE ANSWER")
+    assert transcripts.parse("claude-json", json.dumps(claude)).turns == 2  # --verbose: the events as an array
+    codex = [{"type": "thread.started", "thread_id": "t"}, {"type": "turn.started"},
+             {"type": "item.completed", "item": {"id": "0", "type": "reasoning", "text": "hmm"}},
+             {"type": "item.completed", "item": {"id": "1", "type": "command_execution", "command": "ls"}},
+             {"type": "item.completed", "item": {"id": "2", "type": "agent_message", "text": "done: 42"}},
+             {"type": "turn.completed", "usage": {"input_tokens": 5000, "cached_input_tokens": 4000, "output_tokens": 300}}]
+    c = transcripts.parse("codex-json", "\n".join(json.dumps(e) for e in codex))
+    assert (c.turns, c.output_tokens, c.context_tokens, c.answer, c.is_error) == (2, 300, [5000], "done: 42", False)
+    assert transcripts.parse("codex-json", json.dumps({"type": "turn.failed", "error": {"message": "x"}})).is_error
+    g = transcripts.parse("generic-jsonl", '{"type": "turn", "context_tokens": 7, "output_tokens": 3}\n{"type": "answer", "text": "a"}')
+    assert (g.turns, g.output_tokens, g.context_tokens, g.answer) == (1, 3, [7], "a")
+
+
+def test_gpu_sampler():
+    with GpuSampler(interval=0.02, reader=lambda: {0: 50.0, 1: 100.0}) as s:
+        start = time.monotonic()
+        time.sleep(0.3)
+    elapsed = time.monotonic() - start
+    assert s.gpus == 2 and 1.5 * elapsed * 0.8 < s.busy_seconds < 1.5 * elapsed * 1.3
+    if utilization_reader()[0] is None:  # this machine has no GPU: zero, not an error
+        with GpuSampler(interval=0.02) as s:
+            time.sleep(0.05)
+        assert s.busy_seconds == 0 and s.source == "none"
+
+
+# ---- the runner with the stand-in agent ----
+
+def test_runner_metrics_grades_failures_and_report(tmp_path, capsys):
+    """Two frameworks (a fork graded with PithTrain's keys), transcripts in two formats, a right and a
+    wrong answer, an agent that exits 1, one that overruns the time limit, the judge; then the report."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    script(scripts, "pithtrain", format="claude-stream-json", turns=[[1000, 50], [3000, 80]], answer=MESH_ANSWER,
+           actions=[{"write": "src/core.py", "text": "x = 2\n"}])
+    script(scripts, "fork", format="codex-json", turns=[[2000, 100], [4000, 100], [6000, 100]], answer="it is in src/core.py")
+    pit, fork = fake_framework(tmp_path, "pit"), fake_framework(tmp_path, "fork")
+    out = tmp_path / "results"
+    agent = f"{PY} {STANDIN} {scripts}/$ATE_FRAMEWORK.json {{prompt_file}}"
+    code, stdout, _ = run(["run", "--framework", f"pithtrain={pit}", "--framework", f"fork={fork}", "--keys", "fork=pithtrain",
+                           "--tasks", "qa_device_mesh", "--agent", agent, "--format", "claude-stream-json", "--out", out], capsys)
+    assert code == 0, stdout
+    good = result(out, "pithtrain", "qa_device_mesh")
+    assert (good["status"], good["grade"], good["turns"], good["output_tokens"], good["context_tokens"]) == \
+        ("ok", "pass", 2, 130, [1000, 3000])
+    assert good["mean_context_tokens"] == 2000 and good["gpu_seconds"] >= 0
+    assert "x = 2" in (out / "pithtrain" / "qa_device_mesh" / "r0" / "changes.diff").read_text()
+    assert (pit / "src" / "core.py").read_text() == "x = 1\n"  # the checkout itself is never touched
+    # the fork's agent printed codex events, parsed here as claude's: no turns; its answer is wrong anyway
+    assert result(out, "fork", "qa_device_mesh")["grade"] == "fail"
+
+    code, _, _ = run(["run", "--framework", f"fork={fork}", "--keys", "fork=pithtrain", "--tasks", "qa_device_mesh",
+                      "--agent", agent, "--format", "codex-json", "--out", out], capsys)
+    bad = result(out, "fork", "qa_device_mesh")
+    assert (bad["grade"], bad["turns"], bad["output_tokens"], bad["context_tokens"]) == ("fail", 3, 300, [12000])
+    assert "missing" in bad["note"]
+
+    failing = script(tmp_path, "failing", answer="I could not", exit=1)
+    run(["run", "--framework", f"pithtrain={pit}", "--tasks", "qa_logging", "--agent", f"{PY} {STANDIN} {failing} {{prompt}}",
+         "--format", "claude-stream-json", "--out", out], capsys)
+    r = result(out, "pithtrain", "qa_logging")
+    assert (r["status"], r["exit_code"], r["grade"]) == ("agent_error", 1, "fail")
+
+    pid_file = tmp_path / "child.pid"
+    slow = script(tmp_path, "slow", actions=[{"run": f"echo $$ > {pid_file}; sleep 60"}], answer="late")
+    start = time.monotonic()
+    run(["run", "--framework", f"pithtrain={pit}", "--tasks", "qa_compile_boundaries", "--agent",
+         f"{PY} {STANDIN} {slow} {{prompt}}", "--format", "claude-stream-json", "--time-limit", "3", "--out", out], capsys)
+    r = result(out, "pithtrain", "qa_compile_boundaries")
+    assert r["status"] == "timeout" and r["grade"] == "fail" and 3 <= r["session_seconds"] < 15
+    assert time.monotonic() - start < 30
+    child = int(pid_file.read_text())
+    time.sleep(0.2)
+    assert not Path(f"/proc/{child}").exists() or "Z" in Path(f"/proc/{child}/stat").read_text().split()[2]
+
+    # no key for "other": ungraded, or graded by the judge
+    other = fake_framework(tmp_path, "other")
+    plain = script(tmp_path, "plain", answer="the mesh lives in src/core.py")
+    base = ["run", "--framework", f"other={other}", "--tasks", "qa_device_mesh", "--agent", f"{PY} {STANDIN} {plain} {{prompt}}",
+            "--format", "claude-stream-json", "--out", out]
+    run(base, capsys)
+    assert result(out, "other", "qa_device_mesh")["grade"] == "ungraded"
+    run(base + ["--judge", "grep -q core.py {answer_file} && echo score=0.8"], capsys)
+    assert (result(out, "other", "qa_device_mesh")["grade"], result(out, "other", "qa_device_mesh")["score"]) == ("pass", 0.8)
+    run(base + ["--judge", "grep -q init_mesh {answer_file}"], capsys)
+    assert result(out, "other", "qa_device_mesh")["grade"] == "fail"
+
+    code, stdout, _ = run(["report", out], capsys)
+    assert code == 0 and (out / "report.png").stat().st_size > 1000
+    assert "| qa_compile_boundaries | understand | fail (timeout) | - | - |" in stdout
+    assert "| understand | pithtrain | 1 | 76.7 | 1,000 |" in stdout  # means over its three sessions
+    # ratios over the tasks both ran (qa_device_mesh): 3/2 turns, 300/130 tokens, 12000/2000 context
+    ratio = re.search(r"\| understand \| fork \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|", stdout.split("## Ratios")[1])
+    assert ratio and ratio.groups() == ("1.50", "2.31", "6.00")
+    code, stdout, _ = run(["report", out, "--baseline", "fork"], capsys)
+    assert code == 0 and "| understand | pithtrain | 0.67 |" in stdout
+
+
+# ---- extend: acceptance tests on fresh copies ----
+
+def test_acceptance_tests_reject_unmodified_and_broken_checkouts_and_accept_a_feature(tmp_path, capsys):
+    tests = [t.acceptance["pithtrain"] for t in TASKS.values() if t.category == "extend"]
+    plain = tmp_path / "plain"
+    shutil.copytree(ROOT, plain, ignore=grading.COPY_IGNORE)
+    for test in tests:
+        shutil.copy(test, plain / test.name)
+    # one process for the four files (each import of torch costs seconds); every file must fail
+    p = subprocess.run([PY, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+                        *[t.name for t in tests]], cwd=plain, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(plain)})
+    for test in tests:
+        assert re.search(rf"^(FAILED|ERROR) {test.name}", p.stdout, re.M), (test.name, p.stdout[-3000:])
+
+    # the stand-in implements MoBA (a fixed edit), once cleanly and once breaking the checkout as well
+    out = tmp_path / "results"
+    moba = script(tmp_path, "moba", answer="added pithtrain/ops/moba.py",
+                  actions=[{"copy": str(ROOT / "tests" / "ate_fixtures" / "moba.py"), "to": "pithtrain/ops/moba.py"}])
+    breaks = script(tmp_path, "breaks", answer="added it",
+                    actions=[{"copy": str(ROOT / "tests" / "ate_fixtures" / "moba.py"), "to": "pithtrain/ops/moba.py"},
+                             {"write": "pithtrain/ops/core.py", "text": "raise ImportError('broken by the agent')\n"}])
+    for name, agent in (("pithtrain", moba), ("broken", breaks)):
+        code, _, _ = run(["run", "--framework", f"{name}={ROOT}", "--keys", f"{name}=pithtrain", "--tasks", "feat_moba",
+                          "--agent", f"{PY} {STANDIN} {agent} {{prompt}}", "--format", "claude-stream-json", "--out", out], capsys)
+        assert code == 0
+    assert result(out, "pithtrain", "feat_moba")["grade"] == "pass"
+    assert result(out, "broken", "feat_moba")["grade"] == "fail"
+    assert "Interface (a test will check it)" in (out / "pithtrain" / "feat_moba" / "r0" / "prompt.txt").read_text()
+    assert not (ROOT / "pithtrain" / "ops" / "moba.py").exists()
+
+
+# ---- operate: verifiers over the artifacts ----
+
+STANDIN_TRAIN = """
+import sys
+import numpy as np
+from pithtrain.train.data import write_dataset
+rng = np.random.default_rng(3)
+write_dataset("ate_out/data", [list(rng.integers(1, 64, 60)) for _ in range(60)], vocab_size=64, eos_id=0)
+"""
+TINY_RUN = """
+from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
+from pithtrain.models.qwen3_moe import Qwen3MoeConfig
+CONFIG = RunConfig(
+    model=Qwen3MoeConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+                         mlp_only_layers=[], max_position_embeddings=64, rope_theta=10000.0),
+    data=DataConfig(path="ate_out/data", seq_len=16), optim=OptimConfig(lr=3e-3, warmup_steps=1),
+    train=TrainConfig(steps=3, global_batch_size=4, micro_batch_size=2, tensorboard=False, profile_step=3))
+"""
+
+
+def test_operate_loss_and_profile_verifiers_with_a_real_tiny_run(tmp_path, capsys):
+    command = f"OMP_NUM_THREADS=1 PYTHONPATH=. {PY} -m pithtrain train ate_out/tiny.py --out \"$ATE_RUN_DIR\"\n"
+    read_loss = f"{PY} -c \"import json; print([json.loads(l) for l in open('ate_out/loss/metrics.jsonl')][2]['loss'])\""
+    agent = script(tmp_path, "train", answer="The loss at step 3 is LOSS_AT_STEP_3={loss}.", actions=[
+        {"write": "ate_out/make_data.py", "text": STANDIN_TRAIN}, {"write": "ate_out/tiny.py", "text": TINY_RUN},
+        {"write": "ate_out/loss_command.sh", "text": command},
+        {"run": f"PYTHONPATH=. {PY} ate_out/make_data.py && ATE_RUN_DIR=ate_out/loss bash ate_out/loss_command.sh"},
+        {"run": read_loss, "capture": "loss"}])
+    out = tmp_path / "results"
+    code, _, _ = run(["run", "--framework", f"pithtrain={ROOT}", "--tasks", "op_loss_at_step", "--agent",
+                      f"{PY} {STANDIN} {agent} {{prompt}}", "--format", "claude-stream-json", "--out", out], capsys)
+    r = result(out, "pithtrain", "op_loss_at_step")
+    assert code == 0 and r["grade"] == "pass", r["note"]
+    run_dir = out / "pithtrain" / "op_loss_at_step" / "r0"
+    work, verifier = run_dir / "work", TASKS["op_loss_at_step"].verifier["pithtrain"]
+    claimed = float(re.search(r"=([0-9.]*[0-9])", r["answer"]).group(1))
+    wrong = tmp_path / "wrong.txt"
+    wrong.write_text(f"LOSS_AT_STEP_3={claimed * 1.01:.6f}")
+    g = grading.run_verifier(verifier, work, wrong, ROOT, timeout=300)
+    assert g["grade"] == "fail" and "logged" in g["note"]
+
+    # the same run profiled step 3: its trace serves the profile verifier
+    (work / "ate_out" / "profile_run").symlink_to(work / "ate_out" / "loss")
+    trace = json.loads((work / "ate_out" / "loss" / "profile" / "rank0.json").read_text())
+    stage3_ms = sum(e["dur"] for e in trace["traceEvents"] if e.get("name") == "pithtrain::stage3") / 1000
+    answer = tmp_path / "profile.txt"
+    for value, want in ((stage3_ms, "pass"), (stage3_ms * 3, "fail")):
+        answer.write_text(f"EXPERT_MS={value:.3f}")
+        g = grading.run_verifier(TASKS["op_profile_stage"].verifier["pithtrain"], work, answer, ROOT, timeout=120)
+        assert g["grade"] == want, g
+
+
+def write_run(run: Path, losses, parallel: dict, ranks: int):
+    (run / "checkpoints" / "step_00000003").mkdir(parents=True)
+    for r in range(ranks):
+        (run / "checkpoints" / "step_00000003" / f"__{r}_0.distcp").write_bytes(b"")
+    (run / "run_config.json").write_text(json.dumps({"parallel": parallel}))
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": v}) + "\n" for i, v in enumerate(losses)))
+
+
+def test_two_meshes_verifier(tmp_path):
+    verifier, work, answer = TASKS["op_two_meshes"].verifier["pithtrain"], tmp_path / "work", tmp_path / "answer.txt"
+    a, b = [4.1, 4.0, 3.9], [4.1, 4.0 * (1 + 2e-6), 3.9]
+    write_run(work / "ate_out" / "mesh_a", a, {"ep": 1}, 1)
+    write_run(work / "ate_out" / "mesh_b", b, {"ep": 2}, 2)
+
+    def verdict(text):
+        answer.write_text(text)
+        return grading.run_verifier(verifier, work, answer, ROOT, timeout=60)
+
+    assert verdict("SAME=yes MAX_REL_DIFF=2e-6")["grade"] == "pass"
+    assert verdict("SAME=yes MAX_REL_DIFF=0.01")["grade"] == "fail"  # a number not read from the runs
+    assert verdict("SAME=no MAX_REL_DIFF=2e-6")["grade"] == "fail"
+    write_run(work / "ate_out" / "mesh_c", b, {"ep": 1}, 1)
+    shutil.rmtree(work / "ate_out" / "mesh_b")
+    (work / "ate_out" / "mesh_c").rename(work / "ate_out" / "mesh_b")
+    assert "same mesh" in verdict("SAME=yes MAX_REL_DIFF=2e-6")["note"]
+    shutil.rmtree(work / "ate_out" / "mesh_b")
+    write_run(work / "ate_out" / "mesh_b", [4.1, 4.2, 3.9], {"ep": 2}, 2)
+    assert verdict("SAME=yes MAX_REL_DIFF=0.05")["grade"] == "fail"  # the losses differ
+
+
+def test_memory_verifier(tmp_path):
+    verifier, answer = TASKS["op_memory_fit"].verifier["pithtrain"], tmp_path / "answer.txt"
+    answer.write_text("FITS=no")  # no PEAK_GIB: rejected before the estimate runs
+    assert "PEAK_GIB" in grading.run_verifier(verifier, tmp_path, answer, ROOT, timeout=60)["note"]
+    answers = {"pass": "It needs about PEAK_GIB=150 per GPU, so FITS=no.", "fail": "PEAK_GIB=70 FITS=yes"}
+    for name, text in answers.items():
+        (tmp_path / f"{name}.txt").write_text(text)
+    with ThreadPoolExecutor(2) as pool:
+        grades = dict(zip(answers, pool.map(lambda n: grading.run_verifier(verifier, tmp_path, tmp_path / f"{n}.txt", ROOT, 300), answers)))
+    assert grades["pass"]["grade"] == "pass" and grades["fail"]["grade"] == "fail", grades
+
+
+# ---- the CLI's bad input ----
+
+@pytest.mark.parametrize("args,flag", [
+    (["--framework", "pithtrain"], "--framework"),
+    (["--framework", "pithtrain=/no/such/dir"], "--framework"),
+    (["--framework", "pithtrain=.", "--keys", "ghost=pithtrain"], "--keys"),
+    (["--framework", "pithtrain=.", "--agent", "claude -p"], "--agent"),
+    (["--framework", "pithtrain=.", "--tasks", "qa_nothing"], "--tasks"),
+    (["--framework", "pithtrain=.", "--out", "AGENTS.md"], "--out"),
+    (["--framework", "pithtrain=.", "--out", "pithtrain"], "--out"),  # someone's directory: never written into
+])
+def test_cli_bad_input_is_one_line(tmp_path, capsys, args, flag):
+    base = {"--agent": "x {prompt}", "--format": "generic-jsonl", "--out": str(tmp_path / "o")}
+    for i in range(0, len(args), 2):
+        base.pop(args[i], None)
+    extra = [s for kv in base.items() for s in kv]
+    code, _, err = run(["run", *args, *extra], capsys)
+    assert code == 2 and err.count("\n") == 1 and flag in err, err
+    code, _, err = run(["report", str(tmp_path)], capsys)
+    assert code == 2 and "result.json" in err and err.count("\n") == 1
