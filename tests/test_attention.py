@@ -24,7 +24,7 @@ def attention_float64(q, k, v, scale, sinks=None, window=None, doc_ids=None):
     rep = hq // k.shape[1]
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
     scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * scale
-    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    i, j = torch.arange(s, device=q.device)[:, None], torch.arange(s, device=q.device)[None, :]
     seen = (j <= i) & (i - j < (window or s))
     seen = seen.expand(b, s, s) if doc_ids is None else seen & (doc_ids[:, :, None] == doc_ids[:, None, :])
     scores = scores.masked_fill(~seen[:, None], float("-inf"))

@@ -370,7 +370,7 @@ def test_profile_kernel_profiles_a_range_of_a_real_run(tmp_path, dataset_dir):
     from conftest import write_run_file
 
     rows = [f'"0","1","python","h","grouped_gemm","1","7","(128, 1, 1)","(8, 1, 1)","0","9.0","s","{m}","{u}","{v}"'
-            for m, u, v in (("gpu__time_duration.sum", "nsecond", "5000"), ("dram__bytes_read.sum", "byte", "1000"),
+            for m, u, v in (("gpu__time_duration.sum", "ns", "5000"), ("dram__bytes_read.sum", "byte", "1000"),
                             ("dram__bytes_write.sum", "byte", "0"), (METRIC_SM, "%", "70"), (METRIC_DRAM, "%", "3"))]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()

@@ -142,9 +142,12 @@ def activation_mm(act, h, module, counts, dtype, queue: DeferredWeightGrads | No
     if not getattr(module, "recompute_act", False) or not torch.is_grad_enabled():
         return expert_mm(a, module, "down", counts, dtype, queue)
 
+    # The hooks live as long as the saved tensors: they must not hold `a` (a closure over it kept
+    # the whole activation alive on GPUs), only what identifies it.
+    key = (a.data_ptr(), a.shape, a.dtype)
+
     def pack(t):  # a itself (or expert_mm's detached alias of it): keep a marker, not the tensor
-        same = t.data_ptr() == a.data_ptr() and t.shape == a.shape and t.dtype == a.dtype
-        return (None,) if same else t
+        return (None,) if (t.data_ptr(), t.shape, t.dtype) == key else t
 
     def unpack(saved):
         if isinstance(saved, tuple):

@@ -49,7 +49,8 @@ def test_quantize_matches_reference(cols):
     qt, st = fp8.quantize_t(x.cuda(), counts.cuda())
     rqt, rst = fp8.quantize_t_reference(x, counts)
     assert qt.shape == rqt.shape and st.shape == rst.shape
-    same_fp8(qt.cpu(), rqt)
+    used = int(sum(-(-int(c) // fp8.SEGMENT_ALIGN) * fp8.SEGMENT_ALIGN for c in counts))  # later columns: never read
+    same_fp8(qt[:, :used].cpu(), rqt[:, :used])  # (the kernel leaves them unwritten, the reference zero)
     assert rel(st.cpu(), rst) < 1e-6
 
 

@@ -42,7 +42,8 @@ PEAKS = {
 METRICS = ("gpu__time_duration.sum", "dram__bytes_read.sum", "dram__bytes_write.sum",
            "sm__throughput.avg.pct_of_peak_sustained_elapsed", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed")
 UNITS = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0, "byte": 1.0, "Kbyte": 1e3,
-         "Mbyte": 1e6, "Gbyte": 1e9, "%": 1.0, "": 1.0}  # to seconds and bytes
+         "Mbyte": 1e6, "Gbyte": 1e9, "%": 1.0, "": 1.0,  # to seconds and bytes; below: the short names
+         "ns": 1e-9, "us": 1e-6, "ms": 1e-3, "s": 1.0, "B": 1.0, "KB": 1e3, "MB": 1e6, "GB": 1e9}  # ncu 2025 on the H200 prints "ns"
 OPS = ("grouped_mm", "fp8_grouped_mm", "swiglu", "permute")
 
 
