@@ -78,6 +78,9 @@ CASES = [  # (id, command line, what the one line must name)
     ("adam-eps-zero", "train {cfg} --set optim.eps=0", "optim.eps"),
     ("optim-name", "train {cfg} --set optim.name=sgd", "optim.name"),
     ("recompute-mode", "train {cfg} --set train.recompute=some", "train.recompute"),
+    ("env-debug-memory", "train {cfg}", "PITHTRAIN_DEBUG_MEMORY"),  # environment variables of the skills
+    ("env-debug-norms", "train {cfg}", "PITHTRAIN_DEBUG_NORMS"),
+    ("env-profile-steps", "train {cfg}", "PITHTRAIN_PROFILE_STEPS"),
     ("muon-momentum", "train {cfg} --set optim.momentum=1", "optim.momentum"),
     ("muon-exclude-not-list", "train {cfg} --set optim.muon_exclude=lm_head", "optim.muon_exclude"),
     ("timeout-zero", "train {cfg} --set parallel.timeout_s=0", "parallel.timeout_s"),
@@ -166,7 +169,10 @@ def _disk_full():
     return mock.patch("torch.distributed.checkpoint.filesystem._write_item", side_effect=full)
 
 
-PATCHES = {"disk-full": _disk_full, "wandb-missing": lambda: mock.patch.dict(sys.modules, {"wandb": None})}
+PATCHES = {"disk-full": _disk_full, "wandb-missing": lambda: mock.patch.dict(sys.modules, {"wandb": None}),
+           "env-debug-memory": lambda: mock.patch.dict(os.environ, {"PITHTRAIN_DEBUG_MEMORY": "last"}),
+           "env-debug-norms": lambda: mock.patch.dict(os.environ, {"PITHTRAIN_DEBUG_NORMS": "5-2"}),
+           "env-profile-steps": lambda: mock.patch.dict(os.environ, {"PITHTRAIN_PROFILE_STEPS": "3"})}
 
 
 def make_env(tmp: Path) -> dict:

@@ -21,11 +21,16 @@ from pathlib import Path
 import torch
 import torch.utils._pytree as pytree
 
+from pithtrain.config import UserError
+
 
 def chosen_steps(spec: str) -> set[int]:
+    """PITHTRAIN_DEBUG_NORMS's steps: `7`, `3-5`, `1,4` (1-based)."""
     steps = set()
     for part in filter(None, spec.replace(" ", "").split(",")):
         first, _, last = part.partition("-")
+        if not (first.isdigit() and (last or first).isdigit() and 1 <= int(first) <= int(last or first)):
+            raise UserError(f"PITHTRAIN_DEBUG_NORMS={spec!r}: expected steps like 7, 3-5 or 1,4 (1-based)")
         steps.update(range(int(first), int(last or first) + 1))
     return steps
 

@@ -38,7 +38,7 @@ from pithtrain.protocol import named_range
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, TokenDataset
-from pithtrain.train.debug import MemoryRecorder, NormLog
+from pithtrain.train.debug import MemoryRecorder, NormLog, chosen_steps
 from pithtrain.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
 from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step
 
@@ -108,6 +108,12 @@ def train(
     t, o = config.train, config.optim
     device = pick_device(t.device)
     capture = cuda_profiler_steps()
+    memory_step = os.environ.get("PITHTRAIN_DEBUG_MEMORY") or "0"  # the debug-memory skill's step
+    if not memory_step.isdigit():
+        raise UserError(f"PITHTRAIN_DEBUG_MEMORY={memory_step!r}: expected a step number (1-based), e.g. 3")
+    memory_step = int(memory_step)
+    norm_spec = os.environ.get("PITHTRAIN_DEBUG_NORMS")  # the debug-divergence skill's steps
+    chosen_steps(norm_spec or "")  # a bad value fails here, before any work
     mesh = mesh or Mesh.single(device)
     validate(config, world_size=mesh.world)
     device = mesh.device
@@ -141,10 +147,10 @@ def train(
     # after slicing the experts and sharding: what this rank holds (a DTensor's numel is the whole tensor's)
     n_held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     norms = None  # the debug skills' instruments (train/debug.py); nothing when unset
-    if os.environ.get("PITHTRAIN_DEBUG_NORMS"):
-        norms = NormLog(os.environ["PITHTRAIN_DEBUG_NORMS"], out_dir, mesh.rank)
+    if norm_spec:
+        norms = NormLog(norm_spec, out_dir, mesh.rank)
         norms.watch(model)
-    memory_step, memory = int(os.environ.get("PITHTRAIN_DEBUG_MEMORY") or 0), None
+    memory = None
     optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
     count_group = mesh.data_group if t.lb_type == "global" else None
     balance = LoadBalance(t.lb_type, count_group, cp_group=mesh.cp_group) if t.lb_coef > 0 else None
