@@ -9,39 +9,15 @@ mesh B, (c) trains 1..N uninterrupted on the reference mesh (default: A) in anot
 """
 
 import argparse
-import importlib.util
 import re
-import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location(
-    "compare_runs", Path(__file__).resolve().parent.parent / "validate-correctness" / "compare_runs.py")
-compare_runs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare_runs)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
+import runs  # noqa: E402  (the helpers the skill scripts share: launch a run, read metrics, PASS/FAIL)
 
-
-def by_step(path):
-    """The metrics of each step once (a resumed run appends; a repeated step keeps its last line)."""
-    steps = {m["step"]: m for m in compare_runs.read(path)}
-    return [steps[s] for s in sorted(steps)]
-
-
-def train(config, out, steps, extra, sets, stop_after=None):
-    cmd = [sys.executable, "-m", "pithtrain", "train", config, "--out", str(out), "--steps", str(steps), *shlex.split(extra)]
-    if stop_after is not None:
-        cmd += ["--stop-after", str(stop_after)]
-    for s in sets:
-        cmd += ["--set", s]
-    print("$", shlex.join(cmd), flush=True)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines = []
-    for line in proc.stdout:  # shown as it comes, kept to check what the run said
-        print(line, end="", flush=True)
-        lines.append(line)
-    return proc.wait() == 0, "".join(lines)
+compare_runs = runs.skill_script("validate-correctness/compare_runs.py")
 
 
 def main():
@@ -66,24 +42,19 @@ def main():
     said = {}
     for what, out, extra, stop in (("mesh A", moved, args.a, args.stop_after), ("mesh B", moved, args.b, None),
                                    ("reference", ref, args.ref or args.a, None)):
-        ok, said[what] = train(args.config, out, args.steps, extra, args.set, stop)
-        if not ok:
-            print(f"FAIL: the {what} run did not finish (its output is above)")
-            return 1
+        code, said[what] = runs.train(args.config, out, args.steps, extra, args.set, stop)
+        if code != 0:
+            return runs.verdict(False, f"the {what} run did not finish (its output is above)")
     resumed = re.search(r"resumed from \S+ \(step (\d+)\)", said["mesh B"])
     if not resumed or int(resumed.group(1)) != args.stop_after:
-        print(f"FAIL: mesh B did not resume from the step-{args.stop_after} checkpoint "
-              f"({'it resumed at step ' + resumed.group(1) if resumed else 'no resume line in its output'})")
-        return 1
-    a, b = by_step(ref / "metrics.jsonl"), by_step(moved / "metrics.jsonl")
+        return runs.verdict(False, f"mesh B did not resume from the step-{args.stop_after} checkpoint "
+                            f"({'it resumed at step ' + resumed.group(1) if resumed else 'no resume line in its output'})")
+    a, b = runs.metrics(ref), runs.metrics(moved)
     print(f"reference: {ref}, resharded: {moved} (A {args.a!r} to step {args.stop_after}, then B {args.b!r})")
     ok = [m["step"] for m in b] == list(range(1, args.steps + 1))
     if not ok:
-        print(f"FAIL: the resharded run logged steps {[m['step'] for m in b]}, expected 1..{args.steps}")
-        return 1
-    ok = compare_runs.compare(a, b, args.rtol, args.rtol_aux)
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+        return runs.verdict(False, f"the resharded run logged steps {[m['step'] for m in b]}, expected 1..{args.steps}")
+    return runs.verdict(compare_runs.compare(a, b, args.rtol, args.rtol_aux))
 
 
 if __name__ == "__main__":
