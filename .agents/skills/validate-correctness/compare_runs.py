@@ -9,11 +9,12 @@ Or compare two existing metrics files:
 
 import argparse
 import json
-import shlex
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
+import runs  # noqa: E402  (the helpers the skill scripts share: launch a run, PASS/FAIL)
 
 KEYS = ("loss", "lb_loss", "grad_norm")
 
@@ -61,20 +62,14 @@ def main():
         if not args.config:
             parser.error("give CONFIG or --metrics A B")
         work = Path(tempfile.mkdtemp(prefix="validate-"))
-        runs = []
+        metrics = []
         for name, extra in (("a", args.a), ("b", args.b)):
-            cmd = [sys.executable, "-m", "pithtrain", "train", args.config, "--out", str(work / name),
-                   "--steps", str(args.steps), *shlex.split(extra)]
-            for s in args.set:
-                cmd += ["--set", s]
-            print("$", " ".join(cmd), flush=True)
-            if subprocess.run(cmd).returncode != 0:
-                print("FAIL: run", name, "did not finish")
-                return 1
-            runs.append(read(work / name / "metrics.jsonl"))
-        ok = compare(*runs, args.rtol, args.rtol_aux)
-    print("PASS" if ok else "FAIL")
-    return 0 if ok else 1
+            code, _ = runs.train(args.config, work / name, args.steps, extra, args.set)
+            if code != 0:
+                return runs.verdict(False, f"run {name} did not finish (its output is above)")
+            metrics.append(read(work / name / "metrics.jsonl"))
+        ok = compare(*metrics, args.rtol, args.rtol_aux)
+    return runs.verdict(ok)
 
 
 if __name__ == "__main__":
