@@ -79,22 +79,27 @@ def main():
     if args.curves:
         Path(args.curves).write_text(json.dumps({"bf16": bf16, f"fp8_{args.fp8}": fp8}))
     if args.plot:
-        import matplotlib
+        title = f"Qwen3-MoE {active_params(cfg) / 1e6:.0f}M active, stdlib corpus: last-100 gap {gap:+.2%}"
+        plot_losses(args.plot, {"bf16": bf16, f"FP8 {args.fp8}": fp8}, title)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
-        ax.plot(range(1, len(bf16) + 1), bf16, label="bf16", lw=1)
-        ax.plot(range(1, len(fp8) + 1), fp8, label=f"FP8 {args.fp8}", lw=1)
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss")
-        ax.set_yscale("log")
-        ax.set_title(f"Qwen3-MoE {active_params(cfg) / 1e6:.0f}M active, stdlib corpus: last-100 gap {gap:+.2%}")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
+def plot_losses(path: str, curves: dict, title: str) -> None:
+    """Training-loss curves ({label: losses by step}) on a log scale, as a PNG (muon_loss.py too)."""
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, curve in curves.items():
+        ax.plot(range(1, len(curve) + 1), curve, label=label, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_yscale("log")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 if __name__ == "__main__":
     main()

@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp8_loss import active_params, model_config  # noqa: E402
+from fp8_loss import active_params, model_config, plot_losses  # noqa: E402
 from results import record  # noqa: E402
 
 
@@ -91,23 +91,8 @@ def main():
     if args.curves:
         Path(args.curves).write_text(json.dumps({f"{n}_{lr:g}": r["loss"] for (n, lr), r in runs.items()}))
     if args.plot and ok:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4))
-        for name, row in tuned.items():
-            curve = runs[(name, row["lr"])]["loss"]
-            ax.plot(range(1, len(curve) + 1), curve, lw=1, label=f"{name} (lr {row['lr']:g})")
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss")
-        ax.set_yscale("log")
-        ax.set_title(f"Qwen3-MoE {active_params(cfg) / 1e6:.0f}M active, stdlib corpus, tuned lr each")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=110)
-
+        plot_losses(args.plot, {f"{name} (lr {row['lr']:g})": runs[(name, row["lr"])]["loss"] for name, row in tuned.items()},
+                    f"Qwen3-MoE {active_params(cfg) / 1e6:.0f}M active, stdlib corpus, tuned lr each")
 
 if __name__ == "__main__":
     main()

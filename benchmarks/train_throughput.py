@@ -96,9 +96,9 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from pithtrain.train import loop
 
-    optimizer_times = []  # the optimizer step of each training step, timed between two syncs
+    optimizer_times, untimed = [], loop.optimizer_step  # the optimizer step of each step, between two syncs
 
-    def timed_optimizer_step(optimizer, params, untimed=loop.optimizer_step):
+    def timed_optimizer_step(optimizer, params):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         untimed(optimizer, params)
@@ -115,7 +115,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
         try:
             history = loop.train(run, out, echo=True)
         finally:
-            loop.optimizer_step = timed_optimizer_step.__defaults__[0]
+            loop.optimizer_step = untimed
         for m, t in zip(history, optimizer_times):
             m["optimizer_s"] = t
         stages = None

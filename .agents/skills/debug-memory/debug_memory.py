@@ -171,16 +171,11 @@ def main():
     parser.add_argument("--work", help="directory of the run made here (default: a new temporary one)")
     parser.add_argument("--snapshot", help="read this record (RUN/memory/rank0.pickle or .json) instead of running")
     args = parser.parse_args()
-    from pithtrain.config import ConfigError, apply_override, load_run_config, validate
+    from pithtrain.config import ConfigError
 
     try:  # the estimate first: it validates the config and mesh before anything runs
-        config = load_run_config(args.config)
-        for s in args.set:
-            apply_override(config, s)
-        for name in ("pp", "cp", "ep"):
-            if getattr(args, name) is not None:
-                setattr(config.parallel, name, getattr(args, name))
-        validate(config, world_size=args.nproc)
+        config = estimate_memory.load_config(args.config, args.set, args.nproc,
+                                             {n: getattr(args, n) for n in ("pp", "cp", "ep")})
     except ConfigError as err:
         return runs.verdict(False, str(err))
     estimate = estimate_memory.estimate(config, args.nproc)[0]  # pipeline rank 0, which global rank 0 is

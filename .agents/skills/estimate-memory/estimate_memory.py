@@ -132,6 +132,21 @@ def estimate(config, world: int) -> list[dict]:
     return out
 
 
+def load_config(path: str, sets, nproc: int, mesh: dict):
+    """The run config of `path` with the --set overrides and the mesh sizes (`mesh`: pp/cp/ep -> int
+    or None), validated for `nproc` ranks; raises ConfigError (the debug-memory skill uses it too)."""
+    from pithtrain.config import apply_override, load_run_config, validate
+
+    config = load_run_config(path)
+    for assignment in sets:
+        apply_override(config, assignment)
+    for name, size in mesh.items():
+        if size is not None:
+            setattr(config.parallel, name, size)
+    validate(config, world_size=nproc)
+    return config
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
@@ -142,16 +157,10 @@ def main():
     parser.add_argument("--gpu-mem", type=float, default=139.0, help="GiB per GPU (H200: about 139 usable)")
     parser.add_argument("--max-layers", action="store_true", help="find the deepest model that fits")
     args = parser.parse_args()
-    from pithtrain.config import ConfigError, apply_override, load_run_config, validate
+    from pithtrain.config import ConfigError
 
     try:
-        config = load_run_config(args.config)
-        for assignment in args.set:
-            apply_override(config, assignment)
-        for name in ("pp", "cp", "ep"):
-            if getattr(args, name) is not None:
-                setattr(config.parallel, name, getattr(args, name))
-        validate(config, world_size=args.nproc)
+        config = load_config(args.config, args.set, args.nproc, {n: getattr(args, n) for n in ("pp", "cp", "ep")})
     except ConfigError as err:
         print(f"FAIL: {err}")
         return 1
