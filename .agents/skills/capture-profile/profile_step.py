@@ -109,7 +109,7 @@ def host_syncs(threads):
 STAGE = "pithtrain::stage"  # the ranges of protocol.stage_range
 
 
-def stage_times(events, threads=None):
+def stage_times(events, threads=None, by_kernel: bool = False):
     """Time per layer stage (the five of protocol.py), forward and backward.
 
     Forward work is what runs inside a `pithtrain::stage<n>` range; backward work is what runs
@@ -117,7 +117,7 @@ def stage_times(events, threads=None):
     inside one, or inside a `.wgrad` range (deferred expert weight gradients). On GPUs the unit
     is kernel time, each kernel attributed through the host call that launched it (correlation
     id); on the CPU, the time of the outermost host ops. `threads`: host_threads(events), if
-    already built. Returns ({label: us}, unit)."""
+    already built. Returns ({label: us}, unit); `by_kernel`: keyed by (label, kernel name) instead (GPU)."""
     threads = host_threads(events) if threads is None else threads
 
     def is_backward(name):  # an autograd node's op (MulBackward0, CompiledFunctionBackward) or its evaluation
@@ -174,10 +174,10 @@ def stage_times(events, threads=None):
             if launch is None:
                 out["other"] = out.get("other", 0.0) + k["dur"]
                 continue
-            per_thread.setdefault(launch[0], []).append((launch[1], k["dur"]))
+            per_thread.setdefault(launch[0], []).append((launch[1], k["dur"], k["name"]))
         for thread, items in per_thread.items():
-            for (_, dur), stack in zip(items, _stacks(threads[thread], [t for t, _ in items])):
-                key = label(stack)
+            for (_, dur, name), stack in zip(items, _stacks(threads[thread], [t for t, _, _ in items])):
+                key = (label(stack), name) if by_kernel else label(stack)
                 out[key] = out.get(key, 0.0) + dur
         return out, "GPU kernel"
     for thread, evs in threads.items():
@@ -235,6 +235,7 @@ def analyse(trace_path: Path) -> dict:
         "largest_gaps": sorted(gaps, key=lambda g: -g[0])[:6],
         "syncs": host_syncs(threads)[:8],
         "stages": stage_times(events, threads),
+        "stage_kernels": stage_times(events, threads, by_kernel=True)[0] if compute else {},
     }
 
 
@@ -260,6 +261,15 @@ def report(trace: Path, args) -> str | None:
     for (cat, name), us in result["top"]:
         print(f"  {us / 1e3:9.2f} ms  {cat:>15}  {name}")
     print_stages(*result["stages"])
+    if args.stage_kernels and result["stage_kernels"]:  # what to fuse: the kernels of each stage
+        per_stage = {}
+        for (stage, name), us in result["stage_kernels"].items():
+            per_stage.setdefault(stage, []).append((us, name))
+        for stage in sorted(per_stage):
+            rows = sorted(per_stage[stage], reverse=True)
+            print(f"{stage}: {sum(us for us, _ in rows) / 1e3:.2f} ms in {len(rows)} kernels, the largest:")
+            for us, name in rows[:args.stage_kernels]:
+                print(f"  {us / 1e3:9.2f} ms  {category(name):12s} {name[:110]}")
     if result["gpu"]:
         print(f"GPU kernel time by category (first to last kernel: {result['span_us'] / 1e3:.2f} ms, "
               f"some stream busy {100 * result['busy_us'] / max(result['span_us'], 1):.1f}% of it, "
@@ -296,6 +306,7 @@ def main():
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--trace", action="append", help="analyse an existing trace instead of running "
                         "(repeat for several ranks: each is reported, all must pass)")
+    parser.add_argument("--stage-kernels", type=int, default=0, help="also list each stage's N largest GPU kernels")
     parser.add_argument("--min-overlap", type=float, default=0.0, help="FAIL below this communication overlap")
     parser.add_argument("--kind", choices=COLLECTIVES, help="apply --min-overlap to this collective kind only "
                         "(e.g. all-to-all/p2p: the expert-parallel all-to-alls when pp = 1)")
