@@ -19,6 +19,7 @@ from torch import nn
 
 from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_tensor, init_by_name, run_layer
+from pithtrain.ops import attention as flash  # Triton flash attention for packed documents (CUDA)
 from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
@@ -127,6 +128,7 @@ class AttnInputs(NamedTuple):
     sin: torch.Tensor
     mask: torch.Tensor | None  # None: plain causal
     cp: ContextParallel | None = None  # context parallel: ring attention, masked from cp's global token indices
+    doc_ids: torch.Tensor | None = None  # packed documents on CUDA: the Triton flash kernel, no mask
 
 
 class RMSNorm(nn.Module):
@@ -162,6 +164,8 @@ class Attention(nn.Module):
         q, k, v = self.qkv(x, attn.cos, attn.sin)
         if attn.cp is not None:
             return self.o_proj(context_attention(q, k, v, self.head_dim**-0.5, attn.cp))
+        if attn.doc_ids is not None:
+            return self.o_proj(flash.attention(q, k, v, self.head_dim**-0.5, doc_ids=attn.doc_ids))
         return self.o_proj(attention(q, k, v, attn.mask, self.head_dim**-0.5))
 
 
@@ -275,6 +279,10 @@ class Qwen3MoeModel(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, dtype=dtype)
         if cp is not None:  # the ring masks by global token index and cp's document ids
             return AttnInputs(cos, sin, None, cp)
+        # packed documents on CUDA: the flash kernel, 1.8x SDPA's masked kernel at S = 4096, 8 documents
+        # (docs/performance.md); without documents SDPA's causal kernel is the faster
+        if doc_ids is not None and flash.use_flash(position_ids) and self.cfg.dim_per_head in flash.HEAD_DIMS:
+            return AttnInputs(cos, sin, None, doc_ids=doc_ids)
         return AttnInputs(cos, sin, attention_mask(doc_ids, position_ids.shape[1], position_ids.device))
 
     def forward(self, x, position_ids, engine, doc_ids=None, cp: ContextParallel | None = None):

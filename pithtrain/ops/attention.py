@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from pithtrain.ops import core
 from pithtrain.ops.kernels import use_triton
 
+HEAD_DIMS = (16, 32, 64, 128)  # the kernels' head sizes
 ENABLED = True  # False: the SDPA paths on CUDA too (benchmarks/train_throughput.py --attention sdpa)
 LOG2E = 1.4426950408889634
 tl = None  # triton.language; bound on the first launch
@@ -395,7 +396,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, docs, scale: float, window: int):
-        if q.shape[1] % k.shape[1] or k.shape != v.shape or q.shape[-1] not in (16, 32, 64, 128):
+        if q.shape[1] % k.shape[1] or k.shape != v.shape or q.shape[-1] not in HEAD_DIMS:
             raise ValueError(f"flash attention takes q [B, Hq, S, D], k = v [B, Hkv, S, D], Hkv | Hq, "
                              f"D in 16/32/64/128; got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
         q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))

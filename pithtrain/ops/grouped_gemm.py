@@ -10,6 +10,7 @@ import torch
 
 from pithtrain.protocol import stage_range
 from pithtrain.ops.fp8 import fp8_expert_mm
+from pithtrain.ops.kernels import add_into
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -48,12 +49,12 @@ def grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor,
 
 @torch.no_grad()
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
-    """param.grad += grad in place, in the gradient's dtype: a bf16 product goes straight into the
-    fp32 gradient in one kernel (no cast, no new tensor)."""
+    """param.grad += grad in place: a bf16 product goes straight into the fp32 gradient in one pass
+    (kernels.add_into), and the first one of a step is cast into a new gradient the same way."""
     if param.grad is None:
-        param.grad = grad.to(param.dtype)
+        param.grad = add_into(torch.empty_like(param, dtype=param.dtype), grad, assign=True)
     else:
-        param.grad.add_(grad)
+        add_into(param.grad, grad)
 
 
 class DeferredWeightGrads:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from pithtrain.ops.grouped_gemm import accumulate_grad
+from pithtrain.ops.kernels import add_into
 from pithtrain.parallel.mesh import Mesh
 
 
@@ -141,7 +142,8 @@ def add_grad(param: torch.nn.Parameter, full_grad: torch.Tensor) -> None:
         else:
             raise NotImplementedError(f"deferred gradient for placement {placement}")
     if param.grad is not None:
-        param.grad.to_local().add_(full_grad)  # in place, in the gradient's dtype
+        add_into(param.grad.to_local(), full_grad)  # in place, in one pass
         return
-    param.grad = DTensor.from_local(full_grad.to(param.dtype).contiguous(), mesh, placements, shape=param.shape,
+    local = add_into(torch.empty(full_grad.shape, dtype=param.dtype, device=full_grad.device), full_grad.contiguous(), assign=True)
+    param.grad = DTensor.from_local(local, mesh, placements, shape=param.shape,
                                     stride=param.stride())

@@ -24,9 +24,18 @@ def rel(a, b):
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-30)).item()
 
 
-def same_fp8(a, b):
-    diff = (a.float() != b.float()).float().mean().item()
-    assert diff <= 1e-3, f"{diff:.2%} of quantized values differ"
+def same_fp8(a, b, x=None, inv=None):
+    """Equal, except (with x and inv given, q = x * inv) where x * inv is an exact tie between two e4m3
+    values: the kernels' conversion then rounds toward zero where the CPU's rounds to even (measured on
+    the H200: ~0.1% of values of structured scales, always one step)."""
+    diff = a.float() != b.float()
+    if x is None:
+        assert not diff.any(), f"{diff.float().mean().item():.3%} of quantized values differ"
+        return
+    v = (x.float() * inv)[diff]
+    lo, hi = a.float()[diff], b.float()[diff]
+    assert torch.equal((v - lo).abs(), (hi - v).abs()), "quantized values differ off a rounding tie"
+    assert diff.float().mean().item() <= 1e-2
 
 
 def counts_for(rows, experts, gen):
@@ -50,7 +59,14 @@ def test_quantize_matches_reference(cols):
     rqt, rst = fp8.quantize_t_reference(x, counts)
     assert qt.shape == rqt.shape and st.shape == rst.shape
     used = int(sum(-(-int(c) // fp8.SEGMENT_ALIGN) * fp8.SEGMENT_ALIGN for c in counts))  # later columns: never read
-    same_fp8(qt[:, :used].cpu(), rqt[:, :used])  # (the kernel leaves them unwritten, the reference zero)
+    xt = torch.zeros(cols, rqt.shape[1])  # x's transposed, padded layout, and each value's 1 / scale
+    inv = torch.zeros(cols, rqt.shape[1])
+    col = 0
+    for g, seg in enumerate(x.split(counts.tolist())):
+        xt[:, col:col + seg.shape[0]] = seg.t().float()
+        inv[:, col:col + seg.shape[0]] = (1.0 / rst[g]).unsqueeze(1)
+        col += -(-seg.shape[0] // fp8.SEGMENT_ALIGN) * fp8.SEGMENT_ALIGN
+    same_fp8(qt[:, :used].cpu(), rqt[:, :used], xt[:, :used], inv[:, :used])  # (the kernel leaves later columns unwritten)
     assert rel(st.cpu(), rst) < 1e-6
 
 

@@ -157,3 +157,13 @@ def test_local_dispatch_round_trip_on_cuda_matches_the_cpu(dtype):
     assert torch.equal(out, ref_out)  # row moves and one product: exact
     tol = 1e-6 if dtype == FP32 else 1e-2
     assert rel_err(dx, ref_dx) < tol
+
+
+@pytest.mark.parametrize("shape", [(128, 2048, 1536), (3, 1001)])
+def test_add_into_accumulates_bf16_into_fp32_exactly(shape):
+    """The gradient accumulation kernel: fp32 += bf16 and fp32 = bf16 equal PyTorch's cast-then-add bit for bit."""
+    dst = torch.randn(shape, device="cuda")
+    src = torch.randn(shape, device="cuda", dtype=BF16)
+    expected = dst + src.float()
+    assert torch.equal(kernels.add_into(dst, src), expected)
+    assert torch.equal(kernels.add_into(torch.empty_like(dst), src, assign=True), src.float())
