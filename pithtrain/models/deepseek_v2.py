@@ -32,7 +32,7 @@ from torch import nn
 from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_tensor, init_by_name, run_layer
 from pithtrain.models.routing import select_experts
-from pithtrain.ops.core import apply_rope, attention, attention_mask, rms_norm, rope_cos_sin
+from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import activation_mm, expert_mm
@@ -352,9 +352,7 @@ class Experts(nn.Module):
         self.down = nn.Parameter(torch.empty(num_experts, inter, hidden))
 
     def forward(self, tokens, counts, weight_queue=None):
-        # Under autocast the grouped GEMM is not cast for us: run it in the autocast dtype.
-        kind = tokens.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tokens.dtype
+        dtype = autocast_dtype(tokens)  # under autocast the grouped GEMM is not cast for us
         h = expert_mm(tokens, self, "gate_up", counts, dtype, weight_queue)
         return activation_mm(swiglu, h, self, counts, dtype, weight_queue)
 
@@ -415,7 +413,7 @@ class DecoderLayer(nn.Module):
             return Stage1Out(h + self.mlp(normed), None, None, None)
         tokens = normed.flatten(0, 1)
         shared = self.mlp.shared_experts(tokens) if self.mlp.shared_experts is not None else None
-        return Stage1Out(h, tokens, shared, self.mlp.gate(tokens))
+        return Stage1Out(h, expert_tokens(normed), shared, self.mlp.gate(tokens))
 
     def stage3(self, tokens, counts, weight_queue=None):
         return self.mlp.experts(tokens, counts, weight_queue)

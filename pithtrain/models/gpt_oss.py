@@ -33,7 +33,7 @@ from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
 from pithtrain.ops import attention, kernels
 from pithtrain.ops.attention import sink_attention  # the SDPA path (CPU)
-from pithtrain.ops.core import apply_rope, attention_mask, rope_cos_sin
+from pithtrain.ops.core import apply_rope, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import activation_mm, expert_mm
 from pithtrain.parallel.context import ContextParallel, context_attention
@@ -313,9 +313,7 @@ class Experts(nn.Module):
         self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
 
     def forward(self, tokens, counts, weight_queue=None):
-        # Under autocast the grouped GEMM is not cast for us: run it in the autocast dtype.
-        kind = tokens.device.type
-        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else tokens.dtype
+        dtype = autocast_dtype(tokens)  # under autocast the grouped GEMM is not cast for us
         h = kernels.expert_bias_add(expert_mm(tokens, self, "gate_up", counts, dtype, weight_queue), self.gate_up_bias, counts)
         out = activation_mm(lambda g: kernels.clamped_swiglu(g, self.alpha, self.limit), h, self, counts, dtype, weight_queue)
         return kernels.expert_bias_add(out, self.down_bias, counts)
@@ -355,8 +353,8 @@ class DecoderLayer(nn.Module):
 
     def stage1(self, x, attn: AttnInputs) -> Stage1Out:
         h = x + self.self_attn(self.input_layernorm(x), attn)
-        tokens = self.post_attention_layernorm(h).flatten(0, 1)
-        return Stage1Out(h, tokens, None, self.mlp.router(tokens))
+        normed = self.post_attention_layernorm(h)
+        return Stage1Out(h, expert_tokens(normed), None, self.mlp.router(normed.flatten(0, 1)))
 
     def stage3(self, tokens, counts, weight_queue=None):
         return self.mlp.experts(tokens, counts, weight_queue)

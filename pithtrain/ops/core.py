@@ -10,6 +10,19 @@ import torch
 import torch.nn.functional as F
 
 
+def autocast_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype autocast runs x's matmuls in (x's own dtype outside autocast)."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
+def expert_tokens(normed: torch.Tensor) -> torch.Tensor:
+    """A layer's normed hidden states [B, S, H] as the experts' input rows [B*S, H], cast now to the
+    experts' matmul dtype: the cast fuses into the compiled norm, and the dispatch then permutes
+    (and sends) half the bytes, instead of stage 3 casting top-k times as many rows after it."""
+    return normed.flatten(0, 1).to(autocast_dtype(normed))
+
+
 def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
     """How often each of 0..n-1 occurs in `ids` (int64 [n]). Unlike torch.bincount, which reads
     the maximum back to the host on CUDA, this never synchronises with the device."""

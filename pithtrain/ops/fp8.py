@@ -303,7 +303,9 @@ def _quantize_t_cuda(x: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tenso
     if rows:
         _segment_colmax_kernel[grid](x, counts, amax, cols, groups, splits, SEG_P2=_groups_p2(groups),
                                      BLOCK_R=64, BLOCK_C=block_c)
-    s = amax.clamp_(min=_TINY).div_(FP8_MAX)
+    # a tensor divisor: PyTorch divides by a Python scalar as a product with its (rounded) reciprocal,
+    # one ulp off the reference's scale now and then, which moves exact ties of x / s to the other side
+    s = amax.clamp_(min=_TINY).div_(torch.full((), FP8_MAX, device=amax.device))
     if rows:
         _quant_t_kernel[grid](x, counts, s, qt, cols, width, groups, splits, SEG_P2=_groups_p2(groups),
                               ALIGN=SEGMENT_ALIGN, BLOCK_R=64, BLOCK_C=block_c)

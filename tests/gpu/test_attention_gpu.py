@@ -79,12 +79,14 @@ def test_flash_attention_bf16_against_float64(b, hq, hkv, s, d, sink, window, do
     # result may differ from the later ones by rounding (measured: dK only); later calls reuse the choice.)
     out, grads = with_grads(flash, leaves, dout)
     again, grads_again = with_grads(flash, leaves, dout)
-    assert torch.equal(again, out) and all(map(torch.equal, grads_again, grads))
+    differ = {name: (a.float() - b.float()).abs().max().item()
+              for name, a, b in zip(("dq", "dk", "dv", "dsinks"), grads_again, grads) if not torch.equal(a, b)}
+    assert torch.equal(again, out) and not differ, differ
 
 
 def test_qwen3_packed_documents_use_the_flash_kernel_and_match_sdpa():
     """Qwen3 with packed documents runs the flash kernel on CUDA (SDPA's masked kernel is 1.8x slower):
-    its loss and gradients agree with the SDPA path to bf16 rounding (2e-2 relative)."""
+    its bf16 loss and gradients are within twice the SDPA path's own error against an fp32 run."""
     from pithtrain.models.qwen3_moe import Qwen3MoeConfig
     from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 
@@ -110,8 +112,14 @@ def test_qwen3_packed_documents_use_the_flash_kernel_and_match_sdpa():
         finally:
             attention.ENABLED = True
 
-    loss, grads = loss_and_grads(True)
-    ref_loss, ref_grads = loss_and_grads(False)
-    assert abs(loss - ref_loss) < 2e-2 * abs(ref_loss)
-    for name, g in ref_grads.items():
-        assert rel_err(grads[name], g) < 2e-2, name
+    def fp32_reference():  # no autocast: fp32 runs the SDPA path with the documents' mask
+        model.zero_grad()
+        logits = model(ids, pos, ExpertEngine(LocalDispatch()), doc_ids=doc_ids)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
+        loss.backward()
+        return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    (loss, grads), (sdpa_loss, sdpa_grads), (exact_loss, exact_grads) = loss_and_grads(True), loss_and_grads(False), fp32_reference()
+    assert abs(loss - exact_loss) <= 2 * abs(sdpa_loss - exact_loss) + 1e-3 * abs(exact_loss)
+    for name, exact in exact_grads.items():  # the flash path is as close to fp32 as the SDPA path is
+        assert rel_err(grads[name], exact) <= 2 * rel_err(sdpa_grads[name], exact) + 2e-3, name
