@@ -188,6 +188,51 @@ def _quant_t_kernel(x_ptr, counts_ptr, s_ptr, qt_ptr, cols, width, num_seg, spli
 
 
 @_Kernel
+def _amax_both_kernel(x_ptr, row_ptr, col_ptr, rows, cols, BR: tl.constexpr, BC: tl.constexpr):
+    """Maxima of |x[b]| ([B, rows, cols]) per row into row_ptr [B, rows] and per column into col_ptr
+    [B, cols], a tile a program (atomic max of non-negative floats: order-independent)."""
+    b, n_c = tl.program_id(1), tl.cdiv(cols, BC)
+    r = tl.program_id(0) // n_c * BR + tl.arange(0, BR)
+    c = tl.program_id(0) % n_c * BC + tl.arange(0, BC)
+    x = tl.load(x_ptr + b.to(tl.int64) * rows * cols + r[:, None] * cols + c[None, :],
+                mask=(r < rows)[:, None] & (c < cols)[None, :], other=0.0)
+    x = tl.abs(x.to(tl.float32))
+    tl.atomic_max(row_ptr + b * rows + r, tl.max(x, 1), mask=r < rows)
+    tl.atomic_max(col_ptr + b * cols + c, tl.max(x, 0), mask=c < cols)
+
+
+@_Kernel
+def _quant_both_kernel(x_ptr, row_ptr, col_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rows, cols,
+                       BR: tl.constexpr, BC: tl.constexpr, TRANS: tl.constexpr):
+    """Each tile of x[b] read once, quantized with both scales: q[b] (x's layout, per row) and qt[b]
+    ([cols, rows], per column of x). TRANS: transpose the tile in registers before the store."""
+    b, n_c = tl.program_id(1), tl.cdiv(cols, BC)
+    pid_r, pid_c = tl.program_id(0) // n_c, tl.program_id(0) % n_c
+    r = pid_r * BR + tl.arange(0, BR)
+    c = pid_c * BC + tl.arange(0, BC)
+    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    base = b.to(tl.int64) * rows * cols
+    x = tl.load(x_ptr + base + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    sr = tl.math.div_rn(tl.maximum(tl.load(row_ptr + b * rows + r, mask=r < rows, other=0.0), 1e-12),
+                        tl.full([BR], 448.0, tl.float32))  # quantize_reference's scales, bit for bit
+    sc = tl.math.div_rn(tl.maximum(tl.load(col_ptr + b * cols + c, mask=c < cols, other=0.0), 1e-12),
+                        tl.full([BC], 448.0, tl.float32))
+    inv_r = tl.math.div_rn(tl.full([BR], 1.0, tl.float32), sr)
+    inv_c = tl.math.div_rn(tl.full([BC], 1.0, tl.float32), sc)
+    q = tl.clamp(x * inv_r[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty)
+    tl.store(q_ptr + base + r[:, None] * cols + c[None, :], q, mask=mask)
+    qt = tl.clamp(x * inv_c[None, :], -448.0, 448.0).to(qt_ptr.dtype.element_ty)
+    if TRANS:
+        tl.store(qt_ptr + base + c[:, None] * rows + r[None, :], tl.trans(qt), mask=tl.trans(mask))
+    else:
+        tl.store(qt_ptr + base + c[None, :] * rows + r[:, None], qt, mask=mask)
+    if pid_c == 0:
+        tl.store(s_ptr + b * rows + r, sr, mask=r < rows)
+    if pid_r == 0:
+        tl.store(st_ptr + b * cols + c, sc, mask=c < cols)
+
+
+@_Kernel
 def _grouped_mm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, counts_ptr, c_ptr, rows, n_out, k_dim, num_groups,
                        GROUPS_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        EVEN_K: tl.constexpr):
@@ -316,6 +361,22 @@ def _(x, counts):
     return x.new_empty(x.shape[1], width, dtype=FP8), x.new_empty(counts.shape[0], x.shape[1], dtype=torch.float32)
 
 
+_AMAX_CONFIG = dict(BR=128, BC=128, num_warps=8)  # both: benchmarks/fp8.py --sweep-wquant
+_QUANT_BOTH_CONFIG = dict(BR=64, BC=64, num_warps=4, TRANS=True)
+
+
+@torch.library.custom_op("pithtrain::fp8_quantize_both", mutates_args=("q", "s", "qt", "st"))
+def _quantize_both_cuda(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor, st: torch.Tensor) -> None:
+    rows, cols = x.shape[-2], x.shape[-1]
+    batch = x.numel() // max(1, rows * cols)
+    amax = torch.zeros(batch * (rows + cols), dtype=torch.float32, device=x.device)
+    if x.numel():
+        for kernel, cfg, args in ((_amax_both_kernel, _AMAX_CONFIG, (amax, amax[batch * rows:])),
+                                  (_quant_both_kernel, _QUANT_BOTH_CONFIG, (amax, amax[batch * rows:], q, s, qt, st))):
+            grid = (_cdiv(rows, cfg["BR"]) * _cdiv(cols, cfg["BC"]), batch)
+            kernel[grid](x, *args, rows, cols, **cfg)
+
+
 _GMM_CONFIG = dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3)  # the best of benchmarks/fp8.py --sweep (H200)
 _WGRAD_CONFIG = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4)  # the sweep's best weight-gradient tiles
 
@@ -363,6 +424,25 @@ def _quantize_nd(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise FP8 along the last dimension of any contiguous tensor (a weight, once per update)."""
     q, s = quantize(w.reshape(-1, w.shape[-1]))
     return q.view(w.shape), s.view(w.shape[:-1])
+
+
+def quantize_both(w: torch.Tensor, out=None):
+    """Row-wise FP8 of w [..., R, C] along C and of its transpose [..., C, R] along R, each with the
+    scales of quantize_reference: ((q, s), (qt, st)), written into `out` (same structure) if given.
+    On CUDA one pass over w after one for the amaxes (no transposed fp32 copy)."""
+    if not use_triton(w):
+        new = _quantize_nd(w), _quantize_nd(w.transpose(-1, -2).contiguous())
+        if out is None:
+            return new
+        for old, value in zip((*out[0], *out[1]), (*new[0], *new[1])):
+            old.copy_(value)
+        return out
+    if out is None:
+        *lead, rows, cols = w.shape
+        out = ((torch.empty(w.shape, dtype=FP8, device=w.device), w.new_empty(lead + [rows], dtype=torch.float32)),
+               (w.new_empty(lead + [cols, rows], dtype=FP8), w.new_empty(lead + [cols], dtype=torch.float32)))
+    _quantize_both_cuda(w.contiguous(), *out[0], *out[1])
+    return out
 
 
 def quantize_t(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -423,14 +503,13 @@ def cached_weight(module: nn.Module, name: str, contraction_last: bool) -> FP8We
     if hit is not None and hit.key == key:
         return hit
     w = param.detach()
-    along_last = _quantize_nd(w)
-    along_prev = _quantize_nd(w.transpose(-1, -2).contiguous())
-    fwd, bwd = (along_last, along_prev) if contraction_last else (along_prev, along_last)
-    if hit is not None and hit.fwd[0].shape == fwd[0].shape and hit.fwd[0].device == fwd[0].device:
-        for old, new in zip((*hit.fwd, *hit.bwd), (*fwd, *bwd)):
-            old.copy_(new)
+    old = None if hit is None else (hit.fwd, hit.bwd) if contraction_last else (hit.bwd, hit.fwd)
+    if old is not None and old[0][0].shape == w.shape and old[0][0].device == w.device:
+        quantize_both(w, old)  # in place: the same tensors
         hit.key = key
         return hit
+    along_last, along_prev = quantize_both(w)
+    fwd, bwd = (along_last, along_prev) if contraction_last else (along_prev, along_last)
     cache[name] = FP8Weight(fwd, bwd, key)
     return cache[name]
 
