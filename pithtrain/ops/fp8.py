@@ -188,48 +188,40 @@ def _quant_t_kernel(x_ptr, counts_ptr, s_ptr, qt_ptr, cols, width, num_seg, spli
 
 
 @_Kernel
-def _amax_both_kernel(x_ptr, row_ptr, col_ptr, rows, cols, BR: tl.constexpr, BC: tl.constexpr):
-    """Maxima of |x[b]| ([B, rows, cols]) per row into row_ptr [B, rows] and per column into col_ptr
-    [B, cols], a tile a program (atomic max of non-negative floats: order-independent)."""
-    b, n_c = tl.program_id(1), tl.cdiv(cols, BC)
-    r = tl.program_id(0) // n_c * BR + tl.arange(0, BR)
-    c = tl.program_id(0) % n_c * BC + tl.arange(0, BC)
-    x = tl.load(x_ptr + b.to(tl.int64) * rows * cols + r[:, None] * cols + c[None, :],
-                mask=(r < rows)[:, None] & (c < cols)[None, :], other=0.0)
-    x = tl.abs(x.to(tl.float32))
-    tl.atomic_max(row_ptr + b * rows + r, tl.max(x, 1), mask=r < rows)
-    tl.atomic_max(col_ptr + b * cols + c, tl.max(x, 0), mask=c < cols)
-
-
-@_Kernel
 def _quant_both_kernel(x_ptr, row_ptr, col_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rows, cols,
-                       BR: tl.constexpr, BC: tl.constexpr, TRANS: tl.constexpr):
-    """Each tile of x[b] read once, quantized with both scales: q[b] (x's layout, per row) and qt[b]
-    ([cols, rows], per column of x). TRANS: transpose the tile in registers before the store."""
+                       BR: tl.constexpr, BC: tl.constexpr, AMAX: tl.constexpr, TRANS: tl.constexpr = False):
+    """A tile of x[b] ([B, rows, cols]) a program. AMAX: the maxima of |x| per row into row_ptr [B, rows]
+    and per column into col_ptr [B, cols] (atomic max of non-negative floats: order-independent).
+    Then: the tile, read once, quantized with both scales into q[b] (x's layout, a scale per row) and
+    qt[b] ([cols, rows], a scale per column of x). TRANS: transpose the tile in registers to store it."""
     b, n_c = tl.program_id(1), tl.cdiv(cols, BC)
     pid_r, pid_c = tl.program_id(0) // n_c, tl.program_id(0) % n_c
-    r = pid_r * BR + tl.arange(0, BR)
-    c = pid_c * BC + tl.arange(0, BC)
-    mask = (r < rows)[:, None] & (c < cols)[None, :]
+    r, c = pid_r * BR + tl.arange(0, BR), pid_c * BC + tl.arange(0, BC)
+    rm, cm = r < rows, c < cols
     base = b.to(tl.int64) * rows * cols
-    x = tl.load(x_ptr + base + r[:, None] * cols + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    sr = tl.math.div_rn(tl.maximum(tl.load(row_ptr + b * rows + r, mask=r < rows, other=0.0), 1e-12),
-                        tl.full([BR], 448.0, tl.float32))  # quantize_reference's scales, bit for bit
-    sc = tl.math.div_rn(tl.maximum(tl.load(col_ptr + b * cols + c, mask=c < cols, other=0.0), 1e-12),
-                        tl.full([BC], 448.0, tl.float32))
-    inv_r = tl.math.div_rn(tl.full([BR], 1.0, tl.float32), sr)
-    inv_c = tl.math.div_rn(tl.full([BC], 1.0, tl.float32), sc)
-    q = tl.clamp(x * inv_r[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty)
-    tl.store(q_ptr + base + r[:, None] * cols + c[None, :], q, mask=mask)
-    qt = tl.clamp(x * inv_c[None, :], -448.0, 448.0).to(qt_ptr.dtype.element_ty)
-    if TRANS:
-        tl.store(qt_ptr + base + c[:, None] * rows + r[None, :], tl.trans(qt), mask=tl.trans(mask))
-    else:
-        tl.store(qt_ptr + base + c[None, :] * rows + r[:, None], qt, mask=mask)
-    if pid_c == 0:
-        tl.store(s_ptr + b * rows + r, sr, mask=r < rows)
-    if pid_r == 0:
-        tl.store(st_ptr + b * cols + c, sc, mask=c < cols)
+    x = tl.load(x_ptr + base + r[:, None] * cols + c[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+    x = x.to(tl.float32)
+    if AMAX:
+        tl.atomic_max(row_ptr + b * rows + r, tl.max(tl.abs(x), 1), mask=rm)
+        tl.atomic_max(col_ptr + b * cols + c, tl.max(tl.abs(x), 0), mask=cm)
+    else:  # quantize_reference's scales and products, bit for bit
+        sr = tl.maximum(tl.load(row_ptr + b * rows + r, mask=rm, other=0.0), 1e-12)
+        sc = tl.maximum(tl.load(col_ptr + b * cols + c, mask=cm, other=0.0), 1e-12)
+        sr = tl.math.div_rn(sr, tl.full([BR], 448.0, tl.float32))
+        sc = tl.math.div_rn(sc, tl.full([BC], 448.0, tl.float32))
+        inv_r = tl.math.div_rn(tl.full([BR], 1.0, tl.float32), sr)
+        inv_c = tl.math.div_rn(tl.full([BC], 1.0, tl.float32), sc)
+        q = tl.clamp(x * inv_r[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + base + r[:, None] * cols + c[None, :], q, mask=rm[:, None] & cm[None, :])
+        qt = tl.clamp(x * inv_c[None, :], -448.0, 448.0).to(qt_ptr.dtype.element_ty)
+        if TRANS:
+            tl.store(qt_ptr + base + c[:, None] * rows + r[None, :], tl.trans(qt), mask=cm[:, None] & rm[None, :])
+        else:
+            tl.store(qt_ptr + base + c[None, :] * rows + r[:, None], qt, mask=rm[:, None] & cm[None, :])
+        if pid_c == 0:
+            tl.store(s_ptr + b * rows + r, sr, mask=rm)
+        if pid_r == 0:
+            tl.store(st_ptr + b * cols + c, sc, mask=cm)
 
 
 @_Kernel
@@ -361,20 +353,19 @@ def _(x, counts):
     return x.new_empty(x.shape[1], width, dtype=FP8), x.new_empty(counts.shape[0], x.shape[1], dtype=torch.float32)
 
 
-_AMAX_CONFIG = dict(BR=128, BC=128, num_warps=8)  # both: benchmarks/fp8.py --sweep-wquant
-_QUANT_BOTH_CONFIG = dict(BR=64, BC=64, num_warps=4, TRANS=True)
+_AMAX_CONFIG = dict(BR=128, BC=128, num_warps=8)  # both: benchmarks/fp8.py --wquant --sweep
+_QUANT_BOTH_CONFIG = dict(BR=64, BC=128, num_warps=4, TRANS=False)  # a tl.trans store was slow for activations
 
 
 @torch.library.custom_op("pithtrain::fp8_quantize_both", mutates_args=("q", "s", "qt", "st"))
 def _quantize_both_cuda(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor, st: torch.Tensor) -> None:
-    rows, cols = x.shape[-2], x.shape[-1]
+    rows, cols = x.shape[-2:]
     batch = x.numel() // max(1, rows * cols)
     amax = torch.zeros(batch * (rows + cols), dtype=torch.float32, device=x.device)
-    if x.numel():
-        for kernel, cfg, args in ((_amax_both_kernel, _AMAX_CONFIG, (amax, amax[batch * rows:])),
-                                  (_quant_both_kernel, _QUANT_BOTH_CONFIG, (amax, amax[batch * rows:], q, s, qt, st))):
+    for cfg, amax_pass in ((_AMAX_CONFIG, True), (_QUANT_BOTH_CONFIG, False)):
+        if x.numel():
             grid = (_cdiv(rows, cfg["BR"]) * _cdiv(cols, cfg["BC"]), batch)
-            kernel[grid](x, *args, rows, cols, **cfg)
+            _quant_both_kernel[grid](x, amax, amax[batch * rows:], q, s, qt, st, rows, cols, AMAX=amax_pass, **cfg)
 
 
 _GMM_CONFIG = dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3)  # the best of benchmarks/fp8.py --sweep (H200)
@@ -427,20 +418,17 @@ def _quantize_nd(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_both(w: torch.Tensor, out=None):
-    """Row-wise FP8 of w [..., R, C] along C and of its transpose [..., C, R] along R, each with the
-    scales of quantize_reference: ((q, s), (qt, st)), written into `out` (same structure) if given.
-    On CUDA one pass over w after one for the amaxes (no transposed fp32 copy)."""
+    """Row-wise FP8 of w [..., R, C] along C and of its transpose [..., C, R] along R (quantize_reference's
+    values): ((q, s), (qt, st)), written into `out` (same structure) if given. On CUDA two reads of w
+    (the amaxes, then both layouts at once) and no transposed fp32 copy."""
     if not use_triton(w):
-        new = _quantize_nd(w), _quantize_nd(w.transpose(-1, -2).contiguous())
-        if out is None:
-            return new
-        for old, value in zip((*out[0], *out[1]), (*new[0], *new[1])):
+        new = (*_quantize_nd(w), *_quantize_nd(w.transpose(-1, -2).contiguous()))
+        for old, value in zip((*out[0], *out[1]) if out else (), new):
             old.copy_(value)
-        return out
-    if out is None:
-        *lead, rows, cols = w.shape
-        out = ((torch.empty(w.shape, dtype=FP8, device=w.device), w.new_empty(lead + [rows], dtype=torch.float32)),
-               (w.new_empty(lead + [cols, rows], dtype=FP8), w.new_empty(lead + [cols], dtype=torch.float32)))
+        return out or (new[:2], new[2:])
+    t_shape = (*w.shape[:-2], w.shape[-1], w.shape[-2])
+    out = out or ((w.new_empty(w.shape, dtype=FP8), w.new_empty(w.shape[:-1], dtype=torch.float32)),
+                  (w.new_empty(t_shape, dtype=FP8), w.new_empty(t_shape[:-1], dtype=torch.float32)))
     _quantize_both_cuda(w.contiguous(), *out[0], *out[1])
     return out
 
