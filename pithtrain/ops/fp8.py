@@ -11,10 +11,11 @@ applied to the fp32 accumulator at the end. For Y = X W (X: tokens x K):
                           expert's own rows). Recipe `rowwise_bf16_wgrad`: this GEMM in bf16 on
                           the saved bf16 X instead (no transposed copies to make)
 
-Weights are quantized once per weight update into both layouts (forward and dgrad) and reused by
-every micro-batch, pipeline chunk and backward: `cached_weight` keys them by the parameter's
-version counter, which every in-place update bumps (`optim.optimizer_step`, checkpoint loads;
-FSDP's all-gather writes the unsharded weight in place, so a new gather is a new version too).
+Weights are quantized once per weight update into both layouts (forward and dgrad; on CUDA by one
+kernel, `quantize_both`, without a transposed fp32 copy) and reused by every micro-batch, pipeline
+chunk and backward: `cached_weight` keys them by the parameter's version counter, which every
+in-place update bumps (`optim.optimizer_step`, checkpoint loads; FSDP's all-gather writes the
+unsharded weight in place, so a new gather is a new version too).
 `rowwise` saves activations for the weight gradient as their transposed FP8 copies (1 byte a value).
 
 Paths: on CUDA, Triton kernels for quantization and the expert grouped GEMMs, and
