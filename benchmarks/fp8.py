@@ -1,9 +1,12 @@
 """FP8 GEMM choices on the GPU: the expert grouped GEMM (bf16 torch._grouped_mm vs our Triton FP8
 kernel, forward / input gradient / weight gradient, with and without the quantization of the
 activations) and dense projections by recipe (bf16, row-wise `torch._scaled_mm`, 1x128/128x128
-block-wise `F.scaled_mm`). `--sweep` times the grouped kernel's tile configurations.
+block-wise `F.scaled_mm`), and the weight cache's quantization into both layouts (the old
+per-layout path with a transposed fp32 copy vs the one-pass kernel; `--wquant`: only that).
+`--sweep` times the grouped kernel's tile configurations (with --wquant: the weight kernel's).
 
     PYTHONPATH=. python benchmarks/fp8.py [--tokens 16384 --experts 128 --topk 8 --hidden 2048 --inter 768] [--sweep]
+    PYTHONPATH=. python benchmarks/fp8.py --wquant [--sweep]
 """
 
 from __future__ import annotations
@@ -111,15 +114,67 @@ def dense(shapes):
     return out
 
 
+def weight_quant(shapes, sweep: bool):
+    """cached_weight's refresh of both FP8 layouts of fp32 weights, old path vs the one-pass kernel (both
+    TRANS variants): ms, and GB/s of the traffic the one-pass kernel moves (two reads of w, both FP8
+    layouts written). --sweep: the tiles of its two kernels on the first weight first, then the best."""
+    out = {}
+    for shape in shapes:
+        w = torch.randn(shape, device="cuda") * 0.02
+        cache = fp8.quantize_both(w)
+        one_pass = lambda: fp8.quantize_both(w, cache)  # noqa: E731
+        tag = "x".join(map(str, shape))
+        if sweep and shape == shapes[0]:
+            for cfg, tiles in ((fp8._AMAX_CONFIG, ((128, 128, 8), (64, 128, 4), (128, 256, 8), (256, 128, 8), (32, 256, 4))),
+                               (fp8._QUANT_BOTH_CONFIG, ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4)))):
+                timings = []
+                for (br, bc, warps), trans in ((t, x) for t in tiles for x in ((True, False) if "TRANS" in cfg else (None,))):
+                    cfg.update(BR=br, BC=bc, num_warps=warps, **({} if trans is None else {"TRANS": trans}))
+                    timings.append((median_ms(one_pass, 10), dict(cfg)))
+                    print(f"  sweep {cfg}: {timings[-1][0]:.3f} ms", flush=True)
+                ms, best = min(timings, key=lambda t: t[0])
+                cfg.update(best)
+                print(f"  best {best}: {ms:.3f} ms (kept for what follows)", flush=True)
+
+        def old():  # the previous cached_weight: each layout by the row kernel, then copied in place
+            new = (*fp8._quantize_nd(w), *fp8._quantize_nd(w.transpose(-1, -2).contiguous()))
+            for o, n in zip((*cache[0], *cache[1]), new):
+                o.copy_(n)
+
+        def timed(name, fn):
+            ms = median_ms(fn, 20)
+            gbs = (2 * w.numel() * w.element_size() + 2 * w.numel()) / (ms * 1e-3) / 1e9
+            out[f"wquant_{tag}_{name}_ms"], out[f"wquant_{tag}_{name}_gbs"] = round(ms, 4), round(gbs)
+            print(f"weight {tag:16s} {name:24s} {ms:8.3f} ms {gbs:6.0f} GB/s", flush=True)
+
+        timed("old_two_layouts", old)
+        ref = [t.clone() for t in (*cache[0], *cache[1])]
+        chosen = fp8._QUANT_BOTH_CONFIG["TRANS"]
+        for trans in (chosen, not chosen):
+            fp8._QUANT_BOTH_CONFIG["TRANS"] = trans
+            timed(f"one_pass_trans{int(trans)}", one_pass)
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip((*cache[0], *cache[1]), ref))
+            print(f"weight {tag:16s} one pass (TRANS={trans}) bit-identical to the old path: {same}")
+        fp8._QUANT_BOTH_CONFIG["TRANS"] = chosen
+        out[f"wquant_{tag}_config"] = f"{fp8._AMAX_CONFIG} {fp8._QUANT_BOTH_CONFIG}"
+        del w, cache, ref
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("tokens", 16384), ("experts", 128), ("topk", 8), ("hidden", 2048), ("inter", 768)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--wquant", action="store_true", help="only the weight quantization into both layouts")
     args = parser.parse_args()
+    w_shapes = [(128, 2048, 1536), (128, 768, 2048), (4096, 2048)]  # Qwen3 experts' gate_up and down, a dense one
+    if args.wquant:
+        return record({"benchmark": "fp8_weight_quant", **weight_quant(w_shapes, args.sweep)})
     figures = grouped(args, args.sweep)
     t, h = args.tokens, args.hidden
     figures.update(dense([(t, h, 4096), (t, 4096, h), (t, h, 512)]))
+    figures.update(weight_quant(w_shapes, False))
     record({"benchmark": "fp8_gemms", "tokens": t, "experts": args.experts, "topk": args.topk, "hidden": h,
             "inter": args.inter, **figures})
 

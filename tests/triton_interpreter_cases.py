@@ -1,4 +1,5 @@
-"""Triton kernels of pithtrain.ops.kernels under the Triton interpreter, against their references.
+"""Triton kernels of pithtrain.ops.kernels (and ops/fp8.py's weight quantization) under the Triton
+interpreter, against their references.
 
 Not collected by default (the name does not start with test_): tests/test_kernels.py runs this
 file in a fresh process with TRITON_INTERPRET=1, which must be set before Triton is imported.
@@ -9,7 +10,7 @@ import os
 import pytest
 import torch
 
-from pithtrain.ops import core, kernels
+from pithtrain.ops import core, fp8, kernels
 from test_kernels import grads, rel_err, routed_ids
 
 
@@ -109,6 +110,26 @@ def test_triton_cross_entropy(interpreter, dtype):
     labels3 = torch.full((2, 3), -100)
     loss, (grad,) = grads(lambda z: kernels._CrossEntropySum.apply(z, labels3), [logits3], torch.tensor(1.0))
     assert loss == 0 and (grad == 0).all() and grad.shape == logits3.shape
+
+
+@pytest.mark.parametrize("trans, amax_tile, tile", [(True, 128, 64), (False, 32, 16)])
+@pytest.mark.parametrize("shape, dtype", [((37, 100), torch.float32), ((3, 70, 130), torch.bfloat16)])
+def test_triton_weight_quantization_in_both_layouts(interpreter, monkeypatch, trans, amax_tile, tile, shape, dtype):
+    """fp8._quantize_both_cuda vs quantize_reference of w and of its transpose, exactly. The kernel
+    writes q into fp32 tensors here (the clamped products before FP8 rounding), cast by torch: the
+    interpreter's own e4m3 rounding is wrong where rounding carries into the exponent (128 -> 64)."""
+    monkeypatch.setattr(fp8, "_AMAX_CONFIG", dict(BR=amax_tile, BC=amax_tile))
+    monkeypatch.setattr(fp8, "_QUANT_BOTH_CONFIG", dict(BR=tile, BC=2 * tile, TRANS=trans))
+    torch.manual_seed(len(shape))
+    *lead, rows, cols = shape
+    w = (torch.randn(shape) * torch.rand(*lead, rows, 1) * torch.rand(*lead, 1, cols) * 5).to(dtype)
+    w[..., 3, :] = 0  # an all-zero row: the scale floor
+    q, s, qt, st = torch.empty(shape), torch.empty(*lead, rows), torch.empty(*lead, cols, rows), torch.empty(*lead, cols)
+    fp8._quantize_both_cuda(w, q, s, qt, st)
+    for got_q, got_s, x in ((q, s, w), (qt, st, w.transpose(-1, -2).contiguous())):
+        ref_q, ref_s = fp8.quantize_reference(x)
+        assert torch.equal(got_s, ref_s)
+        assert torch.equal(got_q.to(fp8.FP8).view(torch.uint8), ref_q.view(torch.uint8))
 
 
 def test_triton_ops_are_sound_custom_ops_and_compile(interpreter, monkeypatch):

@@ -11,10 +11,11 @@ applied to the fp32 accumulator at the end. For Y = X W (X: tokens x K):
                           expert's own rows). Recipe `rowwise_bf16_wgrad`: this GEMM in bf16 on
                           the saved bf16 X instead (no transposed copies to make)
 
-Weights are quantized once per weight update into both layouts (forward and dgrad) and reused by
-every micro-batch, pipeline chunk and backward: `cached_weight` keys them by the parameter's
-version counter, which every in-place update bumps (`optim.optimizer_step`, checkpoint loads;
-FSDP's all-gather writes the unsharded weight in place, so a new gather is a new version too).
+Weights are quantized once per weight update into both layouts (forward and dgrad; on CUDA by one
+kernel, `quantize_both`, without a transposed fp32 copy) and reused by every micro-batch, pipeline
+chunk and backward: `cached_weight` keys them by the parameter's version counter, which every
+in-place update bumps (`optim.optimizer_step`, checkpoint loads; FSDP's all-gather writes the
+unsharded weight in place, so a new gather is a new version too).
 `rowwise` saves activations for the weight gradient as their transposed FP8 copies (1 byte a value).
 
 Paths: on CUDA, Triton kernels for quantization and the expert grouped GEMMs, and
@@ -188,6 +189,43 @@ def _quant_t_kernel(x_ptr, counts_ptr, s_ptr, qt_ptr, cols, width, num_seg, spli
 
 
 @_Kernel
+def _quant_both_kernel(x_ptr, row_ptr, col_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, rows, cols,
+                       BR: tl.constexpr, BC: tl.constexpr, AMAX: tl.constexpr, TRANS: tl.constexpr = False):
+    """A tile of x[b] ([B, rows, cols]) a program. AMAX: the maxima of |x| per row into row_ptr [B, rows]
+    and per column into col_ptr [B, cols] (atomic max of non-negative floats: order-independent).
+    Then: the tile, read once, quantized with both scales into q[b] (x's layout, a scale per row) and
+    qt[b] ([cols, rows], a scale per column of x). TRANS: transpose the tile in registers to store it."""
+    b, n_c = tl.program_id(1), tl.cdiv(cols, BC)
+    pid_r, pid_c = tl.program_id(0) // n_c, tl.program_id(0) % n_c
+    r, c = pid_r * BR + tl.arange(0, BR), pid_c * BC + tl.arange(0, BC)
+    rm, cm = r < rows, c < cols
+    base = b.to(tl.int64) * rows * cols
+    x = tl.load(x_ptr + base + r[:, None] * cols + c[None, :], mask=rm[:, None] & cm[None, :], other=0.0)
+    x = x.to(tl.float32)
+    if AMAX:
+        tl.atomic_max(row_ptr + b * rows + r, tl.max(tl.abs(x), 1), mask=rm)
+        tl.atomic_max(col_ptr + b * cols + c, tl.max(tl.abs(x), 0), mask=cm)
+    else:  # quantize_reference's scales and products, bit for bit
+        sr = tl.maximum(tl.load(row_ptr + b * rows + r, mask=rm, other=0.0), 1e-12)
+        sc = tl.maximum(tl.load(col_ptr + b * cols + c, mask=cm, other=0.0), 1e-12)
+        sr = tl.math.div_rn(sr, tl.full([BR], 448.0, tl.float32))
+        sc = tl.math.div_rn(sc, tl.full([BC], 448.0, tl.float32))
+        inv_r = tl.math.div_rn(tl.full([BR], 1.0, tl.float32), sr)
+        inv_c = tl.math.div_rn(tl.full([BC], 1.0, tl.float32), sc)
+        q = tl.clamp(x * inv_r[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + base + r[:, None] * cols + c[None, :], q, mask=rm[:, None] & cm[None, :])
+        qt = tl.clamp(x * inv_c[None, :], -448.0, 448.0).to(qt_ptr.dtype.element_ty)
+        if TRANS:
+            tl.store(qt_ptr + base + c[:, None] * rows + r[None, :], tl.trans(qt), mask=cm[:, None] & rm[None, :])
+        else:
+            tl.store(qt_ptr + base + c[None, :] * rows + r[:, None], qt, mask=rm[:, None] & cm[None, :])
+        if pid_c == 0:
+            tl.store(s_ptr + b * rows + r, sr, mask=rm)
+        if pid_r == 0:
+            tl.store(st_ptr + b * cols + c, sc, mask=cm)
+
+
+@_Kernel
 def _grouped_mm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, counts_ptr, c_ptr, rows, n_out, k_dim, num_groups,
                        GROUPS_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                        EVEN_K: tl.constexpr):
@@ -318,6 +356,21 @@ def _(x, counts):
     return x.new_empty(x.shape[1], width, dtype=FP8), x.new_empty(counts.shape[0], x.shape[1], dtype=torch.float32)
 
 
+_AMAX_CONFIG = dict(BR=128, BC=128, num_warps=8)  # both: benchmarks/fp8.py --wquant --sweep
+_QUANT_BOTH_CONFIG = dict(BR=64, BC=128, num_warps=4, TRANS=False)  # a tl.trans store was slow for activations
+
+
+@torch.library.custom_op("pithtrain::fp8_quantize_both", mutates_args=("q", "s", "qt", "st"))
+def _quantize_both_cuda(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor, st: torch.Tensor) -> None:
+    rows, cols = x.shape[-2:]
+    batch = x.numel() // max(1, rows * cols)
+    amax = torch.zeros(batch * (rows + cols), dtype=torch.float32, device=x.device)
+    for cfg, amax_pass in ((_AMAX_CONFIG, True), (_QUANT_BOTH_CONFIG, False)):
+        if x.numel():
+            grid = (_cdiv(rows, cfg["BR"]) * _cdiv(cols, cfg["BC"]), batch)
+            _quant_both_kernel[grid](x, amax, amax[batch * rows:], q, s, qt, st, rows, cols, AMAX=amax_pass, **cfg)
+
+
 _GMM_CONFIG = dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3)  # the best of benchmarks/fp8.py --sweep (H200)
 _WGRAD_CONFIG = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4)  # the sweep's best weight-gradient tiles
 
@@ -365,6 +418,22 @@ def _quantize_nd(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise FP8 along the last dimension of any contiguous tensor (a weight, once per update)."""
     q, s = quantize(w.reshape(-1, w.shape[-1]))
     return q.view(w.shape), s.view(w.shape[:-1])
+
+
+def quantize_both(w: torch.Tensor, out=None):
+    """Row-wise FP8 of w [..., R, C] along C and of its transpose [..., C, R] along R (quantize_reference's
+    values): ((q, s), (qt, st)), written into `out` (same structure) if given. On CUDA two reads of w
+    (the amaxes, then both layouts at once) and no transposed fp32 copy."""
+    if not use_triton(w):
+        new = (*_quantize_nd(w), *_quantize_nd(w.transpose(-1, -2).contiguous()))
+        for old, value in zip((*out[0], *out[1]) if out else (), new):
+            old.copy_(value)
+        return out or (new[:2], new[2:])
+    t_shape = (*w.shape[:-2], w.shape[-1], w.shape[-2])
+    out = out or ((w.new_empty(w.shape, dtype=FP8), w.new_empty(w.shape[:-1], dtype=torch.float32)),
+                  (w.new_empty(t_shape, dtype=FP8), w.new_empty(t_shape[:-1], dtype=torch.float32)))
+    _quantize_both_cuda(w.contiguous(), *out[0], *out[1])
+    return out
 
 
 def quantize_t(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,14 +494,13 @@ def cached_weight(module: nn.Module, name: str, contraction_last: bool) -> FP8We
     if hit is not None and hit.key == key:
         return hit
     w = param.detach()
-    along_last = _quantize_nd(w)
-    along_prev = _quantize_nd(w.transpose(-1, -2).contiguous())
-    fwd, bwd = (along_last, along_prev) if contraction_last else (along_prev, along_last)
-    if hit is not None and hit.fwd[0].shape == fwd[0].shape and hit.fwd[0].device == fwd[0].device:
-        for old, new in zip((*hit.fwd, *hit.bwd), (*fwd, *bwd)):
-            old.copy_(new)
+    old = None if hit is None else (hit.fwd, hit.bwd) if contraction_last else (hit.bwd, hit.fwd)
+    if old is not None and old[0][0].shape == w.shape and old[0][0].device == w.device:
+        quantize_both(w, old)  # in place: the same tensors
         hit.key = key
         return hit
+    along_last, along_prev = quantize_both(w)
+    fwd, bwd = (along_last, along_prev) if contraction_last else (along_prev, along_last)
     cache[name] = FP8Weight(fwd, bwd, key)
     return cache[name]
 

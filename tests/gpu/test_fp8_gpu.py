@@ -128,3 +128,49 @@ def test_layers_match_cpu_emulation(recipe):
 
     for a, b in zip(run_experts("cuda"), run_experts("cpu")):
         assert rel(a.cpu(), b) < 1e-2
+
+
+@pytest.mark.parametrize("trans", [True, False])
+@pytest.mark.parametrize("shape, dtype", [((300, 1000), torch.float32), ((8, 256, 384), torch.float32),
+                                          ((5, 130, 72), BF16)])
+def test_weight_quantization_in_both_layouts(monkeypatch, trans, shape, dtype):
+    """The weight cache's one-pass kernel vs quantize_reference of w and of its transpose (scales
+    exactly), and bit for bit vs the per-layout Triton kernel it replaces. Shapes: not multiples of
+    the tiles, an expert stack."""
+    monkeypatch.setitem(fp8._QUANT_BOTH_CONFIG, "TRANS", trans)
+    gen = torch.Generator().manual_seed(len(shape))
+    *lead, rows, cols = shape
+    w = (torch.randn(shape, generator=gen) * torch.rand(*lead, rows, 1, generator=gen)
+         * torch.rand(*lead, 1, cols, generator=gen) * 5).to(dtype)
+    w[..., 7, :] = 0
+    both = fp8.quantize_both(w.cuda())
+    for (q, s), x in zip(both, (w, w.transpose(-1, -2).contiguous())):
+        ref_q, ref_s = fp8.quantize_reference(x)
+        assert q.shape == ref_q.shape and torch.equal(s.cpu(), ref_s)
+        same_fp8(q.cpu(), ref_q)
+        old_q, old_s = fp8._quantize_nd(x.cuda())
+        assert torch.equal(q.view(torch.uint8), old_q.view(torch.uint8)) and torch.equal(s, old_s)
+
+
+def test_weight_cache_refreshes_in_place_on_cuda():
+    """After an in-place update the cache's same tensors hold the new weight's layouts (experts' and
+    Linear's orientation)."""
+    from torch import nn
+
+    gen = torch.Generator().manual_seed(3)
+    mod = nn.Module()
+    mod.w = nn.Parameter(torch.randn(6, 200, 328, generator=gen).cuda())
+    for contraction_last in (False, True):
+        first = fp8.cached_weight(mod, "w", contraction_last)
+        tensors = (*first.fwd, *first.bwd)
+        with torch.no_grad():
+            mod.w.mul_(torch.rand(6, 200, 1, generator=gen).cuda() * 3)  # new row amaxes: new scales
+        again = fp8.cached_weight(mod, "w", contraction_last)
+        assert again is first and all(a is b for a, b in zip((*again.fwd, *again.bwd), tensors))
+        w = mod.w.detach().cpu()
+        along_last, along_prev = fp8.quantize_reference(w), fp8.quantize_reference(w.transpose(-1, -2).contiguous())
+        expect = (along_last, along_prev) if contraction_last else (along_prev, along_last)
+        for (q, s), (ref_q, ref_s) in zip((again.fwd, again.bwd), expect):
+            assert torch.equal(s.cpu(), ref_s)
+            same_fp8(q.cpu(), ref_q)
+        del mod._fp8_cache
