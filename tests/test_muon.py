@@ -11,6 +11,7 @@ from conftest import tiny_config, tiny_deepseek_config, tiny_gpt_oss_config
 from pithtrain.config import UserError
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.loop import train
+from pithtrain.train import optim
 from pithtrain.train.metrics import read_metrics
 from pithtrain.train.optim import build_optimizer, newton_schulz, takes_muon
 
@@ -91,6 +92,71 @@ def test_muon_update_rule_rms_and_expert_stacks():
         p.grad = torch.randn(shape, generator=gen)
         opt.step()
         assert 0.2 * 0.75 < p.detach().pow(2).mean().sqrt() < 0.2 * 1.15, shape
+
+
+def per_matrix_muon(weights, grads_per_step, lr, wd, mu=0.95):
+    """Muon written out one matrix at a time, independently of train/optim.py: an expert stack [E, in, out]
+    is E matrices, its fused gate_up 2E (gate, up); momentum, Nesterov, Frobenius normalisation and 5
+    quintic steps on the wide orientation, all in float32; decoupled decay; scale 0.2 sqrt(max(m, n))."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+
+    def ns(x):
+        tall = x.shape[0] > x.shape[1]
+        x = x.T if tall else x
+        x = x / (x.norm() + 1e-7)
+        for _ in range(5):
+            gram = x @ x.T
+            x = a * x + (b * gram + c * gram @ gram) @ x
+        return x.T if tall else x
+
+    weights = {n: w.clone() for n, w in weights.items()}
+    bufs = {n: torch.zeros_like(w) for n, w in weights.items()}
+    for grads in grads_per_step:
+        for name, g in grads.items():
+            if g is None:
+                continue
+            w, buf = weights[name], bufs[name]
+            halves = 2 if name.endswith("gate_up") else 1
+            cols = w.shape[-1] // halves
+            for e in range(w.shape[0]) if w.dim() == 3 else [None]:
+                for k in range(halves):
+                    at = (e, slice(None), slice(k * cols, (k + 1) * cols)) if e is not None else (slice(None),) * 2
+                    buf[at] = mu * buf[at] + g[at]
+                    update = ns(g[at] + mu * buf[at])
+                    w[at] = w[at] * (1 - lr * wd) - lr * 0.2 * math.sqrt(max(update.shape)) * update
+    return weights, bufs
+
+
+@pytest.mark.parametrize("batch_bytes", [optim.NS_BATCH_BYTES, 10 * 16 * 32 * 4])
+def test_batched_step_equals_per_matrix_muon(monkeypatch, batch_bytes):
+    """The step (same-shape matrices of all layers batched: attention k/v with the experts' down, gate and
+    up halves as separate matrices, fused momentum and update passes) equals the per-matrix rule to 1e-6
+    over 3 steps, one with a parameter without a gradient; also with batches so small that one shape
+    takes several (10 matrices of 16 x 32: some hold several parameters, a gate_up stack is alone)."""
+    monkeypatch.setattr(optim, "NS_BATCH_BYTES", batch_bytes)
+    cfg = tiny_config("unused")
+    cfg.optim.name, cfg.optim.lr, cfg.optim.weight_decay = "muon", 0.02, 0.1
+    gen = torch.Generator().manual_seed(3)
+    params = {n: torch.nn.Parameter(torch.randn(p.shape, generator=gen) * 0.1) for n, p in cfg.model.build_model().named_parameters()}
+    muon = {n: p for n, p in params.items() if takes_muon(n, p, cfg.optim.muon_exclude)}
+    assert {tuple(p.shape) for p in muon.values()} == {(32, 32), (16, 32), (4, 32, 32), (4, 16, 32)}
+    opt = build_optimizer(list(params.items()), cfg.optim, "cpu")
+    start = {n: p.detach().clone() for n, p in muon.items()}
+    grads_per_step = []
+    for step in range(3):
+        grads = {n: torch.randn(p.shape, generator=gen) for n, p in params.items()}
+        if step == 1:
+            grads["layers.1.mlp.experts.gate_up"] = None
+        for n, p in params.items():
+            p.grad = grads[n]
+        opt.step()
+        grads_per_step.append({n: grads[n] for n in muon})
+    want_w, want_buf = per_matrix_muon(start, grads_per_step, cfg.optim.lr, 0.1)
+    for name, p in muon.items():
+        assert (p.detach() - start[name]).abs().max() > 1e-3, name  # the updates are large against the tolerance
+        torch.testing.assert_close(p.detach(), want_w[name], rtol=0, atol=1e-6)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], want_buf[name], rtol=0, atol=1e-6)
+        assert opt.state[p]["step"] == (2 if name == "layers.1.mlp.experts.gate_up" else 3)
 
 
 @pytest.mark.parametrize("family, muon, adamw", [

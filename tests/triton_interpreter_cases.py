@@ -132,6 +132,27 @@ def test_triton_weight_quantization_in_both_layouts(interpreter, monkeypatch, tr
         assert torch.equal(got_q.to(fp8.FP8).view(torch.uint8), ref_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("shape, halves", [((37, 300), 1), ((3, 20, 300), 1), ((3, 20, 600), 2), ((0, 5, 8), 2)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_triton_muon_passes(interpreter, shape, halves, out_dtype):
+    """Muon's momentum pass (momentum in place, Nesterov update into the batch layout, gate and up apart)
+    and its decay + update pass against the references: fp32 to 1e-6, the bf16 batch to one rounding."""
+    torch.manual_seed(len(shape) + halves)
+    grad, buf, weight = torch.randn(shape), torch.randn(shape), torch.randn(shape)
+    count = grad.numel() // (shape[-2] * shape[-1] // halves) if grad.numel() else 0
+    out = torch.empty(count, shape[-2], shape[-1] // halves, dtype=out_dtype)
+    ref_buf, ref_out = buf.clone(), out.clone()
+    kernels._muon_launch(grad, buf, out, halves, mu=0.95)
+    kernels.muon_momentum_reference(grad, ref_buf, 0.95, ref_out, halves)
+    tol = 1e-6 if out_dtype == torch.float32 else 1e-2
+    assert torch.allclose(buf, ref_buf, rtol=1e-6, atol=1e-6)
+    assert torch.allclose(out.float(), ref_out.float(), rtol=tol, atol=tol)
+    ref_weight = weight.clone()
+    kernels._muon_launch(out, weight, None, halves, decay=0.99, step=0.3)
+    kernels.muon_apply_reference(ref_weight, out, 0.99, 0.3, halves)
+    assert torch.allclose(weight, ref_weight, rtol=1e-6, atol=1e-6)
+
+
 def test_triton_ops_are_sound_custom_ops_and_compile(interpreter, monkeypatch):
     """Schemas and fakes of every launch (opaque to torch.compile), then a fullgraph compile through all of them."""
     ops = torch.ops.pithtrain

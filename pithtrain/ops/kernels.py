@@ -13,6 +13,8 @@ installed), otherwise the reference, which is the code the models and dispatcher
   expert_bias_add(x, bias, counts)        x + bias[expert of each row], rows grouped by expert
   cross_entropy_sum(logits, labels)       sum of token cross-entropies over labels != -100, fp32 math
   add_into(dst, src)                      dst += src for an fp32 dst and a bf16 src (gradient accumulation)
+  muon_momentum(grad, buf, mu, out, halves)   Muon's momentum + Nesterov + cast into the NS batch, one pass
+  muon_apply(weight, update, decay, step, halves)  weight decay + the scaled update, one pass
 
 How it is built:
   - Each kernel launch is a torch.library.custom_op (opaque to torch.compile, with a fake that gives
@@ -665,3 +667,80 @@ def add_into(dst: torch.Tensor, src: torch.Tensor | None, assign: bool = False) 
     else:
         dst.add_(src)
     return dst
+
+
+# ---------------------------------------------------------------------------------------------------
+# Muon's elementwise passes (train/optim.Muon): one read of each fp32 state per step
+# ---------------------------------------------------------------------------------------------------
+# A Muon parameter is viewed as [rows, halves * inner] (rows = E * per_half for an expert stack
+# [E, per_half, halves * inner]); its update lives in the Newton-Schulz batch as E * halves contiguous
+# [per_half, inner] matrices (an expert's gate and up apart). Launched eagerly (the optimizer is not
+# compiled), so no custom_op wrappers.
+
+
+def _muon_shape(p: torch.Tensor, halves: int) -> tuple[int, int, int]:
+    return p.numel() // p.shape[-1], p.shape[-2], p.shape[-1] // halves  # rows, per_half, inner
+
+
+def muon_momentum_reference(grad, buf, mu: float, out, halves: int) -> None:
+    rows, per_half, inner = _muon_shape(grad, halves)
+    buf.mul_(mu).add_(grad)
+    update = grad.add(buf, alpha=mu)  # Nesterov
+    out.view(-1, halves, per_half, inner).copy_(update.view(-1, per_half, halves, inner).transpose(1, 2))
+
+
+def muon_apply_reference(weight, update, decay: float, step: float, halves: int) -> None:
+    rows, per_half, inner = _muon_shape(weight, halves)
+    weight.view(-1, per_half, halves, inner).mul_(decay).add_(update.view(-1, halves, per_half, inner).transpose(1, 2),
+                                                              alpha=-step)
+
+
+@_Kernel
+def _muon_kernel(src_ptr, state_ptr, dst_ptr, rows, per_half, inner, halves, mu, decay, step,
+                 MOMENTUM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """MOMENTUM: state (the momentum) <- mu state + src (the gradient); dst <- src + mu state, in dst's
+    dtype. Otherwise: state (the weight) <- decay state - step src (the update, in the batch layout)."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    k = tl.program_id(2)  # which half
+    mask = (r < rows)[:, None] & (c < inner)[None, :]
+    flat = r.to(tl.int64)[:, None] * (halves * inner) + k * inner + c[None, :]
+    batch = ((r // per_half * halves + k).to(tl.int64) * per_half + r % per_half)[:, None] * inner + c[None, :]
+    if MOMENTUM:
+        g = tl.load(src_ptr + flat, mask=mask).to(tl.float32)
+        b = tl.load(state_ptr + flat, mask=mask).to(tl.float32) * mu + g
+        tl.store(state_ptr + flat, b.to(state_ptr.dtype.element_ty), mask=mask)
+        tl.store(dst_ptr + batch, (g + mu * b).to(dst_ptr.dtype.element_ty), mask=mask)
+    else:
+        u = tl.load(src_ptr + batch, mask=mask).to(tl.float32)
+        w = tl.load(state_ptr + flat, mask=mask).to(tl.float32)
+        tl.store(state_ptr + flat, (w * decay - step * u).to(state_ptr.dtype.element_ty), mask=mask)
+
+
+def _muon_launch(src, state, dst, halves, mu=0.0, decay=1.0, step=0.0):
+    rows, per_half, inner = _muon_shape(state, halves)
+    momentum = dst is not None
+    if rows * inner:
+        block_c = min(256, _pow2(inner))
+        block_r = max(1, 4096 // block_c)
+        grid = (_cdiv(rows, block_r), _cdiv(inner, block_c), halves)
+        _muon_kernel[grid](src, state, dst if momentum else src, rows, per_half, inner, halves, mu, decay, step,
+                           MOMENTUM=momentum, BLOCK_R=block_r, BLOCK_C=block_c)
+
+
+def muon_momentum(grad: torch.Tensor, buf: torch.Tensor, mu: float, out: torch.Tensor, halves: int = 1) -> None:
+    """buf <- mu buf + grad; out <- grad + mu buf (Nesterov), cast to out's dtype, written as the
+    E * halves matrices [.., rows, cols / halves] of a Newton-Schulz batch (out: contiguous)."""
+    if use_triton(grad) and grad.is_contiguous() and buf.is_contiguous() and out.is_contiguous():
+        _muon_launch(grad, buf, out, halves, mu=mu)
+    else:
+        muon_momentum_reference(grad, buf, mu, out, halves)
+
+
+def muon_apply(weight: torch.Tensor, update: torch.Tensor, decay: float, step: float, halves: int = 1) -> None:
+    """weight <- decay weight - step update: decoupled weight decay and the scaled update in one pass
+    (update in muon_momentum's batch layout, any float dtype; weight contiguous on the Triton path)."""
+    if use_triton(weight) and weight.is_contiguous() and update.is_contiguous():
+        _muon_launch(update, weight, None, halves, decay=decay, step=step)
+    else:
+        muon_apply_reference(weight, update, decay, step, halves)

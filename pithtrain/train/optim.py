@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pithtrain.config import OptimConfig
+from pithtrain.ops import kernels
 
 
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConfig, device_type: str):
@@ -46,35 +47,28 @@ def takes_muon(name: str, p: torch.Tensor, exclude) -> bool:
 NS_COEFFS = (3.4445, -4.7750, 2.0315)
 
 
+# Newton-Schulz runs on batches of same-shape matrices (gathered across parameters and layers: one
+# batched GEMM per iteration, not one per parameter). A batch holds at most this many bytes of matrices
+# in the NS dtype (at least one parameter's); its iteration keeps about 2.5x that alive (the batch, the
+# next X, the Gram matrices), so the optimizer's transient memory does not grow with the model.
+NS_BATCH_BYTES = 2 << 30
+
+
 def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype | None = None) -> torch.Tensor:
     """An approximate U V^T of g = U S V^T (each matrix of a batch [..., m, n]): singular values end in
-    about [0.7, 1.2], not at 1 (tests/test_muon.py). X <- a X + (b A + c A^2) X with A = X X^T, on the
-    wide orientation (A is the smaller Gram matrix); bf16 on GPUs, fp32 on the CPU unless `dtype`."""
+    about [0.7, 1.2], not at 1 (tests/test_muon.py). X <- a X + (b A + c A^2) X with A = X X^T for a wide
+    X (m <= n), X <- a X + X (b A + c A^2) with A = X^T X for a tall one: A is the smaller Gram matrix and
+    the result keeps g's layout (no transposed copies). bf16 on GPUs, fp32 on the CPU unless `dtype`."""
     a, b, c = NS_COEFFS
     x = g.to(dtype or (torch.bfloat16 if g.is_cuda else torch.float32))
     tall = x.size(-2) > x.size(-1)
-    x = x.mT if tall else x
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)  # Frobenius norm >= the spectral norm: sigma <= 1
     mm_add = torch.baddbmm if x.dim() == 3 else torch.addmm  # beta * input + alpha * (m1 @ m2): one pass less
     for _ in range(steps):
-        gram = x @ x.mT
-        x = mm_add(x, mm_add(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return (x.mT if tall else x).to(g.dtype)
-
-
-def orthogonalize(u: torch.Tensor, expert: bool, halves: int = 1) -> torch.Tensor:
-    """newton_schulz of this rank's part of the update u, returned as a local tensor (the shard of a
-    DTensor). FSDP shards dim 0: a dense matrix is gathered whole, orthogonalised by every rank of
-    its group and sliced back (exact, redundant); an expert stack's shard is whole expert matrices.
-    `halves=2`: the experts' fused gate_up [E, H, 2I] is two matrices per expert (gate, up), each
-    orthogonalised alone, as the dense MLPs' separate gate_proj and up_proj are (and at 2.3x fewer
-    FLOPs than one [H, 2I] matrix at Qwen3-30B-A3B's shapes)."""
-    if not isinstance(u, DTensor):
-        return torch.cat([newton_schulz(x) for x in u.chunk(halves, -1)], -1) if halves > 1 else newton_schulz(u)
-    if expert:
-        return orthogonalize(u.to_local(), expert, halves)
-    whole = newton_schulz(u.full_tensor())
-    return distribute_tensor(whole, u.device_mesh, u.placements, src_data_rank=None).to_local()
+        gram = x.mT @ x if tall else x @ x.mT
+        poly = mm_add(gram, gram, gram, beta=b, alpha=c)
+        x = mm_add(x, x, poly, beta=a) if tall else mm_add(x, poly, x, beta=a)
+    return x.to(g.dtype)
 
 
 class Muon(torch.optim.AdamW):
@@ -82,7 +76,12 @@ class Muon(torch.optim.AdamW):
     Per matrix (an expert's gate and up are two), as Moonlight (Liu et al. 2025, "Muon is Scalable for LLM Training", arXiv:2502.16982):
       B <- mu B + G;  U <- G + mu B (Nesterov);  W <- W (1 - lr wd) - lr 0.2 sqrt(max(m, n)) NS(U).
     The factor 0.2 sqrt(max(m, n)) brings the update's RMS (that of an m x n semi-orthogonal matrix is
-    1/sqrt(max(m, n))) to 0.2, about AdamW's, so one learning rate and weight decay serve both."""
+    1/sqrt(max(m, n))) to 0.2, about AdamW's, so one learning rate and weight decay serve both.
+    The matrices of one shape go through Newton-Schulz together (batches of NS_BATCH_BYTES): the momentum
+    pass writes U straight into its batch (ops/kernels.muon_momentum: one pass, gate and up apart), and
+    one more pass applies decay and update (muon_apply). FSDP shards dim 0: a dense matrix's U is gathered
+    whole, orthogonalised by every rank of its group and sliced back (exact, redundant); an expert
+    stack's shard is whole expert matrices, orthogonalised where it is."""
 
     def step(self, closure=None):
         groups = self.param_groups
@@ -93,20 +92,54 @@ class Muon(torch.optim.AdamW):
             self.param_groups = groups
         with torch.no_grad():
             for group in (g for g in groups if g["muon"]):
-                lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
-                for p, expert, halves in zip(group["params"], group["experts"], group["halves"]):
-                    if p.grad is None:
-                        continue
-                    state = self.state[p]
-                    if not state:  # a step count beside the momentum, as AdamW keeps (its code reads every state's)
-                        state.update(step=torch.tensor(0.0), momentum_buffer=torch.zeros_like(p))
-                    state["step"] += 1
-                    buf = state["momentum_buffer"]
-                    buf.mul_(mu).add_(p.grad)
-                    update = orthogonalize(p.grad.add(buf, alpha=mu), expert, halves)
-                    local = p.to_local() if isinstance(p, DTensor) else p
-                    rows, cols = p.shape[-2], p.shape[-1] // halves
-                    local.mul_(1 - lr * wd).add_(update, alpha=-lr * 0.2 * math.sqrt(max(rows, cols)))
+                self._muon_step(group)
+
+    def _muon_step(self, group):
+        lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
+        by_shape = {}  # (rows, cols) of one matrix -> [(param, halves, whole (a gathered dense DTensor), count)]
+        for p, expert, halves in zip(group["params"], group["experts"], group["halves"]):
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:  # a step count beside the momentum, as AdamW keeps (its code reads every state's)
+                state.update(step=torch.tensor(0.0), momentum_buffer=torch.zeros_like(p))
+            state["step"] += 1
+            whole = isinstance(p, DTensor) and not expert
+            shape = (p.shape[-2], p.shape[-1] // halves)
+            count = 1 if whole else local(p).numel() // (shape[0] * shape[1])
+            by_shape.setdefault(shape, []).append((p, halves, whole, count))
+        dtype = torch.bfloat16 if any(p.is_cuda for p in group["params"]) else torch.float32  # newton_schulz's
+        for (rows, cols), items in by_shape.items():
+            limit, chunk = NS_BATCH_BYTES // (rows * cols * dtype.itemsize), []
+            for i, item in enumerate(items):
+                chunk.append(item)
+                if i + 1 == len(items) or sum(n for *_, n in chunk) + items[i + 1][3] > limit:
+                    self._orthogonalize(chunk, (rows, cols), dtype, lr, mu, wd)
+                    chunk = []
+
+    def _orthogonalize(self, chunk, shape, dtype, lr, mu, wd):
+        """Momentum into one batch, Newton-Schulz on it, then each parameter's decay and update."""
+        counts = [n for *_, n in chunk]
+        batch = torch.empty(sum(counts), *shape, dtype=dtype, device=chunk[0][0].device)
+        for (p, halves, whole, count), slot in zip(chunk, batch.split(counts)):
+            buf = self.state[p]["momentum_buffer"]
+            if whole:  # on the DTensor shards, then gathered: every rank of the group holds all of U
+                buf.mul_(mu).add_(p.grad)
+                slot.copy_(p.grad.add(buf, alpha=mu).full_tensor().view_as(slot))
+            elif count:
+                kernels.muon_momentum(local(p.grad), local(buf), mu, slot, halves)
+        update = newton_schulz(batch) if batch.numel() else batch
+        step_size = lr * 0.2 * math.sqrt(max(shape))
+        for (p, halves, whole, count), slot in zip(chunk, update.split(counts)):
+            if whole:
+                slot = distribute_tensor(slot[0], p.device_mesh, p.placements, src_data_rank=None).to_local()
+            if slot.numel():
+                kernels.muon_apply(local(p), slot, 1 - lr * wd, step_size, halves)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly DTensor) tensor."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params) -> None:

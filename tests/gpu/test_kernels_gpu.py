@@ -167,3 +167,34 @@ def test_add_into_accumulates_bf16_into_fp32_exactly(shape):
     expected = dst + src.float()
     assert torch.equal(kernels.add_into(dst, src), expected)
     assert torch.equal(kernels.add_into(torch.empty_like(dst), src, assign=True), src.float())
+
+
+@pytest.mark.parametrize("batch_bytes", [None, 3 * 2 * 64 * 96 * 2])
+def test_muon_step_triton_against_the_reference_passes(monkeypatch, batch_bytes):
+    """Two Muon steps on CUDA (expert stacks with gate|up halves, dense matrices, tall and wide, bf16
+    Newton-Schulz batches) with the Triton passes equal the same steps with the PyTorch passes:
+    momentum to 1e-6, the weight updates to 1e-2 relative (a bf16 rounding may differ, then NS)."""
+    from pithtrain.config import OptimConfig
+    from pithtrain.train import optim
+
+    if batch_bytes:
+        monkeypatch.setattr(optim, "NS_BATCH_BYTES", batch_bytes)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = {"a.q_proj.weight": (96, 64), "a.k_proj.weight": (64, 96), "a.mlp.experts.gate_up": (3, 96, 128),
+              "a.mlp.experts.down": (3, 64, 96), "b.mlp.experts.gate_up": (5, 96, 128)}
+    start = {n: torch.randn(s, device="cuda", generator=gen) for n, s in shapes.items()}
+    grads = [{n: torch.randn(s, device="cuda", generator=gen) for n, s in shapes.items()} for _ in range(2)]
+    results = []
+    for triton in (True, False):
+        monkeypatch.setattr(kernels, "use_triton", lambda t, on=triton: on and t.is_cuda)
+        params = {n: torch.nn.Parameter(w.clone()) for n, w in start.items()}
+        opt = optim.build_optimizer(list(params.items()), OptimConfig(name="muon", lr=1e-2, weight_decay=0.1), "cuda")
+        for g in grads:
+            for n, p in params.items():
+                p.grad = g[n]
+            opt.step()
+        results.append({n: (p.detach().clone(), opt.state[p]["momentum_buffer"]) for n, p in params.items()})
+    for n in shapes:
+        (w, buf), (ref_w, ref_buf) = results[0][n], results[1][n]
+        assert torch.allclose(buf, ref_buf, rtol=1e-6, atol=1e-6), n
+        assert rel_err(w - start[n], ref_w - start[n]) < 1e-2, n
