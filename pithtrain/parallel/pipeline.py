@@ -59,10 +59,17 @@ def rank_chunks(pp: int, rank: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # "F", "B", "W" or "FB"
-    phase: int = -1  # F, B, W: the phase; FB: the phase of the forward (the backward is the other)
-    mb: int = -1  # F, B, W: the micro-batch; FB: the forward's
-    mb_b: int = -1  # FB: the backward's micro-batch
+    kind: str  # "F", "B", "W", or a pair on the two chunks: "FB", "FF", "BB"
+    phase: int = -1  # the phase of the op (of a pair's first; its second runs on the other phase)
+    mb: int = -1  # the micro-batch (of a pair's first)
+    mb_b: int = -1  # a pair's second micro-batch
+
+
+def _parts(op: Op) -> list[tuple[str, int, int]]:
+    """(kind, phase, mb) of each single op within `op`."""
+    if len(op.kind) == 1:
+        return [(op.kind, op.phase, op.mb)]
+    return [(op.kind[0], op.phase, op.mb), (op.kind[1], 1 - op.phase, op.mb_b)]
 
 
 def _chunk_of(pp: int, rank: int, phase: int) -> int:
@@ -85,11 +92,30 @@ def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int,
 
 
 @functools.lru_cache(maxsize=16)  # a pure function of its arguments, asked for every step
-def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> tuple[tuple[Op, ...], ...]:
-    """The per-rank operation lists for `num_micro` >= 2*pp micro-batches."""
+def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True,
+                       pair_edges: bool | None = None) -> tuple[tuple[Op, ...], ...]:
+    """The per-rank operation lists for `num_micro` >= 2*pp micro-batches. `pair_edges`: run two
+    ready forwards (FF) or backwards (BB) of a rank's two chunks as a pair where no FB fits;
+    None: a few pairing rules, the one the simulation finds fastest by compute alone, ties going
+    to the fewest exposed all-to-alls (a pair delays its first op's result: greedy pairing
+    everywhere is often slower; so far it is chosen only at pp = 8 without deferred W).
+    pp = 1 has nothing to gain: F0.0 (first) and B0.last (last) can never be paired, and each
+    pair takes one op of each phase, so two phase-1 ops run unpaired too, as they do already."""
     if num_micro < 2 * pp:
         raise ValueError(f"DualPipeV needs at least 2*pp = {2 * pp} micro-batches per step, got {num_micro}; "
                          f"raise train.global_batch_size or lower train.micro_batch_size")
+    every = {(r, k) for r in range(pp) for k in "FB"}
+    if pair_edges is not None:
+        return _schedule(pp, num_micro, defer_w, frozenset(every if pair_edges else ()))
+    candidates = [frozenset(c) for c in ((), {(pp - 1, "B")}, {(pp - 1, "B"), (pp - 1, "F")}, {(0, "B")}, every)]
+
+    def score(lists):  # compute-only makespan, then with each exposed all-to-all 1/4 of an op
+        return [simulate(lists, pp, num_micro, defer_w, cost_a2a=c)["makespan"] for c in (0, 0.25)]
+    return min((_schedule(pp, num_micro, defer_w, c) for c in candidates), key=score)
+
+
+def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple[tuple[Op, ...], ...]:
+    """DualPipeV's rules, simulated in unit time; `pairs`: the (rank, "F" or "B") that pair edges."""
     done: dict[tuple[int, str, int, int], int] = {}  # op -> finish time
     next_f = [[0, 0] for _ in range(pp)]  # next forward micro-batch per rank and phase
     next_b = [[0, 0] for _ in range(pp)]
@@ -121,15 +147,16 @@ def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> tuple[t
                 if f_ok[pf] and b_ok[1 - pf]:
                     op, cost = Op("FB", pf, next_f[rank][pf], next_b[rank][1 - pf]), 2 if defer_w else 3
                     break
-            if op is None:
-                for p in (1, 0):  # backward first: it frees memory and unblocks the other ranks
-                    if b_ok[p]:
-                        op, cost = Op("B", p, next_b[rank][p]), 1 if defer_w else 2
-                        break
-            if op is None:
-                for p in (1, 0):
-                    if f_ok[p]:
-                        op, cost = Op("F", p, next_f[rank][p]), 1
+            # else backward first (it frees memory and unblocks the other ranks), then forward;
+            # where both chunks have one ready, the two run as a pair too (warm-up and drain,
+            # the pipeline's edges): each forward still counts against its phase's warm-up cap,
+            # so a pair keeps no more activations in flight than the two ops one after the other
+            for kind, ok, nxt, unit in (("B", b_ok, next_b, 1 if defer_w else 2), ("F", f_ok, next_f, 1)):
+                if op is None and ok[0] and ok[1] and (rank, kind) in pairs:
+                    op, cost = Op(kind * 2, 1, nxt[rank][1], nxt[rank][0]), 2 * unit
+                for p in (1, 0) if op is None else ():
+                    if ok[p]:
+                        op, cost = Op(kind, p, nxt[rank][p]), unit
                         break
             if op is None and wqueue[rank]:
                 phase, mb = wqueue[rank].pop(0)
@@ -138,20 +165,11 @@ def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> tuple[t
                 continue
             lists[rank].append(op)
             busy_until[rank] = t + cost
-            finished = []
-            if op.kind in ("F", "FB"):
-                finished.append(("F", op.phase, op.mb))
-                next_f[rank][op.phase] += 1
-            if op.kind in ("B", "FB"):
-                phase_b = op.phase if op.kind == "B" else 1 - op.phase
-                mb_b = op.mb if op.kind == "B" else op.mb_b
-                finished.append(("B", phase_b, mb_b))
-                next_b[rank][phase_b] += 1
-                if defer_w:
-                    wqueue[rank].append((phase_b, mb_b))
-            if op.kind == "W":
-                finished.append(("W", op.phase, op.mb))
-            for kind, phase, mb in finished:
+            for kind, phase, mb in _parts(op):
+                if kind != "W":
+                    (next_f if kind == "F" else next_b)[rank][phase] += 1
+                if kind == "B" and defer_w:
+                    wqueue[rank].append((phase, mb))
                 done[(rank, kind, phase, mb)] = t + cost
                 remaining -= 1
         t += 1
@@ -161,10 +179,11 @@ def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> tuple[t
 
 
 def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = True,
-             cost_f: float = 1.0, cost_b: float = 1.0, cost_w: float = 1.0) -> dict:
+             cost_f: float = 1.0, cost_b: float = 1.0, cost_w: float = 1.0, cost_a2a: float = 0.0) -> dict:
     """Replay the per-rank lists in order against the dependencies (a rank waits for its next op's
     inputs). Raises on a missing, repeated or out-of-order op and on deadlock. Returns the makespan
-    and bubble fraction (idle share of rank-time)."""
+    and bubble fraction (idle share of rank-time). `cost_a2a`: the exposed all-to-all time of
+    an unpaired F or B (a pair hides it under the other chunk's compute)."""
     if not defer_w:
         cost_b += cost_w
     seen, finish = set(), {}
@@ -175,13 +194,7 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
         for rank in range(pp):
             while pos[rank] < len(lists[rank]):
                 op = lists[rank][pos[rank]]
-                parts = []
-                if op.kind in ("F", "FB"):
-                    parts.append(("F", op.phase, op.mb))
-                if op.kind in ("B", "FB"):
-                    parts.append(("B", op.phase if op.kind == "B" else 1 - op.phase, op.mb if op.kind == "B" else op.mb_b))
-                if op.kind == "W":
-                    parts.append(("W", op.phase, op.mb))
+                parts = _parts(op)
                 deps = [d for kind, phase, mb in parts for d in _deps(pp, rank, kind, phase, mb)]
                 if op.kind == "W":
                     deps.append((rank, "B", op.phase, op.mb))
@@ -189,6 +202,7 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
                     break
                 start = max([clock[rank]] + [finish[d] for d in deps])
                 cost = sum({"F": cost_f, "B": cost_b, "W": cost_w}[k] for k, _, _ in parts)
+                cost += cost_a2a if op.kind in ("F", "B") else 0  # exposed: no other chunk computes
                 for kind, phase, mb in parts:
                     key = (rank, kind, phase, mb)
                     if key in seen:
@@ -447,17 +461,14 @@ class PipelineRunner:
     def _sends(self, rank_ops: list[Op], rank: int):
         """Messages a rank sends, in its order: (destination pp rank, kind, phase, mb)."""
         pp, out = self.mesh.pp, []
-        for op in rank_ops:
-            parts = []
-            if op.kind in ("F", "FB"):
-                parts.append(("act", op.phase, op.mb))
-            if op.kind in ("B", "FB"):
-                parts.append(("grad", op.phase if op.kind == "B" else 1 - op.phase, op.mb if op.kind == "B" else op.mb_b))
-            for kind, phase, mb in parts:
-                step = (1 if phase == 0 else -1) * (1 if kind == "act" else -1)
+        for op in rank_ops:  # a pair sends in the order of its parts (FB: the act, then the grad)
+            for kind, phase, mb in _parts(op):
+                if kind == "W":
+                    continue
+                step = (1 if phase == 0 else -1) * (1 if kind == "F" else -1)
                 dest = rank + step
                 if 0 <= dest < pp:
-                    out.append((dest, kind, phase, mb))
+                    out.append((dest, "act" if kind == "F" else "grad", phase, mb))
         return out
 
     def run(self, micros: list[dict], loss_fn, lists: list[list[Op]], lb_scale: float):
@@ -568,20 +579,16 @@ class PipelineRunner:
         weight_work = {}  # (phase, mb) -> its deferred expert weight gradients
         defer_w = any(op.kind == "W" for op in lists[rank])
         for op in lists[rank]:
-            if op.kind == "F":
-                _drive(forward(op.phase, op.mb))
-            if op.kind in ("B", "FB"):
-                phase_b, mb_b = (op.phase, op.mb) if op.kind == "B" else (1 - op.phase, op.mb_b)
-                if op.kind == "B":
-                    (grad,) = _drive(backward(phase_b, mb_b))
-                elif self.overlap:  # interleaved; the act is sent (in forward) before the grad
-                    _, grad = _drive(forward(op.phase, op.mb), backward(phase_b, mb_b))
-                else:
-                    _drive(forward(op.phase, op.mb))
-                    (grad,) = _drive(backward(phase_b, mb_b))
-                pass_grad(grad, phase_b, mb_b)
             if op.kind == "W":
                 weight_work.pop((op.phase, op.mb)).run()
+                continue
+            parts = _parts(op)  # a pair is two chunks (two FSDP roots), never one chunk twice
+            steps = [(forward if kind == "F" else backward)(phase, mb) for kind, phase, mb in parts]
+            # interleaved; a forward sends its act before the pair's grads are passed on
+            results = _drive(*steps) if self.overlap else [_drive(step)[0] for step in steps]
+            for (kind, phase, mb), grad in zip(parts, results):
+                if kind == "B":
+                    pass_grad(grad, phase, mb)
         for _, work in pending_send:
             work.wait()
         assert not saved and not pending_recv, "pipeline step ended with work left over"
