@@ -18,25 +18,29 @@ from test_parallel import assert_same_curve, deep_config, final_weights, mesh_co
 
 
 def with_edge_pairs(lists, pp, micro, defer_w=True):
-    """The schedule with, on each rank, the first two adjacent forwards (backwards) of its two
-    chunks that can run together merged into an FF (BB) op."""
+    """The schedule with, on each rank, the first two forwards (backwards) of its two chunks that
+    follow each other (W work in between moves after them) and can run together merged into an
+    FF (BB) op."""
     lists = [list(ops) for ops in lists]
     for ops in lists:
         for kind in "FB":
-            for i in range(len(ops) - 1):
-                a, b = ops[i], ops[i + 1]
-                if a.kind == b.kind == kind and a.phase != b.phase:
-                    ops[i : i + 2] = [Op(kind * 2, a.phase, a.mb, b.mb)]
-                    try:
-                        simulate(lists, pp, micro, defer_w)
-                        break
-                    except AssertionError:  # the second needs the first: not a pair
-                        ops[i : i + 1] = [a, b]
+            for i, a in enumerate(ops):
+                j = next((j for j in range(i + 1, len(ops)) if ops[j].kind != "W"), None)
+                if j is None or not (a.kind == ops[j].kind == kind and a.phase != ops[j].phase):
+                    continue
+                saved = list(ops)
+                ops[i] = Op(kind * 2, a.phase, a.mb, ops.pop(j).mb)
+                try:
+                    simulate(lists, pp, micro, defer_w)
+                    break
+                except AssertionError:  # the second needs the first: not a pair
+                    ops[:] = saved
     return lists
 
 
 def _train_worker(rank, world, jobs):
-    """Train each (config, out_dir, overlap, trace_path) job; rank 0 writes its runner's trace."""
+    """Train each (config, out_dir, overlap, trace_path, defer_w) job; rank 0 writes its runner's
+    trace, and every rank its pipeline rank and trace to trace_path.rankN."""
     from torch.distributed.fsdp._fully_shard._fsdp_state import FSDPState
 
     from pithtrain.parallel.mesh import init_mesh
@@ -68,8 +72,10 @@ def _train_worker(rank, world, jobs):
         loop.train(config, out_dir, echo=False, mesh=mesh)
         if rank == 0:
             (out_dir / "fsdp_final_callbacks").write_text(str(calls[0]))
-        if rank == 0 and trace_path is not None:
-            trace_path.write_text(json.dumps(runners[0].trace))
+        if trace_path is not None:
+            if rank == 0:
+                trace_path.write_text(json.dumps(runners[0].trace))
+            trace_path.with_suffix(f".rank{rank}").write_text(json.dumps([runners[0].mesh.pp_rank, runners[0].trace]))
 
 
 @pytest.fixture(scope="module")
@@ -133,20 +139,19 @@ def test_fb_interleaves_communication_with_the_other_micro_batch(runs):
         raise AssertionError("no backward all-to-all overlapped with a forward")
 
 
-def test_ff_and_bb_interleave_their_all_to_alls(runs):
-    """Rank 0's FF and BB ops: one chunk's all-to-all is in flight while the other chunk computes
-    (a forward notes each all-to-all it issues and waits on; a backward each compute block).
-    ("ds" has no MoE layer in chunk 0; its runs check FF/BB numerics without deferred W.)"""
-    trace = [tuple(e) for e in json.loads((runs / "qwen_trace.json").read_text())]
-    micro = len({mb for _, _, mb, _ in trace})
-    rank0 = with_edge_pairs(dualpipev_schedule(2, micro), 2, micro)[0]
-    (ff,), (bb,) = ([op for op in rank0 if op.kind == kind] for kind in ("FF", "BB"))
-    for op, issue, wait in ((ff, "dispatch-issue", "dispatch-wait"), (bb, "a2a-issue", "a2a-wait")):
-        kind, other = op.kind[0], (op.kind[0], 1 - op.phase, op.mb_b)
-        overlapped = 0
-        for phase, mb in ((op.phase, op.mb), (1 - op.phase, op.mb_b)):
-            start = trace.index((kind, phase, mb, issue))
-            end = trace.index((kind, phase, mb, wait), start)
-            partner = other if (phase, mb) == (op.phase, op.mb) else (kind, op.phase, op.mb)
-            overlapped += any(e[:3] == partner for e in trace[start + 1 : end])
-        assert overlapped == 2, (op, trace)
+def test_ff_bb_and_bw_interleave_their_all_to_alls(runs):
+    """FF, BB and BW ops: one part's all-to-all is in flight while the other part computes (a
+    forward notes each all-to-all it issues and waits on; a backward and a W each compute block).
+    ("ds" has no MoE layer in chunk 0; its runs check FF/BB numerics without W passes.)"""
+    traces = dict(json.loads(path.read_text()) for path in runs.glob("qwen_trace.rank*"))  # pp rank -> trace
+    micro = len({mb for _, _, mb, _ in traces[0]})
+    lists = with_edge_pairs(dualpipev_schedule(2, micro), 2, micro)
+    window = {"F": ("dispatch-issue", "dispatch-wait"), "B": ("a2a-issue", "a2a-wait")}
+    for kind in ("FF", "BB", "BW"):
+        rank, op = next((r, op) for r in (0, 1) for op in lists[r] if op.kind == kind)
+        trace = [tuple(e) for e in traces[rank]]
+        parts = [(kind[0], op.phase, op.mb), (kind[1], 1 - op.phase, op.mb_b)]
+        for part, partner in (parts, parts[::-1])[: 1 if kind == "BW" else 2]:
+            start = trace.index((*part, window[part[0]][0]))
+            end = trace.index((*part, window[part[0]][1]), start)
+            assert any(e[:3] == partner for e in trace[start + 1 : end]), (rank, op, part, trace)

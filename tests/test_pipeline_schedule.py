@@ -5,6 +5,7 @@ import pytest
 
 from pithtrain.parallel.pipeline import (
     Op,
+    _parts,
     dualpipev_bubble_formula,
     dualpipev_schedule,
     rank_chunks,
@@ -35,12 +36,12 @@ def test_schedule_is_complete_ordered_and_deadlock_free(pp, extra, defer_w):
     if pp == 1 and defer_w:  # no bubbles: W runs soon after its B, holding few activations
         queued, longest = 0, 0
         for op in lists[0]:
-            queued += (op.kind in ("B", "FB")) - (op.kind == "W")
+            queued += sum((k == "B") - (k == "W") for k, _, _ in _parts(op))
             longest = max(longest, queued)
         assert longest <= 3, lists[0]
     # the deferred-W queue is empty at the end: every W ran on its rank after its B
     for rank_ops in lists:
-        ws = [op for op in rank_ops if op.kind == "W"]
+        ws = [part for op in rank_ops for part in _parts(op) if part[0] == "W"]
         assert len(ws) == (2 * micro if defer_w else 0)
 
 
@@ -78,15 +79,20 @@ def _unpaired(rank_ops):
 
 @pytest.mark.parametrize("micro", [2, 3, 4, 7, 16])
 def test_pp1_leaves_the_fewest_ops_unpaired(micro):
-    """A pair (FB, FF, BB) takes one op of each of the rank's two chunks (two FSDP roots), and
-    F0.0 (nothing else exists yet) and B0.last (it needs the last phase-1 op) can never be paired;
-    so two phase-1 ops are unpaired too: 4 is the least, with or without edge pairs."""
-    for pair_edges in (None, True, False):
-        (ops,) = dualpipev_schedule(1, micro, True, pair_edges)
-        assert len(_unpaired(ops)) == 4, ops
-        assert ops[0] == Op("F", 0, 0) and [op for op in ops if op.kind != "W"][-1] == Op("B", 0, micro - 1)
+    """A pair of chunk ops (FB, FF, BB) takes one op of each of the rank's two chunks (two FSDP
+    roots); F0.0 (nothing else exists yet) and B0.last (it needs the last phase-1 op) can never be
+    in one, so two phase-1 ops are left too: 4 unpaired F/B, as without edge pairs. A backward
+    pairs with the other chunk's W work (BW), so only the two before any W exists are left."""
+    (plain,) = dualpipev_schedule(1, micro, True, False)
+    assert _unpaired(plain) == [Op("F", 0, 0), Op("F", 1, 0), Op("B", 1, micro - 1), Op("B", 0, micro - 1)]
+    (ops,) = dualpipev_schedule(1, micro, True)
+    assert _unpaired(ops) == [Op("F", 0, 0), Op("F", 1, 0)], ops
+    last = micro - 1
+    assert [op for op in ops if op.kind != "W"][-2:] == [Op("BW", 1, last, last - 1), Op("BW", 0, last, last - 1)]
     (ops,) = dualpipev_schedule(1, micro, True, True)
-    assert ops[1] == Op("FF", 1, 0, 1)  # F1.0 with F0.1
+    assert ops[1] == Op("FF", 1, 0, 1) and len(_unpaired(ops)) == 2  # F1.0 with F0.1, then B1.0 alone
+    for pair_edges in (None, True, False):
+        simulate(dualpipev_schedule(1, micro, True, pair_edges), 1, micro)
 
 
 @pytest.mark.parametrize("pp", [2, 4, 8])
@@ -99,8 +105,8 @@ def test_edge_pairs_are_valid_and_never_slower(pp, extra, defer_w):
     chosen = dualpipev_schedule(pp, micro, defer_w)
     for lists in (plain, paired, chosen):  # every F/B/W once, dependencies respected, no deadlock
         simulate(lists, pp, micro, defer_w)
-    assert not any(op.kind in ("FF", "BB") for ops in plain for op in ops)
-    assert any(op.kind in ("FF", "BB") for ops in paired for op in ops)
+    assert {op.kind for ops in plain for op in ops} <= {"F", "B", "W", "FB"}
+    assert {op.kind for ops in paired for op in ops} >= ({"FF", "BW"} if defer_w else {"FF"})
     # chosen among pairing rules (none of them = `plain`): no slower by compute alone, and on a
     # tie no slower once each unpaired F/B's all-to-all is exposed
     span = lambda lists, c: simulate(lists, pp, micro, defer_w, cost_a2a=c)["makespan"]  # noqa: E731

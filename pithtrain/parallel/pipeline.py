@@ -10,9 +10,13 @@ Schedule: per rank, a list of operations on (phase, micro-batch):
   W   the deferred weight-gradient work of one earlier B
   FB  the forward of one micro-batch overlapped with the backward of another, on the two
       chunks of the rank (phase 0 forward with phase 1 backward, or the reverse)
+  FF, BB  two forwards / two backwards, one on each chunk (the pipeline's edges: warm-up, drain)
+  BW  a backward with the other chunk's W work computing under its all-to-alls
+A pair is always of the two chunks (separate FSDP roots), never two ops of one chunk.
 The list is produced by simulating the pipeline in unit time with DualPipeV's rules: warm-up
 with forwards bounded per phase, a steady state of overlapped FB pairs, W work only where the
-rank would otherwise idle (or at the end), and the W queue empty at the end of the step.
+rank would otherwise idle (or at the end), and the W queue empty at the end of the step; the
+rules for FF/BB/BW are chosen by simulation (never slower; then fewest exposed all-to-alls).
 `simulate` replays any schedule against the dependencies and reports its bubble fraction.
 """
 
@@ -59,7 +63,7 @@ def rank_chunks(pp: int, rank: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # "F", "B", "W", or a pair on the two chunks: "FB", "FF", "BB"
+    kind: str  # "F", "B", "W", or a pair on the two chunks: "FB", "FF", "BB", "BW"
     phase: int = -1  # the phase of the op (of a pair's first; its second runs on the other phase)
     mb: int = -1  # the micro-batch (of a pair's first)
     mb_b: int = -1  # a pair's second micro-batch
@@ -79,7 +83,7 @@ def _chunk_of(pp: int, rank: int, phase: int) -> int:
 def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int, str, int, int]]:
     """(rank, kind, phase, mb) that must finish before this op can start."""
     chunk = _chunk_of(pp, rank, phase)
-    deps = []
+    deps = [(rank, "B", phase, mb)] if kind == "W" else []
     if kind == "F" and chunk > 0:
         prev = chunk - 1
         deps.append((prev if prev < pp else 2 * pp - 1 - prev, "F", 0 if prev < pp else 1, mb))
@@ -94,20 +98,22 @@ def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int,
 @functools.lru_cache(maxsize=16)  # a pure function of its arguments, asked for every step
 def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True,
                        pair_edges: bool | None = None) -> tuple[tuple[Op, ...], ...]:
-    """The per-rank operation lists for `num_micro` >= 2*pp micro-batches. `pair_edges`: run two
-    ready forwards (FF) or backwards (BB) of a rank's two chunks as a pair where no FB fits;
-    None: a few pairing rules, the one the simulation finds fastest by compute alone, ties going
-    to the fewest exposed all-to-alls (a pair delays its first op's result: greedy pairing
-    everywhere is often slower; so far it is chosen only at pp = 8 without deferred W).
-    pp = 1 has nothing to gain: F0.0 (first) and B0.last (last) can never be paired, and each
-    pair takes one op of each phase, so two phase-1 ops run unpaired too, as they do already."""
+    """The per-rank operation lists for `num_micro` >= 2*pp micro-batches. `pair_edges`: where
+    no FB fits, run two ready forwards (FF) or backwards (BB) of the rank's two chunks as a pair,
+    and a lone backward with the other chunk's queued W work (BW); False: none of it; None: of a
+    few pairing rules, the one the simulation finds fastest by compute alone, ties going to the
+    fewest exposed all-to-alls (a pair delays its first op's result: greedy FF/BB everywhere is
+    often slower; BW is mostly chosen, FF/BB rarely). At pp = 1, F0.0 and B0.last can never be in
+    a chunk pair and each pair takes one op of each chunk, so 4 F/B stay unpaired with FF/BB too;
+    BW pairs the last two backwards, leaving F0.0 and F1.0 (no W work exists yet)."""
     if num_micro < 2 * pp:
         raise ValueError(f"DualPipeV needs at least 2*pp = {2 * pp} micro-batches per step, got {num_micro}; "
                          f"raise train.global_batch_size or lower train.micro_batch_size")
-    every = {(r, k) for r in range(pp) for k in "FB"}
+    every, with_w = {(r, k) for r in range(pp) for k in "FB"}, {(r, "W") for r in range(pp)}
     if pair_edges is not None:
-        return _schedule(pp, num_micro, defer_w, frozenset(every if pair_edges else ()))
-    candidates = [frozenset(c) for c in ((), {(pp - 1, "B")}, {(pp - 1, "B"), (pp - 1, "F")}, {(0, "B")}, every)]
+        return _schedule(pp, num_micro, defer_w, frozenset(every | with_w if pair_edges else ()))
+    rules = ((), {(pp - 1, "B")}, {(pp - 1, "B"), (pp - 1, "F")}, {(0, "B")}, every)
+    candidates = [frozenset(c | w) for c in map(set, rules) for w in (set(), with_w)]
 
     def score(lists):  # compute-only makespan, then with each exposed all-to-all 1/4 of an op
         return [simulate(lists, pp, num_micro, defer_w, cost_a2a=c)["makespan"] for c in (0, 0.25)]
@@ -115,7 +121,7 @@ def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True,
 
 
 def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple[tuple[Op, ...], ...]:
-    """DualPipeV's rules, simulated in unit time; `pairs`: the (rank, "F" or "B") that pair edges."""
+    """DualPipeV's rules, simulated in unit time; `pairs`: (rank, "F"/"B"/"W") allowed FF/BB/BW."""
     done: dict[tuple[int, str, int, int], int] = {}  # op -> finish time
     next_f = [[0, 0] for _ in range(pp)]  # next forward micro-batch per rank and phase
     next_b = [[0, 0] for _ in range(pp)]
@@ -157,6 +163,10 @@ def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple
                 for p in (1, 0) if op is None else ():
                     if ok[p]:
                         op, cost = Op(kind, p, nxt[rank][p]), unit
+                        other_w = [w for w in wqueue[rank] if w[0] != p]  # the other chunk's W work: run now,
+                        if kind == "B" and (rank, "W") in pairs and other_w:  # not later, under B's all-to-alls
+                            wqueue[rank].remove(other_w[0])
+                            op, cost = Op("BW", p, op.mb, other_w[0][1]), unit + 1
                         break
             if op is None and wqueue[rank]:
                 phase, mb = wqueue[rank].pop(0)
@@ -196,8 +206,6 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
                 op = lists[rank][pos[rank]]
                 parts = _parts(op)
                 deps = [d for kind, phase, mb in parts for d in _deps(pp, rank, kind, phase, mb)]
-                if op.kind == "W":
-                    deps.append((rank, "B", op.phase, op.mb))
                 if any(d not in finish for d in deps):
                     break
                 start = max([clock[rank]] + [finish[d] for d in deps])
@@ -568,6 +576,15 @@ class PipelineRunner:
                 yield from _backward_steps(tape, list(zip(outputs, tensors)), tracer("B", phase, mb), state)
             return None if leaf is None else leaf.grad.to(dtype)
 
+        def weights(phase, mb):
+            """Generator: the deferred weight gradients of one earlier B, one GEMM per step (BW:
+            they compute while the backward's all-to-alls are in flight)."""
+            queue, note = weight_work.pop((phase, mb)), tracer("W", phase, mb)
+            while queue.work:
+                note("compute")
+                queue.work.pop(0)()
+                yield
+
         def pass_grad(grad, phase, mb):
             if grad is not None and not send(grad, "grad", phase):  # last rank: phase-1 input grad feeds its phase 0
                 inbox[("grad", 0, mb)] = grad
@@ -579,11 +596,9 @@ class PipelineRunner:
         weight_work = {}  # (phase, mb) -> its deferred expert weight gradients
         defer_w = any(op.kind == "W" for op in lists[rank])
         for op in lists[rank]:
-            if op.kind == "W":
-                weight_work.pop((op.phase, op.mb)).run()
-                continue
             parts = _parts(op)  # a pair is two chunks (two FSDP roots), never one chunk twice
-            steps = [(forward if kind == "F" else backward)(phase, mb) for kind, phase, mb in parts]
+            steps = [(forward if kind == "F" else backward if kind == "B" else weights)(phase, mb)
+                     for kind, phase, mb in parts]
             # interleaved; a forward sends its act before the pair's grads are passed on
             results = _drive(*steps) if self.overlap else [_drive(step)[0] for step in steps]
             for (kind, phase, mb), grad in zip(parts, results):
