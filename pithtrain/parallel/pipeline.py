@@ -594,7 +594,7 @@ class PipelineRunner:
             return (lambda event: trace.append((kind, phase, mb, event))) if trace is not None else (lambda event: None)
 
         weight_work = {}  # (phase, mb) -> its deferred expert weight gradients
-        defer_w = any(op.kind == "W" for op in lists[rank])
+        defer_w = any(kind == "W" for op in lists[rank] for kind, _, _ in _parts(op))
         for op in lists[rank]:
             parts = _parts(op)  # a pair is two chunks (two FSDP roots), never one chunk twice
             steps = [(forward if kind == "F" else backward if kind == "B" else weights)(phase, mb)
