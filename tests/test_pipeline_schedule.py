@@ -5,6 +5,7 @@ import pytest
 
 from pithtrain.parallel.pipeline import (
     Op,
+    _parts,
     dualpipev_bubble_formula,
     dualpipev_schedule,
     rank_chunks,
@@ -35,12 +36,12 @@ def test_schedule_is_complete_ordered_and_deadlock_free(pp, extra, defer_w):
     if pp == 1 and defer_w:  # no bubbles: W runs soon after its B, holding few activations
         queued, longest = 0, 0
         for op in lists[0]:
-            queued += (op.kind in ("B", "FB")) - (op.kind == "W")
+            queued += sum((k == "B") - (k == "W") for k, _, _ in _parts(op))
             longest = max(longest, queued)
         assert longest <= 3, lists[0]
     # the deferred-W queue is empty at the end: every W ran on its rank after its B
     for rank_ops in lists:
-        ws = [op for op in rank_ops if op.kind == "W"]
+        ws = [part for op in rank_ops for part in _parts(op) if part[0] == "W"]
         assert len(ws) == (2 * micro if defer_w else 0)
 
 
@@ -70,3 +71,43 @@ def test_v_shaped_placement(layers, pp):
     for rank in range(pp):
         first, second = rank_chunks(pp, rank)
         assert first == rank and second == 2 * pp - 1 - rank
+
+
+def _unpaired(rank_ops):
+    return [op for op in rank_ops if op.kind in ("F", "B")]
+
+
+@pytest.mark.parametrize("micro", [2, 3, 4, 7, 16])
+def test_pp1_leaves_the_fewest_ops_unpaired(micro):
+    """A pair of chunk ops (FB, FF, BB) takes one op of each of the rank's two chunks (two FSDP
+    roots); F0.0 (nothing else exists yet) and B0.last (it needs the last phase-1 op) can never be
+    in one, so two phase-1 ops are left too: 4 unpaired F/B, as without edge pairs. A backward
+    pairs with the other chunk's W work (BW), so only the two before any W exists are left."""
+    (plain,) = dualpipev_schedule(1, micro, True, False)
+    assert _unpaired(plain) == [Op("F", 0, 0), Op("F", 1, 0), Op("B", 1, micro - 1), Op("B", 0, micro - 1)]
+    (ops,) = dualpipev_schedule(1, micro, True)
+    assert _unpaired(ops) == [Op("F", 0, 0), Op("F", 1, 0)], ops
+    last = micro - 1
+    assert [op for op in ops if op.kind != "W"][-2:] == [Op("BW", 1, last, last - 1), Op("BW", 0, last, last - 1)]
+    (ops,) = dualpipev_schedule(1, micro, True, True)
+    assert ops[1] == Op("FF", 1, 0, 1) and len(_unpaired(ops)) == 2  # F1.0 with F0.1, then B1.0 alone
+    for pair_edges in (None, True, False):
+        simulate(dualpipev_schedule(1, micro, True, pair_edges), 1, micro)
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+@pytest.mark.parametrize("extra", [0, 2, 6])
+@pytest.mark.parametrize("defer_w", [True, False])
+def test_edge_pairs_are_valid_and_never_slower(pp, extra, defer_w):
+    micro = 2 * pp + extra
+    plain = dualpipev_schedule(pp, micro, defer_w, False)  # no FF/BB: the schedule before them
+    paired = dualpipev_schedule(pp, micro, defer_w, True)
+    chosen = dualpipev_schedule(pp, micro, defer_w)
+    for lists in (plain, paired, chosen):  # every F/B/W once, dependencies respected, no deadlock
+        simulate(lists, pp, micro, defer_w)
+    assert {op.kind for ops in plain for op in ops} <= {"F", "B", "W", "FB"}
+    assert {op.kind for ops in paired for op in ops} >= ({"FF", "BW"} if defer_w else {"FF"})
+    # chosen among pairing rules (none of them = `plain`): no slower by compute alone, and on a
+    # tie no slower once each unpaired F/B's all-to-all is exposed
+    span = lambda lists, c: simulate(lists, pp, micro, defer_w, cost_a2a=c)["makespan"]  # noqa: E731
+    assert (span(chosen, 0), span(chosen, 0.25)) <= (span(plain, 0), span(plain, 0.25))

@@ -10,9 +10,13 @@ Schedule: per rank, a list of operations on (phase, micro-batch):
   W   the deferred weight-gradient work of one earlier B
   FB  the forward of one micro-batch overlapped with the backward of another, on the two
       chunks of the rank (phase 0 forward with phase 1 backward, or the reverse)
+  FF, BB  two forwards / two backwards, one on each chunk (the pipeline's edges: warm-up, drain)
+  BW  a backward with the other chunk's W work computing under its all-to-alls
+A pair is always of the two chunks (separate FSDP roots), never two ops of one chunk.
 The list is produced by simulating the pipeline in unit time with DualPipeV's rules: warm-up
 with forwards bounded per phase, a steady state of overlapped FB pairs, W work only where the
-rank would otherwise idle (or at the end), and the W queue empty at the end of the step.
+rank would otherwise idle (or at the end), and the W queue empty at the end of the step; the
+rules for FF/BB/BW are chosen by simulation (never slower; then fewest exposed all-to-alls).
 `simulate` replays any schedule against the dependencies and reports its bubble fraction.
 """
 
@@ -59,10 +63,17 @@ def rank_chunks(pp: int, rank: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class Op:
-    kind: str  # "F", "B", "W" or "FB"
-    phase: int = -1  # F, B, W: the phase; FB: the phase of the forward (the backward is the other)
-    mb: int = -1  # F, B, W: the micro-batch; FB: the forward's
-    mb_b: int = -1  # FB: the backward's micro-batch
+    kind: str  # "F", "B", "W", or a pair on the two chunks: "FB", "FF", "BB", "BW"
+    phase: int = -1  # the phase of the op (of a pair's first; its second runs on the other phase)
+    mb: int = -1  # the micro-batch (of a pair's first)
+    mb_b: int = -1  # a pair's second micro-batch
+
+
+def _parts(op: Op) -> list[tuple[str, int, int]]:
+    """(kind, phase, mb) of each single op within `op`."""
+    if len(op.kind) == 1:
+        return [(op.kind, op.phase, op.mb)]
+    return [(op.kind[0], op.phase, op.mb), (op.kind[1], 1 - op.phase, op.mb_b)]
 
 
 def _chunk_of(pp: int, rank: int, phase: int) -> int:
@@ -72,7 +83,7 @@ def _chunk_of(pp: int, rank: int, phase: int) -> int:
 def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int, str, int, int]]:
     """(rank, kind, phase, mb) that must finish before this op can start."""
     chunk = _chunk_of(pp, rank, phase)
-    deps = []
+    deps = [(rank, "B", phase, mb)] if kind == "W" else []
     if kind == "F" and chunk > 0:
         prev = chunk - 1
         deps.append((prev if prev < pp else 2 * pp - 1 - prev, "F", 0 if prev < pp else 1, mb))
@@ -85,11 +96,32 @@ def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int,
 
 
 @functools.lru_cache(maxsize=16)  # a pure function of its arguments, asked for every step
-def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> tuple[tuple[Op, ...], ...]:
-    """The per-rank operation lists for `num_micro` >= 2*pp micro-batches."""
+def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True,
+                       pair_edges: bool | None = None) -> tuple[tuple[Op, ...], ...]:
+    """The per-rank operation lists for `num_micro` >= 2*pp micro-batches. `pair_edges`: where
+    no FB fits, run two ready forwards (FF) or backwards (BB) of the rank's two chunks as a pair,
+    and a lone backward with the other chunk's queued W work (BW); False: none of it; None: of a
+    few pairing rules, the one the simulation finds fastest by compute alone, ties going to the
+    fewest exposed all-to-alls (a pair delays its first op's result: greedy FF/BB everywhere is
+    often slower; BW is mostly chosen, FF/BB rarely). At pp = 1, F0.0 and B0.last can never be in
+    a chunk pair and each pair takes one op of each chunk, so 4 F/B stay unpaired with FF/BB too;
+    BW pairs the last two backwards, leaving F0.0 and F1.0 (no W work exists yet)."""
     if num_micro < 2 * pp:
         raise ValueError(f"DualPipeV needs at least 2*pp = {2 * pp} micro-batches per step, got {num_micro}; "
                          f"raise train.global_batch_size or lower train.micro_batch_size")
+    every, with_w = {(r, k) for r in range(pp) for k in "FB"}, {(r, "W") for r in range(pp)}
+    if pair_edges is not None:
+        return _schedule(pp, num_micro, defer_w, frozenset(every | with_w if pair_edges else ()))
+    rules = ((), {(pp - 1, "B")}, {(pp - 1, "B"), (pp - 1, "F")}, {(0, "B")}, every)
+    candidates = [frozenset(c | w) for c in map(set, rules) for w in (set(), with_w)]
+
+    def score(lists):  # compute-only makespan, then with each exposed all-to-all 1/4 of an op
+        return [simulate(lists, pp, num_micro, defer_w, cost_a2a=c)["makespan"] for c in (0, 0.25)]
+    return min((_schedule(pp, num_micro, defer_w, c) for c in candidates), key=score)
+
+
+def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple[tuple[Op, ...], ...]:
+    """DualPipeV's rules, simulated in unit time; `pairs`: (rank, "F"/"B"/"W") allowed FF/BB/BW."""
     done: dict[tuple[int, str, int, int], int] = {}  # op -> finish time
     next_f = [[0, 0] for _ in range(pp)]  # next forward micro-batch per rank and phase
     next_b = [[0, 0] for _ in range(pp)]
@@ -121,15 +153,20 @@ def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> tuple[t
                 if f_ok[pf] and b_ok[1 - pf]:
                     op, cost = Op("FB", pf, next_f[rank][pf], next_b[rank][1 - pf]), 2 if defer_w else 3
                     break
-            if op is None:
-                for p in (1, 0):  # backward first: it frees memory and unblocks the other ranks
-                    if b_ok[p]:
-                        op, cost = Op("B", p, next_b[rank][p]), 1 if defer_w else 2
-                        break
-            if op is None:
-                for p in (1, 0):
-                    if f_ok[p]:
-                        op, cost = Op("F", p, next_f[rank][p]), 1
+            # else backward first (it frees memory and unblocks the other ranks), then forward;
+            # where both chunks have one ready, the two run as a pair too (warm-up and drain,
+            # the pipeline's edges): each forward still counts against its phase's warm-up cap,
+            # so a pair keeps no more activations in flight than the two ops one after the other
+            for kind, ok, nxt, unit in (("B", b_ok, next_b, 1 if defer_w else 2), ("F", f_ok, next_f, 1)):
+                if op is None and ok[0] and ok[1] and (rank, kind) in pairs:
+                    op, cost = Op(kind * 2, 1, nxt[rank][1], nxt[rank][0]), 2 * unit
+                for p in (1, 0) if op is None else ():
+                    if ok[p]:
+                        op, cost = Op(kind, p, nxt[rank][p]), unit
+                        other_w = [w for w in wqueue[rank] if w[0] != p]  # the other chunk's W work: run now,
+                        if kind == "B" and (rank, "W") in pairs and other_w:  # not later, under B's all-to-alls
+                            wqueue[rank].remove(other_w[0])
+                            op, cost = Op("BW", p, op.mb, other_w[0][1]), unit + 1
                         break
             if op is None and wqueue[rank]:
                 phase, mb = wqueue[rank].pop(0)
@@ -138,20 +175,11 @@ def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> tuple[t
                 continue
             lists[rank].append(op)
             busy_until[rank] = t + cost
-            finished = []
-            if op.kind in ("F", "FB"):
-                finished.append(("F", op.phase, op.mb))
-                next_f[rank][op.phase] += 1
-            if op.kind in ("B", "FB"):
-                phase_b = op.phase if op.kind == "B" else 1 - op.phase
-                mb_b = op.mb if op.kind == "B" else op.mb_b
-                finished.append(("B", phase_b, mb_b))
-                next_b[rank][phase_b] += 1
-                if defer_w:
-                    wqueue[rank].append((phase_b, mb_b))
-            if op.kind == "W":
-                finished.append(("W", op.phase, op.mb))
-            for kind, phase, mb in finished:
+            for kind, phase, mb in _parts(op):
+                if kind != "W":
+                    (next_f if kind == "F" else next_b)[rank][phase] += 1
+                if kind == "B" and defer_w:
+                    wqueue[rank].append((phase, mb))
                 done[(rank, kind, phase, mb)] = t + cost
                 remaining -= 1
         t += 1
@@ -161,10 +189,11 @@ def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True) -> tuple[t
 
 
 def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = True,
-             cost_f: float = 1.0, cost_b: float = 1.0, cost_w: float = 1.0) -> dict:
+             cost_f: float = 1.0, cost_b: float = 1.0, cost_w: float = 1.0, cost_a2a: float = 0.0) -> dict:
     """Replay the per-rank lists in order against the dependencies (a rank waits for its next op's
     inputs). Raises on a missing, repeated or out-of-order op and on deadlock. Returns the makespan
-    and bubble fraction (idle share of rank-time)."""
+    and bubble fraction (idle share of rank-time). `cost_a2a`: the exposed all-to-all time of
+    an unpaired F or B (a pair hides it under the other chunk's compute)."""
     if not defer_w:
         cost_b += cost_w
     seen, finish = set(), {}
@@ -175,20 +204,13 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
         for rank in range(pp):
             while pos[rank] < len(lists[rank]):
                 op = lists[rank][pos[rank]]
-                parts = []
-                if op.kind in ("F", "FB"):
-                    parts.append(("F", op.phase, op.mb))
-                if op.kind in ("B", "FB"):
-                    parts.append(("B", op.phase if op.kind == "B" else 1 - op.phase, op.mb if op.kind == "B" else op.mb_b))
-                if op.kind == "W":
-                    parts.append(("W", op.phase, op.mb))
+                parts = _parts(op)
                 deps = [d for kind, phase, mb in parts for d in _deps(pp, rank, kind, phase, mb)]
-                if op.kind == "W":
-                    deps.append((rank, "B", op.phase, op.mb))
                 if any(d not in finish for d in deps):
                     break
                 start = max([clock[rank]] + [finish[d] for d in deps])
                 cost = sum({"F": cost_f, "B": cost_b, "W": cost_w}[k] for k, _, _ in parts)
+                cost += cost_a2a if op.kind in ("F", "B") else 0  # exposed: no other chunk computes
                 for kind, phase, mb in parts:
                     key = (rank, kind, phase, mb)
                     if key in seen:
@@ -447,17 +469,14 @@ class PipelineRunner:
     def _sends(self, rank_ops: list[Op], rank: int):
         """Messages a rank sends, in its order: (destination pp rank, kind, phase, mb)."""
         pp, out = self.mesh.pp, []
-        for op in rank_ops:
-            parts = []
-            if op.kind in ("F", "FB"):
-                parts.append(("act", op.phase, op.mb))
-            if op.kind in ("B", "FB"):
-                parts.append(("grad", op.phase if op.kind == "B" else 1 - op.phase, op.mb if op.kind == "B" else op.mb_b))
-            for kind, phase, mb in parts:
-                step = (1 if phase == 0 else -1) * (1 if kind == "act" else -1)
+        for op in rank_ops:  # a pair sends in the order of its parts (FB: the act, then the grad)
+            for kind, phase, mb in _parts(op):
+                if kind == "W":
+                    continue
+                step = (1 if phase == 0 else -1) * (1 if kind == "F" else -1)
                 dest = rank + step
                 if 0 <= dest < pp:
-                    out.append((dest, kind, phase, mb))
+                    out.append((dest, "act" if kind == "F" else "grad", phase, mb))
         return out
 
     def run(self, micros: list[dict], loss_fn, lists: list[list[Op]], lb_scale: float):
@@ -557,6 +576,15 @@ class PipelineRunner:
                 yield from _backward_steps(tape, list(zip(outputs, tensors)), tracer("B", phase, mb), state)
             return None if leaf is None else leaf.grad.to(dtype)
 
+        def weights(phase, mb):
+            """Generator: the deferred weight gradients of one earlier B, one GEMM per step (BW:
+            they compute while the backward's all-to-alls are in flight)."""
+            queue, note = weight_work.pop((phase, mb)), tracer("W", phase, mb)
+            while queue.work:
+                note("compute")
+                queue.work.pop(0)()
+                yield
+
         def pass_grad(grad, phase, mb):
             if grad is not None and not send(grad, "grad", phase):  # last rank: phase-1 input grad feeds its phase 0
                 inbox[("grad", 0, mb)] = grad
@@ -566,22 +594,16 @@ class PipelineRunner:
             return (lambda event: trace.append((kind, phase, mb, event))) if trace is not None else (lambda event: None)
 
         weight_work = {}  # (phase, mb) -> its deferred expert weight gradients
-        defer_w = any(op.kind == "W" for op in lists[rank])
+        defer_w = any(kind == "W" for op in lists[rank] for kind, _, _ in _parts(op))
         for op in lists[rank]:
-            if op.kind == "F":
-                _drive(forward(op.phase, op.mb))
-            if op.kind in ("B", "FB"):
-                phase_b, mb_b = (op.phase, op.mb) if op.kind == "B" else (1 - op.phase, op.mb_b)
-                if op.kind == "B":
-                    (grad,) = _drive(backward(phase_b, mb_b))
-                elif self.overlap:  # interleaved; the act is sent (in forward) before the grad
-                    _, grad = _drive(forward(op.phase, op.mb), backward(phase_b, mb_b))
-                else:
-                    _drive(forward(op.phase, op.mb))
-                    (grad,) = _drive(backward(phase_b, mb_b))
-                pass_grad(grad, phase_b, mb_b)
-            if op.kind == "W":
-                weight_work.pop((op.phase, op.mb)).run()
+            parts = _parts(op)  # a pair is two chunks (two FSDP roots), never one chunk twice
+            steps = [(forward if kind == "F" else backward if kind == "B" else weights)(phase, mb)
+                     for kind, phase, mb in parts]
+            # interleaved; a forward sends its act before the pair's grads are passed on
+            results = _drive(*steps) if self.overlap else [_drive(step)[0] for step in steps]
+            for (kind, phase, mb), grad in zip(parts, results):
+                if kind == "B":
+                    pass_grad(grad, phase, mb)
         for _, work in pending_send:
             work.wait()
         assert not saved and not pending_recv, "pipeline step ended with work left over"
