@@ -299,7 +299,10 @@ def _interpreting() -> bool:
 # the interpreter takes the fixed small tiles of INTERPRETER_BLOCKS (several blocks at small shapes).
 FWD_CONFIGS = [(128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4)]
 DQ_CONFIGS = [(128, 64, 8, 2), (64, 64, 8, 2), (64, 64, 4, 3), (64, 32, 4, 3)]
-DKV_CONFIGS = [(32, 128, 8, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 3)]  # BLOCK_N: the key block
+# dK/dV: the BLOCK_M = 32 tiles (32, 128, 8, 2) and (32, 64, 4, 2) gave a dK that differs run to run on
+# the H200 (by up to 0.7, at D = 64 and 128), the others never (tests/gpu/test_attention_gpu.py runs each
+# offered tile five times): a race in the code made for those tiles, so they are not offered.
+DKV_CONFIGS = [(64, 64, 8, 2), (64, 128, 8, 3)]  # BLOCK_N: the key block
 INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16}
 
 
