@@ -135,3 +135,24 @@ def test_config_from_hf_real_qwen3_30b_a3b_schema():
     cfg.validate()
     assert cfg.dim_per_head == 128 and cfg.rope_theta == 1e6 and cfg.num_experts == 128
     assert Qwen3MoeConfig.from_hf(cfg.to_hf()) == cfg
+
+
+def test_stage1_hands_the_experts_rows_in_the_matmul_dtype():
+    """Under autocast the experts' rows leave stage 1 already in bf16 (the dispatch then moves half the
+    bytes; ops/core.expert_tokens), equal to the normed hidden states cast once; the router's
+    probabilities are those of the fp32 normed rows. Outside autocast the rows stay fp32."""
+    cfg = Qwen3MoeConfig(**{k: v for k, v in CONFIGS["aligned_tied"].items() if k != "rope_parameters"})
+    model = cfg.build_model()
+    model.init_weights(0)
+    layer = model.layers["1"]
+    x = torch.randn(2, 9, cfg.hidden_size)
+    attn = model.attn_inputs(torch.arange(9).expand(2, 9), None, x.dtype)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = layer.stage1(x, attn)
+        h = x + layer.self_attn(layer.input_layernorm(x), attn)
+        normed = layer.post_attention_layernorm(h).flatten(0, 1)
+        scores = layer.mlp.gate(normed).scores
+    assert normed.dtype == torch.float32 and out.moe_input.dtype == torch.bfloat16
+    assert torch.equal(out.moe_input, normed.to(torch.bfloat16))
+    assert torch.equal(out.routing.scores, scores)
+    assert layer.stage1(x, attn).moe_input.dtype == torch.float32

@@ -125,6 +125,9 @@ def test_capture_profile_attributes_gpu_time_to_layer_stages():
     assert unit == "GPU kernel"
     assert times == {"stage 1 forward": 100, "stage 3 forward": 200, "stage 3 backward": 300 + 400,
                      "optimizer": 500, "other": 600}
+    by_kernel, _ = _profile_tool().stage_times([{"ph": "X", **e} for e in host + kernels], by_kernel=True)
+    assert by_kernel == {("stage 1 forward", "k1"): 100, ("stage 3 forward", "k2"): 200, ("stage 3 backward", "k3"): 300,
+                         ("stage 3 backward", "k4"): 400, ("optimizer", "k5"): 500, ("other", "k6"): 600}
 
 
 def test_capture_profile_stage_times_of_a_real_run(tmp_path, dataset_dir):
