@@ -185,3 +185,64 @@ def test_triton_ops_are_sound_custom_ops_and_compile(interpreter, monkeypatch):
     compiled, compiled_grads = grads(torch.compile(layer, fullgraph=True, backend="aot_eager"), inputs,
                                      torch.tensor(1.0))
     assert torch.equal(eager, compiled) and all(map(torch.equal, eager_grads, compiled_grads))
+
+
+def _wgrad_reference(grad, x, dy, counts, assign):
+    """float64 grad[e] (+)= x_e^T dy_e."""
+    ref = torch.zeros_like(grad, dtype=torch.float64) if assign else grad.double()
+    for e, (xe, de) in enumerate(zip(x.double().split(counts.tolist()), dy.double().split(counts.tolist()))):
+        ref[e] += xe.T @ de
+    return ref
+
+
+# float16, not bfloat16: the interpreter's tl.dot multiplies bf16 bit patterns (Triton 3.9); bf16 is tests/gpu's
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("assign", [False, True])
+def test_triton_weight_grad_into(interpreter, dtype, assign):
+    """Segments not multiples of the row block, an empty expert (first and in the middle), K and M not
+    multiples of the tile; a strided dy (a column slice)."""
+    torch.manual_seed(9)
+    counts = torch.tensor([0, 21, 5, 0, 40, 16])
+    rows, k_dim, m_dim = int(counts.sum()), 37, 22
+    x, dy = torch.randn(rows, k_dim).to(dtype), torch.randn(rows, m_dim + 3).to(dtype)[:, 1:m_dim + 1]
+    grad = torch.randn(len(counts), k_dim, m_dim)
+    before = grad.clone()
+    out = kernels.wgrad_into(grad, x, dy, counts, assign, cfg=dict(BK=16, BM=8, BN=16))
+    assert out is grad
+    ref = _wgrad_reference(before, x, dy, counts, assign)
+    assert (grad.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    assert (grad[0] == 0).all() if assign else torch.equal(grad[3], before[3])
+    again = kernels.wgrad_into(before.clone(), x, dy, counts, assign, cfg=dict(BK=16, BM=8, BN=16))
+    assert torch.equal(again, grad)  # no atomics: bit-identical
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_fused_weight_grad_dispatch(interpreter, monkeypatch, deferred):
+    """grouped_gemm.FUSED_WGRAD with the Triton path taken (CPU tensors, the interpreter): two micro-batches'
+    weight gradients of a cast fp32 master weight (the first assigns .grad, the second adds) against float64;
+    a queue whose add_grad is not plain accumulation still receives the product."""
+    from pithtrain.ops import grouped_gemm
+    from pithtrain.ops.grouped_gemm import DeferredWeightGrads, accumulate_grad, expert_mm
+
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    monkeypatch.setattr(grouped_gemm, "FUSED_WGRAD", True)
+    monkeypatch.setattr(kernels, "WGRAD_INTO_CONFIG", dict(BK=16, BM=16, BN=16))
+    calls, launch = [], kernels.wgrad_into
+    monkeypatch.setattr(kernels, "wgrad_into", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    torch.manual_seed(4)
+    counts = torch.tensor([7, 0, 19, 6])
+    module = torch.nn.Module()
+    module.w = torch.nn.Parameter(torch.randn(4, 24, 20))
+    queue = DeferredWeightGrads(accumulate_grad) if deferred else None
+    xs = [torch.randn(int(counts.sum()), 24).half() for _ in range(2)]
+    dys = [torch.randn(int(counts.sum()), 20).half() for _ in range(2)]
+    for x, dy in zip(xs, dys):
+        expert_mm(x, module, "w", counts, torch.float16, queue).backward(dy)
+        if queue:
+            queue.run()
+    ref = _wgrad_reference(_wgrad_reference(module.w, xs[0], dys[0], counts, True), xs[1], dys[1], counts, False)
+    assert len(calls) == 2 and (module.w.grad.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+    other = DeferredWeightGrads(lambda p, g: calls.append(g.dtype))  # e.g. fsdp.add_grad of a sharded parameter
+    expert_mm(xs[0], module, "w", counts, torch.float16, other).backward(dys[0])
+    other.run()
+    assert calls[2:] == [torch.float16]

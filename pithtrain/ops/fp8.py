@@ -605,7 +605,7 @@ class _FP8GroupedMM(torch.autograd.Function):
                 dytq, dyts = quantize_t(dy, counts)
                 wgrad = lambda: grouped_wgrad(xtq, xts, dytq, dyts, counts)  # noqa: E731
             else:  # rowwise_bf16_wgrad: the bf16 grouped GEMM (lazy import: grouped_gemm imports this module)
-                from pithtrain.ops.grouped_gemm import grouped_weight_grad
+                from pithtrain.ops.grouped_gemm import add_weight_grad, grouped_weight_grad
 
                 dy_hp, groups = dy.to(x_hp.dtype), w_bwd_q.shape[0]
                 wgrad = lambda: grouped_weight_grad(x_hp, dy_hp, counts, groups)  # noqa: E731
@@ -616,7 +616,10 @@ class _FP8GroupedMM(torch.autograd.Function):
 
                 def weight_pass():  # needs only saved activations: the weights may be resharded by now
                     with stage_range(3, "wgrad"):
-                        queue.add_grad(getattr(module, name), wgrad())
+                        if x_hp is None:
+                            queue.add_grad(getattr(module, name), wgrad())
+                        else:  # bf16: may add into .grad in the GEMM (grouped_gemm.FUSED_WGRAD)
+                            add_weight_grad(getattr(module, name), x_hp, dy_hp, counts, groups, queue)
 
                 queue.work.append(weight_pass)
         return dx, dw, None, None, None, None, None, None, None, None, None, None

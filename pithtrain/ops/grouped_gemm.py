@@ -7,10 +7,17 @@ Uses `torch._grouped_mm` where it applies (CPU fp32/bf16; CUDA bf16 on Hopper an
 from __future__ import annotations
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from pithtrain.protocol import stage_range
 from pithtrain.ops.fp8 import fp8_expert_mm
+from pithtrain.ops import kernels
 from pithtrain.ops.kernels import add_into
+
+# The weight gradients of cast master weights added into the fp32 .grad in the GEMM's epilogue
+# (kernels.wgrad_into) rather than a bf16 product and an add_into pass. Off until
+# benchmarks/grouped_gemm.py --wgrad shows it faster on the H200.
+FUSED_WGRAD = False
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -57,17 +64,42 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
         add_into(param.grad, grad)
 
 
+def grouped_weight_grad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor,
+                             assign: bool) -> torch.Tensor:
+    """grad[e] += x_e^T @ dy_e (= with `assign`) for an fp32 grad [E, K, M]: on CUDA one Triton GEMM
+    adding in its epilogue; elsewhere (the reference) grouped_weight_grad, then add_into."""
+    if kernels.use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and grad.is_contiguous():
+        return kernels.wgrad_into(grad, x, dy, counts, assign)
+    return add_into(grad, grouped_weight_grad(x, dy, counts, grad.shape[0]), assign)
+
+
 class DeferredWeightGrads:
     """A queue of weight-gradient work postponed by the backward (zero-bubble "W" passes): the
     pipeline schedule runs it later, in a bubble. `add_grad(param, grad)` receives each result
-    (it knows how the parameter is sharded)."""
+    (it knows how the parameter is sharded); `plain`: for a parameter that is not a DTensor it is
+    accumulate_grad (fsdp.add_grad), so the fused weight gradient may go straight into .grad."""
 
-    def __init__(self, add_grad):
+    def __init__(self, add_grad, plain: bool = False):
         self.work, self.add_grad = [], add_grad
+        self.plain = plain or add_grad is accumulate_grad
 
     def run(self) -> None:
         while self.work:
             self.work.pop(0)()
+
+
+@torch.no_grad()
+def add_weight_grad(param, x, dy, counts, num_groups: int, queue: DeferredWeightGrads | None) -> None:
+    """param.grad += x_e^T @ dy_e per expert: through queue.add_grad (or accumulate_grad without a
+    queue), or with FUSED_WGRAD on CUDA, for an fp32 parameter that is not FSDP-sharded, in one GEMM."""
+    grad = param.grad
+    if (FUSED_WGRAD and kernels.use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and dy.dtype == x.dtype
+            and (queue is None or queue.plain) and not isinstance(param, DTensor) and param.dtype == torch.float32
+            and (grad is None or (grad.dtype == torch.float32 and grad.is_contiguous()))):
+        param.grad = grouped_weight_grad_into(torch.empty_like(param) if grad is None else grad, x, dy, counts,
+                                              assign=grad is None)
+        return
+    (accumulate_grad if queue is None else queue.add_grad)(param, grouped_weight_grad(x, dy, counts, num_groups))
 
 
 class _GroupedMMDeferredW(torch.autograd.Function):
@@ -88,9 +120,7 @@ class _GroupedMMDeferredW(torch.autograd.Function):
 
         def weight_pass():  # needs only activations: the weights may be resharded by now
             with stage_range(3, "wgrad"):
-                param = getattr(module, name)
-                grad = grouped_weight_grad(x, dy, counts, num_groups)
-                (accumulate_grad if queue is None else queue.add_grad)(param, grad)
+                add_weight_grad(getattr(module, name), x, dy, counts, num_groups, queue)
 
         if queue is None:
             weight_pass()

@@ -13,6 +13,7 @@ installed), otherwise the reference, which is the code the models and dispatcher
   expert_bias_add(x, bias, counts)        x + bias[expert of each row], rows grouped by expert
   cross_entropy_sum(logits, labels)       sum of token cross-entropies over labels != -100, fp32 math
   add_into(dst, src)                      dst += src for an fp32 dst and a bf16 src (gradient accumulation)
+  wgrad_into(grad, x, dy, counts, assign) grad[e] += x_e^T dy_e, the add in the GEMM's epilogue
   muon_momentum(grad, buf, mu, out, halves)   Muon's momentum + Nesterov + cast into the NS batch, one pass
   muon_apply(weight, update, decay, step, halves)  weight decay + the scaled update, one pass
 
@@ -667,6 +668,51 @@ def add_into(dst: torch.Tensor, src: torch.Tensor | None, assign: bool = False) 
     else:
         dst.add_(src)
     return dst
+
+
+@_Kernel
+def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride, dy_stride,
+                       ASSIGN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """grad[e] (+)= x[rows of e]^T @ dy[rows of e] in fp32: one program per (K block, M block) of expert e,
+    over its rows in order (the x tile loaded transposed through its pointers), the add in the epilogue."""
+    e = tl.program_id(1)
+    m_tiles = tl.cdiv(m_dim, BM)
+    rk = tl.program_id(0) // m_tiles * BK + tl.arange(0, BK)
+    rm = tl.program_id(0) % m_tiles * BM + tl.arange(0, BM)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(ends_ptr + e)
+    acc = tl.zeros([BK, BM], dtype=tl.float32)
+    for r0 in range(start, end, BN):
+        r = r0 + tl.arange(0, BN)
+        x = tl.load(x_ptr + r.to(tl.int64)[None, :] * x_stride + rk[:, None],
+                    mask=(r < end)[None, :] & (rk < k_dim)[:, None], other=0.0)
+        dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * dy_stride + rm[None, :],
+                     mask=(r < end)[:, None] & (rm < m_dim)[None, :], other=0.0)
+        acc = tl.dot(x, dy, acc)
+    offs = e.to(tl.int64) * k_dim * m_dim + rk.to(tl.int64)[:, None] * m_dim + rm[None, :]
+    mask = (rk < k_dim)[:, None] & (rm < m_dim)[None, :]
+    if not ASSIGN:
+        acc += tl.load(grad_ptr + offs, mask=mask, other=0.0)
+    tl.store(grad_ptr + offs, acc, mask=mask)
+
+
+# Tiles of grad (BK x BM) and rows a step (BN); benchmarks/grouped_gemm.py --wgrad --sweep measures others
+WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=64, num_warps=8, num_stages=3)
+
+
+def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, assign: bool,
+               cfg: dict | None = None) -> torch.Tensor:
+    """grad[e] += x_e^T @ dy_e (= with `assign`) in place, for fp32 grad [E, K, M] contiguous and x [N, K],
+    dy [N, M] rows grouped by expert (counts [E]): the Triton launch (CUDA, or the interpreter). The
+    row offsets are a cumsum on the device (no host sync); an expert with no rows gets zeros (assign)."""
+    x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, dy))
+    cfg = cfg or WGRAD_INTO_CONFIG
+    experts, k_dim, m_dim = grad.shape
+    if grad.numel():
+        grid = (_cdiv(k_dim, cfg["BK"]) * _cdiv(m_dim, cfg["BM"]), experts)
+        _wgrad_into_kernel[grid](x, dy, counts.cumsum(0).to(x.device, torch.int32), grad, k_dim, m_dim, x.stride(0),
+                                 dy.stride(0), ASSIGN=assign, **cfg)
+    return grad
 
 
 # ---------------------------------------------------------------------------------------------------

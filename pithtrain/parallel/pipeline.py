@@ -527,7 +527,7 @@ class PipelineRunner:
                 leaf = x
             engine = self.make_engine(b, s)
             if defer_w:
-                engine.weight_queue = DeferredWeightGrads(add_grad)
+                engine.weight_queue = DeferredWeightGrads(add_grad, plain=True)
             tape = _Tape() if self.overlap and hasattr(engine.dispatcher, "dispatch_start") else None
             if tape is None:
                 out = chunk(x, pos, engine, doc_ids=doc, cp=cp)
