@@ -3,21 +3,92 @@ products of training (forward, input gradient, weight gradient), against a dense
 same FLOPs. Balanced routing (every expert gets tokens*k/E rows).
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --tokens 4096 --experts 128 --topk 8 --hidden 2048 --inter 768
+
+`--wgrad` (default --tokens 8192: 65,536 rows): the weight gradient accumulated into an fp32 .grad, as
+training does it, balanced and skewed routing: torch._grouped_mm + kernels.add_into against the fused
+kernels.wgrad_into (the add in the GEMM's epilogue; grouped_gemm.FUSED_WGRAD). Records a line in
+benchmarks/results.jsonl. `--sweep` also times a few tiles of the fused kernel (gate_up, balanced).
+
+    PYTHONPATH=. python benchmarks/grouped_gemm.py --wgrad [--sweep]
 """
 
 import argparse
 
 import torch
 from kernels import median_ms  # benchmarks/kernels.py: CUDA-event median over repeats
+from results import record
 
+from pithtrain.ops import kernels
 from pithtrain.ops.grouped_gemm import grouped_mm, grouped_weight_grad
+
+SWEEP = [dict(BK=bk, BM=bm, BN=bn, num_warps=w, num_stages=st)
+         for bk, bm, bn, w, st in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3),
+                                   (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 32, 8, 4), (64, 128, 64, 4, 4),
+                                   (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (128, 128, 128, 8, 3), (256, 128, 32, 8, 4))]
+
+
+def skewed_counts(rows: int, experts: int) -> torch.Tensor:
+    """Log-normal expert loads (a few experts several times the mean, some near zero), summing to rows."""
+    gen = torch.Generator().manual_seed(0)
+    share = torch.exp(torch.randn(experts, generator=gen))
+    counts = (share / share.sum() * rows).long()
+    counts[0] += rows - counts.sum()
+    return counts.cuda()
+
+
+def wgrad(args):
+    rows = args.tokens * args.topk
+    figures = {"benchmark": "grouped_wgrad_into", "rows": rows, "experts": args.experts}
+    for k, m, label in ((args.hidden, 2 * args.inter, "gate_up"), (args.inter, args.hidden, "down")):
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        dy = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
+        grad = torch.randn(args.experts, k, m, device="cuda")
+        flops = 2 * rows * k * m
+        for routing, counts in (("balanced", torch.full((args.experts,), rows // args.experts, device="cuda")),
+                                ("skewed", skewed_counts(rows, args.experts))):
+            runs = {"cutlass+add_into": lambda: kernels.add_into(grad, grouped_weight_grad(x, dy, counts, args.experts)),
+                    "cutlass alone": lambda: grouped_weight_grad(x, dy, counts, args.experts),
+                    "fused": lambda: kernels.wgrad_into(grad, x, dy, counts, False)}
+            ref = kernels.add_into(grad.clone(), grouped_weight_grad(x, dy, counts, args.experts))
+            err = (kernels.wgrad_into(grad.clone(), x, dy, counts, False) - ref).norm() / ref.norm()
+            err = err.item()  # the fused one is the more exact: it does not round the product to bf16
+            del ref
+            for what, fn in runs.items():
+                t = median_ms(fn, args.repeats)
+                figures[f"{label}_{routing}_{what.replace(' ', '_')}_ms"] = round(t, 4)
+                print(f"{label:8s} {routing:8s} [{rows} x {k}]^T [{rows} x {m}] {what:17s} {t:7.3f} ms "
+                      f"{flops / t / 1e9:6.0f} TFLOP/s", flush=True)
+            print(f"{label:8s} {routing:8s} fused vs cutlass+add_into: relative difference {err:.1e}")
+            figures[f"{label}_{routing}_rel_diff"] = float(f"{err:.2e}")
+        if args.sweep and label == "gate_up":
+            counts = torch.full((args.experts,), rows // args.experts, device="cuda")
+            best = None
+            for cfg in SWEEP:
+                try:
+                    t = median_ms(lambda: kernels.wgrad_into(grad, x, dy, counts, False, cfg=cfg), args.repeats)
+                except Exception as e:  # out of shared memory, say
+                    print(f"  sweep {cfg}: failed ({type(e).__name__})")
+                    continue
+                print(f"  sweep {cfg}: {t:7.3f} ms {flops / t / 1e9:6.0f} TFLOP/s", flush=True)
+                best = min(best or (t, cfg), (t, cfg), key=lambda b: b[0])
+            if best:
+                print(f"best: {best[1]} {best[0]:.3f} ms (kernels.WGRAD_INTO_CONFIG is {kernels.WGRAD_INTO_CONFIG})")
+                figures["sweep_best"], figures["sweep_best_ms"] = str(best[1]), round(best[0], 4)
+    record(figures)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for name, default in (("tokens", 4096), ("experts", 128), ("topk", 8), ("hidden", 2048), ("inter", 768)):
+    for name, default in (("tokens", None), ("experts", 128), ("topk", 8), ("hidden", 2048), ("inter", 768)):
         parser.add_argument(f"--{name}", type=int, default=default)
+    parser.add_argument("--wgrad", action="store_true", help="the fused weight gradient against cutlass + add_into")
+    parser.add_argument("--sweep", action="store_true", help="with --wgrad: tiles of the fused kernel")
+    parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
+    # --wgrad: 65,536 routed rows a micro-batch, as measured in docs/performance.md
+    args.tokens = args.tokens or (8192 if args.wgrad else 4096)
+    if args.wgrad:
+        return wgrad(args)
     rows = args.tokens * args.topk
     counts = torch.full((args.experts,), rows // args.experts, device="cuda")
     rows = int(counts.sum())
@@ -31,7 +102,7 @@ def main():
                          ("input grad", lambda: grouped_mm(dy, w.transpose(-1, -2), counts)),
                          ("weight grad", lambda: grouped_weight_grad(x, dy, counts, args.experts)),
                          ("dense same FLOPs", lambda: dense_a @ dense_b)):
-            t = median_ms(fn, 20) / 1e3
+            t = median_ms(fn, args.repeats) / 1e3
             print(f"{label:8s} [{rows} x {k}] x [{args.experts} x {k} x {m}] {what:17s} {t * 1e3:7.3f} ms {flops / t / 1e12:6.0f} TFLOP/s")
 
 

@@ -64,6 +64,38 @@ def test_expert_weight_cast_is_cached_per_update_and_gradients_still_accumulate(
     torch.testing.assert_close(stepped, fresh)
 
 
+@pytest.mark.parametrize("deferred", [False, True])
+def test_fused_weight_grad_switch_leaves_cpu_gradients_unchanged(monkeypatch, deferred):
+    """grouped_gemm.FUSED_WGRAD on: the CPU still takes the reference (grouped_weight_grad + add_into),
+    so two bf16 micro-batches give bit-identical fp32 gradients, and those match float64.
+    (The fused kernel itself, and the dispatch into it: tests/triton_interpreter_cases.py.)"""
+    from pithtrain.ops import grouped_gemm
+    from pithtrain.ops.grouped_gemm import accumulate_grad
+
+    torch.manual_seed(11)
+    counts = torch.tensor([9, 0, 14, 5])
+    xs = [torch.randn(int(counts.sum()), 16) for _ in range(2)]
+    dys = [torch.randn(int(counts.sum()), 12).bfloat16() for _ in range(2)]
+    weight = torch.randn(4, 16, 12)
+
+    def grad(fused):
+        monkeypatch.setattr(grouped_gemm, "FUSED_WGRAD", fused)
+        module = torch.nn.Module()
+        module.w = torch.nn.Parameter(weight.clone())
+        queue = DeferredWeightGrads(accumulate_grad) if deferred else None
+        for x, dy in zip(xs, dys):
+            expert_mm(x, module, "w", counts, torch.bfloat16, queue).backward(dy)
+            if queue:
+                queue.run()
+        return module.w.grad
+
+    fused = grad(True)
+    assert fused.dtype == torch.float32 and torch.equal(fused, grad(False))
+    split = lambda t: t.bfloat16().double().split(counts.tolist())  # noqa: E731
+    ref = sum(torch.stack([xe.T @ de for xe, de in zip(split(x), split(dy))]) for x, dy in zip(xs, dys))
+    torch.testing.assert_close(fused.double(), ref, rtol=2e-2, atol=2e-2)
+
+
 def test_expert_weight_gradient_without_an_input_gradient():
     """bf16 compute over an fp32 weight, input not requiring grad: the weight still gets its gradient."""
     torch.manual_seed(5)
