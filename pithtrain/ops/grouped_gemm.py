@@ -59,7 +59,7 @@ def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """param.grad += grad in place: a bf16 product goes straight into the fp32 gradient in one pass
     (kernels.add_into), and the first one of a step is cast into a new gradient the same way."""
     if param.grad is None:
-        param.grad = add_into(torch.empty_like(param, dtype=param.dtype), grad, assign=True)
+        param.grad = add_into(torch.empty_like(param), grad, assign=True)
     else:
         add_into(param.grad, grad)
 
@@ -68,7 +68,8 @@ def grouped_weight_grad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tens
                              assign: bool) -> torch.Tensor:
     """grad[e] += x_e^T @ dy_e (= with `assign`) for an fp32 grad [E, K, M]: on CUDA one Triton GEMM
     adding in its epilogue; elsewhere (the reference) grouped_weight_grad, then add_into."""
-    if kernels.use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and grad.is_contiguous():
+    if (kernels.use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and dy.dtype == x.dtype
+            and grad.is_contiguous()):
         return kernels.wgrad_into(grad, x, dy, counts, assign)
     return add_into(grad, grouped_weight_grad(x, dy, counts, grad.shape[0]), assign)
 
@@ -92,10 +93,9 @@ class DeferredWeightGrads:
 def add_weight_grad(param, x, dy, counts, num_groups: int, queue: DeferredWeightGrads | None) -> None:
     """param.grad += x_e^T @ dy_e per expert: through queue.add_grad (or accumulate_grad without a
     queue), or with FUSED_WGRAD on CUDA, for an fp32 parameter that is not FSDP-sharded, in one GEMM."""
-    grad = param.grad
-    if (FUSED_WGRAD and kernels.use_triton(x) and x.dtype in (torch.bfloat16, torch.float16) and dy.dtype == x.dtype
-            and (queue is None or queue.plain) and not isinstance(param, DTensor) and param.dtype == torch.float32
-            and (grad is None or (grad.dtype == torch.float32 and grad.is_contiguous()))):
+    grad = param.grad  # grouped_weight_grad_into picks the kernel or the reference path itself
+    if (FUSED_WGRAD and (queue is None or queue.plain) and not isinstance(param, DTensor)
+            and param.dtype == torch.float32 and (grad is None or grad.dtype == torch.float32)):
         param.grad = grouped_weight_grad_into(torch.empty_like(param) if grad is None else grad, x, dy, counts,
                                               assign=grad is None)
         return

@@ -654,7 +654,7 @@ def _add_into_kernel(dst_ptr, src_ptr, n, ASSIGN: tl.constexpr, BLOCK: tl.conste
     tl.store(dst_ptr + offs, x, mask=mask)
 
 
-def add_into(dst: torch.Tensor, src: torch.Tensor | None, assign: bool = False) -> torch.Tensor:
+def add_into(dst: torch.Tensor, src: torch.Tensor, assign: bool = False) -> torch.Tensor:
     """dst += src (dst = src with `assign`) in place, for an fp32 dst. On CUDA one vectorised pass:
     PyTorch's own mixed-dtype add (fp32 += bf16) takes its slow dynamic-casting loop, measured at
     a third of the stage-3 backward of a Qwen3-width layer on the H200 (the experts' weight

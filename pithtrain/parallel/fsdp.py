@@ -144,6 +144,5 @@ def add_grad(param: torch.nn.Parameter, full_grad: torch.Tensor) -> None:
     if param.grad is not None:
         add_into(param.grad.to_local(), full_grad)  # in place, in one pass
         return
-    local = add_into(torch.empty(full_grad.shape, dtype=param.dtype, device=full_grad.device), full_grad.contiguous(), assign=True)
-    param.grad = DTensor.from_local(local, mesh, placements, shape=param.shape,
-                                    stride=param.stride())
+    local = add_into(full_grad.new_empty(full_grad.shape, dtype=param.dtype), full_grad, assign=True)
+    param.grad = DTensor.from_local(local, mesh, placements, shape=param.shape, stride=param.stride())
