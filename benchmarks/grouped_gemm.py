@@ -7,7 +7,7 @@ same FLOPs. Balanced routing (every expert gets tokens*k/E rows).
 `--wgrad` (default --tokens 8192: 65,536 rows): the weight gradient accumulated into an fp32 .grad, as
 training does it, balanced and skewed routing: torch._grouped_mm + kernels.add_into against the fused
 kernels.wgrad_into (the add in the GEMM's epilogue; grouped_gemm.FUSED_WGRAD). Records a line in
-benchmarks/results.jsonl. `--sweep` also times a few tiles of the fused kernel (gate_up, balanced).
+benchmarks/results.jsonl. `--sweep` also times a few tiles of the fused kernel (balanced routing, both shapes).
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --wgrad [--sweep]
 """
@@ -22,9 +22,10 @@ from pithtrain.ops import kernels
 from pithtrain.ops.grouped_gemm import grouped_mm, grouped_weight_grad
 
 SWEEP = [dict(BK=bk, BM=bm, BN=bn, num_warps=w, num_stages=st)
-         for bk, bm, bn, w, st in ((128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 4, 4), (128, 128, 64, 4, 3),
-                                   (128, 256, 64, 8, 3), (256, 128, 64, 8, 3), (128, 256, 32, 8, 4), (64, 128, 64, 4, 4),
-                                   (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (128, 128, 128, 8, 3), (256, 128, 32, 8, 4))]
+         for bk, bm, bn, w, st in ((128, 128, 64, 8, 3), (128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (128, 128, 64, 4, 2),
+                                   (128, 128, 32, 4, 4), (128, 128, 128, 4, 3), (128, 64, 64, 4, 3), (64, 128, 64, 4, 3),
+                                   (256, 64, 64, 4, 3), (64, 256, 64, 4, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
+                                   (64, 64, 64, 4, 4), (64, 64, 128, 4, 3))]
 
 
 def skewed_counts(rows: int, experts: int) -> torch.Tensor:
@@ -60,7 +61,7 @@ def wgrad(args):
                       f"{flops / t / 1e9:6.0f} TFLOP/s", flush=True)
             print(f"{label:8s} {routing:8s} fused vs cutlass+add_into: relative difference {err:.1e}")
             figures[f"{label}_{routing}_rel_diff"] = float(f"{err:.2e}")
-        if args.sweep and label == "gate_up":
+        if args.sweep:
             counts = torch.full((args.experts,), rows // args.experts, device="cuda")
             best = None
             for cfg in SWEEP:
@@ -73,7 +74,7 @@ def wgrad(args):
                 best = min(best or (t, cfg), (t, cfg), key=lambda b: b[0])
             if best:
                 print(f"best: {best[1]} {best[0]:.3f} ms (kernels.WGRAD_INTO_CONFIG is {kernels.WGRAD_INTO_CONFIG})")
-                figures["sweep_best"], figures["sweep_best_ms"] = str(best[1]), round(best[0], 4)
+                figures[f"{label}_sweep_best"], figures[f"{label}_sweep_best_ms"] = str(best[1]), round(best[0], 4)
     record(figures)
 
 
