@@ -192,11 +192,14 @@ def main():
                         "share of the step time is reported either way")
     parser.add_argument("--attention", default="flash", choices=["flash", "sdpa"], help="GPT-OSS attention: the "
                         "Triton kernel of ops/attention.py, or SDPA with the sink as an extra key and explicit masks")
+    parser.add_argument("--fused-wgrad", default="on", choices=["on", "off"], help="grouped_gemm.FUSED_WGRAD: the "
+                        "experts' weight gradient added into the fp32 .grad in the GEMM (on) or by a pass after it")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    from pithtrain.ops import attention
+    from pithtrain.ops import attention, grouped_gemm
 
     attention.ENABLED = args.attention == "flash"
+    grouped_gemm.FUSED_WGRAD = args.fused_wgrad == "on"
     if args.profile_step is None:
         args.profile_step = args.steps
     hf_batch = args.hf_batch or args.batch
@@ -221,7 +224,7 @@ def main():
     torch.cuda.empty_cache()
     warm = [m for m in ours[2:] if m["step"] != args.profile_step] or ours
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "fp8": args.fp8, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "fp8": args.fp8, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "fused_wgrad": args.fused_wgrad, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30,

@@ -17,7 +17,7 @@ from pithtrain.ops.kernels import add_into
 # The weight gradients of cast master weights added into the fp32 .grad in the GEMM's epilogue
 # (kernels.wgrad_into) rather than a bf16 product and an add_into pass. Off until
 # benchmarks/grouped_gemm.py --wgrad shows it faster on the H200.
-FUSED_WGRAD = False
+FUSED_WGRAD = True
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -697,7 +697,7 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
 
 
 # Tiles of grad (BK x BM) and rows a step (BN); benchmarks/grouped_gemm.py --wgrad --sweep measures others
-WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=64, num_warps=8, num_stages=3)
+WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=64, num_warps=4, num_stages=3)
 
 
 def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, assign: bool,

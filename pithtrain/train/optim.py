@@ -63,11 +63,16 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, dtype: torch.dtype | None = N
     x = g.to(dtype or (torch.bfloat16 if g.is_cuda else torch.float32))
     tall = x.size(-2) > x.size(-1)
     x = x / (torch.linalg.matrix_norm(x, keepdim=True) + 1e-7)  # Frobenius norm >= the spectral norm: sigma <= 1
-    mm_add = torch.baddbmm if x.dim() == 3 else torch.addmm  # beta * input + alpha * (m1 @ m2): one pass less
     for _ in range(steps):
         gram = x.mT @ x if tall else x @ x.mT
-        poly = mm_add(gram, gram, gram, beta=b, alpha=c)
-        x = mm_add(x, x, poly, beta=a) if tall else mm_add(x, poly, x, beta=a)
+        # P = a I + b A + c A^2 = A (c A + b I) + a I, made on the small Gram matrices, then one plain product
+        # with X: cuBLAS's beta-epilogue (baddbmm) ran 1.5x slower than a plain bmm on the H200
+        # (docs/performance.md), and the identity terms are adds to a diagonal
+        poly = gram * c
+        poly.diagonal(dim1=-2, dim2=-1).add_(b)
+        poly = gram @ poly
+        poly.diagonal(dim1=-2, dim2=-1).add_(a)
+        x = x @ poly if tall else poly @ x
     return x.to(g.dtype)
 
 
