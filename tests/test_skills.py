@@ -320,3 +320,34 @@ def test_track_experiments_checks_every_step_is_logged(tmp_path, dataset_dir):
     assert gone.returncode == 1 and "tensorboard is missing" in gone.stdout, gone.stdout
     short = check("--steps", "2")
     assert short.returncode == 1 and "unexpected [3]" in short.stdout, short.stdout
+
+
+def test_track_experiments_reads_a_real_offline_wandb_run(tmp_path, dataset_dir, monkeypatch):
+    """The real wandb package, offline: a 3-step run, then a resume to 4 (a second offline run): every
+    step's loss and the config once per run are found: PASS. A loss that no wandb record holds
+    (metrics.jsonl edited) and a run with its records gone: FAIL naming what is missing."""
+    pytest.importorskip("wandb")  # in the test extra: CI has it
+    from pithtrain.train.loop import train
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    script = ".agents/skills/track-experiments/check_run.py"
+    run = tmp_path / "run"
+    train(tiny_config(dataset_dir, steps=4, wandb_project="moe", checkpoint_every=1), run, echo=False, stop_after=3)
+    train(tiny_config(dataset_dir, steps=4, wandb_project="moe", checkpoint_every=1), run, echo=False)
+
+    def check():
+        return subprocess.run([sys.executable, script, str(run), "--wandb"], capture_output=True, text=True)
+
+    ok = check()
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS: steps 1..4 logged"), ok.stdout + ok.stderr
+    assert "wandb: 2 offline run(s)" in ok.stdout, ok.stdout
+    lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    lines[1]["loss"] += 1e-3
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    edited = check()
+    assert edited.returncode == 1 and "the loss of steps [2] is in no offline run" in edited.stdout, edited.stdout
+    for f in (run / "wandb").glob("offline-run-*/run-*.wandb"):
+        f.unlink()
+    gone = check()
+    assert gone.returncode == 1 and "no offline wandb run" in gone.stdout, gone.stdout

@@ -5,7 +5,7 @@
 metrics.jsonl must hold steps 1..N (N: train.steps of RUN/run_config.json, or --steps for a run
 stopped early) with finite losses; RUN/tensorboard (checked when present, required with
 --tensorboard) must hold train/loss for the same steps with the same values; --wandb requires
-an offline wandb run under RUN/wandb.
+offline wandb runs under RUN/wandb that hold every step's loss and the run's config once each.
 """
 
 import argparse
@@ -45,12 +45,33 @@ def tensorboard_losses(run: Path, problems: list) -> dict:
     return losses
 
 
+def wandb_problems(run: Path, logged: dict) -> list:
+    """The offline runs' record files (RUN/wandb/offline-run-*/run-*.wandb; a resume starts another) hold
+    each logged value as the JSON text of its float, uncompressed, and the config as one record: so every
+    step's loss must appear among them, and a config field once per file. A byte check, not wandb's own
+    reader (wandb 0.2x+ reads its records in its Go core only): it cannot say at which step a value sits."""
+    files = sorted((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    if not files:
+        return [f"no offline wandb run under {run / 'wandb'} (train.wandb_project set, WANDB_MODE=offline?)"]
+    records = [f.read_bytes() for f in files]
+    print(f"wandb: {len(files)} offline run(s), {sum(map(len, records)):,} bytes of records")
+    problems = []
+    absent = [s for s, m in logged.items() if not any(json.dumps(m["loss"]).encode() in r for r in records)]
+    if absent:
+        problems.append(f"wandb: the loss of steps {absent[:10]} is in no offline run (a run killed before wandb flushed?)")
+    field = f'"{next(iter(json.loads((run / "run_config.json").read_text())["model"]))}"'.encode()  # e.g. "model_type"
+    counts = [r.count(field) for r in records]
+    if any(c != 1 for c in counts):
+        problems.append(f"wandb: the run config (its field {field.decode()}) is logged {counts} times per offline run, not once")
+    return problems
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path)
     parser.add_argument("--steps", type=int, help="steps the run should have logged (default: its train.steps)")
     parser.add_argument("--tensorboard", action="store_true", help="require TensorBoard event files")
-    parser.add_argument("--wandb", action="store_true", help="require an offline wandb run (WANDB_MODE=offline)")
+    parser.add_argument("--wandb", action="store_true", help="require offline wandb runs (WANDB_MODE=offline) holding every step's loss and the config")
     args = parser.parse_args()
     problems = []
     steps = args.steps
@@ -75,8 +96,8 @@ def main():
             differ = [s for s in losses if s in logged and not math.isclose(losses[s], logged[s]["loss"], rel_tol=1e-6)]
             if differ:
                 problems.append(f"tensorboard: train/loss differs from metrics.jsonl at steps {differ[:10]}")
-    if args.wandb and not list((args.run / "wandb").glob("offline-run-*")):
-        problems.append(f"no offline wandb run under {args.run / 'wandb'} (train.wandb_project set, WANDB_MODE=offline?)")
+    if args.wandb:
+        problems += wandb_problems(args.run, logged)
     for p in problems:
         print("problem:", p)
     print(f"PASS: steps 1..{steps} logged" if not problems else "FAIL")
