@@ -59,7 +59,10 @@ def wandb_problems(run: Path, logged: dict) -> list:
     absent = [s for s, m in logged.items() if not any(json.dumps(m["loss"]).encode() in r for r in records)]
     if absent:
         problems.append(f"wandb: the loss of steps {absent[:10]} is in no offline run (a run killed before wandb flushed?)")
-    field = f'"{next(iter(json.loads((run / "run_config.json").read_text())["model"]))}"'.encode()  # e.g. "model_type"
+    config = run / "run_config.json"
+    if not config.is_file():
+        return problems + [f"{config} is missing: cannot check that wandb logged the config"]
+    field = f'"{next(iter(json.loads(config.read_text()).get("model") or {"model_type": 0}))}"'.encode()  # "model_type"
     counts = [r.count(field) for r in records]
     if any(c != 1 for c in counts):
         problems.append(f"wandb: the run config (its field {field.decode()}) is logged {counts} times per offline run, not once")
