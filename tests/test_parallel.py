@@ -252,7 +252,10 @@ def test_checkpoints_reshard_across_meshes(runs, dataset_dir):
         assert torch.allclose(w_got[key], w_ref[key], rtol=1e-5, atol=1e-5), key
     for name in o_ref:
         for key in ("exp_avg", "exp_avg_sq", "step"):
-            assert torch.allclose(o_got[name][key], o_ref[name][key], rtol=1e-4, atol=1e-9), (name, key)
+            # fp32 rounding of another mesh's sums is relative to the tensor's scale, not to each entry:
+            # an entry that sums to near zero differs by ~1e-9 absolute (measured), a wrong reshard by O(1)
+            ref = o_ref[name][key]
+            assert torch.allclose(o_got[name][key], ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max())), (name, key)
 
 
 @pytest.mark.parametrize("ref, name, rel", [("fp8_ref", "fp8_dp2", FP8_MESH_REL), ("fp8_ref", "fp8_ep2", FP8_MESH_REL),
