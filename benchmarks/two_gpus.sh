@@ -2,7 +2,7 @@
 # One vs two H200s at equal per-GPU work (the GPU-speed issue's scaling target): each pair runs the
 # same micro-batch and the same number of micro-batches per GPU per step; two GPUs use ep2 with the
 # DualPipeV pp = 1 overlap. Per-GPU tokens/s = the two-GPU run's tok/s / 2; compare medians of
-# steps 2 and later. Run from the repository root on a 2-GPU machine: bash benchmarks/two_gpus.sh
+# steps 2 and later; then FP8 and Muon at ep2 (issues 14, 17). From the repository root on a 2-GPU machine: bash benchmarks/two_gpus.sh
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1
 python -c "import numpy as np; from pithtrain.train.data import write_dataset as w; r = np.random.default_rng(0); \
@@ -28,4 +28,12 @@ for per_gpu in 8 4; do
         python -m pithtrain train examples/gpt_oss_20b.py --nproc $n --ep $n --out /tmp/oss${n}_$per_gpu --steps 7 $S \
             --set train.global_batch_size=$((2 * per_gpu * n)) --set data.path=/tmp/rand_oss --set model.layer_types=None | grep "^step"
     done
+done
+# FP8 (issue 14) and Muon (issue 17) at ep2: Qwen3 width, 4 layers, micro-batch 4, 8 micro-batches per GPU, against
+# the bf16 AdamW ep2 run above (/tmp/q2_8); the profiled step's table gives the optimizer's share of GPU time
+for what in train.fp8=rowwise_bf16_wgrad train.fp8=rowwise optim.name=muon; do
+    out=/tmp/q2_${what//[.=]/_}
+    python -m pithtrain train benchmarks/qwen3_width.py --nproc 2 --ep 2 --out $out --steps 7 --set $what \
+        --set train.global_batch_size=64 --set train.micro_batch_size=4 --set train.profile_step=7 $W | grep "^step"
+    python .agents/skills/capture-profile/profile_step.py --trace $out/profile/rank0.json | grep -E "^  (stage|optimizer|other)"
 done
