@@ -19,6 +19,10 @@ runs=(
     "python -m pytest -q tests/gpu"
 )
 first=${1:-1} last=${2:-${#runs[@]}}
+if ! [[ $first =~ ^[0-9]+$ && $last =~ ^[0-9]+$ ]] || (( first < 1 || last > ${#runs[@]} || first > last )); then
+    echo "one_gpu.sh: FIRST and LAST must be run numbers with 1 <= FIRST <= LAST <= ${#runs[@]} (got '$first' '$last')" >&2
+    exit 2
+fi
 for i in $(seq "$first" "$last"); do
     echo "=== run $i: ${runs[$((i - 1))]}"
     ${runs[$((i - 1))]} 2>&1 | grep -E "^(pithtrain:|[0-9]+ passed|FAILED|.*(failed|error))"
