@@ -109,6 +109,50 @@ def test_expert_weight_gradient_without_an_input_gradient():
     torch.testing.assert_close(module.w.grad.double(), ref, rtol=2e-2, atol=2e-2)
 
 
+def test_head_logits_casts_once_and_accumulates_its_weight_gradient_by_hand():
+    """The LM head under bf16 autocast over an fp32 master weight: logits and input gradients as
+    autocast's F.linear gives them; two micro-batches' weight gradients summed into .grad (float64
+    reference; shared with an embedding use of the same weight, as a tied head is); one cast per
+    update, a fresh one after an in-place change; outside autocast or without grad, F.linear itself."""
+    from pithtrain.ops.grouped_gemm import head_logits
+
+    torch.manual_seed(21)
+    weight = torch.nn.Parameter(torch.randn(50, 16) * 0.3)
+    twin = torch.nn.Parameter(weight.detach().clone())  # the same head through autocast's F.linear
+    ids = torch.randint(0, 50, (2, 5))
+    xs = [torch.randn(2, 5, 16) for _ in range(2)]
+    dys = [torch.randn(2, 5, 50) for _ in range(2)]
+    ref = torch.zeros(50, 16, dtype=torch.float64)
+    for x, dy in zip(xs, dys):
+        got_x, want_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = head_logits(got_x + torch.nn.functional.embedding(ids, weight), weight)
+            want = torch.nn.functional.linear(want_x + torch.nn.functional.embedding(ids, twin), twin)
+        assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+        got.backward(dy.bfloat16())
+        want.backward(dy.bfloat16())
+        assert got_x.grad.dtype == torch.float32 and torch.equal(got_x.grad, want_x.grad)
+        h = (x + torch.nn.functional.embedding(ids, weight.detach())).bfloat16().double().reshape(10, 16)
+        d = dy.bfloat16().double().reshape(10, 50)
+        ref += d.t() @ h  # the head's part
+        ref.index_add_(0, ids.flatten(), (d @ weight.detach().bfloat16().double()))  # the embedding's part
+    assert weight.grad.dtype == torch.float32
+    torch.testing.assert_close(weight.grad.double(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    torch.testing.assert_close(weight.grad, twin.grad, rtol=1e-2, atol=1e-2 * twin.grad.abs().max().item())
+    cast = weight._head_cast[1]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        head_logits(xs[0], weight)
+        assert weight._head_cast[1] is cast  # reused while the weight is unchanged
+        with torch.no_grad():
+            weight.mul_(-1.0)
+        flipped = head_logits(xs[0], weight)
+    assert weight._head_cast[1] is not cast
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.testing.assert_close(flipped, torch.nn.functional.linear(xs[0], weight))
+    plain = torch.randn(3, 16)
+    assert torch.equal(head_logits(plain, weight), torch.nn.functional.linear(plain, weight))  # fp32: untouched
+
+
 def test_local_dispatch_round_trip():
     torch.manual_seed(0)
     t, h, e, k = 13, 6, 5, 3

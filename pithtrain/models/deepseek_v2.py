@@ -35,7 +35,7 @@ from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
-from pithtrain.ops.grouped_gemm import activation_mm, expert_mm
+from pithtrain.ops.grouped_gemm import activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention_expand
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -479,7 +479,7 @@ class DeepseekV2Model(nn.Module):
         for layer in self.layers.values():
             x = run_layer(layer, x, attn, engine)
         if self.norm is not None:
-            x = F.linear(self.norm(x), self.head_weight())
+            x = head_logits(self.norm(x), self.head_weight())
         return x
 
     @torch.no_grad()
@@ -536,7 +536,7 @@ class DeepseekV2Model(nn.Module):
             if layer.mlp.shared_experts is not None:
                 moe = moe + layer.mlp.shared_experts(flat)
             x = x + moe.view_as(x)
-        return F.linear(self.norm(x), self.head_weight())
+        return head_logits(self.norm(x), self.head_weight())
 
     # ---- Hugging Face conversion (this model's names <-> HF's per-expert names) ----
 

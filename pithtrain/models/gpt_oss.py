@@ -35,7 +35,7 @@ from pithtrain.ops import attention, kernels
 from pithtrain.ops.attention import sink_attention  # the SDPA path (CPU)
 from pithtrain.ops.core import apply_rope, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
-from pithtrain.ops.grouped_gemm import activation_mm, expert_mm
+from pithtrain.ops.grouped_gemm import activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -419,7 +419,7 @@ class GptOssModel(nn.Module):
         for layer in self.layers.values():
             x = run_layer(layer, x, attn, engine)
         if self.norm is not None:
-            x = F.linear(self.norm(x), self.head_weight())
+            x = head_logits(self.norm(x), self.head_weight())
         return x
 
     @torch.no_grad()
@@ -475,7 +475,7 @@ class GptOssModel(nn.Module):
                 act = (u + 1) * g / (1 + torch.exp(-cfg.swiglu_alpha * g))
                 moe.index_add_(0, tok, (act @ ex.down[e] + ex.down_bias[e]) * w[tok, slot, None])
             x = x + moe.view_as(x)
-        return F.linear(self.norm(x), self.head_weight())
+        return head_logits(self.norm(x), self.head_weight())
 
     # ---- Hugging Face conversion (gate then up here <-> interleaved in HF; MXFP4 on import) ----
 

@@ -23,7 +23,7 @@ from pithtrain.ops import attention as flash  # Triton flash attention for packe
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
-from pithtrain.ops.grouped_gemm import activation_mm, expert_mm
+from pithtrain.ops.grouped_gemm import activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention
 
 
@@ -292,7 +292,7 @@ class Qwen3MoeModel(nn.Module):
         for layer in self.layers.values():
             x = run_layer(layer, x, attn, engine)
         if self.norm is not None:
-            x = F.linear(self.norm(x), self.head_weight())
+            x = head_logits(self.norm(x), self.head_weight())
         return x
 
     @torch.no_grad()
@@ -335,7 +335,7 @@ class Qwen3MoeModel(nn.Module):
                     g, u = (flat[tok] @ ex.gate_up[e]).chunk(2, -1)
                     moe.index_add_(0, tok, ((F.silu(g) * u) @ ex.down[e]) * w[tok, slot, None])
             x = x + moe.view_as(x)
-        return F.linear(self.norm(x), self.head_weight())
+        return head_logits(self.norm(x), self.head_weight())
 
     # ---- Hugging Face conversion (this model's names <-> HF's per-expert names) ----
 

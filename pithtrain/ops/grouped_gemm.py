@@ -2,16 +2,20 @@
 
 Uses `torch._grouped_mm` where it applies (CPU fp32/bf16; CUDA bf16 on Hopper and newer, with
 16-byte aligned row strides) and a per-expert loop elsewhere. Both give the same numbers.
+Also the LM head's GEMM (`head_logits`), whose fp32 master weight takes its gradient the same way:
+cast once per update, the gradient added into .grad by the GEMM, not cast and added by autograd.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from pithtrain.protocol import stage_range
 from pithtrain.ops.fp8 import fp8_expert_mm
 from pithtrain.ops import kernels
+from pithtrain.ops.core import autocast_dtype
 from pithtrain.ops.kernels import add_into
 
 # The weight gradients of cast master weights added into the fp32 .grad in the GEMM's epilogue
@@ -58,10 +62,64 @@ def grouped_weight_grad(x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor,
 def accumulate_grad(param: torch.Tensor, grad: torch.Tensor) -> None:
     """param.grad += grad in place: a bf16 product goes straight into the fp32 gradient in one pass
     (kernels.add_into), and the first one of a step is cast into a new gradient the same way."""
-    if param.grad is None:
+    if param.grad is None and grad.dtype == param.dtype and grad.is_contiguous():
+        param.grad = grad  # a fresh product in the parameter's dtype: no copy
+    elif param.grad is None:
         param.grad = add_into(torch.empty_like(param), grad, assign=True)
     else:
         add_into(param.grad, grad)
+
+
+def mm_into_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """param.grad (+)= a @ b in fp32 for bf16 a and b: on CUDA cuBLAS accumulates into the fp32
+    gradient in the GEMM itself (beta = 1, fp32 output), so the product is never a tensor of its
+    own; elsewhere (the reference) the product, then accumulate_grad."""
+    grad = param.grad
+    if not a.is_cuda or param.dtype != torch.float32 or (grad is not None and not grad.is_contiguous()):
+        accumulate_grad(param, a @ b)
+    elif grad is None:
+        param.grad = torch.mm(a, b, out_dtype=torch.float32)
+    else:
+        torch.addmm(grad, a, b, out_dtype=torch.float32, out=grad)
+
+
+class _HeadLinear(torch.autograd.Function):
+    """logits = x @ w^T with w the compute-dtype copy of the fp32 master weight `param`; the weight
+    gradient goes into param.grad by mm_into_grad (autograd would cast a bf16 product to fp32 and
+    add it: two passes over the vocabulary-sized gradient per micro-batch)."""
+
+    @staticmethod
+    def forward(ctx, x, param, w):
+        xc = x.to(w.dtype)
+        ctx.save_for_backward(xc, w)
+        ctx.param, ctx.x_dtype = param, x.dtype
+        return F.linear(xc, w)
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, w = ctx.saved_tensors
+        dy = dy.to(w.dtype)
+        dx = (dy @ w).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1]:
+            with torch.no_grad():
+                mm_into_grad(ctx.param, dy.reshape(-1, dy.shape[-1]).t(), xc.reshape(-1, xc.shape[-1]))
+        return dx, None, None
+
+
+def head_logits(x: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """F.linear(x, param) for the LM head. Under autocast with an fp32 master weight (not an FSDP
+    compute copy, which is already bf16) the weight is cast once per update (its version counter;
+    autocast casts it again every micro-batch) and its gradient accumulated by the GEMM itself."""
+    dtype = autocast_dtype(x)
+    if (dtype == param.dtype or param.dtype != torch.float32 or isinstance(param, DTensor)
+            or not (param.requires_grad and torch.is_grad_enabled())):
+        return F.linear(x, param)
+    key = (id(param), param._version, param.data_ptr(), dtype)
+    hit = getattr(param, "_head_cast", None)
+    if hit is None or hit[0] != key:
+        hit = (key, param.detach().to(dtype))
+        param._head_cast = hit  # on the parameter: a tied head shares the embedding's weight
+    return _HeadLinear.apply(x, param, hit[1])
 
 
 def grouped_weight_grad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor,

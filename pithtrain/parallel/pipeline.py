@@ -28,11 +28,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.fsdp import FSDPModule
 
 from pithtrain.protocol import RoutingInfo, stage_range
-from pithtrain.ops.grouped_gemm import DeferredWeightGrads
+from pithtrain.ops.grouped_gemm import DeferredWeightGrads, head_logits
 from pithtrain.parallel.fsdp import add_grad
 
 
@@ -362,7 +361,7 @@ def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, lb_scale, note):
         x = yield from _layer_steps(layer, x, attn, engine, tape, lb_scale, note)
     if chunk.norm is not None:  # x stays out of the hook's arguments (FSDP would cast it); the
         # hook still needs one argument on GPUs (it moves args to the device): the integer positions
-        x = as_root(lambda _positions: F.linear(chunk.norm(x), chunk.head_weight()), pos)
+        x = as_root(lambda _positions: head_logits(chunk.norm(x), chunk.head_weight()), pos)
     return x
 
 

@@ -226,3 +226,30 @@ def test_muon_step_triton_against_the_reference_passes(monkeypatch, batch_bytes)
         (w, buf), (ref_w, ref_buf) = results[0][n], results[1][n]
         assert torch.allclose(buf, ref_buf, rtol=1e-6, atol=1e-6), n
         assert rel_err(w - start[n], ref_w - start[n]) < 1e-2, n
+
+
+def test_head_logits_accumulates_into_the_fp32_gradient_in_the_gemm():
+    """The LM head on CUDA under bf16 autocast: cuBLAS adds the weight gradient into the fp32 .grad
+    (torch.mm / addmm with an fp32 output): two micro-batches against float64 (the product is never
+    rounded to bf16, so within bf16 input rounding only), logits bit-identical to autocast's F.linear,
+    input gradients within a bf16 rounding of its."""
+    from pithtrain.ops.grouped_gemm import head_logits
+
+    torch.manual_seed(8)
+    weight = torch.nn.Parameter(torch.randn(32000, 512, device="cuda") * 0.05)
+    twin = torch.nn.Parameter(weight.detach().clone())
+    ref = torch.zeros(32000, 512, dtype=torch.float64, device="cuda")
+    for _ in range(2):
+        x, dy = torch.randn(2, 1024, 512, device="cuda"), torch.randn(2, 1024, 32000, device="cuda").bfloat16()
+        got_x, want_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got, want = head_logits(got_x, weight), torch.nn.functional.linear(want_x, twin)
+        assert torch.equal(got, want)
+        got.backward(dy)
+        want.backward(dy)
+        torch.testing.assert_close(got_x.grad, want_x.grad, rtol=8e-3, atol=1e-3)
+        ref += dy.double().reshape(-1, 32000).t() @ x.bfloat16().double().reshape(-1, 512)
+    assert weight.grad.dtype == torch.float32
+    err = (weight.grad.double() - ref).norm() / ref.norm()
+    twin_err = (twin.grad.double() - ref).norm() / ref.norm()
+    assert err < 1e-5 and err <= twin_err, (err, twin_err)
