@@ -591,7 +591,7 @@ class _FP8GroupedMM(torch.autograd.Function):
         elif ctx.needs_input_grad[1]:
             x_hp = x.to(out_dtype)
         ctx.save_for_backward(xtq, xts, x_hp, counts, w_bwd_q, w_bwd_s)
-        ctx.queue, ctx.module, ctx.name, ctx.x_dtype, ctx.w_dtype = queue, module, name, x.dtype, weight.dtype
+        ctx.queue, ctx.module, ctx.name, ctx.x_dtype = queue, module, name, x.dtype
         return y
 
     @staticmethod
