@@ -96,9 +96,8 @@ class TrainConfig:
     profile_step: int = 0  # profile this step (1-based) into OUT/profile/rank<r>.json; 0: off
     # FP8 GEMMs (experts, attention and MLP projections; not the router, embeddings or head):
     # off | rowwise (e4m3, one scale per row of each operand; ops/fp8.py) | rowwise_bf16_wgrad
-    # (weight gradients in bf16: no transposed copies; the faster, 1.06x bf16's tokens/s at 8
-    # Qwen3-width layers on an H200, docs/performance.md). Needs FP8 tensor cores (compute
-    # capability 8.9+); on the CPU only with fp8_emulate (plain-PyTorch numerics, slow).
+    # (weight gradients in bf16: the faster, 1.06x bf16 at 8 Qwen3 layers). Needs FP8 tensor
+    # cores (compute capability 8.9+); on the CPU only with fp8_emulate (plain PyTorch, slow).
     fp8: str = "off"
     fp8_emulate: bool = False  # FP8 numerics in plain PyTorch on the CPU (tests; slow)
 
