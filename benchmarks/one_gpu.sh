@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites for the open GPU issues (14 FP8, 17 Muon,
 # 18 speed), in the order to run them; each appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS
-# and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git). About 18 minutes in all:
+# and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git). About 30 minutes in all (more than one session's device time):
 # split it over calls with FIRST and LAST (1-based run numbers): bash benchmarks/one_gpu.sh [FIRST [LAST]]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
     "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 18: the deepest Qwen3 width that fits
-    "$T --layers 8 --steps 5 --batch 4 --accum 8"                                   # 18: Qwen3 width, 8 layers
-    "$T --family deepseek_v2 --layers 4 --steps 6 --batch 2 --accum 4"              # 18
-    "$T --family deepseek_v2 --layers 4 --steps 6 --batch 2 --accum 4 --fp8 rowwise_bf16_wgrad"  # 14
-    "$T --family gpt_oss --layers 4 --steps 6 --batch 2 --accum 4"                  # 18 (compiles for ~2 min)
-    "$T --family gpt_oss --layers 4 --steps 6 --batch 2 --accum 4 --fp8 rowwise_bf16_wgrad"      # 14
-    "$T --layers 8 --steps 5 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14: against run 2
-    "$T --layers 4 --steps 6 --batch 2 --accum 4 --fp8 off"                         # 14: the 4-layer pair
-    "$T --layers 4 --steps 6 --batch 2 --accum 4 --fp8 rowwise_bf16_wgrad"          # 14
+    "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14: FP8 at the same depth
+    "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8"             # 18: the deepest (estimate-memory --max-layers: 126.7 GiB)
+    "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (130.0 GiB estimated); compiles ~2 min
+    "$T --layers 8 --steps 5 --batch 4 --accum 8"                                   # 18 and 14: Qwen3 width, 8 layers
+    "$T --layers 8 --steps 5 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14
+    "$T --family deepseek_v2 --layers 4 --steps 6 --batch 2 --accum 4"              # 18 and 14: the 4-layer shapes
+    "$T --family deepseek_v2 --layers 4 --steps 6 --batch 2 --accum 4 --fp8 rowwise_bf16_wgrad"
+    "$T --family gpt_oss --layers 4 --steps 6 --batch 2 --accum 4"
+    "$T --family gpt_oss --layers 4 --steps 6 --batch 2 --accum 4 --fp8 rowwise_bf16_wgrad"
+    "$T --layers 4 --steps 6 --batch 2 --accum 4 --fp8 off"
+    "$T --layers 4 --steps 6 --batch 2 --accum 4 --fp8 rowwise_bf16_wgrad"
     "$T --layers 8 --steps 5 --batch 4 --accum 8 --optim muon"                      # 17: 131k tokens a step
     "$T --layers 8 --steps 5 --batch 4 --accum 16 --optim muon"                     # 17: 262k tokens a step
     "python -m pytest -q tests/gpu"
