@@ -6,7 +6,8 @@ same FLOPs. Balanced routing (every expert gets tokens*k/E rows).
 
 `--wgrad` (default --tokens 8192: 65,536 rows): the weight gradient accumulated into an fp32 .grad, as
 training does it, balanced and skewed routing: torch._grouped_mm + kernels.add_into against the fused
-kernels.wgrad_into (the add in the GEMM's epilogue; grouped_gemm.FUSED_WGRAD). Records a line in
+kernels.wgrad_into (the add in the GEMM's epilogue; grouped_gemm.FUSED_WGRAD), with its tensor-descriptor
+(TMA) loads and with plain pointer loads. Records a line in
 benchmarks/results.jsonl. `--sweep` also times a few tiles of the fused kernel (balanced routing, both shapes).
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --wgrad [--sweep]
@@ -49,7 +50,8 @@ def wgrad(args):
                                 ("skewed", skewed_counts(rows, args.experts))):
             runs = {"cutlass+add_into": lambda: kernels.add_into(grad, grouped_weight_grad(x, dy, counts, args.experts)),
                     "cutlass alone": lambda: grouped_weight_grad(x, dy, counts, args.experts),
-                    "fused": lambda: kernels.wgrad_into(grad, x, dy, counts, False)}
+                    "fused": lambda: kernels.wgrad_into(grad, x, dy, counts, False),
+                    "fused pointer loads": lambda: kernels.wgrad_into(grad, x, dy, counts, False, tma=False)}
             ref = kernels.add_into(grad.clone(), grouped_weight_grad(x, dy, counts, args.experts))
             err = (kernels.wgrad_into(grad.clone(), x, dy, counts, False) - ref).norm() / ref.norm()
             err = err.item()  # the fused one is the more exact: it does not round the product to bf16

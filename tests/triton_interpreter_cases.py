@@ -198,21 +198,26 @@ def _wgrad_reference(grad, x, dy, counts, assign):
 # float16, not bfloat16: the interpreter's tl.dot multiplies bf16 bit patterns (Triton 3.9); bf16 is tests/gpu's
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("assign", [False, True])
-def test_triton_weight_grad_into(interpreter, dtype, assign):
+@pytest.mark.parametrize("tma", [False, True])  # pointer loads; tensor descriptors (the Hopper path)
+def test_triton_weight_grad_into(interpreter, dtype, assign, tma):
     """Segments not multiples of the row block, an empty expert (first and in the middle), K and M not
-    multiples of the tile; a strided dy (a column slice)."""
+    multiples of the tile; a strided dy (a column slice). With descriptors bounded to each expert's rows,
+    the rows past a segment read as zeros."""
     torch.manual_seed(9)
     counts = torch.tensor([0, 21, 5, 0, 40, 16])
     rows, k_dim, m_dim = int(counts.sum()), 37, 22
-    x, dy = torch.randn(rows, k_dim).to(dtype), torch.randn(rows, m_dim + 3).to(dtype)[:, 1:m_dim + 1]
+    pad = 1
+    if tma:  # descriptors want 16-byte aligned rows and bases (the interpreter checks as the hardware does)
+        k_dim, m_dim, pad = 40, 24, 8
+    x, dy = torch.randn(rows, k_dim).to(dtype), torch.randn(rows, m_dim + pad).to(dtype)[:, pad:]
     grad = torch.randn(len(counts), k_dim, m_dim)
     before = grad.clone()
-    out = kernels.wgrad_into(grad, x, dy, counts, assign, cfg=dict(BK=16, BM=8, BN=16))
+    out = kernels.wgrad_into(grad, x, dy, counts, assign, cfg=dict(BK=16, BM=8, BN=16), tma=tma)
     assert out is grad
     ref = _wgrad_reference(before, x, dy, counts, assign)
     assert (grad.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert (grad[0] == 0).all() if assign else torch.equal(grad[3], before[3])
-    again = kernels.wgrad_into(before.clone(), x, dy, counts, assign, cfg=dict(BK=16, BM=8, BN=16))
+    again = kernels.wgrad_into(before.clone(), x, dy, counts, assign, cfg=dict(BK=16, BM=8, BN=16), tma=tma)
     assert torch.equal(again, grad)  # no atomics: bit-identical
 
 

@@ -672,23 +672,37 @@ def add_into(dst: torch.Tensor, src: torch.Tensor, assign: bool = False) -> torc
 
 @_Kernel
 def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride, dy_stride,
-                       ASSIGN: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                       ASSIGN: tl.constexpr, TMA: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                       STAGES: tl.constexpr):
     """grad[e] (+)= x[rows of e]^T @ dy[rows of e] in fp32: one program per (K block, M block) of expert e,
-    over its rows in order (the x tile loaded transposed through its pointers), the add in the epilogue."""
+    over its rows in order, the add in the epilogue. TMA (Hopper): x and dy tiles arrive through tensor
+    descriptors bounded to the expert's rows (the bulk copy engine zero-fills past them), x transposed
+    in shared memory; else through pointers, x's tile loaded transposed."""
     e = tl.program_id(1)
     m_tiles = tl.cdiv(m_dim, BM)
-    rk = tl.program_id(0) // m_tiles * BK + tl.arange(0, BK)
-    rm = tl.program_id(0) % m_tiles * BM + tl.arange(0, BM)
+    k0 = tl.program_id(0) // m_tiles * BK
+    m0 = tl.program_id(0) % m_tiles * BM
+    rk = k0 + tl.arange(0, BK)
+    rm = m0 + tl.arange(0, BM)
     start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
     end = tl.load(ends_ptr + e)
     acc = tl.zeros([BK, BM], dtype=tl.float32)
-    for r0 in range(start, end, BN):
-        r = r0 + tl.arange(0, BN)
-        x = tl.load(x_ptr + r.to(tl.int64)[None, :] * x_stride + rk[:, None],
-                    mask=(r < end)[None, :] & (rk < k_dim)[:, None], other=0.0)
-        dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * dy_stride + rm[None, :],
-                     mask=(r < end)[:, None] & (rm < m_dim)[None, :], other=0.0)
-        acc = tl.dot(x, dy, acc)
+    if TMA:
+        rows = tl.maximum(end - start, 1)  # a descriptor needs a row; an empty expert's loop never reads it
+        x_desc = tl.make_tensor_descriptor(x_ptr + start.to(tl.int64) * x_stride, shape=[rows, k_dim],
+                                           strides=[x_stride, 1], block_shape=[BN, BK])
+        dy_desc = tl.make_tensor_descriptor(dy_ptr + start.to(tl.int64) * dy_stride, shape=[rows, m_dim],
+                                            strides=[dy_stride, 1], block_shape=[BN, BM])
+        for r0 in tl.range(0, end - start, BN, num_stages=STAGES):
+            acc = tl.dot(x_desc.load([r0, k0]).T, dy_desc.load([r0, m0]), acc)
+    else:
+        for r0 in tl.range(start, end, BN, num_stages=STAGES):
+            r = r0 + tl.arange(0, BN)
+            x = tl.load(x_ptr + r.to(tl.int64)[None, :] * x_stride + rk[:, None],
+                        mask=(r < end)[None, :] & (rk < k_dim)[:, None], other=0.0)
+            dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * dy_stride + rm[None, :],
+                         mask=(r < end)[:, None] & (rm < m_dim)[None, :], other=0.0)
+            acc = tl.dot(x, dy, acc)
     offs = e.to(tl.int64) * k_dim * m_dim + rk.to(tl.int64)[:, None] * m_dim + rm[None, :]
     mask = (rk < k_dim)[:, None] & (rm < m_dim)[None, :]
     if not ASSIGN:
@@ -696,22 +710,39 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
     tl.store(grad_ptr + offs, acc, mask=mask)
 
 
-# Tiles of grad (BK x BM) and rows a step (BN); benchmarks/grouped_gemm.py --wgrad --sweep measures others
+# Tiles of grad (BK x BM) and rows a step (BN); benchmarks/grouped_gemm.py --wgrad --sweep measures others.
+# With TMA at Qwen3's expert widths and 131,072 rows (micro-batch 4) on the H200: gate_up 2.14 -> 1.95 ms,
+# down 1.11 -> 1.04 ms balanced, 2.19 -> 2.15 and 1.20 -> 1.09 ms skewed (docs/performance.md, tenth session).
 WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=64, num_warps=4, num_stages=3)
+_tma_allocator_set = False
+
+
+def _tma_ok(*tensors: torch.Tensor) -> bool:
+    """Tensor descriptors need Hopper or later, and 16-byte aligned bases and row strides."""
+    return (tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] >= 9
+            and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in tensors))
 
 
 def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, assign: bool,
-               cfg: dict | None = None) -> torch.Tensor:
+               cfg: dict | None = None, tma: bool | None = None) -> torch.Tensor:
     """grad[e] += x_e^T @ dy_e (= with `assign`) in place, for fp32 grad [E, K, M] contiguous and x [N, K],
     dy [N, M] rows grouped by expert (counts [E]): the Triton launch (CUDA, or the interpreter). The
-    row offsets are a cumsum on the device (no host sync); an expert with no rows gets zeros (assign)."""
+    row offsets are a cumsum on the device (no host sync); an expert with no rows gets zeros (assign).
+    `tma`: the tensor-descriptor loads (default: where the GPU and the alignment allow them)."""
+    global _tma_allocator_set
     x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, dy))
-    cfg = cfg or WGRAD_INTO_CONFIG
+    cfg = dict(cfg or WGRAD_INTO_CONFIG)
+    tma = _tma_ok(x, dy) if tma is None else tma
+    if tma and not _tma_allocator_set:  # device-side descriptors live in a scratch buffer Triton asks for
+        import triton
+
+        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=x.device))
+        _tma_allocator_set = True
     experts, k_dim, m_dim = grad.shape
     if grad.numel():
         grid = (_cdiv(k_dim, cfg["BK"]) * _cdiv(m_dim, cfg["BM"]), experts)
         _wgrad_into_kernel[grid](x, dy, counts.cumsum(0).to(x.device, torch.int32), grad, k_dim, m_dim, x.stride(0),
-                                 dy.stride(0), ASSIGN=assign, **cfg)
+                                 dy.stride(0), ASSIGN=assign, TMA=tma, STAGES=cfg.pop("num_stages", 3), **cfg)
     return grad
 
 

@@ -171,11 +171,13 @@ def test_add_into_accumulates_bf16_into_fp32_exactly(shape):
 
 @pytest.mark.parametrize("k_dim, m_dim", [(2048, 1536), (768, 2048), (200, 72)])  # Qwen3 gate_up, down; ragged
 @pytest.mark.parametrize("assign", [False, True])
-def test_fused_weight_grad_into_against_cutlass_and_float64(k_dim, m_dim, assign):
+@pytest.mark.parametrize("tma", [None, False])  # the default (tensor descriptors on Hopper), pointer loads
+def test_fused_weight_grad_into_against_cutlass_and_float64(k_dim, m_dim, assign, tma):
     """kernels.wgrad_into at Qwen3-30B-A3B expert widths (128 experts, skewed counts, empty experts) against
     torch._grouped_mm + add_into (grouped_gemm's reference path) and float64. The fused kernel keeps the
     product in fp32: ~1e-6 relative to float64 (the reference rounds it to bf16 first: ~2e-3, and the two
-    agree to 1e-2). Bit-identical run to run (no atomics)."""
+    agree to 1e-2). Bit-identical run to run (no atomics). A row stride that is no multiple of 16 bytes
+    takes the pointer loads by itself."""
     from pithtrain.ops.grouped_gemm import grouped_weight_grad, grouped_weight_grad_into
 
     torch.manual_seed(k_dim)
@@ -188,11 +190,16 @@ def test_fused_weight_grad_into_against_cutlass_and_float64(k_dim, m_dim, assign
     for e, (xe, de) in enumerate(zip(x.double().split(counts.tolist()), dy.double().split(counts.tolist()))):
         exact[e] += xe.T @ de
     reference = kernels.add_into(grad.clone(), grouped_weight_grad(x, dy, counts, 128), assign=assign)
-    fused = kernels.wgrad_into(grad.clone(), x, dy, counts, assign)
+    fused = kernels.wgrad_into(grad.clone(), x, dy, counts, assign, tma=tma)
     assert rel_err(fused, exact) < 1e-5 and rel_err(fused, reference) < 1e-2
     assert rel_err(fused, exact) <= rel_err(reference, exact) + 1e-6
-    assert torch.equal(kernels.wgrad_into(grad.clone(), x, dy, counts, assign), fused)
-    assert torch.equal(grouped_weight_grad_into(grad.clone(), x, dy, counts, assign), fused)  # the dispatch
+    assert torch.equal(kernels.wgrad_into(grad.clone(), x, dy, counts, assign, tma=tma), fused)
+    if tma is None:
+        assert kernels._tma_ok(x, dy)  # Hopper: the descriptors ran
+        assert torch.equal(grouped_weight_grad_into(grad.clone(), x, dy, counts, assign), fused)  # the dispatch
+        odd = torch.empty(rows, k_dim + 3, device="cuda", dtype=BF16)[:, :k_dim].copy_(x)  # 2 * (k + 3) bytes a row
+        assert not kernels._tma_ok(odd, dy)
+        assert rel_err(kernels.wgrad_into(grad.clone(), odd, dy, counts, assign), exact) < 1e-5
     if not assign:
         assert torch.equal(fused[77], grad[77])
 
