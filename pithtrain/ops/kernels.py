@@ -714,7 +714,10 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
 # With TMA at Qwen3's expert widths and 131,072 rows (micro-batch 4) on the H200: gate_up 2.14 -> 1.95 ms,
 # down 1.11 -> 1.04 ms balanced, 2.19 -> 2.15 and 1.20 -> 1.09 ms skewed (docs/performance.md, tenth session).
 WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=64, num_warps=4, num_stages=3)
-_tma_allocator_set = False
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
@@ -729,15 +732,13 @@ def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: to
     dy [N, M] rows grouped by expert (counts [E]): the Triton launch (CUDA, or the interpreter). The
     row offsets are a cumsum on the device (no host sync); an expert with no rows gets zeros (assign).
     `tma`: the tensor-descriptor loads (default: where the GPU and the alignment allow them)."""
-    global _tma_allocator_set
     x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, dy))
     cfg = dict(cfg or WGRAD_INTO_CONFIG)
     tma = _tma_ok(x, dy) if tma is None else tma
-    if tma and not _tma_allocator_set:  # device-side descriptors live in a scratch buffer Triton asks for
-        import triton
+    if tma:  # device-side descriptors live in a scratch buffer Triton asks for. Its allocator is a context
+        import triton  # variable, so per thread (the backward runs on autograd's): set at every launch
 
-        triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device=x.device))
-        _tma_allocator_set = True
+        triton.set_allocator(_scratch)
     experts, k_dim, m_dim = grad.shape
     if grad.numel():
         grid = (_cdiv(k_dim, cfg["BK"]) * _cdiv(m_dim, cfg["BM"]), experts)

@@ -8,6 +8,8 @@ as relative error against float64 no worse than the reference's own. Gathers, sc
 plan and the bias add are exact.
 """
 
+import threading
+
 import pytest
 import torch
 
@@ -200,6 +202,12 @@ def test_fused_weight_grad_into_against_cutlass_and_float64(k_dim, m_dim, assign
         odd = torch.empty(rows, k_dim + 3, device="cuda", dtype=BF16)[:, :k_dim].copy_(x)  # 2 * (k + 3) bytes a row
         assert not kernels._tma_ok(odd, dy)
         assert rel_err(kernels.wgrad_into(grad.clone(), odd, dy, counts, assign), exact) < 1e-5
+        # Triton's scratch allocator is per thread (a context variable): a fresh thread, as autograd's is
+        out = []
+        worker = threading.Thread(target=lambda: out.append(kernels.wgrad_into(grad.clone(), x, dy, counts, assign)))
+        worker.start()
+        worker.join()
+        assert out and torch.equal(out[0], fused)
     if not assign:
         assert torch.equal(fused[77], grad[77])
 
