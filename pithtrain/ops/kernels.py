@@ -711,8 +711,8 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
 
 
 # Tiles of grad (BK x BM) and rows a step (BN); benchmarks/grouped_gemm.py --wgrad --sweep measures others.
-# With TMA at Qwen3's expert widths and 131,072 rows (micro-batch 4) on the H200: gate_up 2.14 -> 1.95 ms,
-# down 1.11 -> 1.04 ms balanced, 2.19 -> 2.15 and 1.20 -> 1.09 ms skewed (docs/performance.md, tenth session).
+# TMA against pointer loads at Qwen3's expert widths, 131,072 rows (micro-batch 4), H200: gate_up 2.26 -> 2.11 ms
+# balanced, 2.46 -> 2.23 skewed; down 1.17 -> 1.13 and 1.22 -> 1.22 (docs/performance.md, tenth session).
 WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=64, num_warps=4, num_stages=3)
 
 
