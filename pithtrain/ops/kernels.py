@@ -28,6 +28,7 @@ How it is built:
 
 from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotations unevaluated
 
+import functools
 import importlib.util
 import os
 from typing import NamedTuple
@@ -721,9 +722,17 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 
 
 def _tma_ok(*tensors: torch.Tensor) -> bool:
-    """Tensor descriptors need Hopper or later, and 16-byte aligned bases and row strides."""
-    return (tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] >= 9
+    """Tensor descriptors need Hopper or later, a Triton that makes them on the device (3.4+), and
+    16-byte aligned bases and row strides."""
+    return (tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] >= 9 and _device_descriptors()
             and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in tensors))
+
+
+@functools.cache
+def _device_descriptors() -> bool:
+    import triton.language  # binds `triton` too
+
+    return hasattr(triton, "set_allocator") and hasattr(triton.language, "make_tensor_descriptor")
 
 
 def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, assign: bool,
