@@ -673,8 +673,7 @@ def add_into(dst: torch.Tensor, src: torch.Tensor, assign: bool = False) -> torc
 
 @_Kernel
 def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride, dy_stride,
-                       ASSIGN: tl.constexpr, TMA: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                       STAGES: tl.constexpr):
+                       ASSIGN: tl.constexpr, TMA: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """grad[e] (+)= x[rows of e]^T @ dy[rows of e] in fp32: one program per (K block, M block) of expert e,
     over its rows in order, the add in the epilogue. TMA (Hopper): x and dy tiles arrive through tensor
     descriptors bounded to the expert's rows (the bulk copy engine zero-fills past them), x transposed
@@ -694,10 +693,10 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
                                            strides=[x_stride, 1], block_shape=[BN, BK])
         dy_desc = tl.make_tensor_descriptor(dy_ptr + start.to(tl.int64) * dy_stride, shape=[rows, m_dim],
                                             strides=[dy_stride, 1], block_shape=[BN, BM])
-        for r0 in tl.range(0, end - start, BN, num_stages=STAGES):
+        for r0 in range(0, end - start, BN):
             acc = tl.dot(x_desc.load([r0, k0]).T, dy_desc.load([r0, m0]), acc)
     else:
-        for r0 in tl.range(start, end, BN, num_stages=STAGES):
+        for r0 in range(start, end, BN):
             r = r0 + tl.arange(0, BN)
             x = tl.load(x_ptr + r.to(tl.int64)[None, :] * x_stride + rk[:, None],
                         mask=(r < end)[None, :] & (rk < k_dim)[:, None], other=0.0)
@@ -724,15 +723,16 @@ def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
 def _tma_ok(*tensors: torch.Tensor) -> bool:
     """Tensor descriptors need Hopper or later, a Triton that makes them on the device (3.4+), and
     16-byte aligned bases and row strides."""
-    return (tensors[0].is_cuda and torch.cuda.get_device_capability(tensors[0].device)[0] >= 9 and _device_descriptors()
+    return (tensors[0].is_cuda and _device_descriptors(tensors[0].device)
             and all(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0 for t in tensors))
 
 
 @functools.cache
-def _device_descriptors() -> bool:
+def _device_descriptors(device: torch.device) -> bool:
     import triton.language  # binds `triton` too
 
-    return hasattr(triton, "set_allocator") and hasattr(triton.language, "make_tensor_descriptor")
+    return (torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(triton, "set_allocator")
+            and hasattr(triton.language, "make_tensor_descriptor"))
 
 
 def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, assign: bool,
@@ -742,7 +742,7 @@ def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: to
     row offsets are a cumsum on the device (no host sync); an expert with no rows gets zeros (assign).
     `tma`: the tensor-descriptor loads (default: where the GPU and the alignment allow them)."""
     x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, dy))
-    cfg = dict(cfg or WGRAD_INTO_CONFIG)
+    cfg = cfg or WGRAD_INTO_CONFIG
     tma = _tma_ok(x, dy) if tma is None else tma
     if tma:  # device-side descriptors live in a scratch buffer Triton asks for. Its allocator is a context
         import triton  # variable, so per thread (the backward runs on autograd's): set at every launch
@@ -752,7 +752,7 @@ def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: to
     if grad.numel():
         grid = (_cdiv(k_dim, cfg["BK"]) * _cdiv(m_dim, cfg["BM"]), experts)
         _wgrad_into_kernel[grid](x, dy, counts.cumsum(0).to(x.device, torch.int32), grad, k_dim, m_dim, x.stride(0),
-                                 dy.stride(0), ASSIGN=assign, TMA=tma, STAGES=cfg.pop("num_stages", 3), **cfg)
+                                 dy.stride(0), ASSIGN=assign, TMA=tma, **cfg)
     return grad
 
 
