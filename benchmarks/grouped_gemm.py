@@ -6,8 +6,9 @@ same FLOPs. Balanced routing (every expert gets tokens*k/E rows).
 
 `--wgrad` (default --tokens 8192: 65,536 rows): the weight gradient accumulated into an fp32 .grad, as
 training does it, balanced and skewed routing: torch._grouped_mm + kernels.add_into against the fused
-kernels.wgrad_into (the add in the GEMM's epilogue; grouped_gemm.FUSED_WGRAD), with its tensor-descriptor
-(TMA) loads and with plain pointer loads. Records a line in
+kernels.wgrad_into (the add in the GEMM's epilogue; grouped_gemm.FUSED_WGRAD): as training runs it (tensor-
+descriptor (TMA) loads, the add a bulk reduce in L2), with the epilogue's load-add-store instead, and with
+plain pointer loads. Records a line in
 benchmarks/results.jsonl. `--sweep` also times a few tiles of the fused kernel (balanced routing, both shapes).
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --wgrad [--sweep]
@@ -51,6 +52,7 @@ def wgrad(args):
             runs = {"cutlass+add_into": lambda: kernels.add_into(grad, grouped_weight_grad(x, dy, counts, args.experts)),
                     "cutlass alone": lambda: grouped_weight_grad(x, dy, counts, args.experts),
                     "fused": lambda: kernels.wgrad_into(grad, x, dy, counts, False),
+                    "fused load-add-store": lambda: kernels.wgrad_into(grad, x, dy, counts, False, reduce=False),
                     "fused pointer loads": lambda: kernels.wgrad_into(grad, x, dy, counts, False, tma=False)}
             ref = kernels.add_into(grad.clone(), grouped_weight_grad(x, dy, counts, args.experts))
             err = (kernels.wgrad_into(grad.clone(), x, dy, counts, False) - ref).norm() / ref.norm()
@@ -59,7 +61,7 @@ def wgrad(args):
             for what, fn in runs.items():
                 t = median_ms(fn, args.repeats)
                 figures[f"{label}_{routing}_{what.replace(' ', '_')}_ms"] = round(t, 4)
-                print(f"{label:8s} {routing:8s} [{rows} x {k}]^T [{rows} x {m}] {what:17s} {t:7.3f} ms "
+                print(f"{label:8s} {routing:8s} [{rows} x {k}]^T [{rows} x {m}] {what:20s} {t:7.3f} ms "
                       f"{flops / t / 1e9:6.0f} TFLOP/s", flush=True)
             print(f"{label:8s} {routing:8s} fused vs cutlass+add_into: relative difference {err:.1e}")
             figures[f"{label}_{routing}_rel_diff"] = float(f"{err:.2e}")

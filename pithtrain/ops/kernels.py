@@ -672,12 +672,15 @@ def add_into(dst: torch.Tensor, src: torch.Tensor, assign: bool = False) -> torc
 
 
 @_Kernel
-def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride, dy_stride,
-                       ASSIGN: tl.constexpr, TMA: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride, dy_stride, ASSIGN: tl.constexpr,
+                       TMA: tl.constexpr, REDUCE: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """grad[e] (+)= x[rows of e]^T @ dy[rows of e] in fp32: one program per (K block, M block) of expert e,
     over its rows in order, the add in the epilogue. TMA (Hopper): x and dy tiles arrive through tensor
     descriptors bounded to the expert's rows (the bulk copy engine zero-fills past them), x transposed
-    in shared memory; else through pointers, x's tile loaded transposed."""
+    in shared memory; else through pointers, x's tile loaded transposed. REDUCE (Hopper, not in the
+    interpreter): the tile goes out through a descriptor of grad, added in L2 by a bulk reduce
+    (cp.reduce.async.bulk), so the program never waits for the old values; each element gets one add
+    a launch, so the sums are the load-add-store's, bit for bit."""
     e = tl.program_id(1)
     m_tiles = tl.cdiv(m_dim, BM)
     k0 = tl.program_id(0) // m_tiles * BK
@@ -703,11 +706,19 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
             dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * dy_stride + rm[None, :],
                          mask=(r < end)[:, None] & (rm < m_dim)[None, :], other=0.0)
             acc = tl.dot(x, dy, acc)
-    offs = e.to(tl.int64) * k_dim * m_dim + rk.to(tl.int64)[:, None] * m_dim + rm[None, :]
-    mask = (rk < k_dim)[:, None] & (rm < m_dim)[None, :]
-    if not ASSIGN:
-        acc += tl.load(grad_ptr + offs, mask=mask, other=0.0)
-    tl.store(grad_ptr + offs, acc, mask=mask)
+    if REDUCE:
+        g_desc = tl.make_tensor_descriptor(grad_ptr, shape=[tl.num_programs(1), k_dim, m_dim],
+                                           strides=[k_dim * m_dim, m_dim, 1], block_shape=[1, BK, BM])
+        if ASSIGN:
+            g_desc.store([e, k0, m0], tl.reshape(acc, [1, BK, BM]))
+        else:
+            g_desc.atomic_add([e, k0, m0], tl.reshape(acc, [1, BK, BM]))
+    else:
+        offs = e.to(tl.int64) * k_dim * m_dim + rk.to(tl.int64)[:, None] * m_dim + rm[None, :]
+        mask = (rk < k_dim)[:, None] & (rm < m_dim)[None, :]
+        if not ASSIGN:
+            acc += tl.load(grad_ptr + offs, mask=mask, other=0.0)
+        tl.store(grad_ptr + offs, acc, mask=mask)
 
 
 # Tiles of grad (BK x BM) and rows a step (BN); benchmarks/grouped_gemm.py --wgrad --sweep measures others.
@@ -732,19 +743,22 @@ def _device_descriptors(device: torch.device) -> bool:
     import triton.language  # binds `triton` too
 
     return (torch.cuda.get_device_capability(device)[0] >= 9 and hasattr(triton, "set_allocator")
-            and hasattr(triton.language, "make_tensor_descriptor"))
+            and hasattr(triton.language, "make_tensor_descriptor")
+            and hasattr(triton.language.tensor_descriptor, "atomic_add"))
 
 
 def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, assign: bool,
-               cfg: dict | None = None, tma: bool | None = None) -> torch.Tensor:
+               cfg: dict | None = None, tma: bool | None = None, reduce: bool | None = None) -> torch.Tensor:
     """grad[e] += x_e^T @ dy_e (= with `assign`) in place, for fp32 grad [E, K, M] contiguous and x [N, K],
     dy [N, M] rows grouped by expert (counts [E]): the Triton launch (CUDA, or the interpreter). The
     row offsets are a cumsum on the device (no host sync); an expert with no rows gets zeros (assign).
-    `tma`: the tensor-descriptor loads (default: where the GPU and the alignment allow them)."""
+    `tma`: the tensor-descriptor loads; `reduce`: the epilogue through a descriptor of grad (defaults:
+    where the GPU and the alignment allow them; the interpreter has no bulk reduce)."""
     x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, dy))
     cfg = cfg or WGRAD_INTO_CONFIG
     tma = _tma_ok(x, dy) if tma is None else tma
-    if tma:  # device-side descriptors live in a scratch buffer Triton asks for. Its allocator is a context
+    reduce = tma and _tma_ok(grad.view(-1, grad.shape[-1])) if reduce is None else reduce
+    if tma or reduce:  # device-side descriptors live in a scratch buffer Triton asks for. Its allocator is a context
         import triton  # variable, so per thread (the backward runs on autograd's): set at every launch
 
         triton.set_allocator(_scratch)
@@ -752,7 +766,7 @@ def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: to
     if grad.numel():
         grid = (_cdiv(k_dim, cfg["BK"]) * _cdiv(m_dim, cfg["BM"]), experts)
         _wgrad_into_kernel[grid](x, dy, counts.cumsum(0).to(x.device, torch.int32), grad, k_dim, m_dim, x.stride(0),
-                                 dy.stride(0), ASSIGN=assign, TMA=tma, **cfg)
+                                 dy.stride(0), ASSIGN=assign, TMA=tma, REDUCE=reduce, **cfg)
     return grad
 
 

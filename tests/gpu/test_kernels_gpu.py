@@ -178,8 +178,9 @@ def test_fused_weight_grad_into_against_cutlass_and_float64(k_dim, m_dim, assign
     """kernels.wgrad_into at Qwen3-30B-A3B expert widths (128 experts, skewed counts, empty experts) against
     torch._grouped_mm + add_into (grouped_gemm's reference path) and float64. The fused kernel keeps the
     product in fp32: ~1e-6 relative to float64 (the reference rounds it to bf16 first: ~2e-3, and the two
-    agree to 1e-2). Bit-identical run to run (no atomics). A row stride that is no multiple of 16 bytes
-    takes the pointer loads by itself."""
+    agree to 1e-2). Bit-identical run to run, and the bulk-reduce epilogue (one add an element) to the
+    load-add-store. A row stride that is no multiple of 16 bytes takes the pointer loads by itself, a
+    misaligned grad the load-add-store."""
     from pithtrain.ops.grouped_gemm import grouped_weight_grad, grouped_weight_grad_into
 
     torch.manual_seed(k_dim)
@@ -197,7 +198,11 @@ def test_fused_weight_grad_into_against_cutlass_and_float64(k_dim, m_dim, assign
     assert rel_err(fused, exact) <= rel_err(reference, exact) + 1e-6
     assert torch.equal(kernels.wgrad_into(grad.clone(), x, dy, counts, assign, tma=tma), fused)
     if tma is None:
-        assert kernels._tma_ok(x, dy)  # Hopper: the descriptors ran
+        assert kernels._tma_ok(x, dy) and kernels._tma_ok(grad.view(-1, m_dim))  # Hopper: the descriptors ran
+        assert torch.equal(kernels.wgrad_into(grad.clone(), x, dy, counts, assign, reduce=False), fused)
+        shifted = torch.empty(grad.numel() + 1, device="cuda")[1:].view(grad.shape).copy_(grad)  # 4-byte aligned
+        assert not kernels._tma_ok(shifted.view(-1, m_dim))
+        assert torch.equal(kernels.wgrad_into(shifted, x, dy, counts, assign), fused)
         assert torch.equal(grouped_weight_grad_into(grad.clone(), x, dy, counts, assign), fused)  # the dispatch
         odd = torch.empty(rows, k_dim + 3, device="cuda", dtype=BF16)[:, :k_dim].copy_(x)  # 2 * (k + 3) bytes a row
         assert not kernels._tma_ok(odd, dy)
