@@ -8,9 +8,8 @@ same FLOPs. Balanced routing (every expert gets tokens*k/E rows).
 training does it, balanced and skewed routing: torch._grouped_mm + kernels.add_into against the fused
 kernels.wgrad_into (the add in the GEMM's epilogue; grouped_gemm.FUSED_WGRAD): as training runs it (tensor-
 descriptor (TMA) loads, the add a bulk reduce in L2), with the epilogue's load-add-store instead, and with
-plain pointer loads. Records a line in
-benchmarks/results.jsonl. `--sweep` also times tiles of the fused kernel (both routings, both shapes, `--rounds`
-passes over the tiles).
+plain pointer loads. Records a line in benchmarks/results.jsonl. `--sweep` also times tiles of the fused
+kernel (both routings, both shapes, `--rounds` passes over the tiles).
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --wgrad [--sweep]
 """
@@ -109,6 +108,10 @@ def main():
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="with --sweep: passes over the tiles")
     args = parser.parse_args()
+    if args.rounds < 1 or args.repeats < 1:
+        parser.error("--rounds and --repeats must be at least 1")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (it times the GPU kernels); run it on the GPU machine")
     # --wgrad: 65,536 routed rows a micro-batch, as measured in docs/performance.md
     args.tokens = args.tokens or (8192 if args.wgrad else 4096)
     if args.wgrad:

@@ -75,7 +75,7 @@ def mm_into_grad(param: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     gradient in the GEMM itself (beta = 1, fp32 output), so the product is never a tensor of its
     own; elsewhere (the reference) the product, then accumulate_grad."""
     grad = param.grad
-    if not a.is_cuda or (grad is not None and not grad.is_contiguous()):  # head_logits: param is fp32
+    if not a.is_cuda or (grad is not None and not grad.is_contiguous()):  # the reference path
         accumulate_grad(param, a @ b)
     elif grad is None:
         param.grad = torch.mm(a, b, out_dtype=torch.float32)

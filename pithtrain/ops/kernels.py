@@ -759,7 +759,7 @@ def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: to
     x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, dy))
     cfg = cfg or WGRAD_INTO_CONFIG
     tma = _tma_ok(x, dy) if tma is None else tma
-    reduce = tma and _tma_ok(grad.view(-1, grad.shape[-1])) if reduce is None else reduce
+    reduce = (tma and _tma_ok(grad.view(-1, grad.shape[-1]))) if reduce is None else reduce
     if tma or reduce:  # device-side descriptors live in a scratch buffer Triton asks for. Its allocator is a context
         import triton  # variable, so per thread (the backward runs on autograd's): set at every launch
 
