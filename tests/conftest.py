@@ -73,6 +73,21 @@ def tiny_gpt_oss_config(data_path, **train) -> RunConfig:
     return cfg
 
 
+def tiny_qwen3_5_config(data_path, **train) -> RunConfig:
+    """Qwen3.5-MoE: Gated DeltaNet and gated full attention layers alternating (each pipeline
+    chunk of pp2 gets one), grouped value heads, partial rotary, a shared expert."""
+    from pithtrain.models.qwen3_5_moe import Qwen3_5MoeConfig
+
+    cfg = tiny_config(data_path, **train)
+    cfg.model = Qwen3_5MoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=4,
+                                 layer_types=["linear_attention", "full_attention"] * 2, num_attention_heads=4,
+                                 num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5, rope_theta=10000.0,
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                                 linear_value_head_dim=8, linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                                 moe_intermediate_size=16, shared_expert_intermediate_size=16, max_position_embeddings=128)
+    return cfg
+
+
 RUN_FILE = """from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig
 

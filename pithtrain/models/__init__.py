@@ -18,4 +18,9 @@ def config_from_hf(hf: dict):
         from pithtrain.models.gpt_oss import GptOssConfig
 
         return GptOssConfig.from_hf(hf)
-    raise ValueError(f"model_type {model_type!r} is not supported; supported: qwen3_moe, deepseek_v2, gpt_oss")
+    elif model_type in ("qwen3_5_moe_text", "qwen3_5_moe"):
+        from pithtrain.models.qwen3_5_moe import Qwen3_5MoeConfig
+
+        return Qwen3_5MoeConfig.from_hf(hf)
+    raise ValueError(f"model_type {model_type!r} is not supported; supported: qwen3_moe, deepseek_v2, gpt_oss, "
+                     f"qwen3_5_moe_text, qwen3_5_moe")

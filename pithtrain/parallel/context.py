@@ -304,3 +304,33 @@ def shard_micro_batch(micro: dict, group) -> tuple[dict, ContextParallel]:
     seq = micro["input_ids"].shape[1]
     cp = ContextParallel.zigzag(group, seq, micro.get("doc_ids"), micro["input_ids"].device)
     return {k: zigzag_split(v, cp.cp, cp.rank) for k, v in micro.items()}, cp
+
+
+def gather_sequence(x: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """The whole sequence [B, S, ...] in global token order from every CP rank's zigzag share
+    [B, S_local, ...]; differentiable. For layers whose output at a token depends on every earlier
+    token through a recurrence (Gated DeltaNet): each rank runs the recurrence over the whole
+    sequence and keeps its own tokens (`zigzag_split`), exact at the price of cp x the recurrence's
+    compute. The backward sums every rank's gradient of the whole sequence and keeps this rank's share."""
+    return x if cp.cp == 1 else _GatherSequence.apply(x, cp)
+
+
+class _GatherSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cp: ContextParallel):
+        ctx.cp = cp
+        flat = torch.empty(cp.cp * x.numel(), dtype=x.dtype, device=x.device)
+        dist.all_gather_into_tensor(flat, x.contiguous().flatten(), group=cp.group)  # gloo: flat output only
+        return zigzag_merge(list(flat.view(cp.cp, *x.shape).unbind(0)))
+
+    @staticmethod
+    def backward(ctx, grad):
+        cp = ctx.cp
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=cp.group)
+        return zigzag_split(grad, cp.cp, cp.rank), None
+
+
+def gathered_doc_ids(cp: ContextParallel) -> torch.Tensor | None:
+    """The document ids [B, S] of the whole sequence (every rank knows every rank's)."""
+    return None if cp.doc_ids is None else zigzag_merge(list(cp.doc_ids))

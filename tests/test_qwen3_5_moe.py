@@ -1,0 +1,178 @@
+"""Qwen3.5-MoE (hybrid Gated DeltaNet + gated attention) against Hugging Face transformers: logits and
+loss (fp32), gradients of every parameter kind against a float64 HF run, packed documents, the HF
+round trip (export loads with AutoModelForCausalLM and generates), the multimodal checkpoint layout."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+
+from pithtrain.models import config_from_hf
+from pithtrain.models.qwen3_5_moe import Qwen3_5MoeConfig
+from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
+from pithtrain.tools.hf import load_model, read_hf_state, write_hf_dir
+
+# both layer kinds (linear, full, linear, full), grouped value heads (4 value / 2 key heads), Dk != Dv,
+# partial rotary (a quarter of head_dim 16), shared expert, odd sizes
+HF_CONFIG = dict(vocab_size=67, hidden_size=36, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                 head_dim=16, linear_conv_kernel_dim=3, linear_key_head_dim=8, linear_value_head_dim=12,
+                 linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=16,
+                 shared_expert_intermediate_size=20, num_experts=5, num_experts_per_tok=2,
+                 layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+                 rope_parameters={"rope_type": "default", "rope_theta": 1000.0, "partial_rotary_factor": 0.25},
+                 max_position_embeddings=64)
+
+
+def rel(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tmp_path_factory):
+    torch.manual_seed(35)
+    hf = Qwen3_5MoeForCausalLM(Qwen3_5MoeTextConfig(experts_implementation="eager", **HF_CONFIG)).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if not name.endswith("A_log"):  # HF's A_log init (log U[0.01, 16]) kept: realistic decays
+                p.normal_(0, 0.2)  # large enough that routing is far from uniform
+    path = tmp_path_factory.mktemp("q35") / "hf"
+    hf.save_pretrained(path)
+    return hf, path
+
+
+def hf_grads(hf, ids, labels, dtype):
+    """Gradients of the mean cross-entropy of HF's model in `dtype`, per-expert keys as saved."""
+    model = Qwen3_5MoeForCausalLM(hf.config).to(dtype)
+    model.load_state_dict(hf.state_dict())
+    loss = torch.nn.functional.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten())
+    loss.backward()
+    out = {}
+    for n, p in model.named_parameters():  # HF keeps experts fused in memory: split per expert
+        if n.endswith("experts.gate_up_proj"):
+            for e, g in enumerate(p.grad):
+                out[f"{n[:-12]}{e}.gate_proj.weight"], out[f"{n[:-12]}{e}.up_proj.weight"] = g.chunk(2, 0)
+        elif n.endswith("experts.down_proj"):
+            for e, g in enumerate(p.grad):
+                out[f"{n[:-9]}{e}.down_proj.weight"] = g
+        else:
+            out[n] = p.grad
+    return loss, out
+
+
+def test_logits_loss_and_gradients_match_transformers(hf_model):
+    hf, hf_dir = hf_model
+    model = load_model(hf_dir)
+    assert [layer.is_linear for layer in model.layers.values()] == [True, False, True, False]
+    b, s = 2, 70  # more than one chunk of the delta rule (64 tokens)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.cfg.vocab_size, (b, s), generator=gen)
+    labels = torch.randint(0, model.cfg.vocab_size, (b, s), generator=gen)
+    pos = torch.arange(s).expand(b, s)
+    ref = hf(ids).logits
+    staged = model(ids, pos, ExpertEngine(LocalDispatch()))
+    assert rel(staged, ref) <= 1e-5
+    assert rel(model.reference_forward(ids), ref) <= 1e-5
+    loss = torch.nn.functional.cross_entropy(staged.flatten(0, 1), labels.flatten())
+    ref_loss, ref_grads = hf_grads(hf, ids, labels, torch.float64)
+    assert abs(loss.item() - ref_loss.item()) <= 1e-5 * ref_loss.item()
+
+    # every parameter kind (A_log, dt_bias, conv, in_proj_*, gated norm, zero-centred norms, q/k/v/o with
+    # the output gate, router, experts, shared expert and its gate, embedding, head) against float64 HF
+    loss.backward()
+    grad_model = load_model(hf_dir)  # our gradients under HF's names, by the weight conversion itself
+    with torch.no_grad():
+        for p, q in zip(grad_model.parameters(), model.parameters()):
+            p.copy_(q.grad)
+    ours = grad_model.hf_state_dict()
+    assert set(ours) == set(ref_grads)
+    kinds = set()
+    for key, g in ours.items():
+        expected = ref_grads[key].float()
+        if expected.norm() == 0:  # an expert no token chose
+            assert g.norm() == 0, key
+            continue
+        assert rel(g, expected) <= 1e-4, key
+        kinds.add(key.split(".")[-2] if key.endswith("weight") else key.split(".")[-1])
+    for kind in ("A_log", "dt_bias", "conv1d", "in_proj_qkv", "in_proj_z", "in_proj_a", "in_proj_b", "norm", "out_proj",
+                 "q_proj", "q_norm", "k_norm", "o_proj", "gate", "shared_expert_gate", "gate_proj", "down_proj",
+                 "input_layernorm", "embed_tokens", "lm_head"):
+        assert kind in kinds, kind
+
+
+def test_packed_documents_reset_state_and_conv(hf_model):
+    _, hf_dir = hf_model
+    model = load_model(hf_dir)
+    b, s = 2, 23
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, model.cfg.vocab_size, (b, s), generator=gen)
+    doc = torch.tensor([[0] * 7 + [1] * 9 + [2] * 7, [0] * 20 + [1] * 3])
+    pos = torch.stack([torch.cat([torch.arange(n) for n in (7, 9, 7)]), torch.cat([torch.arange(20), torch.arange(3)])])
+    staged = model(ids, pos, ExpertEngine(LocalDispatch()), doc_ids=doc)
+    assert rel(staged, model.reference_forward(ids, pos, doc)) <= 1e-5
+    # a packed document gives the logits of that document alone (state and conv window reset)
+    for row, lo, hi in ((0, 0, 7), (0, 7, 16), (0, 16, 23), (1, 20, 23)):
+        alone = model(ids[row:row + 1, lo:hi], torch.arange(hi - lo)[None], ExpertEngine(LocalDispatch()))
+        assert rel(staged[row:row + 1, lo:hi], alone) <= 1e-5, (row, lo, hi)
+
+
+def test_round_trip_export_loads_and_generates(hf_model, tmp_path):
+    hf, hf_dir = hf_model
+    model = load_model(hf_dir)
+    write_hf_dir(model, tmp_path / "export")
+    again = load_model(tmp_path / "export")
+    for (n, a), (_, b) in zip(model.state_dict().items(), again.state_dict().items()):
+        assert torch.equal(a, b), n
+    original, exported = read_hf_state(hf_dir), read_hf_state(tmp_path / "export")
+    assert set(original) == set(exported)
+    for k in original:
+        assert torch.equal(original[k], exported[k]), k
+    config = json.loads((tmp_path / "export/config.json").read_text())
+    assert config["model_type"] == "qwen3_5_moe_text" and config["layer_types"] == HF_CONFIG["layer_types"]
+    loaded, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), output_loading_info=True,
+                                                        experts_implementation="eager")
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = torch.randint(0, HF_CONFIG["vocab_size"], (2, 11))
+    assert rel(loaded.eval()(ids).logits, hf(ids).logits) <= 1e-6
+    out = loaded.generate(ids[:1], max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, 16)
+    assert Qwen3_5MoeConfig.from_hf(model.cfg.to_hf()) == model.cfg
+
+
+def test_multimodal_checkpoint_takes_the_language_model(hf_model, tmp_path, capsys):
+    """A released-layout checkpoint: model_type qwen3_5_moe with a text_config, the language model under
+    model.language_model., a vision tower and MTP weights beside it."""
+    hf, hf_dir = hf_model
+    text = json.loads((hf_dir / "config.json").read_text())
+    mm = tmp_path / "mm"
+    mm.mkdir()
+    (mm / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "architectures": ["Qwen3_5MoeForConditionalGeneration"],
+                                                "text_config": text, "vision_config": {"depth": 2}}))
+    state = {k.replace("model.", "model.language_model.", 1): v for k, v in read_hf_state(hf_dir).items()}
+    state["model.visual.patch_embed.proj.weight"] = torch.randn(4, 3)
+    state["mtp.fc.weight"] = torch.randn(4, 4)
+    save_file(state, str(mm / "model.safetensors"))
+    model = load_model(mm)
+    assert "vision tower" in capsys.readouterr().err
+    ids = torch.randint(0, HF_CONFIG["vocab_size"], (1, 9))
+    assert rel(model(ids, torch.arange(9)[None], ExpertEngine(LocalDispatch())), hf(ids).logits) <= 1e-5
+    assert config_from_hf(text) == model.cfg
+
+
+def test_real_config_is_the_example():
+    """The released Qwen3.5-35B-A3B text_config gives the model of examples/qwen3_5_35b_a3b.py."""
+    from pithtrain.config import load_run_config
+
+    text = {"model_type": "qwen3_5_moe_text", "vocab_size": 248320, "hidden_size": 2048, "num_hidden_layers": 40,
+            "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16,
+            "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+            "linear_conv_kernel_dim": 4, "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+            "shared_expert_intermediate_size": 512, "full_attention_interval": 4, "rms_norm_eps": 1e-6,
+            "max_position_embeddings": 262144, "tie_word_embeddings": False, "hidden_act": "silu",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25,
+                                "mrope_interleaved": True, "mrope_section": [11, 11, 10]}}
+    cfg = config_from_hf({"model_type": "qwen3_5_moe", "text_config": text})
+    cfg.validate()
+    assert cfg == load_run_config("examples/qwen3_5_35b_a3b.py").model
+    assert [cfg.layer_type(i) for i in range(8)] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
