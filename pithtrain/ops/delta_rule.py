@@ -1,0 +1,367 @@
+"""Gated DeltaNet's token mixer (Qwen3.5-MoE's linear-attention layers): the gated delta rule and the
+short causal conv before it, both with packed documents.
+
+  gated_delta_rule(q, k, v, g, beta, doc_ids=None, chunk_size=64, cu_seqlens=None) -> o [B, S, H, Dv]
+      chunked (WY/UT form): batched matmuls over all chunks, a sequential scan only over chunk states.
+      On CUDA with flash-linear-attention installed (`USE_FLA`): FLA's Triton kernels (see below).
+  gated_delta_rule_recurrent(q, k, v, g, beta, doc_ids=None)   token by token: the oracle.
+  causal_conv1d(x, weight, doc_ids=None)   depthwise causal conv + SiLU, zero history at doc starts.
+  l2norm(x, eps=1e-6)   HF/FLA's x * rsqrt(sum x^2 + eps). The ops do NOT normalise q, k: the caller
+      does (the model applies it before the op, as HF does with use_qk_l2norm_in_kernel).
+  doc_cu_seqlens(doc_ids)   FLA's varlen offsets (one host sync): compute once per micro-batch.
+  chunked_flops(batch, seq, heads, dk, dv, chunk=64)   forward FLOPs of the chunked algorithm.
+
+Recurrence per head, S: [Dk, Dv], zero at each document start, q scaled by Dk**-0.5 here:
+  S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t.
+Chunked form (chunk of C tokens, G the within-chunk cumsum of g, seg the document run of a token,
+S0 the state carried in, c_i = [seg_i == seg of the token before the chunk]):
+  M_ij = [j <= i][seg_i == seg_j] exp(G_i - G_j)   (the decay between two tokens of one document)
+  A = strictly-lower(M * beta k k^T);  [u | w] = (I + A)^-1 [beta v | beta c exp(G) k]
+  v_new = u - w S0;  o = scale (c exp(G) q S0 + (M * q k^T) v_new)
+  S_end = c_last exp(G_last) S0 + (k * [seg == seg_last] exp(G_last - G))^T v_new.
+Document resets are masks, never -inf in g, so cumsums stay exact and nothing turns NaN.
+
+GPU path (CUDA inputs, `fla` importable, USE_FLA, chunk_size in 16/32/64): FLA 0.6.0's
+chunk_gated_delta_rule forward and backward, documents as varlen sequences (B*S tokens flattened,
+cu_seqlens), wrapped as torch.library custom ops so a compiled stage traces through them. FLA refuses
+its gated `chunk_bwd_dqkwg` kernel on Hopper with Triton in [3.4, 3.7.1) (its issue #640: wrong
+results); there `dqkwg_torch` below, a batched PyTorch version of that kernel, takes its place in
+FLA's gated-delta-rule backward (`_patch_fla`). Without fla on CUDA: the chunked PyTorch path, with
+one warning per process.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+USE_FLA = True  # False: the PyTorch chunked path on CUDA too (tests, benchmarks)
+FLA_CHUNKS = (16, 32, 64)  # the chunk sizes FLA's gated delta rule takes
+_warned = False
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(sum(x^2) + eps) over the last dim, in fp32 (as HF and FLA do), back to x's dtype."""
+    xf = x.float() if x.dtype != torch.float64 else x
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _segments(doc_ids: torch.Tensor | None, b: int, s: int, device) -> torch.Tensor:
+    """[B, S] run index of each token (0, 0, 1, 1, 2, ...): equal ids that are not contiguous
+    count as different documents, so equality of runs is what 'same document' means."""
+    if doc_ids is None:
+        return torch.zeros(b, s, dtype=torch.long, device=device)
+    change = (doc_ids[:, 1:] != doc_ids[:, :-1]).long()
+    return F.pad(change.cumsum(1), (1, 0))
+
+
+def _expand_heads(q, k, h):
+    """q/k heads serve h // hk consecutive value heads (HF's repeat_interleave)."""
+    rep = h // k.shape[2]
+    return (q, k) if rep == 1 else (q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2))
+
+
+def gated_delta_rule_recurrent(q, k, v, g, beta, doc_ids=None) -> torch.Tensor:
+    """The token-by-token recurrence (the oracle for tests and reference_forward). Same contract as
+    gated_delta_rule: q, k [B, S, Hk, Dk] (L2-normed, unscaled), v [B, S, H, Dv], g, beta [B, S, H]."""
+    b, s, h, dv = v.shape
+    ct = _compute_dtype(v)
+    q, k = _expand_heads(q, k, h)
+    q, k, v, g, beta = (t.to(ct) for t in (q, k, v, g, beta))
+    q = q * q.shape[-1] ** -0.5
+    seg = _segments(doc_ids, b, s, v.device)
+    state = v.new_zeros(b, h, q.shape[-1], dv, dtype=ct)
+    out = []
+    for t in range(s):
+        keep = torch.ones(b, dtype=ct, device=v.device) if t == 0 else (seg[:, t] == seg[:, t - 1]).to(ct)
+        state = state * (keep[:, None] * g[:, t].exp())[..., None, None]
+        kv_mem = torch.einsum("bhkv,bhk->bhv", state, k[:, t])
+        delta = beta[:, t, :, None] * (v[:, t] - kv_mem)
+        state = state + k[:, t, :, :, None] * delta[:, :, None, :]
+        out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
+    return torch.stack(out, 1).to(v.dtype)
+
+
+def gated_delta_rule(q, k, v, g, beta, doc_ids=None, chunk_size=64, cu_seqlens=None) -> torch.Tensor:
+    """q, k: [B, S, Hk, Dk] (already L2-normed, NOT yet scaled; the op scales q by Dk**-0.5), v: [B, S, H, Dv]
+    (Hk = H, or a divisor of it: each q/k head then serves H/Hk consecutive value heads), g: [B, S, H]
+    log-decay (<= 0), beta: [B, S, H] in (0, 1). doc_ids: [B, S] int or None: packed documents; the state
+    resets to zero at the first token of every document. cu_seqlens: optional, only read on FLA's path:
+    doc_cu_seqlens(doc_ids) computed once by the caller (else computed here: one host sync per call).
+    Returns o [B, S, H, Dv] in v's dtype; computes in fp32 (fp64 if inputs are fp64)."""
+    if v.is_cuda and USE_FLA and chunk_size in FLA_CHUNKS and v.dtype != torch.float64 and _fla_ready():
+        return _fla_path(q, k, v, g, beta, doc_ids, chunk_size, cu_seqlens)
+    return gated_delta_rule_chunked(q, k, v, g, beta, doc_ids, chunk_size)
+
+
+def gated_delta_rule_chunked(q, k, v, g, beta, doc_ids=None, chunk_size=64) -> torch.Tensor:
+    """The plain-PyTorch chunked path of gated_delta_rule (any device; autograd; compile-friendly)."""
+    b, s, h, dv = v.shape
+    ct, out_dtype = _compute_dtype(v), v.dtype
+    c = chunk_size
+    n = -(-s // c)
+    pad = n * c - s
+    q, k = _expand_heads(q, k, h)
+    dk = q.shape[-1]
+    seg = _segments(doc_ids, b, s, v.device)
+    # Padded tokens: zero q/k/v/beta/g and their own document, so they touch nothing real.
+    seg = F.pad(seg, (0, pad), value=0) + F.pad(torch.zeros_like(seg), (0, pad), value=1) * (seg[:, -1:] + 1)
+
+    def chunks(x):  # [B, S, H, ...] -> [B, H, N, C, ...] in the compute dtype
+        x = x.to(ct)
+        x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+        return x.reshape(b, n, c, h, *x.shape[3:]).movedim(3, 1)
+
+    q, k, v, g, beta = (chunks(t) for t in (q, k, v, g, beta))
+    q = q * dk**-0.5
+    seg = seg.reshape(b, 1, n, c)
+    gc = g.cumsum(-1)  # [B, H, N, C]: log decay from the chunk start through each token
+    same = seg[..., :, None] == seg[..., None, :]
+    causal = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()
+    m_mask = same & causal  # [B, 1, N, C, C]
+    # exp only where the mask holds: there G_i - G_j <= 0 (elsewhere it could overflow)
+    decay = torch.where(m_mask, (gc[..., :, None] - gc[..., None, :]).where(m_mask, 0.0).exp(), 0.0)
+    # c_i: does the state carried into the chunk reach token i (same document as the token before)?
+    prev_last = F.pad(seg[..., :-1, -1], (1, 0), value=0)  # chunk 0's carried state is zero anyway
+    carry = (seg == prev_last[..., None]).to(ct)  # [B, 1, N, C]
+    end = (seg == seg[..., -1:]).to(ct)  # tokens of the chunk's last document
+    kb = k * beta[..., None]
+    a = (kb @ k.transpose(-1, -2)) * decay
+    ut = a.tril(-1) + torch.eye(c, dtype=ct, device=v.device)
+    rhs = torch.cat([v * beta[..., None], kb * (carry * gc.exp())[..., None]], -1)
+    uw = torch.linalg.solve_triangular(ut, rhs, upper=False, unitriangular=True)
+    u, w = uw[..., :dv], uw[..., dv:]
+    attn = (q @ k.transpose(-1, -2)) * decay
+    q_in = q * (carry * gc.exp())[..., None]  # reads the carried state
+    k_out = k * (end * (gc[..., -1:] - gc).exp())[..., None]  # writes the chunk-end state
+    chunk_decay = (carry[..., -1] * gc[..., -1].exp())[..., None, None]  # [B, H, N, 1, 1]
+    state = v.new_zeros(b, h, dk, dv)
+    out = []
+    for i in range(n):  # the only sequential part: one state per chunk
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        out.append(q_in[:, :, i] @ state + attn[:, :, i] @ v_new)
+        state = state * chunk_decay[:, :, i] + k_out[:, :, i].transpose(-1, -2) @ v_new
+    o = torch.stack(out, 2).reshape(b, h, n * c, dv)[:, :, :s]
+    return o.transpose(1, 2).to(out_dtype)
+
+
+def causal_conv1d(x, weight, doc_ids=None) -> torch.Tensor:
+    """Depthwise causal conv over the sequence, then SiLU. x: [B, S, C], weight: [C, K] (HF's conv1d.weight
+    [C, 1, K] squeezed), no bias: out_t = silu(sum_j weight[:, K-1-j] * x[t-j]), x[t-j] zero before the
+    sequence or in an earlier document than t. Computes in fp32 (fp64 for fp64 x); returns x's dtype."""
+    b, s, _ = x.shape
+    ct = _compute_dtype(x)
+    xc, wc = x.to(ct), weight.to(ct)
+    seg = _segments(doc_ids, b, s, x.device)
+    out = xc * wc[:, -1]
+    for j in range(1, weight.shape[1]):  # K is small (4): one shifted, masked copy per tap
+        shifted = F.pad(xc, (0, 0, j, 0))[:, :s]
+        if doc_ids is not None:
+            shifted = shifted * (F.pad(seg, (j, 0), value=-1)[:, :s] == seg).to(ct)[..., None]
+        out = out + shifted * wc[:, -1 - j]
+    return F.silu(out).to(x.dtype)
+
+
+def doc_cu_seqlens(doc_ids: torch.Tensor) -> torch.Tensor:
+    """FLA's varlen offsets for the flattened B*S tokens: a sequence starts at every row start and every
+    document change; int64 [N+1] ending in B*S. One host sync (nonzero): call once per micro-batch."""
+    b, s = doc_ids.shape
+    start = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True)
+    return F.pad(start.flatten().nonzero().squeeze(1), (0, 1), value=b * s)
+
+
+def chunked_flops(batch: int, seq: int, heads: int, dk: int, dv: int, chunk: int = 64) -> int:
+    """Forward FLOPs (2 a multiply-add) of the chunked algorithm. Per chunk of C tokens and head:
+    k k^T C*C*Dk, the triangular inverse C^3/3, w and u C*C*(Dk+Dv), q k^T C*C*Dk, q S C*Dk*Dv,
+    attn v_new C*C*Dv, w S C*Dk*Dv, the state update k^T v_new C*Dk*Dv. Backward is counted as 2x this."""
+    c = chunk
+    macs = c * c * dk + c**3 / 3 + c * c * (dk + dv) + c * c * dk + 3 * c * dk * dv + c * c * dv
+    return int(2 * macs * heads * batch * -(-seq // c))
+
+
+# --- FLA (flash-linear-attention) on CUDA -------------------------------------------------------------
+
+
+@functools.cache
+def _fla():
+    """FLA's gated-delta-rule chunk module (patched where needed: _patch_fla), or None without fla."""
+    try:
+        import fla.ops.gated_delta_rule.chunk as chunk
+        from fla.ops.utils.index import prepare_chunk_indices
+    except Exception:  # ImportError, or a broken install: the PyTorch path serves
+        return None
+    _patch_fla(chunk)
+    return chunk, prepare_chunk_indices
+
+
+def _fla_ready() -> bool:
+    global _warned
+    if _fla() is not None:
+        return True
+    if not _warned:
+        _warned = True
+        warnings.warn("pithtrain: flash-linear-attention is not installed: Gated DeltaNet runs the slower "
+                      "PyTorch chunked path (pip install flash-linear-attention==0.6.0)", stacklevel=3)
+    return False
+
+
+def _patch_fla(chunk) -> None:
+    """FLA refuses its gated chunk_bwd_dqkwg on Hopper with Triton >= 3.4, < 3.7.1 (wrong results there,
+    its issue #640). Exactly there, the gated delta rule's backward calls dqkwg_torch instead (the name in
+    that one module: no other FLA op changes); everything else stays FLA's Triton."""
+    from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
+
+    if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1:
+        chunk.chunk_bwd_dqkwg = dqkwg_torch
+
+
+def _fla_layout(q, k, v, g, beta, doc_ids, cu_seqlens):
+    """[B, S, ...] -> FLA's inputs: varlen (B = 1, cu_seqlens) when documents are packed."""
+    if doc_ids is None and cu_seqlens is None:
+        return q, k, v, g, beta, None
+    if cu_seqlens is None:
+        cu_seqlens = doc_cu_seqlens(doc_ids)  # one host sync: pass cu_seqlens to avoid it per layer
+    return (*(t.reshape(1, -1, *t.shape[2:]) for t in (q, k, v, g, beta)), cu_seqlens.to(torch.long))
+
+
+def _fla_path(q, k, v, g, beta, doc_ids, chunk_size, cu_seqlens):
+    b, s = v.shape[:2]
+    dt = v.dtype
+    q, k = q.to(dt).contiguous(), k.to(dt).contiguous()
+    fq, fk, fv, fg, fb, cu = _fla_layout(q, k, v.contiguous(), g.float().contiguous(), beta.to(dt).contiguous(),
+                                         doc_ids, cu_seqlens)
+    o = _fla_fwd(fq, fk, fv, fg, fb, cu, chunk_size)[0]
+    return o.reshape(b, s, *o.shape[2:])
+
+
+@torch.library.custom_op("pithtrain::gdn_fla_fwd", mutates_args=())
+def _fla_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+             cu_seqlens: torch.Tensor | None, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FLA's forward: o, and for the backward the chunk-local cumsum of g (log2 units) and the solved A."""
+    chunk, prepare = _fla()
+    idx = None if cu_seqlens is None else prepare(cu_seqlens, chunk_size)
+    gc, o, a, *_ = chunk.chunk_gated_delta_rule_fwd(
+        q=q, k=k, v=v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, initial_state=None, output_final_state=False,
+        cu_seqlens=cu_seqlens, chunk_indices=idx, chunk_size=chunk_size)
+    return o.to(v.dtype), gc, a
+
+
+@_fla_fwd.register_fake
+def _(q, k, v, g, beta, cu_seqlens, chunk_size):
+    return (torch.empty_like(v), torch.empty(g.shape, dtype=torch.float32, device=g.device),
+            k.new_empty(*v.shape[:3], chunk_size))
+
+
+@torch.library.custom_op("pithtrain::gdn_fla_bwd", mutates_args=())
+def _fla_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor, beta: torch.Tensor,
+             a: torch.Tensor, do: torch.Tensor, cu_seqlens: torch.Tensor | None,
+             chunk_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    chunk, prepare = _fla()
+    idx = None if cu_seqlens is None else prepare(cu_seqlens, chunk_size)
+    dq, dk, dv, db, dg, *_ = chunk.chunk_gated_delta_rule_bwd(
+        q=q, k=k, v=v, g=gc, beta=beta, A=a, scale=q.shape[-1] ** -0.5, initial_state=None,
+        do=do.contiguous(), dht=None, cu_seqlens=cu_seqlens, chunk_indices=idx, chunk_size=chunk_size)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.float(), db.to(beta.dtype)
+
+
+@_fla_bwd.register_fake
+def _(q, k, v, gc, beta, a, do, cu_seqlens, chunk_size):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gc),
+            torch.empty_like(beta))
+
+
+def _fla_setup(ctx, inputs, output):
+    q, k, v, g, beta, cu_seqlens, chunk_size = inputs
+    _, gc, a = output
+    ctx.save_for_backward(q, k, v, gc, beta, a, cu_seqlens)
+    ctx.chunk_size = chunk_size
+
+
+def _fla_backward(ctx, do, _dgc, _da):
+    q, k, v, gc, beta, a, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv, dg, db = _fla_bwd(q, k, v, gc, beta, a, do, cu_seqlens, ctx.chunk_size)
+    return dq, dk, dv, dg, db, None, None
+
+
+_fla_fwd.register_autograd(_fla_backward, setup_context=_fla_setup)
+
+
+def dqkwg_torch(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None, state_v_first=False,
+                cu_seqlens=None, chunk_size=64, chunk_indices=None):
+    """What FLA 0.6.0's gated `chunk_bwd_kernel_dqkwg` (fla/ops/common/chunk_o.py) computes, batched over
+    all chunks in PyTorch (fp32). Per chunk (g: chunk-local cumsum in log2 units, l the chunk's last
+    token, v = v_new, h/dh the state and its gradient at the chunk start, [K, V] per head):
+      ds = (do v^T) * [i >= j] 2^(g_i - g_j) * scale
+      dq = 2^g * scale * do h^T + ds k;   dk = 2^(g_l - g) * v dh^T + ds^T q;   dw = -dv h^T
+      dg = rowsum(dq * q) - rowsum(dk * k), and at l also + 2^(g_l) sum(h * dh) + sum_i rowsum(dk_state * k)
+    where dk_state is the first term of dk. q, k may have H heads for HV value heads: dq, dk are summed
+    back over each q/k head's value heads. Returns dq, dk (q's, k's dtypes), dw (w's), dg (fp32)."""
+    if g is None or w is None or dv is None or g_gamma is not None:
+        raise NotImplementedError("dqkwg_torch covers the gated delta rule only (g, w and dv given)")
+    b, t, hk, kd = k.shape
+    hv, vd = v.shape[2], v.shape[3]
+    c, dev, f32 = chunk_size, k.device, torch.float32
+    if cu_seqlens is None:  # equal rows of t tokens in the flattened b*t
+        nt = -(-t // c)
+        seq_start = torch.arange(b, device=dev).repeat_interleave(nt) * t
+        chunk_bos = seq_start + torch.arange(nt, device=dev).repeat(b) * c
+        chunk_eos = seq_start + t
+    else:
+        if chunk_indices is None:
+            from fla.ops.utils.index import prepare_chunk_indices
+            chunk_indices = prepare_chunk_indices(cu_seqlens, c)
+        seq, it = chunk_indices[:, 0].long(), chunk_indices[:, 1].long()
+        chunk_bos = cu_seqlens[seq].long() + it * c
+        chunk_eos = cu_seqlens[seq + 1].long()
+    pos = chunk_bos[:, None] + torch.arange(c, device=dev)  # [NC, C] flattened token index
+    valid = pos < chunk_eos[:, None]
+    last = torch.minimum(chunk_bos + c, chunk_eos) - 1
+    at = torch.where(valid, pos, 0)
+    vmask = valid.to(f32)
+
+    def gather(x, heads):  # [B, T, heads, D] -> [NC, C, HV, D] fp32, zero past the sequence end
+        x = x.reshape(b * t, heads, -1)[at].to(f32)
+        if heads != hv:
+            x = x.repeat_interleave(hv // heads, 2)
+        return x * vmask[..., None, None]
+
+    qc, kc = gather(q, hk), gather(k, hk)
+    vc, doc, dvc = gather(v, hv), gather(do, hv), gather(dv, hv)
+    gflat = g.reshape(b * t, hv).float()
+    gc = gflat[at] * vmask[..., None]  # [NC, C, HV]
+    g_last = gflat[last]  # [NC, HV]
+    nc = pos.shape[0]
+    hh, dhh = (x.reshape(nc, hv, *x.shape[-2:]).float() for x in (h, dh))
+    if state_v_first:
+        hh, dhh = hh.transpose(-1, -2), dhh.transpose(-1, -2)
+    dg_last = (hh * dhh).sum((-1, -2)) * torch.exp2(g_last)
+    dq = torch.einsum("nihv,nhkv->nihk", doc, hh) * (torch.exp2(gc) * scale)[..., None]
+    dk = torch.einsum("nihv,nhkv->nihk", vc, dhh) * (torch.exp2(g_last[:, None] - gc) * vmask[..., None])[..., None]
+    dw = -torch.einsum("nihv,nhkv->nihk", dvc, hh)
+    dg_last = dg_last + (dk * kc).sum((1, 3))
+    mask = (torch.ones(c, c, dtype=torch.bool, device=dev).tril() & valid[:, :, None] & valid[:, None, :])[:, None]
+    gi, gj = gc.transpose(1, 2)[..., :, None], gc.transpose(1, 2)[..., None, :]  # [NC, HV, C, 1|C]
+    ds = torch.einsum("nihv,njhv->nhij", doc, vc)
+    ds = torch.where(mask, ds * torch.exp2((gi - gj).where(mask, 0.0)), 0.0) * scale
+    dq = dq + torch.einsum("nhij,njhk->nihk", ds, kc)
+    dk = dk + torch.einsum("nhij,nihk->njhk", ds, qc)
+    dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)  # [NC, C, HV]
+    dg = dg + (torch.arange(c, device=dev)[None, :] == (last - chunk_bos)[:, None]).to(f32)[..., None] * dg_last[:, None]
+
+    def scatter(x, like_heads, dtype):  # [NC, C, HV, ...] -> [B, T, heads, ...], each valid token once
+        dst = torch.where(valid, pos, b * t).flatten()  # past-the-end rows land in a dropped extra row
+        flat = x.new_zeros(b * t + 1, *x.shape[2:]).index_copy(0, dst, x.flatten(0, 1))[: b * t]
+        if like_heads != hv:
+            flat = flat.reshape(b * t, like_heads, hv // like_heads, *x.shape[3:]).sum(2)
+        return flat.reshape(b, t, like_heads, *x.shape[3:]).to(dtype)
+
+    return (scatter(dq, hk, q.dtype), scatter(dk, hk, k.dtype), scatter(dw, hv, w.dtype),
+            scatter(dg, hv, torch.float32))
