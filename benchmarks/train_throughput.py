@@ -4,11 +4,13 @@ same run, peak memory, GPU time per layer stage (from a profiled step, by defaul
 left out of the medians), and the PithTrain/transformers ratio.
 
     PYTHONPATH=. python benchmarks/train_throughput.py --family qwen3 --layers 4 --seq 4096 --steps 8
-    (--family deepseek_v2 | gpt_oss: the DeepSeek-V2-Lite / GPT-OSS-20B widths; --compile;
+    (--family deepseek_v2 | gpt_oss | qwen3_5: the DeepSeek-V2-Lite / GPT-OSS-20B / Qwen3.5-35B-A3B widths; --compile;
      --attention sdpa: GPT-OSS's attention through SDPA with masks instead of ops/attention.py's kernel)
 
 Model FLOPs per token = 6 * (active non-embedding parameters) + 6 * hidden * vocab (LM head)
-                        + 6 * layers * seq * head_dim * q_heads (causal attention, fwd+bwd).
+                        + 6 * layers * seq * head_dim * q_heads (causal attention, fwd+bwd)
+                        + 3 * the chunked Gated DeltaNet's forward FLOPs per token (Qwen3.5's linear layers:
+                          ops/delta_rule.chunked_flops, the matmuls of the chunked algorithm at chunk 64).
 """
 
 from __future__ import annotations
@@ -61,13 +63,14 @@ def family_config(family: str, layers: int):
     """The real-width config of a family (from examples/), cut to `layers` layers."""
     from pithtrain.config import load_run_config
 
-    path = {"qwen3": None, "deepseek_v2": "examples/deepseek_v2_lite.py", "gpt_oss": "examples/gpt_oss_20b.py"}[family]
+    path = {"qwen3": None, "deepseek_v2": "examples/deepseek_v2_lite.py", "gpt_oss": "examples/gpt_oss_20b.py",
+            "qwen3_5": "examples/qwen3_5_35b_a3b.py"}[family]
     if path is None:
         return qwen3_config(layers)
     cfg = load_run_config(path).model
     cfg.num_hidden_layers = layers
-    if family == "gpt_oss":
-        cfg.layer_types = None  # alternate sliding/full over the new depth
+    if family in ("gpt_oss", "qwen3_5"):
+        cfg.layer_types = None  # the family's pattern over the new depth (sliding/full; 3 linear : 1 full)
     return cfg
 
 
@@ -88,6 +91,12 @@ def flops_per_token(cfg, seq: int) -> float:
         d_qk = d_v = getattr(cfg, "head_dim", None) or cfg.dim_per_head
     attn = 0.0
     for i in range(cfg.num_hidden_layers):
+        if cfg.model_type == "qwen3_5_moe_text" and cfg.layer_type(i) == "linear_attention":
+            from pithtrain.ops.delta_rule import chunked_flops
+
+            heads_v = cfg.linear_num_value_heads
+            attn += chunked_flops(1, seq, heads_v, cfg.linear_key_head_dim, cfg.linear_value_head_dim) / seq
+            continue
         sliding = cfg.model_type == "gpt_oss" and cfg.layer_type(i) == "sliding_attention"
         ctx = min(cfg.sliding_window, seq / 2) if sliding else seq / 2  # mean keys seen per query
         attn += 2 * ctx * heads * (d_qk + d_v)  # QK^T and AV per token, forward
@@ -176,7 +185,7 @@ def transformers_run(cfg, seq: int, batch: int, steps: int, tokens: np.ndarray, 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="qwen3", choices=["qwen3", "deepseek_v2", "gpt_oss"])
+    parser.add_argument("--family", default="qwen3", choices=["qwen3", "deepseek_v2", "gpt_oss", "qwen3_5"])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)

@@ -36,7 +36,8 @@ class ConfigError(UserError):
 
 # Kept on AdamW under optim.name=muon (besides any tensor that is not one matrix, or a stack of expert matrices):
 # embeddings, LM head, norms, biases, router gates (Qwen3/DeepSeek `mlp.gate`, GPT-OSS `mlp.router`), attention sinks.
-MUON_EXCLUDE = ("embed_tokens.*", "lm_head.*", "*norm*", "*bias", "*.mlp.gate.weight", "*.router.*", "*.sinks")
+MUON_EXCLUDE = ("embed_tokens.*", "lm_head.*", "*norm*", "*bias", "*.mlp.gate.weight", "*.shared_expert_gate.*", "*.router.*",
+                "*.sinks")
 
 
 @dataclass

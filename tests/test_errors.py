@@ -75,6 +75,12 @@ CASES = [  # (id, command line, what the one line must name)
     ("deepseek-rope-theta", "train {deepseek} --set model.rope_theta=-1", "model.rope_theta"),
     ("gpt-oss-eps", "train {gpt_oss} --set model.rms_norm_eps=0", "model.rms_norm_eps"),
     ("gpt-oss-experts", "train {gpt_oss} --set model.num_local_experts=0", "model.num_local_experts"),
+    ("qwen3-5-layer-types", "train {qwen3_5} --set model.layer_types=" + json.dumps(["linear_attention"] * 3 + ["mamba"], separators=(",", ":")),
+     "model.layer_types"),
+    ("qwen3-5-layer-count", "train {qwen3_5} --set model.layer_types=" + json.dumps(["full_attention"]), "model.layer_types"),
+    ("qwen3-5-linear-heads", "train {qwen3_5} --set model.linear_num_key_heads=3", "model.linear_num_value_heads"),
+    ("qwen3-5-conv-kernel", "train {qwen3_5} --set model.linear_conv_kernel_dim=0", "model.linear_conv_kernel_dim"),
+    ("qwen3-5-multimodal-as-text", "eval {hf_mm_as_text} --tokens {tokens}", "model_type"),
     ("adam-eps-zero", "train {cfg} --set optim.eps=0", "optim.eps"),
     ("optim-name", "train {cfg} --set optim.name=sgd", "optim.name"),
     ("recompute-mode", "train {cfg} --set train.recompute=some", "train.recompute"),
@@ -185,7 +191,8 @@ def make_env(tmp: Path) -> dict:
     from pithtrain.train import loop
     from pithtrain.train.data import write_dataset
 
-    env = {"tmp": tmp, "deepseek": ROOT / "examples/deepseek_v2_tiny.py", "gpt_oss": ROOT / "examples/gpt_oss_tiny.py"}
+    env = {"tmp": tmp, "deepseek": ROOT / "examples/deepseek_v2_tiny.py", "gpt_oss": ROOT / "examples/gpt_oss_tiny.py",
+           "qwen3_5": ROOT / "examples/qwen3_5_tiny.py"}
     data = env["data"] = tmp / "data"
     write_dataset(data, markov_docs(np.random.default_rng(0), 64, 60), vocab_size=64, eos_id=0)
     env["cfg"] = write_run_file(tmp / "tiny.py", data)
@@ -228,6 +235,9 @@ def make_env(tmp: Path) -> dict:
     (copy(hf, "hf_badjson") / "config.json").write_text("{")
     hf_config = json.loads((hf / "config.json").read_text())
     (copy(hf, "hf_badtype") / "config.json").write_text(json.dumps(dict(hf_config, hidden_size="32")))
+    # a multimodal Qwen3.5-MoE config.json (text_config + vision_config) labelled as the text model
+    (copy(hf, "hf_mm_as_text") / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_5_moe_text", "text_config": {"hidden_size": 32}, "vision_config": {"depth": 2}}))
     (copy(hf, "hf_llama") / "config.json").write_text(json.dumps(dict(hf_config, model_type="llama")))
     state = load_file(str(hf / "model.safetensors"))
     save_file(dict(state, **{"model.norm.weight": torch.ones(1)}), str(copy(hf, "hf_shape") / "model.safetensors"))

@@ -35,7 +35,7 @@ from torch import nn
 from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_tensor, init_by_name, run_layer
 from pithtrain.ops.core import attention, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
-from pithtrain.ops.delta_rule import causal_conv1d, gated_delta_rule, gated_delta_rule_recurrent, l2norm
+from pithtrain.ops.delta_rule import causal_conv1d, doc_cu_seqlens, gated_delta_rule, gated_delta_rule_recurrent, l2norm
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import activation_mm, expert_mm, head_logits
@@ -169,6 +169,7 @@ class AttnInputs(NamedTuple):
     mask: torch.Tensor | None  # full attention; None: plain causal
     doc_ids: torch.Tensor | None  # [B, S] packed documents: the linear layers reset their state at each
     cp: ContextParallel | None = None  # context parallel: ring attention / the gathered recurrence
+    cu_seqlens: torch.Tensor | None = None  # doc_ids as FLA's varlen offsets (CUDA), found once per micro-batch
 
 
 class ZeroCenteredRMSNorm(nn.Module):
@@ -276,7 +277,8 @@ class GatedDeltaNet(nn.Module):
             doc_ids = gathered_doc_ids(attn.cp)
         mixed = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), doc_ids)
         q, k, v, g = self.split_heads(mixed, a)
-        out = gated_delta_rule(q, k, v, g, torch.sigmoid(beta_in.float()), doc_ids)
+        cu_seqlens = attn.cu_seqlens if attn.cp is None else None
+        out = gated_delta_rule(q, k, v, g, torch.sigmoid(beta_in.float()), doc_ids, cu_seqlens=cu_seqlens)
         if attn.cp is not None:
             out = zigzag_split(out, attn.cp.cp, attn.cp.rank)
         z = self.in_proj_z(x).view(b, s, self.v_heads, self.v_dim)
@@ -406,7 +408,10 @@ class Qwen3_5MoeModel(nn.Module):
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, dtype=dtype)
         if cp is not None:  # the ring masks by global token index and cp's document ids
             return AttnInputs(cos, sin, None, None, cp)
-        return AttnInputs(cos, sin, attention_mask(doc_ids, position_ids.shape[1], position_ids.device), doc_ids)
+        mask = attention_mask(doc_ids, position_ids.shape[1], position_ids.device)
+        # FLA's kernels take documents as varlen offsets: one host sync here, not one per linear layer
+        cu_seqlens = doc_cu_seqlens(doc_ids) if doc_ids is not None and doc_ids.is_cuda else None
+        return AttnInputs(cos, sin, mask, doc_ids, None, cu_seqlens)
 
     def forward(self, x, position_ids, engine, doc_ids=None, cp: ContextParallel | None = None):
         """x: token ids [B, S] if this chunk embeds, else hidden states [B, S, H]. Returns logits

@@ -59,6 +59,17 @@ def layer_activation_bytes(cfg, layer_id: int, seq: int, recompute: str = "off")
         d = getattr(cfg, "head_dim", None) or cfg.dim_per_head
         q, k, v, o = heads * d, cfg.num_key_value_heads * d, cfg.num_key_value_heads * d, heads * d
     full = recompute == "full"
+    if cfg.model_type == "qwen3_5_moe_text":
+        q += heads * d  # the output gate, and its product with the attention output
+        o += heads * d
+        if cfg.layer_type(layer_id) == "linear_attention":  # Gated DeltaNet instead of attention
+            kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
+            per_head_k = cfg.linear_num_value_heads * cfg.linear_key_head_dim  # q, k repeated per value head
+            # the qkv projection, the conv before and after SiLU; q, k L2-normed in fp32 (2 units each) and
+            # their bf16 copies for the kernel; v, z, the rule's output and the gated norm's; the kernel's
+            # per-chunk solve (heads x 64, fp32)
+            q = 3 * (2 * kd + vd) + 2 * 2 * per_head_k + 2 * per_head_k + 4 * vd + 2 * 64 * cfg.linear_num_value_heads
+            k = v = o = 0
     elements = h if full else 6 * h + q + k + v + o  # stage 1's input, or its norms and attention
     if cfg.is_moe_layer(layer_id):
         topk, inter = cfg.num_experts_per_tok, getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
@@ -66,6 +77,8 @@ def layer_activation_bytes(cfg, layer_id: int, seq: int, recompute: str = "off")
         elements += topk * (2 * h + experts) + topk * h + 2 * cfg.num_routed_experts()
         shared = 0 if full else getattr(cfg, "n_shared_experts", None) or 0  # shared experts run in stage 1
         elements += 3 * inter * shared + (h if shared else 0)
+        if not full and getattr(cfg, "shared_expert_intermediate_size", 0):  # Qwen3.5's gated shared expert
+            elements += 3 * cfg.shared_expert_intermediate_size + 2 * h
     elif not full:  # the dense MLP runs in stage 1
         elements += 3 * cfg.intermediate_size + h
     return 2.0 * elements
