@@ -176,3 +176,46 @@ def test_real_config_is_the_example():
     cfg.validate()
     assert cfg == load_run_config("examples/qwen3_5_35b_a3b.py").model
     assert [cfg.layer_type(i) for i in range(8)] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+
+
+def test_muon_takes_the_hybrid_matrices():
+    """Muon: the matrices of both layer kinds, experts and shared expert; AdamW: the conv (a depthwise
+    filter, not a matrix), the decay parameters, norms, the router and the shared expert's [1, H] gate."""
+    from conftest import tiny_qwen3_5_config
+    from pithtrain.train.optim import takes_muon
+
+    cfg = tiny_qwen3_5_config("unused")
+    model = cfg.model.build_model()
+    taken = {n for n, p in model.named_parameters() if takes_muon(n, p, cfg.optim.muon_exclude)}
+    for name in ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight", "linear_attn.in_proj_b.weight",
+                 "linear_attn.in_proj_a.weight", "linear_attn.out_proj.weight", "mlp.experts.gate_up",
+                 "mlp.shared_expert.down_proj.weight"):
+        assert f"layers.0.{name}" in taken, name
+    for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.experts.down"):
+        assert f"layers.1.{name}" in taken, name
+    for name in ("linear_attn.conv1d.weight", "linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.norm.weight",
+                 "mlp.shared_expert_gate.weight", "mlp.gate.weight", "input_layernorm.weight"):
+        assert f"layers.0.{name}" not in taken, name
+
+
+def test_compiles_without_graph_breaks_and_matches_eager(tmp_path, dataset_dir):
+    """Both layer kinds' stage 1 (the chunked delta rule, the gated attention) and stage 5 trace in one
+    graph each; the compiled run equals the eager one."""
+    from torch._dynamo.utils import counters
+
+    from conftest import tiny_qwen3_5_config
+    from pithtrain.train.loop import train
+
+    def cfg(**kw):
+        c = tiny_qwen3_5_config(dataset_dir, steps=2, lb_coef=0.1, **kw)
+        c.model.num_hidden_layers, c.model.layer_types = 2, ["linear_attention", "full_attention"]
+        return c
+
+    eager = train(cfg(), tmp_path / "eager", echo=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = train(cfg(compile=True), tmp_path / "compiled", echo=False)
+    assert counters["stats"]["unique_graphs"] > 0 and not counters["graph_break"]
+    for a, b in zip(eager, compiled):
+        for key in ("loss", "lb_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-4), key

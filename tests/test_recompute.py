@@ -7,13 +7,14 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import tiny_config, tiny_deepseek_config, tiny_gpt_oss_config
+from conftest import tiny_config, tiny_deepseek_config, tiny_gpt_oss_config, tiny_qwen3_5_config
 from pithtrain.ops.grouped_gemm import DeferredWeightGrads, accumulate_grad
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.loop import compile_stages, recompute_stages
 
-FAMILIES = {"qwen3": tiny_config, "deepseek_v2": tiny_deepseek_config, "gpt_oss": tiny_gpt_oss_config}
+FAMILIES = {"qwen3": tiny_config, "deepseek_v2": tiny_deepseek_config, "gpt_oss": tiny_gpt_oss_config,
+            "qwen3_5": tiny_qwen3_5_config}
 
 
 def _estimator():
