@@ -95,7 +95,8 @@ def gated_delta_rule(q, k, v, g, beta, doc_ids=None, chunk_size=64, cu_seqlens=N
     (Hk = H, or a divisor of it: each q/k head then serves H/Hk consecutive value heads), g: [B, S, H]
     log-decay (<= 0), beta: [B, S, H] in (0, 1). doc_ids: [B, S] int or None: packed documents; the state
     resets to zero at the first token of every document. cu_seqlens: optional, only read on FLA's path:
-    doc_cu_seqlens(doc_ids) computed once by the caller (else computed here: one host sync per call).
+    doc_cu_seqlens(doc_ids) computed once by the caller (else computed here: one host sync per call, and
+    a graph break under torch.compile, so a compiled caller with documents must pass it).
     Returns o [B, S, H, Dv] in v's dtype; computes in fp32 (fp64 if inputs are fp64)."""
     if v.is_cuda and USE_FLA and chunk_size in FLA_CHUNKS and v.dtype != torch.float64 and _fla_ready():
         return _fla_path(q, k, v, g, beta, doc_ids, chunk_size, cu_seqlens)
@@ -202,6 +203,7 @@ def _fla():
     return chunk, prepare_chunk_indices
 
 
+@torch._dynamo.assume_constant_result  # a compiled stage decides once, at trace time (no import traced)
 def _fla_ready() -> bool:
     global _warned
     if _fla() is not None:
@@ -324,41 +326,48 @@ def dqkwg_torch(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale
     pos = chunk_bos[:, None] + torch.arange(c, device=dev)  # [NC, C] flattened token index
     valid = pos < chunk_eos[:, None]
     last = torch.minimum(chunk_bos + c, chunk_eos) - 1
+    nc = pos.shape[0]
+    # Equal rows that fill whole chunks need no gather or scatter: the chunks are a reshape.
+    dense = cu_seqlens is None and t % c == 0
     at = torch.where(valid, pos, 0)
-    vmask = valid.to(f32)
+    vmask = valid.to(f32)[:, None, :]  # [NC, 1, C]
 
-    def gather(x, heads):  # [B, T, heads, D] -> [NC, C, HV, D] fp32, zero past the sequence end
-        x = x.reshape(b * t, heads, -1)[at].to(f32)
+    def gather(x, heads):  # [B, T, heads, D] -> [NC, HV, C, D] fp32 (batched-matmul layout), zero past the end
+        x = x.reshape(nc, c, heads, -1) if dense else x.reshape(b * t, heads, -1)[at]
+        x = x.transpose(1, 2).float()
         if heads != hv:
-            x = x.repeat_interleave(hv // heads, 2)
-        return x * vmask[..., None, None]
+            x = x.repeat_interleave(hv // heads, 1)
+        return x if dense else x * vmask[..., None]
 
     qc, kc = gather(q, hk), gather(k, hk)
     vc, doc, dvc = gather(v, hv), gather(do, hv), gather(dv, hv)
     gflat = g.reshape(b * t, hv).float()
-    gc = gflat[at] * vmask[..., None]  # [NC, C, HV]
+    gc = (gflat.reshape(nc, c, hv) if dense else gflat[at]).transpose(1, 2) * vmask  # [NC, HV, C]
     g_last = gflat[last]  # [NC, HV]
-    nc = pos.shape[0]
     hh, dhh = (x.reshape(nc, hv, *x.shape[-2:]).float() for x in (h, dh))
     if state_v_first:
         hh, dhh = hh.transpose(-1, -2), dhh.transpose(-1, -2)
     dg_last = (hh * dhh).sum((-1, -2)) * torch.exp2(g_last)
-    dq = torch.einsum("nihv,nhkv->nihk", doc, hh) * (torch.exp2(gc) * scale)[..., None]
-    dk = torch.einsum("nihv,nhkv->nihk", vc, dhh) * (torch.exp2(g_last[:, None] - gc) * vmask[..., None])[..., None]
-    dw = -torch.einsum("nihv,nhkv->nihk", dvc, hh)
-    dg_last = dg_last + (dk * kc).sum((1, 3))
-    mask = (torch.ones(c, c, dtype=torch.bool, device=dev).tril() & valid[:, :, None] & valid[:, None, :])[:, None]
-    gi, gj = gc.transpose(1, 2)[..., :, None], gc.transpose(1, 2)[..., None, :]  # [NC, HV, C, 1|C]
-    ds = torch.einsum("nihv,njhv->nhij", doc, vc)
-    ds = torch.where(mask, ds * torch.exp2((gi - gj).where(mask, 0.0)), 0.0) * scale
-    dq = dq + torch.einsum("nhij,njhk->nihk", ds, kc)
-    dk = dk + torch.einsum("nhij,nihk->njhk", ds, qc)
-    dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)  # [NC, C, HV]
-    dg = dg + (torch.arange(c, device=dev)[None, :] == (last - chunk_bos)[:, None]).to(f32)[..., None] * dg_last[:, None]
+    dq = (doc @ hh.transpose(-1, -2)) * (torch.exp2(gc) * scale)[..., None]
+    dk = (vc @ dhh.transpose(-1, -2)) * (torch.exp2(g_last[..., None] - gc) * vmask)[..., None]
+    dw = -(dvc @ hh.transpose(-1, -2))
+    dg_last = dg_last + (dk * kc).sum((-1, -2))
+    mask = torch.ones(c, c, dtype=torch.bool, device=dev).tril() & (valid[:, :, None] & valid[:, None, :])[:, None]
+    ds = doc @ vc.transpose(-1, -2)  # [NC, HV, C, C]
+    ds = torch.where(mask, ds * torch.exp2((gc[..., :, None] - gc[..., None, :]).where(mask, 0.0)), 0.0) * scale
+    dq = dq + ds @ kc
+    dk = dk + ds.transpose(-1, -2) @ qc
+    dg = (dq * qc).sum(-1) - (dk * kc).sum(-1)  # [NC, HV, C]
+    at_last = (torch.arange(c, device=dev)[None, :] == (last - chunk_bos)[:, None]).to(f32)[:, None]
+    dg = dg + at_last * dg_last[..., None]
 
-    def scatter(x, like_heads, dtype):  # [NC, C, HV, ...] -> [B, T, heads, ...], each valid token once
-        dst = torch.where(valid, pos, b * t).flatten()  # past-the-end rows land in a dropped extra row
-        flat = x.new_zeros(b * t + 1, *x.shape[2:]).index_copy(0, dst, x.flatten(0, 1))[: b * t]
+    def scatter(x, like_heads, dtype):  # [NC, HV, C, ...] -> [B, T, heads, ...], each valid token once
+        x = x.transpose(1, 2)
+        if dense:
+            flat = x.reshape(b * t, *x.shape[2:])
+        else:  # past-the-end rows land in a dropped extra row
+            dst = torch.where(valid, pos, b * t).flatten()
+            flat = x.new_zeros(b * t + 1, *x.shape[2:]).index_copy(0, dst, x.flatten(0, 1))[: b * t]
         if like_heads != hv:
             flat = flat.reshape(b * t, like_heads, hv // like_heads, *x.shape[3:]).sum(2)
         return flat.reshape(b, t, like_heads, *x.shape[3:]).to(dtype)
