@@ -5,7 +5,7 @@ document run alone, causal_conv1d against F.conv1d, and the chunked path under t
 Tolerances: float64 cases 1e-10 relative to the largest entry (the two forms differ only in summation
 order, ~1e-15 each); the compiled float32 case 1e-5 (inductor may reorder fp32 sums).
 FLA's Triton kernels and the PyTorch dqkwg that replaces one of them: tests/gpu/test_delta_rule_gpu.py
-and benchmarks/delta_rule_interpreter.py (CPU, under the Triton interpreter).
+and benchmarks/delta_rule_interpreter.py (CPU, under the Triton interpreter; needs fla, so not in CI).
 """
 
 import pytest

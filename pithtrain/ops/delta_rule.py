@@ -27,7 +27,11 @@ cu_seqlens), wrapped as torch.library custom ops so a compiled stage traces thro
 its gated `chunk_bwd_dqkwg` kernel on Hopper with Triton in [3.4, 3.7.1) (its issue #640: wrong
 results); there `dqkwg_torch` below, a batched PyTorch version of that kernel, takes its place in
 FLA's gated-delta-rule backward (`_patch_fla`). Without fla on CUDA: the chunked PyTorch path, with
-one warning per process.
+one warning per process. Checked: dqkwg_torch against FLA's kernel and FLA's whole op (with it) against
+the chunked path under the Triton interpreter (benchmarks/delta_rule_interpreter.py); FLA on an H200
+(torch 2.11, Triton 3.6) against float64 in tests/gpu/test_delta_rule_gpu.py. Speed there, B=4, S=4096,
+H=32, D=128 bf16 (benchmarks/delta_rule.py): FLA fwd 1.0 ms, fwd+bwd 16-17 ms, most of the backward in
+dqkwg_torch (13 ms, fp32); the chunked path 15.9 / 135 ms eager, 12.9 / 48 ms compiled.
 """
 
 from __future__ import annotations
