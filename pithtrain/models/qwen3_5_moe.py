@@ -257,13 +257,13 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_size, cfg.hidden_size, bias=False)
 
     def split_heads(self, mixed, a):
-        """q, k [B, S, Hv, Dk] (L2-normed, key heads repeated for their value heads), v [B, S, Hv, Dv],
-        and the decay g [B, S, Hv] (fp32) from the conv output `mixed` and the a-projection."""
+        """q, k [B, S, Hk, Dk] (L2-normed; each key head serves Hv / Hk consecutive value heads, which
+        the op expands, FLA natively), v [B, S, Hv, Dv], and the decay g [B, S, Hv] (fp32) from the
+        conv output `mixed` and the a-projection."""
         b, s, _ = mixed.shape
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        rep = self.v_heads // self.k_heads
-        q = l2norm(q.reshape(b, s, self.k_heads, self.k_dim).float()).repeat_interleave(rep, dim=2)
-        k = l2norm(k.reshape(b, s, self.k_heads, self.k_dim).float()).repeat_interleave(rep, dim=2)
+        q = l2norm(q.reshape(b, s, self.k_heads, self.k_dim).float())
+        k = l2norm(k.reshape(b, s, self.k_heads, self.k_dim).float())
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return q, k, v.reshape(b, s, self.v_heads, self.v_dim), g
 

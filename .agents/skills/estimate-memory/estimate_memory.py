@@ -64,11 +64,10 @@ def layer_activation_bytes(cfg, layer_id: int, seq: int, recompute: str = "off")
         o += heads * d
         if cfg.layer_type(layer_id) == "linear_attention":  # Gated DeltaNet instead of attention
             kd, vd = cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
-            per_head_k = cfg.linear_num_value_heads * cfg.linear_key_head_dim  # q, k repeated per value head
             # the qkv projection, the conv before and after SiLU; q, k L2-normed in fp32 (2 units each) and
             # their bf16 copies for the kernel; v, z, the rule's output and the gated norm's; the kernel's
             # per-chunk solve (heads x 64, fp32)
-            q = 3 * (2 * kd + vd) + 2 * 2 * per_head_k + 2 * per_head_k + 4 * vd + 2 * 64 * cfg.linear_num_value_heads
+            q = 3 * (2 * kd + vd) + 2 * 2 * 2 * kd + 2 * kd + 4 * vd + 2 * 64 * cfg.linear_num_value_heads
             k = v = o = 0
     elements = h if full else 6 * h + q + k + v + o  # stage 1's input, or its norms and attention
     if cfg.is_moe_layer(layer_id):
