@@ -163,7 +163,7 @@ def train(
             switched = _flat(ckpt.read_meta(found).get("config", {}))["optim.name"] != o.name  # optim.allow_switch
             meta = ckpt.load_training_state(found, model, optimizer, mesh, with_optim=not switched)
         except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
-            cause = dcp_cause(e)
+            cause = ckpt.dcp_cause(e)
             raise UserError(f"checkpoint {found} could not be loaded ({type(cause).__name__}: {cause}); move it "
                             f"out of {out_dir / 'checkpoints'} to resume from the one before") from e
         start = meta["step"]
@@ -474,18 +474,11 @@ def _flat(config: dict) -> dict:
     return flat
 
 
-def dcp_cause(error: BaseException) -> BaseException:
-    """The error itself, or the first rank's error of DCP's CheckpointException (a BaseException
-    that holds each rank's error and prints their tracebacks)."""
-    failures = getattr(error, "failures", None)
-    return next(iter(failures.values()))[0] if failures else error
-
-
 def save_failed(error: BaseException, out_dir: Path, step: int, is_main: bool) -> BaseException:
     """The error to raise for a failed checkpoint save. A disk error (full, read-only, gone) becomes
     one message naming it and the last good checkpoint, after removing the partial step_N.tmp;
     anything else is returned unchanged."""
-    cause = dcp_cause(error)
+    cause = ckpt.dcp_cause(error)
     if not isinstance(cause, OSError):
         return error
     tmp = out_dir / "checkpoints" / f"step_{step:08d}.tmp"  # where checkpoint.write_checkpoint writes
@@ -618,9 +611,7 @@ def _count(n: int) -> str:
 
 def _init_from(model, path: str) -> None:
     """Copy weights from an HF directory or a PithTrain checkpoint (continued pretraining)."""
-    from pithtrain.tools.hf import load_model
-
-    source = load_model(path)
+    source = ckpt.load_model(path)
     if source.cfg != model.cfg:
         raise UserError(f"train.init_from={path}: its model config differs from the run's model config; "
                         f"build the run's model from that checkpoint's config.json")
