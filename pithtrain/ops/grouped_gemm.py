@@ -19,7 +19,7 @@ from pithtrain.ops.kernels import add_into
 
 # The weight gradients of cast master weights added into the fp32 .grad in the GEMM's epilogue
 # (kernels.wgrad_into) rather than a bf16 product and an add_into pass: +2.0% tokens/s at Qwen3 width
-# on the H200, neutral at DeepSeek-V2-Lite and GPT-OSS widths (docs/performance.md, eighth session).
+# on the H200, neutral at DeepSeek-V2-Lite and GPT-OSS widths (docs/performance.md, Kernels).
 FUSED_WGRAD = True
 
 
