@@ -36,7 +36,7 @@ from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispa
 from pithtrain.parallel.fsdp import clip_grads, expert_modules, global_grad_norm, keep_local_experts, shard_model
 from pithtrain.parallel.mesh import Mesh
 from pithtrain.parallel.pipeline import ChunkPair, PipelineRunner, build_chunks, dualpipev_schedule
-from pithtrain.protocol import named_range
+from pithtrain.protocol import LossTerms, StepSums, named_range
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, TokenDataset
@@ -59,12 +59,12 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if name == "bf16" else torch.float32
 
 
-def forward_loss(model, micro: dict, engine: ExpertEngine, device, dtype):
-    """Forward one (device-resident, CP-split) micro-batch; returns (sum of token cross-entropy,
-    load-balance loss or None)."""
+def forward_loss(model, micro: dict, engine: ExpertEngine, device, dtype) -> torch.Tensor:
+    """Forward one (device-resident, CP-split) micro-batch; returns its sum of token cross-entropy
+    (the auxiliary loss values are in engine.aux)."""
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
         logits = model(micro["input_ids"], micro["position_ids"], engine, doc_ids=micro.get("doc_ids"), cp=micro.get("cp"))
-    return cross_entropy_sum(logits, micro["labels"]), engine.lb_loss()
+    return cross_entropy_sum(logits, micro["labels"])
 
 
 def prepare_micro(micro: dict, mesh: Mesh) -> dict:
@@ -341,30 +341,31 @@ def train_step(run: Run, step: int, stop) -> Stepped:
     n_label = int((batch["labels"] != -100).sum())  # over the whole global batch
     micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
     n_micro_global = len(micros) * mesh.data_ranks
-    sums = torch.zeros(3, dtype=torch.float64, device=device)  # [cross-entropy sum, lb sum, stop requested] of this rank
+    terms = LossTerms(t, n_label, n_micro_global, run.n_moe)  # how the loss is composed (protocol.py)
+    sums = StepSums(device)
     run.engines.clear()
     if run.chunks is not None:
-        sums[:2] += pipeline_step(run.runner, micros, n_label, run.n_moe, t.lb_coef / (run.n_moe * n_micro_global),
-                                  device, run.dtype)
+        ce, aux = pipeline_step(run.runner, micros, terms, device, run.dtype)
+        sums.ce += ce
+        for name, value in aux.items():
+            sums.aux[name] += value
     else:
         for i, micro in enumerate(micros):
             if mesh.world > 1:  # accumulate unsharded gradients; reduce-scatter after the last micro-batch
                 model.set_requires_gradient_sync(i == len(micros) - 1)
-            ce, lb = forward_loss(model, micro, run.new_engine(*micro["input_ids"].shape), device, run.dtype)
-            total = ce / max(n_label, 1)
-            if lb is not None:
-                total = total + t.lb_coef * lb / n_micro_global
-                sums[1] += lb.detach().double()
-            total.backward()
-            sums[0] += ce.detach().double()
+            engine = run.new_engine(*micro["input_ids"].shape)
+            ce = forward_loss(model, micro, engine, device, run.dtype)
+            for name, value in terms.layer_sums(engine.aux, mean=True).items():
+                sums.aux[name] += value
+            terms.micro_loss(ce, engine.aux).backward()
+            sums.ce += ce.detach().double()
     if stop is not None and stop.signum:  # summed with the losses, so every rank stops after the same step
-        sums[2] = 1
-    if mesh.world > 1:  # cross-entropy: pipeline rank 0 of every dp x cp x ep rank; lb terms: every rank
-        torch.distributed.all_reduce(sums, group=None if mesh.pp > 1 else mesh.dense_mesh.get_group())
-        sums[1] /= mesh.cp  # each CP rank holds the same (whole-sequence) load-balance value
-    ce_sum, lb_sum, stops = sums.tolist()  # the step's one host sync for its scalars
+        sums.request_stop()
+    # cross-entropy: pipeline rank 0 of every dp x cp x ep rank holds a share; aux terms: every rank
+    group = None if mesh.pp > 1 or mesh.world == 1 else mesh.dense_mesh.get_group()
+    ce_sum, aux_sums, stops = sums.reduce(group, mesh.world, mesh.cp)  # the step's one host sync for its scalars
     loss = ce_sum / max(n_label, 1)
-    halt = stops > 0 and step + 1 < run.end
+    halt = stops and step + 1 < run.end
     params = list(model.parameters())
     if run.norms:
         run.norms.grads(model.named_parameters())
@@ -386,8 +387,8 @@ def train_step(run: Run, step: int, stop) -> Stepped:
         torch.cuda.synchronize(device)
         if run.capture and step + 1 == run.capture[1]:
             torch.cuda.profiler.stop()
-    return Stepped(loss, {"lb_loss": lb_sum / n_micro_global}, lr, grad_norm, n_label, batch["input_ids"].numel(),
-                   balance_ep, halt)
+    return Stepped(loss, StepSums.metrics(aux_sums, n_micro_global), lr, grad_norm, n_label,
+                   batch["input_ids"].numel(), balance_ep, halt)
 
 
 def write_instruments(run: Run, step: int, memory, profiler) -> None:
@@ -478,7 +479,7 @@ def evaluate(parts, runner, evaluation, config: RunConfig, mesh: Mesh, dispatche
         micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
         if runner is None:
             for micro in micros:
-                ce += forward_loss(parts[0], micro, ExpertEngine(dispatcher, None, *micro["input_ids"].shape), device, dtype)[0].double()
+                ce += forward_loss(parts[0], micro, ExpertEngine(dispatcher, None, *micro["input_ids"].shape), device, dtype).double()
             continue
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             ce += runner.forward_only(micros, lambda logits, micro: cross_entropy_sum(logits, micro["labels"]),
@@ -626,21 +627,21 @@ def start_profiler(device: torch.device):
     return profiler
 
 
-def pipeline_step(runner, micros, n_label, n_moe, lb_scale, device, dtype) -> torch.Tensor:
-    """One optimizer step's forward/backward through the pipeline (this rank's part); returns
-    [cross-entropy sum, sum over micro-batches of the layer-mean load-balance loss]."""
+def pipeline_step(runner, micros, terms: LossTerms, device, dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One optimizer step's forward/backward through the pipeline (this rank's part); returns the
+    cross-entropy sum and, per auxiliary term, the sum over micro-batches of its layer mean."""
     ce_sums = []
 
     def loss_fn(logits, micro):
         ce = cross_entropy_sum(logits, micro["labels"])
         ce_sums.append(ce.detach().double())
-        return ce / max(n_label, 1)
+        return terms.ce_share(ce)
 
     lists = dualpipev_schedule(runner.mesh.pp, len(micros), defer_w=True)  # expert weight grads in W passes
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        lb_total = runner.run(micros, loss_fn, lists, lb_scale)
+        aux_totals = runner.run(micros, loss_fn, lists, terms)
     ce = torch.stack(ce_sums).sum() if ce_sums else torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([ce, lb_total / max(n_moe, 1)])
+    return ce, {name: total / max(terms.n_layers, 1) for name, total in aux_totals.items()}
 
 
 def step_expert_loads(engines: list[ExpertEngine]) -> dict[int, torch.Tensor]:
