@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites for the open GPU issues (14 FP8, 17 Muon,
 # 18 speed), in the order to run them; each appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS
-# and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git). About 30 minutes in all (more than one session's device time):
+# and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git). About 30 minutes in all (more than one machine lease gives):
 # split it over calls with FIRST and LAST (1-based run numbers): bash benchmarks/one_gpu.sh [FIRST [LAST]]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

@@ -35,7 +35,7 @@ def matmul_peak_tflops(n: int = 8192, repeats: int = 20) -> float:
     """The median of `repeats` single bf16 8192^3 GEMMs after 3 warm-ups: the reading every MFU in
     results.jsonl was computed against (742-803 TFLOP/s across runs, median 777.5). A sustained
     reading (0.2 s of warm-up, batches of 10 back to back) gave 670-684, below the 784-823 TFLOP/s
-    the training's own LM-head GEMMs reach, so it is no peak (docs/performance.md, ninth session)."""
+    the training's own LM-head GEMMs reach, so it is no peak (docs/performance.md, "Tried and dropped")."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     for _ in range(3):

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from pithtrain.config import UserError, config_help
+from pithtrain.models import families
 
 
 def train_config(args):
@@ -202,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train a model from a run config file", formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.more_help = config_help
+    p.more_help = lambda: config_help(families())
     p.add_argument("config", help="Python file defining CONFIG = RunConfig(...)")
     p.add_argument("--out", help="run directory (metrics, checkpoints); default runs/<model_type>")
     p.add_argument("--steps", type=int, help="override train.steps")

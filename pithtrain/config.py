@@ -153,13 +153,9 @@ def _default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default is dataclasses.MISSING else f.default
 
 
-def config_help() -> str:
+def config_help(families: tuple[type, ...]) -> str:
     """Every run config field with its type, default and meaning (`pithtrain train --help`); the model
-    families' fields by name and default."""
-    from pithtrain.models.deepseek_v2 import DeepseekV2Config
-    from pithtrain.models.gpt_oss import GptOssConfig
-    from pithtrain.models.qwen3_moe import Qwen3MoeConfig
-
+    families' fields (`families`: their config classes, models.FAMILIES) by name and default."""
     out = ["config fields (set in the run file or with --set SECTION.FIELD=VALUE):"]
     for section, cls in SECTIONS:
         hints, meaning = typing.get_type_hints(cls), field_help(cls)
@@ -169,7 +165,7 @@ def config_help() -> str:
                 out, head = out + [head], ""
             out.append(textwrap.fill(meaning[f.name], 110, initial_indent=f"{head:<46} ", subsequent_indent=" " * 47))
     out.append("\nmodel.*: the fields of the family's HF config.json (pithtrain/models/<family>.py), with defaults:")
-    for cls in (Qwen3MoeConfig, DeepseekV2Config, GptOssConfig):
+    for cls in families:
         fields = ", ".join(f"{f.name}={_default(f)!r}" for f in dataclasses.fields(cls))
         out.append(textwrap.fill(f"{cls.model_type} ({cls.__name__}): {fields}", 110, initial_indent="  ",
                                  subsequent_indent="    "))

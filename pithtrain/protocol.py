@@ -1,4 +1,4 @@
-"""The 5-stage decoder-layer contract every model family implements, and RoutingInfo.
+"""The 5-stage decoder-layer contract every model family implements, RoutingInfo, and the loss's terms.
 
 A MoE decoder layer is cut at the expert-parallel communication boundaries:
 
@@ -13,6 +13,11 @@ A model layer provides `stage1(x, attn) -> Stage1Out`, `stage3(tokens, counts, w
 expert weight gradients are deferred to it (zero-bubble W passes run by the pipeline schedule). Dense layers (no routed experts) return `routing=None` from stage 1
 and their output in `residual`. `run_layer` below is the plain sequential composition; the
 pipeline engine interleaves the same calls of two micro-batches.
+
+The loss's terms live here too, below the models that record them, the engine and pipeline that
+carry them and the loop: `AUX_TERMS` (every auxiliary term, named, with its scale field and
+metric), `LossTerms` (the one composition of the loss, for the plain loop and both pipeline
+backward modes) and `StepSums` (a step's sums by name, reduced in one collective).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import contextlib
 import os
 import zlib
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.utils._pytree
@@ -43,6 +48,9 @@ class Stage1Out:
     moe_input: torch.Tensor | None  # [T, H] normed tokens sent to the experts
     shared: torch.Tensor | None  # [T, H] shared-expert output, added in stage 5
     routing: RoutingInfo | None
+    # this layer's values of auxiliary loss terms the model computes (a router z-loss), by AuxTerm.name;
+    # run_layer hands them to engine.record_routing with the routing
+    aux: dict[str, torch.Tensor] | None = None
 
 
 # Registered as pytrees so that FSDP2 sees the tensors inside a stage's output and gathers the
@@ -91,7 +99,7 @@ def run_layer(layer, x: torch.Tensor, attn, engine) -> torch.Tensor:
     if s1.routing is None:
         return s1.residual
     with stage_range(2):
-        engine.record_routing(layer.layer_id, s1.routing)
+        engine.record_routing(layer.layer_id, s1.routing, s1.aux)
         tokens, counts, handle = engine.dispatch(s1.moe_input, s1.routing)
     with stage_range(3):
         expert_out = layer.stage3(tokens, counts, engine.weight_queue)
@@ -99,6 +107,106 @@ def run_layer(layer, x: torch.Tensor, attn, engine) -> torch.Tensor:
         combined = engine.combine(expert_out, handle)
     with stage_range(5):
         return layer.stage5(s1, combined)
+
+
+class AuxTerm(NamedTuple):
+    """An auxiliary loss term. A forward records one value per MoE layer under `name` (model code
+    in `Stage1Out.aux`; the load-balance loss in `ExpertEngine.record_routing`). The loss adds
+    train.<scale> x its mean over the layers and over the global batch's micro-batches; that mean
+    is logged per step as `metric`. A value must be the same on every CP rank of a micro-batch
+    (train/balance.py all-reduces its statistics over cp)."""
+    name: str
+    scale: str  # the TrainConfig field that scales it (0: recorded and logged, not in the loss)
+    metric: str  # its key in metrics.jsonl
+
+
+# Every auxiliary term; a new one is its model code plus one entry here (docs/architecture.md, "Loss").
+AUX_TERMS: tuple[AuxTerm, ...] = (
+    AuxTerm("lb", "lb_coef", "lb_loss"),  # load balance, train/balance.py
+)
+
+
+class LossTerms:
+    """How one step's loss is composed, the one place for both paths: the sum of token
+    cross-entropies / the global batch's label tokens, plus for each AUX_TERMS entry its scale x the
+    mean of its values over `n_layers` MoE layers and `n_micro` micro-batches (all data ranks).
+
+    A whole-model forward (the plain loop) adds `micro_loss(ce, aux)` and backpropagates it. A
+    pipeline chunk holds some of the layers: its micro-batch's share is `ce_share(ce)` on the rank
+    with the head, and each aux value enters the backward with the gradient `weight(name)`
+    (`chunk_roots`: summed per term, or one root per value in the segmented backward). Both are
+    d(loss)/d(value); they are written as each path always computed them, so neither path's
+    numbers change."""
+
+    def __init__(self, train_config, n_label: int, n_micro: int, n_layers: int):
+        self.n_label, self.n_micro, self.n_layers = n_label, n_micro, n_layers
+        self.coefs = {term.name: getattr(train_config, term.scale) for term in AUX_TERMS}
+
+    def ce_share(self, ce: torch.Tensor) -> torch.Tensor:
+        return ce / max(self.n_label, 1)
+
+    def micro_loss(self, ce: torch.Tensor, aux: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+        """A whole-model forward's share of the step's loss (aux: its values by term)."""
+        total = self.ce_share(ce)
+        for term in AUX_TERMS:
+            if aux.get(term.name) and self.coefs[term.name]:
+                total = total + self.coefs[term.name] * torch.stack(aux[term.name]).mean() / self.n_micro
+        return total
+
+    def weight(self, name: str) -> float:
+        """d(loss)/d(one recorded value of term `name`); 0 for a term left out of the loss."""
+        return self.coefs[name] / (self.n_layers * self.n_micro) if self.coefs[name] else 0.0
+
+    def chunk_roots(self, aux: dict[str, list[torch.Tensor]]) -> list[torch.Tensor]:
+        """A pipeline chunk's aux terms for its backward (gradient one each): per term, the sum of its
+        values x weight."""
+        return [torch.stack(aux[term.name]).sum() * self.weight(term.name) for term in AUX_TERMS
+                if aux.get(term.name) and self.coefs[term.name]]
+
+    def value_roots(self, aux: dict[str, list[torch.Tensor]], recorded: dict[str, int]) -> list[tuple]:
+        """The values recorded since `recorded` (counts by term), each with its gradient
+        weight(name): the roots of a segment in the pipeline's segmented backward."""
+        return [(value, torch.full_like(value, self.weight(term.name))) for term in AUX_TERMS if self.coefs[term.name]
+                for value in aux.get(term.name, [])[recorded.get(term.name, 0):]]
+
+    @staticmethod
+    def layer_sums(aux: dict[str, list[torch.Tensor]], mean: bool) -> dict[str, torch.Tensor]:
+        """Per term, the detached float64 sum (`mean`: mean) of a forward's values, what StepSums
+        adds up. Refuses a value no AuxTerm names (it would be left out of the loss unseen)."""
+        unknown = set(aux) - {term.name for term in AUX_TERMS}
+        if unknown:
+            raise ValueError(f"auxiliary loss values {sorted(unknown)} have no AuxTerm in protocol.AUX_TERMS")
+        return {term.name: (torch.stack(aux[term.name]).mean() if mean else torch.stack(aux[term.name]).sum()).detach().double()
+                for term in AUX_TERMS if aux.get(term.name)}
+
+
+class StepSums:
+    """This rank's sums over one step, by name: `ce` the token cross-entropy; `aux[name]` each
+    term's per-layer mean, summed over this rank's micro-batches; `stop` whether a stop was
+    requested. One float64 tensor underneath, so `reduce` is one collective and one host sync."""
+
+    def __init__(self, device):
+        self.values = torch.zeros(2 + len(AUX_TERMS), dtype=torch.float64, device=device)
+        self.ce = self.values[0]
+        self.aux = {term.name: self.values[1 + i] for i, term in enumerate(AUX_TERMS)}
+
+    def request_stop(self) -> None:
+        self.values[-1] = 1  # summed over the ranks: every rank sees a stop requested anywhere
+
+    def reduce(self, group=None, world: int = 1, cp: int = 1) -> tuple[float, dict[str, float], bool]:
+        """(cross-entropy sum, {term name: sum}, stop requested) over the ranks of `group`; an aux
+        value is the same on every CP rank of a micro-batch, so its sum is divided by cp."""
+        if world > 1:
+            torch.distributed.all_reduce(self.values, group=group)
+            for value in self.aux.values():
+                value /= cp
+        values = self.values.tolist()
+        return values[0], {term.name: values[1 + i] for i, term in enumerate(AUX_TERMS)}, values[-1] > 0
+
+    @staticmethod
+    def metrics(aux_sums: dict[str, float], n_micro: int) -> dict[str, float]:
+        """Each term's metric: its mean per layer and micro-batch."""
+        return {term.metric: aux_sums[term.name] / n_micro for term in AUX_TERMS}
 
 
 def hf_tensor(hf: dict, key: str, shape, used: set) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torch import nn
 
 from conftest import tiny_config
 from pithtrain.config import ConfigError, validate
-from pithtrain.ops import fp8
+from pithtrain.ops import fp8, grouped_gemm
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import loop
 from pithtrain.train.optim import build_optimizer, optimizer_step
@@ -102,7 +102,7 @@ def test_fp8_expert_gemm_gradients_and_deferred_weight_pass():
     counts = torch.tensor([9, 0, 21, 14])
     x = torch.randn(44, 32, generator=gen).requires_grad_()
     dy = torch.randn(44, 48, generator=gen)
-    y = fp8.fp8_expert_mm(x, experts, "w", counts, torch.float32)
+    y = grouped_gemm.fp8_expert_mm(x, experts, "w", counts, torch.float32)
     y.backward(dy)
     rows = [slice(0, 9), slice(9, 9), slice(9, 30), slice(30, 44)]
     for e, r in enumerate(rows):
@@ -118,7 +118,7 @@ def test_fp8_expert_gemm_gradients_and_deferred_weight_pass():
     queue = DeferredWeightGrads(accumulate_grad)
     other = nn.Module()
     other.w = nn.Parameter(experts.w.detach().clone())
-    fp8.fp8_expert_mm(x.detach().requires_grad_(), other, "w", counts, torch.float32, queue).backward(dy)
+    grouped_gemm.fp8_expert_mm(x.detach().requires_grad_(), other, "w", counts, torch.float32, queue).backward(dy)
     assert other.w.grad is None and len(queue.work) == 1
     queue.run()
     assert torch.equal(other.w.grad, experts.w.grad)
@@ -229,7 +229,7 @@ def test_bf16_weight_gradient_recipe():
     counts = torch.tensor([10, 0, 20])
     xe, dye = torch.randn(30, 32, generator=gen).requires_grad_(), torch.randn(30, 48, generator=gen)
     queue = DeferredWeightGrads(accumulate_grad)
-    fp8.fp8_expert_mm(xe, experts, "w", counts, torch.float32, queue).backward(dye)
+    grouped_gemm.fp8_expert_mm(xe, experts, "w", counts, torch.float32, queue).backward(dye)
     queue.run()
     want = torch.stack([xe[:10].double().t() @ dye[:10].double(), torch.zeros(32, 48, dtype=torch.float64),
                         xe[10:].double().t() @ dye[10:].double()])

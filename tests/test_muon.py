@@ -53,7 +53,7 @@ def test_newton_schulz_against_svd(m, n):
     # bf16 (the GPU dtype): within 10% (Frobenius) of the fp32 iteration. Measured here 3.8-7.2% on these
     # random matrices (the iteration's sums cancel, so every bf16 rounding before the last product counts:
     # the separate-op form B = bA + cA@A, X = aX + B@X measures the same; cuBLAS's fp32 epilogues 1.5-1.9%),
-    # and 2.1% on the H200 at 768 x 2048 (docs/performance.md, eighth session). A wrong term is off by O(1).
+    # and 2.1% on the H200 at 768 x 2048 (docs/performance.md, Muon). A wrong term is off by O(1).
     low = newton_schulz(stack, dtype=torch.bfloat16)
     assert low.dtype == torch.float32 and low.shape == got.shape
     err = (low - got).flatten(1).norm(dim=1) / got.flatten(1).norm(dim=1)

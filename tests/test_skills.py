@@ -192,7 +192,7 @@ def test_estimate_memory_counts_the_parameters_each_rank_really_holds(pp, ep, da
 
 def test_estimate_memory_matches_the_measured_h200_peaks_and_fails_clearly():
     script = ".agents/skills/estimate-memory/estimate_memory.py"
-    # (config, overrides, GPUs, measured peak GiB on H200: docs/performance.md, fourth session)
+    # (config, overrides, GPUs, measured peak GiB on H200: docs/performance.md, Memory)
     qwen, ds, oss = "benchmarks/qwen3_width.py", "examples/deepseek_v2_lite.py", "examples/gpt_oss_20b.py"
     four = ["model.num_hidden_layers=4", "train.micro_batch_size=2"]
     one_gpu = [

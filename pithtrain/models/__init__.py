@@ -1,6 +1,17 @@
-"""Model families. `config_from_hf` is the one place that maps an HF `model_type` to a model file."""
+"""Model families. `config_from_hf` is the one place that maps an HF `model_type` to a model file;
+`families()` lists their config classes (`pithtrain train --help`). They sit here, above the family
+files, because config.py is below them (the families import its errors and checks)."""
 
 from __future__ import annotations
+
+
+def families() -> tuple[type, ...]:
+    """The config class of every model family, in the order `train --help` lists them."""
+    from pithtrain.models.deepseek_v2 import DeepseekV2Config
+    from pithtrain.models.gpt_oss import GptOssConfig
+    from pithtrain.models.qwen3_moe import Qwen3MoeConfig
+
+    return (Qwen3MoeConfig, DeepseekV2Config, GptOssConfig)
 
 
 def config_from_hf(hf: dict):

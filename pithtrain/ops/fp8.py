@@ -22,6 +22,8 @@ Paths: on CUDA, Triton kernels for quantization and the expert grouped GEMMs, an
 `torch._scaled_mm` for dense projections; elsewhere (`train.fp8_emulate` on the CPU) the same
 quantization in plain PyTorch and the GEMMs emulated on the dequantized values in fp32. The
 plain path is the reference the GPU path is tested against (tests/gpu/test_fp8_gpu.py).
+The experts' FP8 autograd function (`fp8_expert_mm`) lives in ops/grouped_gemm.py, beside the bf16
+one whose weight-gradient helpers it shares.
 """
 
 from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotations unevaluated
@@ -30,7 +32,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.protocol import stage_range
 from pithtrain.ops.kernels import _cdiv, _Kernel, _pow2, use_triton
 
 FP8 = torch.float8_e4m3fn
@@ -573,67 +574,6 @@ def refresh_fp8_weights(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, Linear) and m.fp8:
             m.fp8_weight = cached_weight(m, "weight", True)
-
-
-class _FP8GroupedMM(torch.autograd.Function):
-    """Expert GEMM x @ W[e] for rows grouped by expert; W [E, K, M]. The weight gradient goes into
-    W.grad by hand (in the GEMM's epilogue where grouped_gemm.FUSED_WGRAD applies): deferred to a
-    queue (zero-bubble W pass), or at once without one; autograd never sees it (a separate fp32
-    product cast and added by autograd cost 48 ms a step at 4 Qwen3-width layers, 2 x 4 micro-batches)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, counts, w_fwd_q, w_fwd_s, w_bwd_q, w_bwd_s, out_dtype, queue, module, name, fp8_wgrad):
-        xq, xs = quantize(x)
-        y = grouped_mm(xq, xs, w_fwd_q, w_fwd_s, counts, out_dtype)
-        xtq = xts = x_hp = None
-        if ctx.needs_input_grad[1] and fp8_wgrad:
-            xtq, xts = quantize_t(x, counts)
-        elif ctx.needs_input_grad[1]:
-            x_hp = x.to(out_dtype)
-        ctx.save_for_backward(xtq, xts, x_hp, counts, w_bwd_q, w_bwd_s)
-        ctx.queue, ctx.module, ctx.name, ctx.x_dtype = queue, module, name, x.dtype
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):
-        xtq, xts, x_hp, counts, w_bwd_q, w_bwd_s = ctx.saved_tensors
-        dy = dy.contiguous()
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dyq, dys = quantize(dy)
-            dx = grouped_mm(dyq, dys, w_bwd_q, w_bwd_s, counts, dy.dtype).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:  # the weight gradient goes into .grad by hand, as in the bf16 path
-            # (lazy import: grouped_gemm imports this module)
-            from pithtrain.ops.grouped_gemm import accumulate_grad, add_weight_grad
-
-            queue, module, name, groups = ctx.queue, ctx.module, ctx.name, w_bwd_q.shape[0]
-            if x_hp is None:
-                dytq, dyts = quantize_t(dy, counts)
-            else:
-                dy_hp = dy.to(x_hp.dtype)
-
-            def weight_pass():  # needs only saved activations: the weights may be resharded by now
-                with stage_range(3, "wgrad"):
-                    param = getattr(module, name)
-                    if x_hp is None:
-                        (accumulate_grad if queue is None else queue.add_grad)(
-                            param, grouped_wgrad(xtq, xts, dytq, dyts, counts))
-                    else:  # rowwise_bf16_wgrad: may add into .grad in the GEMM (grouped_gemm.FUSED_WGRAD)
-                        add_weight_grad(param, x_hp, dy_hp, counts, groups, queue)
-
-            if queue is None:  # at once: never a separate fp32 product for autograd to cast and add
-                weight_pass()
-            else:
-                queue.work.append(weight_pass)
-        return dx, None, None, None, None, None, None, None, None, None, None, None
-
-
-def fp8_expert_mm(x, module, name: str, counts, out_dtype, queue=None):
-    """x @ module.<name> per expert in FP8 (the experts' [E, K, M] weights), the weight's FP8 layouts
-    from the per-version cache; with a queue, the weight gradient is deferred to it."""
-    w = cached_weight(module, name, contraction_last=False)
-    return _FP8GroupedMM.apply(x.contiguous(), getattr(module, name), counts, *w.fwd, *w.bwd, out_dtype,
-                               queue, module, name, getattr(module, "fp8", "rowwise") != "rowwise_bf16_wgrad")
 
 
 def enable_fp8(model: nn.Module, compiled: bool, recipe: str = "rowwise") -> None:

@@ -13,14 +13,13 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from pithtrain.protocol import stage_range
-from pithtrain.ops.fp8 import fp8_expert_mm
-from pithtrain.ops import kernels
+from pithtrain.ops import fp8, kernels
 from pithtrain.ops.core import autocast_dtype
 from pithtrain.ops.kernels import add_into
 
 # The weight gradients of cast master weights added into the fp32 .grad in the GEMM's epilogue
 # (kernels.wgrad_into) rather than a bf16 product and an add_into pass: +2.0% tokens/s at Qwen3 width
-# on the H200, neutral at DeepSeek-V2-Lite and GPT-OSS widths (docs/performance.md, eighth session).
+# on the H200, neutral at DeepSeek-V2-Lite and GPT-OSS widths (docs/performance.md, Kernels).
 FUSED_WGRAD = True
 
 
@@ -187,6 +186,64 @@ class _GroupedMMDeferredW(torch.autograd.Function):
         return dx, None, None, None, None, None
 
 
+class _FP8GroupedMM(torch.autograd.Function):
+    """Expert GEMM x @ W[e] for rows grouped by expert; W [E, K, M]. The weight gradient goes into
+    W.grad by hand (in the GEMM's epilogue where FUSED_WGRAD applies): deferred to a
+    queue (zero-bubble W pass), or at once without one; autograd never sees it (a separate fp32
+    product cast and added by autograd cost 48 ms a step at 4 Qwen3-width layers, 2 x 4 micro-batches)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, counts, w_fwd_q, w_fwd_s, w_bwd_q, w_bwd_s, out_dtype, queue, module, name, fp8_wgrad):
+        xq, xs = fp8.quantize(x)
+        y = fp8.grouped_mm(xq, xs, w_fwd_q, w_fwd_s, counts, out_dtype)
+        xtq = xts = x_hp = None
+        if ctx.needs_input_grad[1] and fp8_wgrad:
+            xtq, xts = fp8.quantize_t(x, counts)
+        elif ctx.needs_input_grad[1]:
+            x_hp = x.to(out_dtype)
+        ctx.save_for_backward(xtq, xts, x_hp, counts, w_bwd_q, w_bwd_s)
+        ctx.queue, ctx.module, ctx.name, ctx.x_dtype = queue, module, name, x.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        xtq, xts, x_hp, counts, w_bwd_q, w_bwd_s = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = None
+        if ctx.needs_input_grad[0]:
+            dyq, dys = fp8.quantize(dy)
+            dx = fp8.grouped_mm(dyq, dys, w_bwd_q, w_bwd_s, counts, dy.dtype).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:  # the weight gradient goes into .grad by hand, as in the bf16 path
+            queue, module, name, groups = ctx.queue, ctx.module, ctx.name, w_bwd_q.shape[0]
+            if x_hp is None:
+                dytq, dyts = fp8.quantize_t(dy, counts)
+            else:
+                dy_hp = dy.to(x_hp.dtype)
+
+            def weight_pass():  # needs only saved activations: the weights may be resharded by now
+                with stage_range(3, "wgrad"):
+                    param = getattr(module, name)
+                    if x_hp is None:
+                        (accumulate_grad if queue is None else queue.add_grad)(
+                            param, fp8.grouped_wgrad(xtq, xts, dytq, dyts, counts))
+                    else:  # rowwise_bf16_wgrad: may add into .grad in the GEMM (FUSED_WGRAD)
+                        add_weight_grad(param, x_hp, dy_hp, counts, groups, queue)
+
+            if queue is None:  # at once: never a separate fp32 product for autograd to cast and add
+                weight_pass()
+            else:
+                queue.work.append(weight_pass)
+        return dx, None, None, None, None, None, None, None, None, None, None, None
+
+
+def fp8_expert_mm(x, module, name: str, counts, out_dtype, queue=None):
+    """x @ module.<name> per expert in FP8 (the experts' [E, K, M] weights), the weight's FP8 layouts
+    from the per-version cache; with a queue, the weight gradient is deferred to it."""
+    w = fp8.cached_weight(module, name, contraction_last=False)
+    return _FP8GroupedMM.apply(x.contiguous(), getattr(module, name), counts, *w.fwd, *w.bwd, out_dtype,
+                               queue, module, name, getattr(module, "fp8", "rowwise") != "rowwise_bf16_wgrad")
+
+
 def compute_weight(module, name: str, dtype) -> torch.Tensor:
     """module.<name> in `dtype`, cast once per weight update rather than once per micro-batch (as
     autocast's cache does for nn.Linear): the cast copy is kept on the module, keyed by the
@@ -207,7 +264,7 @@ def compute_weight(module, name: str, dtype) -> torch.Tensor:
 
 def expert_mm(x, module, name: str, counts, dtype, queue: DeferredWeightGrads | None = None):
     """x @ module.<name> per expert, in `dtype`; with a queue, the weight gradient is deferred.
-    Experts switched to FP8 (`module.fp8`, train.fp8) run the FP8 grouped GEMMs of ops/fp8.py."""
+    Experts switched to FP8 (`module.fp8`, train.fp8) run the FP8 grouped GEMMs (fp8_expert_mm)."""
     if getattr(module, "fp8", False):
         return fp8_expert_mm(x, module, name, counts, dtype, queue)
     w = compute_weight(module, name, dtype)

@@ -723,9 +723,9 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
 
 # Tiles of grad (BK x BM) and rows a step (BN); benchmarks/grouped_gemm.py --wgrad --sweep measures others.
 # TMA against pointer loads at Qwen3's expert widths, 131,072 rows (micro-batch 4), H200: gate_up 2.26 -> 2.11 ms
-# balanced, 2.46 -> 2.23 skewed; down 1.17 -> 1.13 and 1.22 -> 1.22 (docs/performance.md, tenth session). With the
+# balanced, 2.46 -> 2.23 skewed; down 1.17 -> 1.13 and 1.22 -> 1.22 (docs/performance.md, Kernels). With the
 # bulk-reduce epilogue, an interleaved sweep (Qwen3 and GPT-OSS widths, both routings) puts BN=32 / 4 stages 2-7%
-# ahead on seven of eight cases, 4% behind on Qwen3 gate_up balanced; not yet confirmed in training (eleventh session).
+# ahead on seven of eight cases, 4% behind on Qwen3 gate_up balanced; not yet confirmed in training (same section).
 WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=64, num_warps=4, num_stages=3)
 
 

@@ -36,19 +36,24 @@ class LocalDispatch:
 
 class ExpertEngine:
     """What the model's layers call between their stages for one forward of one micro-batch:
-    dispatch/combine (stages 2 and 4) and the routing bookkeeping (load-balance loss, expert loads)."""
+    dispatch/combine (stages 2 and 4) and the routing bookkeeping: the auxiliary loss values
+    (`aux`: term name -> one value per MoE layer, protocol.AUX_TERMS; the load-balance loss's under
+    "lb") and the expert loads."""
 
     def __init__(self, dispatcher, balance=None, batch: int = 0, seq: int = 0, weight_queue=None):
         self.dispatcher, self.balance, self.batch, self.seq = dispatcher, balance, batch, seq
         self.weight_queue = weight_queue  # DeferredWeightGrads: expert weight gradients run later
-        self.lb_terms: list[torch.Tensor] = []
+        self.aux: dict[str, list[torch.Tensor]] = {}
         self.expert_loads: dict[int, torch.Tensor] = {}  # layer id -> tokens per expert (detached)
 
-    def record_routing(self, layer_id: int, routing: RoutingInfo) -> None:
+    def record_routing(self, layer_id: int, routing: RoutingInfo, aux: dict[str, torch.Tensor] | None = None) -> None:
+        """A MoE layer's routing (stage 1's), and its model-computed aux loss values (Stage1Out.aux)."""
         loads = count_ids(routing.topk_ids, routing.num_experts)
         self.expert_loads[layer_id] = loads
         if self.balance is not None:
-            self.lb_terms.append(self.balance.layer_loss(routing, self.batch, self.seq, counts=loads))
+            self.aux.setdefault("lb", []).append(self.balance.layer_loss(routing, self.batch, self.seq, counts=loads))
+        for name, value in (aux or {}).items():
+            self.aux.setdefault(name, []).append(value)
 
     def dispatch(self, x, routing):
         return self.dispatcher.dispatch(x, routing)
@@ -57,7 +62,8 @@ class ExpertEngine:
         return self.dispatcher.combine(expert_out, handle)
 
     def lb_loss(self) -> torch.Tensor | None:
-        return torch.stack(self.lb_terms).mean() if self.lb_terms else None
+        """The load-balance loss of this forward: its mean over the MoE layers."""
+        return torch.stack(self.aux["lb"]).mean() if self.aux.get("lb") else None
 
 
 class _AllToAll(torch.autograd.Function):

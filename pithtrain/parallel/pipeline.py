@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from pithtrain.protocol import RoutingInfo, stage_range
+from pithtrain.protocol import LossTerms, RoutingInfo, stage_range
 from pithtrain.ops.grouped_gemm import DeferredWeightGrads, head_logits
 from pithtrain.parallel.fsdp import add_grad
 
@@ -274,8 +274,8 @@ def build_chunks(cfg, pp: int, pp_rank: int, seed: int):
 class _Tape:
     """One chunk forward cut into segments at its all-to-alls, for the segmented backward.
 
-    Segment k owns `roots[k]`, (tensor, grad) pairs known at forward time (loss, scaled
-    load-balance terms), and `cuts[k]`, (leaf, src, j, exchange): `leaf` is an input of segment k
+    Segment k owns `roots[k]`, (tensor, grad) pairs known at forward time (loss, auxiliary
+    loss values with their weights), and `cuts[k]`, (leaf, src, j, exchange): `leaf` is an input of segment k
     standing for `src` of the earlier segment j; its gradient becomes src's, through the reverse
     all-to-all if `exchange` is set. Every cross-segment tensor is cut, so each backward call
     stays inside one segment and every tensor gets its gradient exactly once."""
@@ -297,18 +297,17 @@ class _Tape:
         return leaf
 
 
-def _layer_steps(layer, x, attn, engine, tape, lb_scale, note):
+def _layer_steps(layer, x, attn, engine, tape, terms, note):
     """run_layer as a generator cut at the two all-to-alls: each is issued asynchronously, then
     the generator yields (the other micro-batch computes) and waits on it when resumed."""
     with stage_range(1):
         s1 = layer.stage1(x, attn)
     if s1.routing is None:
         return s1.residual
-    terms = len(engine.lb_terms)
+    recorded = {name: len(values) for name, values in engine.aux.items()}
     with stage_range(2):  # profiler ranges never span a yield: the other generator runs in between
-        engine.record_routing(layer.layer_id, s1.routing)
-        if len(engine.lb_terms) > terms:  # enters the loss as lb_scale * term
-            tape.roots[-1].append((engine.lb_terms[-1], torch.full_like(engine.lb_terms[-1], lb_scale)))
+        engine.record_routing(layer.layer_id, s1.routing, s1.aux)
+        tape.roots[-1].extend(terms.value_roots(engine.aux, recorded))  # aux values, each with d(loss)/d(value)
         first = len(tape.roots) - 1
         plan = engine.dispatcher.plan(s1.routing, async_op=True)
     note("counts-issue")
@@ -333,13 +332,15 @@ def _layer_steps(layer, x, attn, engine, tape, lb_scale, note):
     tape.start_segment(pending[0])
     r = s1.routing  # stage 5 reads stage 1's outputs: cut them too (their gradients go back to stage 1)
     routing = RoutingInfo(r.topk_ids, tape.cut(r.topk_weights, first), r.scores.detach(), r.num_experts)
+    # aux values are roots of segment `first` already; left in s1, FSDP's stage-5 hooks would take
+    # them in as inputs and a later segment's backward would run through stage 1
     s1 = dataclasses.replace(s1, residual=tape.cut(s1.residual, first), moe_input=None,
-                             shared=tape.cut(s1.shared, first), routing=routing)
+                             shared=tape.cut(s1.shared, first), routing=routing, aux=None)
     with stage_range(5):
         return layer.stage5(s1, combined)
 
 
-def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, lb_scale, note):
+def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, terms, note):
     """The model's forward template (embed -> attention inputs -> layers -> norm/head, the same
     in every family) as a generator over `_layer_steps`. Under FSDP, the chunk's own forward
     hooks run around the embedding part and the head part (so the root's weights are gathered
@@ -358,7 +359,7 @@ def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, lb_scale, note):
 
     x, attn = as_root(embed, x)
     for layer in chunk.layers.values():
-        x = yield from _layer_steps(layer, x, attn, engine, tape, lb_scale, note)
+        x = yield from _layer_steps(layer, x, attn, engine, tape, terms, note)
     if chunk.norm is not None:  # x stays out of the hook's arguments (FSDP would cast it); the
         # hook still needs one argument on GPUs (it moves args to the device): the integer positions
         x = as_root(lambda _positions: head_logits(chunk.norm(x), chunk.head_weight()), pos)
@@ -478,10 +479,11 @@ class PipelineRunner:
                     out.append((dest, "act" if kind == "F" else "grad", phase, mb))
         return out
 
-    def run(self, micros: list[dict], loss_fn, lists: list[list[Op]], lb_scale: float):
-        """loss_fn(logits, micro) -> this micro-batch's share of the loss. Each chunk's
-        load-balance terms enter the backward scaled by `lb_scale`. Returns the sum of the
-        per-layer load-balance values of this rank's chunks (detached)."""
+    def run(self, micros: list[dict], loss_fn, lists: list[list[Op]], terms: LossTerms) -> dict[str, torch.Tensor]:
+        """loss_fn(logits, micro) -> this micro-batch's share of the cross-entropy loss. Each
+        chunk's auxiliary loss values enter its backward as `terms` composes them
+        (protocol.LossTerms). Returns, per aux term, the sum of its values over this rank's chunk
+        forwards (detached, float64)."""
         mesh, rank, dtype = self.mesh, self.mesh.pp_rank, self.act_dtype
         inbox = {}  # (kind, phase, mb) -> tensor received
         expected = {d: [m for m in self._sends(lists[rank + d], rank + d) if m[0] == rank]
@@ -489,7 +491,7 @@ class PipelineRunner:
         posted = {d: 0 for d in self.peer}
         pending_recv, pending_send = {}, []
         saved = {}  # (phase, mb) -> (input leaf or None, outputs, grads-to-outputs template)
-        lb_total = torch.zeros((), dtype=torch.float64, device=mesh.device)
+        aux_totals = {}  # term name -> sum of its values over this rank's chunk forwards
         b, s = micros[0]["input_ids"].shape
         hidden = self.chunks[0].cfg.hidden_size
 
@@ -514,7 +516,6 @@ class PipelineRunner:
 
         def forward(phase, mb):
             """Generator: one chunk forward, yielding at each all-to-all when segmented."""
-            nonlocal lb_total
             micro, chunk = micros[mb], self.chunks[phase]
             pos, doc, cp = self.forward_inputs(micro)
             if phase == 0 and rank == 0:
@@ -531,7 +532,7 @@ class PipelineRunner:
             if tape is None:
                 out = chunk(x, pos, engine, doc_ids=doc, cp=cp)
             else:
-                out = yield from _chunk_steps(chunk, x, pos, doc, cp, engine, tape, lb_scale, tracer("F", phase, mb))
+                out = yield from _chunk_steps(chunk, x, pos, doc, cp, engine, tape, terms, tracer("F", phase, mb))
             outputs, grads = [], []
             if phase == 1 and rank == 0:
                 outputs.append(loss_fn(out, micro))
@@ -542,12 +543,12 @@ class PipelineRunner:
                     inbox[("act", 1, mb)] = local
                 outputs.append(out)
                 grads.append("recv")
-            if engine.lb_terms:
-                lb = torch.stack(engine.lb_terms).sum()
-                if tape is None:  # segmented: each term is already a root of its segment
-                    outputs.append(lb * lb_scale)
+            if tape is None:  # segmented: each aux value is already a root of its segment
+                for root in terms.chunk_roots(engine.aux):
+                    outputs.append(root)
                     grads.append(None)
-                lb_total += lb.detach().double()
+            for name, total in terms.layer_sums(engine.aux, mean=False).items():
+                aux_totals[name] = aux_totals[name] + total if name in aux_totals else total
             saved[(phase, mb)] = (leaf, outputs, grads, engine.weight_queue, tape)
 
         def backward(phase, mb):
@@ -607,4 +608,4 @@ class PipelineRunner:
             work.wait()
         assert not saved and not pending_recv, "pipeline step ended with work left over"
         assert not weight_work, "deferred weight gradients left in the queue at the end of the step"
-        return lb_total
+        return aux_totals

@@ -15,72 +15,17 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
-from torch.distributed.checkpoint import CheckpointException
+from safetensors.torch import save_file
 
-from pithtrain.config import UserError, check_types, read_json
-from pithtrain.models import config_from_hf
+from pithtrain.config import UserError
 from pithtrain.ops.core import cross_entropy_sum
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import rundir
+from pithtrain.train.checkpoint import is_hf_dir, load_model, model_config, read_hf_state  # noqa: F401 (hf.load_model)
 from pithtrain.train.data import TokenDataset
 
 SHARD_BYTES = 4 * 2**30
-
-
-def is_hf_dir(path: str | Path) -> bool:
-    path = Path(path)
-    return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
-
-
-def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
-    path = Path(path)
-    files = sorted(path.glob("*.safetensors"))
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted({path / f for f in read_json(index, "re-download or re-export it")["weight_map"].values()})
-    state = {}
-    for f in files:
-        try:
-            state.update(load_file(str(f)))
-        except (SafetensorError, OSError) as e:
-            raise UserError(f"{f}: cannot read its weights ({e}); re-download or re-export the HF directory") from None
-    return state
-
-
-def model_config(path: Path):
-    """The family config of the HF `config.json` in directory `path`, type-checked and validated."""
-    hf = read_json(path / "config.json", "re-download or re-export it")
-    try:
-        cfg = config_from_hf(hf)
-        check_types(cfg, "model.")
-        cfg.validate()
-    except (TypeError, ValueError) as e:  # a field of the wrong type or value (ConfigError is a ValueError)
-        raise UserError(f"{path / 'config.json'}: {e}") from None
-    return cfg
-
-
-def load_model(path: str | Path):
-    """A model with weights from an HF directory, a PithTrain checkpoint, or a run directory (latest)."""
-    path = Path(path)
-    if is_hf_dir(path):
-        model = model_config(path).build_model()
-        model.load_hf_state_dict(read_hf_state(path))
-        return model
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; pass an HF directory, a checkpoint or a run directory")
-    ck = ckpt.resolve_checkpoint(path)
-    model = model_config(ck).build_model()
-    try:
-        ckpt.read_model_state(ck, model)
-    except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
-        from pithtrain.train.loop import dcp_cause
-
-        cause = dcp_cause(e)
-        raise UserError(f"checkpoint {ck} could not be read ({type(cause).__name__}: {cause}); it may be damaged") from e
-    return model
 
 
 def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None) -> Path:

@@ -10,6 +10,7 @@ of `total` itself.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import math
@@ -18,6 +19,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,7 +36,7 @@ from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispa
 from pithtrain.parallel.fsdp import clip_grads, expert_modules, global_grad_norm, keep_local_experts, shard_model
 from pithtrain.parallel.mesh import Mesh
 from pithtrain.parallel.pipeline import ChunkPair, PipelineRunner, build_chunks, dualpipev_schedule
-from pithtrain.protocol import named_range
+from pithtrain.protocol import LossTerms, StepSums, named_range
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, TokenDataset
@@ -57,12 +59,12 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if name == "bf16" else torch.float32
 
 
-def forward_loss(model, micro: dict, engine: ExpertEngine, device, dtype):
-    """Forward one (device-resident, CP-split) micro-batch; returns (sum of token cross-entropy,
-    load-balance loss or None)."""
+def forward_loss(model, micro: dict, engine: ExpertEngine, device, dtype) -> torch.Tensor:
+    """Forward one (device-resident, CP-split) micro-batch; returns its sum of token cross-entropy
+    (the auxiliary loss values are in engine.aux)."""
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
         logits = model(micro["input_ids"], micro["position_ids"], engine, doc_ids=micro.get("doc_ids"), cp=micro.get("cp"))
-    return cross_entropy_sum(logits, micro["labels"]), engine.lb_loss()
+    return cross_entropy_sum(logits, micro["labels"])
 
 
 def prepare_micro(micro: dict, mesh: Mesh) -> dict:
@@ -88,6 +90,63 @@ def rank_micro_batches(batch: dict, size: int, data_rank: int, data_ranks: int) 
     return [{k: v[i : i + size] for k, v in batch.items()} for i in starts]
 
 
+@dataclasses.dataclass
+class Run:
+    """What `set_up` builds for the loop: the model (or this rank's two DualPipeV chunks), its
+    optimizer, the data, and what every step uses. `engines`: this step's expert engines, one per
+    (chunk) forward; their expert loads feed the routing-bias update."""
+    config: RunConfig
+    mesh: Mesh
+    out_dir: Path
+    dtype: torch.dtype
+    echo: bool
+    loader: BatchLoader
+    evaluation: tuple | None
+    found: Path | None
+    model: torch.nn.Module
+    chunks: tuple | None
+    optimizer: torch.optim.Optimizer
+    dispatcher: object
+    balance: LoadBalance | None
+    log: MetricsLog
+    start: int
+    end: int
+    n_moe: int
+    norms: NormLog | None
+    memory_step: int
+    capture: tuple[int, int] | None
+    runner: PipelineRunner | None = None
+    engines: list = dataclasses.field(default_factory=list)
+
+    def new_engine(self, batch: int, seq: int) -> ExpertEngine:
+        self.engines.append(ExpertEngine(self.dispatcher, self.balance, batch, seq))
+        return self.engines[-1]
+
+    def save(self, step: int) -> None:
+        t = self.config.train
+        state = ckpt.training_state(self.model, self.optimizer, self.mesh)
+        meta = {"samples_consumed": step * t.global_batch_size, "config": run_dict(self.config)}
+        try:
+            ckpt.save_checkpoint(self.out_dir, step, state, meta, self.config.model.to_hf(), t.keep_checkpoints)
+        except (Exception, CheckpointException) as e:
+            failure = save_failed(e, self.out_dir, step, self.mesh.is_main)
+            if failure is e:
+                raise
+            raise failure from e
+
+
+class Stepped(NamedTuple):
+    """What one optimizer step measured (train_step), before the loop adds its timing."""
+    loss: float  # the global mean token cross-entropy
+    aux: dict  # each auxiliary term's metric (lb_loss)
+    lr: float
+    grad_norm: float
+    n_label: int  # label tokens of the global batch
+    n_tokens: int  # input tokens of the global batch
+    ep_balance: float | None
+    halt: bool  # a stop was requested on some rank: end after this step
+
+
 def train(
     config: RunConfig,
     out_dir: str | Path,
@@ -103,6 +162,53 @@ def train(
     launch.GracefulStop): once its `signum` is set on any rank, every rank ends after the same step,
     with a checkpoint, and `stop.stopped_at` is that step."""
     began = time.time()
+    run = set_up(config, Path(out_dir), steps, echo, stop_after, mesh)
+    t, device = config.train, run.mesh.device
+    history, profiler, memory = [], None, None
+    first_done = None  # (time, step) at the end of this run's first step: the ETA's rate excludes its warm-up
+    for step in range(run.start, run.end):
+        if t.profile_step and step + 1 == t.profile_step:
+            profiler = start_profiler(device)
+        if run.capture and step + 1 == run.capture[0] and device.type == "cuda":
+            torch.cuda.profiler.start()
+        if step + 1 == run.memory_step:
+            memory = MemoryRecorder(device)
+        t0 = time.perf_counter()
+        out = train_step(run, step, stop)
+        dt = time.perf_counter() - t0
+        m = {"step": step + 1, "loss": out.loss, **out.aux, "lr": out.lr, "grad_norm": out.grad_norm,
+             "tokens_per_s": out.n_tokens / dt, "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(device),
+             "tokens": out.n_label}
+        if out.ep_balance is not None:
+            m["ep_load_balance"] = out.ep_balance
+        if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+            m["eval_loss"] = evaluate(run.chunks or (run.model,), run.runner, run.evaluation, config, run.mesh,
+                                      run.dispatcher, run.dtype)
+        m["time"] = now = time.time()
+        first_done = first_done or (now, step + 1)
+        rate = (now - first_done[0]) / (step + 1 - first_done[1]) if step + 1 > first_done[1] else time.perf_counter() - t0
+        history.append(m)
+        write_instruments(run, step, memory, profiler)
+        memory = profiler = None
+        shown = step - run.start < 3 or (step + 1) % t.log_every == 0 or step + 1 in (t.steps, run.end) or "eval_loss" in m
+        run.log.log(m, t.steps, echo=run.echo and shown, elapsed=now - began, eta=rate * (run.end - step - 1))
+        if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < run.end or out.halt and t.checkpoint_every >= 0:
+            run.save(step + 1)
+        if out.halt:
+            stop.stopped_at = step + 1
+            break
+    else:
+        end_of_run(run)
+    run.log.close()
+    return history
+
+
+def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop_after: int | None,
+           mesh: Mesh | None) -> Run:
+    """Everything before the first step: the debug instruments' settings, the mesh and checks
+    (check_run), the model or this rank's pipeline chunks (compiled, FP8, recompute, experts sliced,
+    FSDP), the optimizer, resume from the newest intact checkpoint, metrics.jsonl cut back to it,
+    and the startup line."""
     if steps is not None:
         config.train.steps = steps
     t, o = config.train, config.optim
@@ -111,7 +217,6 @@ def train(
     memory_step = os.environ.get("PITHTRAIN_DEBUG_MEMORY") or "0"  # the debug-memory skill's step
     if not memory_step.isdigit():
         raise UserError(f"PITHTRAIN_DEBUG_MEMORY={memory_step!r}: expected a step number (1-based), e.g. 3")
-    memory_step = int(memory_step)
     norm_spec = os.environ.get("PITHTRAIN_DEBUG_NORMS")  # the debug-divergence skill's steps
     chosen_steps(norm_spec or "")  # a bad value fails here, before any work
     mesh = mesh or Mesh.single(device)
@@ -119,10 +224,57 @@ def train(
     device = mesh.device
     dtype = compute_dtype(t.dtype, device)
     echo = echo and mesh.is_main
-    out_dir = Path(out_dir)
     threads = cpu_threads(device)
     loader, evaluation, found = check_run(config, out_dir, stop_after, echo, create=mesh.is_main)
 
+    model, chunks = build_model(config, mesh, dtype, found)
+    with torch.device("meta"):  # the whole model's size, without memory (this rank may build only its pipeline chunks)
+        n_total = sum(p.numel() for p in config.model.build_model().parameters())
+    # after slicing the experts and sharding: what this rank holds (a DTensor's numel is the whole tensor's)
+    n_held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
+    norms = None  # the debug skills' instruments (train/debug.py); nothing when unset
+    if norm_spec:
+        norms = NormLog(norm_spec, out_dir, mesh.rank)
+        norms.watch(model)
+    optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
+    count_group = mesh.data_group if t.lb_type == "global" else None
+    balance = LoadBalance(t.lb_type, count_group, cp_group=mesh.cp_group) if t.lb_coef > 0 else None
+    num_experts = config.model.num_routed_experts()
+    dispatcher = AllToAllDispatch(mesh.ep_group, num_experts) if mesh.ep > 1 else LocalDispatch()
+
+    start = resume(config, model, optimizer, mesh, found, out_dir, echo)
+    log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main, wandb_project=t.wandb_project, config=run_dict(config))
+    if echo and start == 0:
+        print(
+            f"model {config.model.model_type}: {_count(n_total)} parameters"
+            f"{f' ({_count(n_held)} held by this rank)' if n_held != n_total else ''} | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
+            f"device {device}{threads} | compute {dtype} | {loader.num_samples} samples of {config.data.seq_len} tokens"
+            f"{f' (+{len(evaluation[1])} for eval)' if evaluation else ''} | {t.steps} steps of {t.global_batch_size} samples",
+            flush=True,
+        )
+    n_moe = sum(config.model.is_moe_layer(i) for i in range(config.model.num_hidden_layers))
+    end = t.steps if stop_after is None else min(t.steps, stop_after)
+    run = Run(config, mesh, out_dir, dtype, echo, loader, evaluation, found, model, chunks, optimizer, dispatcher,
+              balance, log, start, end, n_moe, norms, int(memory_step), capture)
+    if chunks is not None:
+        run.runner = PipelineRunner(
+            *chunks, mesh, run.new_engine,
+            lambda micro: (micro["position_ids"], micro.get("doc_ids"), micro.get("cp")),
+            act_dtype=dtype,
+        )
+        for part in chunks:
+            part.train()
+    model.train()
+    if echo and start == end:
+        print(f"nothing to do: {out_dir} is already at step {start}; raise --steps to train further", flush=True)
+    return run
+
+
+def build_model(config: RunConfig, mesh: Mesh, dtype: torch.dtype, found: Path | None):
+    """The model on this rank, ready to train, and its DualPipeV chunks (None without a pipeline):
+    built and initialised (or `train.init_from`'s weights when not resuming), compiled, FP8,
+    recompute, this rank's experts, on the device, FSDP-sharded."""
+    t = config.train
     if runs_dualpipev(config, mesh.world):  # this rank's two DualPipeV chunks, seen as one module for state and optimizer
         chunks = build_chunks(config.model, mesh.pp, mesh.pp_rank, t.seed)
         model = ChunkPair(*chunks)
@@ -132,38 +284,30 @@ def train(
         model.init_weights(t.seed)
     if t.init_from and not found:
         _init_from(model, t.init_from)
-    with torch.device("meta"):  # the whole model's size, without memory (this rank may build only its pipeline chunks)
-        n_total = sum(p.numel() for p in config.model.build_model().parameters())
     if t.compile:  # before FSDP, so that its hooks stay outside the compiled graphs
         compile_stages(model)
     if t.fp8 != "off":  # before FSDP too: its all-gather runs before the FP8 weight refresh
         enable_fp8(model, compiled=t.compile, recipe=t.fp8)
     recompute_stages(model, t.recompute)  # around the compiled stages, inside FSDP's hooks
     keep_local_experts(model, mesh.ep_rank, mesh.ep)
-    model.to(device)  # fp32 master weights; bf16 compute from autocast (one process) or FSDP's policy
+    model.to(mesh.device)  # fp32 master weights; bf16 compute from autocast (one process) or FSDP's policy
     if mesh.world > 1:
         for part in chunks or (model,):
             shard_model(part, mesh, bf16_params=dtype == torch.bfloat16, reshard_after_forward=chunks is None)
-    # after slicing the experts and sharding: what this rank holds (a DTensor's numel is the whole tensor's)
-    n_held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
-    norms = None  # the debug skills' instruments (train/debug.py); nothing when unset
-    if norm_spec:
-        norms = NormLog(norm_spec, out_dir, mesh.rank)
-        norms.watch(model)
-    memory = None
-    optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
-    count_group = mesh.data_group if t.lb_type == "global" else None
-    balance = LoadBalance(t.lb_type, count_group, cp_group=mesh.cp_group) if t.lb_coef > 0 else None
-    num_experts = config.model.num_routed_experts()
-    dispatcher = AllToAllDispatch(mesh.ep_group, num_experts) if mesh.ep > 1 else LocalDispatch()
+    return model, chunks
 
+
+def resume(config: RunConfig, model, optimizer, mesh: Mesh, found: Path | None, out_dir: Path, echo: bool) -> int:
+    """Load the checkpoint `found` (if any) into the model and optimizer (weights alone after an
+    optim.name switch); on the main rank cut metrics.jsonl back to its step and write the run's
+    config.json and run_config.json. Returns the step to start from."""
     start = 0
     if found:
         try:
-            switched = _flat(ckpt.read_meta(found).get("config", {}))["optim.name"] != o.name  # optim.allow_switch
+            switched = _flat(ckpt.read_meta(found).get("config", {}))["optim.name"] != config.optim.name  # optim.allow_switch
             meta = ckpt.load_training_state(found, model, optimizer, mesh, with_optim=not switched)
         except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
-            cause = dcp_cause(e)
+            cause = ckpt.dcp_cause(e)
             raise UserError(f"checkpoint {found} could not be loaded ({type(cause).__name__}: {cause}); move it "
                             f"out of {out_dir / 'checkpoints'} to resume from the one before") from e
         start = meta["step"]
@@ -177,157 +321,96 @@ def train(
             metrics_path.with_suffix(".tmp").replace(metrics_path)  # a kill mid-write keeps the old file
         (out_dir / "config.json").write_text(json.dumps(config.model.to_hf(), indent=2))
         (out_dir / "run_config.json").write_text(json.dumps(run_dict(config), indent=2))  # the effective run config
-    log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main, wandb_project=t.wandb_project, config=run_dict(config))
-    if echo and start == 0:
-        print(
-            f"model {config.model.model_type}: {_count(n_total)} parameters"
-            f"{f' ({_count(n_held)} held by this rank)' if n_held != n_total else ''} | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
-            f"device {device}{threads} | compute {dtype} | {loader.num_samples} samples of {config.data.seq_len} tokens"
-            f"{f' (+{len(evaluation[1])} for eval)' if evaluation else ''} | {t.steps} steps of {t.global_batch_size} samples",
-            flush=True,
-        )
+    return start
 
-    def save(step):
-        state = ckpt.training_state(model, optimizer, mesh)
-        meta = {"samples_consumed": step * t.global_batch_size, "config": run_dict(config)}
-        try:
-            ckpt.save_checkpoint(out_dir, step, state, meta, config.model.to_hf(), t.keep_checkpoints)
-        except (Exception, CheckpointException) as e:
-            failure = save_failed(e, out_dir, step, mesh.is_main)
-            if failure is e:
-                raise
-            raise failure from e
 
-    n_moe = sum(config.model.is_moe_layer(i) for i in range(config.model.num_hidden_layers))
-    engines = []  # this step's engines, one per (chunk) forward: their expert loads feed the bias update
-
-    def new_engine(batch: int, seq: int) -> ExpertEngine:
-        engines.append(ExpertEngine(dispatcher, balance, batch, seq))
-        return engines[-1]
-
-    runner = None
-    if chunks is not None:
-        runner = PipelineRunner(
-            *chunks, mesh, new_engine,
-            lambda micro: (micro["position_ids"], micro.get("doc_ids"), micro.get("cp")),
-            act_dtype=dtype,
-        )
-        for part in chunks:
-            part.train()
-    history = []
-    model.train()
-    params = list(model.parameters())
-    end = t.steps if stop_after is None else min(t.steps, stop_after)
-    if echo and start == end:
-        print(f"nothing to do: {out_dir} is already at step {start}; raise --steps to train further", flush=True)
-    profiler = None
-    first_done = None  # (time, step) at the end of this run's first step: the ETA's rate excludes its warm-up
-    for step in range(start, end):
-        if t.profile_step and step + 1 == t.profile_step:
-            profiler = start_profiler(device)
-        if capture and step + 1 == capture[0] and device.type == "cuda":
-            torch.cuda.profiler.start()
-        if step + 1 == memory_step:
-            memory = MemoryRecorder(device)
-        t0 = time.perf_counter()
-        if norms:
-            norms.step = step + 1
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        lr = lr_at(step, o, t.steps)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batch = loader.global_batch(step)
-        n_label = int((batch["labels"] != -100).sum())  # over the whole global batch
-        micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
-        n_micro_global = len(micros) * mesh.data_ranks
-        sums = torch.zeros(3, dtype=torch.float64, device=device)  # [cross-entropy sum, lb sum, stop requested] of this rank
-        engines.clear()
-        if chunks is not None:
-            sums[:2] += pipeline_step(runner, micros, n_label, n_moe, t.lb_coef / (n_moe * n_micro_global), device, dtype)
-        else:
-            for i, micro in enumerate(micros):
-                if mesh.world > 1:  # accumulate unsharded gradients; reduce-scatter after the last micro-batch
-                    model.set_requires_gradient_sync(i == len(micros) - 1)
-                ce, lb = forward_loss(model, micro, new_engine(*micro["input_ids"].shape), device, dtype)
-                total = ce / max(n_label, 1)
-                if lb is not None:
-                    total = total + t.lb_coef * lb / n_micro_global
-                    sums[1] += lb.detach().double()
-                total.backward()
-                sums[0] += ce.detach().double()
-        if stop is not None and stop.signum:  # summed with the losses, so every rank stops after the same step
-            sums[2] = 1
-        if mesh.world > 1:  # cross-entropy: pipeline rank 0 of every dp x cp x ep rank; lb terms: every rank
-            torch.distributed.all_reduce(sums, group=None if mesh.pp > 1 else mesh.dense_mesh.get_group())
-            sums[1] /= mesh.cp  # each CP rank holds the same (whole-sequence) load-balance value
-        ce_sum, lb_sum, stops = sums.tolist()  # the step's one host sync for its scalars
-        loss = ce_sum / max(n_label, 1)
-        halt = stops > 0 and step + 1 < end
-        if norms:
-            norms.grads(model.named_parameters())
-        grad_norm = global_grad_norm(params, mesh)
-        if not math.isfinite(loss) or not math.isfinite(grad_norm):
-            raise FloatingPointError(
-                f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {step + 1}; the last good checkpoint "
-                f"is kept. Lower optim.lr, raise optim.warmup_steps or check the data, then resume."
-            )
-        clip_grads(params, o.grad_clip, grad_norm)
-        with named_range("pithtrain::optimizer"):
-            optimizer_step(optimizer, params)
-        optimizer.zero_grad(set_to_none=True)
-        biases = model.correction_biases()
-        step_loads = step_expert_loads(engines) if biases or mesh.ep > 1 else {}  # summed once, for both
-        update_routing_biases(biases, step_loads, mesh, config.model)
-        balance_ep = ep_load_balance(step_loads, mesh) if mesh.ep > 1 else None
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-            if capture and step + 1 == capture[1]:
-                torch.cuda.profiler.stop()
-        dt = time.perf_counter() - t0
-        m = {
-            "step": step + 1,
-            "loss": loss,
-            "lb_loss": lb_sum / n_micro_global,
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "tokens_per_s": batch["input_ids"].numel() / dt,
-            "step_time_s": dt,
-            "peak_mem_bytes": peak_memory_bytes(device),
-            "tokens": n_label,
-        }
-        if balance_ep is not None:
-            m["ep_load_balance"] = balance_ep
-        if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
-            m["eval_loss"] = evaluate(chunks or (model,), runner, evaluation, config, mesh, dispatcher, dtype)
-        m["time"] = now = time.time()
-        first_done = first_done or (now, step + 1)
-        rate = (now - first_done[0]) / (step + 1 - first_done[1]) if step + 1 > first_done[1] else time.perf_counter() - t0
-        history.append(m)
-        if memory is not None:
-            path, memory = memory.save(out_dir, mesh.rank), None
-            if echo:
-                print(f"memory of step {step + 1} written to {path}", flush=True)
-        if profiler is not None:
-            profiler.stop()
-            path = out_dir / "profile" / f"rank{mesh.rank}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            profiler.export_chrome_trace(str(path))
-            if echo:
-                print(f"profile of step {step + 1} written to {path.parent}/rank*.json", flush=True)
-            profiler = None
-        shown = step - start < 3 or (step + 1) % t.log_every == 0 or step + 1 in (t.steps, end) or "eval_loss" in m
-        log.log(m, t.steps, echo=echo and shown, elapsed=now - began, eta=rate * (end - step - 1))
-        if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < end or halt and t.checkpoint_every >= 0:
-            save(step + 1)
-        if halt:
-            stop.stopped_at = step + 1
-            break
+def train_step(run: Run, step: int, stop) -> Stepped:
+    """One optimizer step: the global batch's micro-batches forward and backward (the plain loop, or
+    the pipeline's schedule), the step's sums reduced over the ranks, grad norm and clipping, the
+    optimizer, the routing-bias update. Ends with the GPU drained (the step's time is measured)."""
+    config, mesh = run.config, run.mesh
+    t, o, device, model = config.train, config.optim, mesh.device, run.model
+    if run.norms:
+        run.norms.step = step + 1
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    lr = lr_at(step, o, t.steps)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    batch = run.loader.global_batch(step)
+    n_label = int((batch["labels"] != -100).sum())  # over the whole global batch
+    micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
+    n_micro_global = len(micros) * mesh.data_ranks
+    terms = LossTerms(t, n_label, n_micro_global, run.n_moe)  # how the loss is composed (protocol.py)
+    sums = StepSums(device)
+    run.engines.clear()
+    if run.chunks is not None:
+        ce, aux = pipeline_step(run.runner, micros, terms, device, run.dtype)
+        sums.ce += ce
+        for name, value in aux.items():
+            sums.aux[name] += value
     else:
-        if (start < end or not found) and t.checkpoint_every >= 0:
-            save(end)
-    log.close()
-    return history
+        for i, micro in enumerate(micros):
+            if mesh.world > 1:  # accumulate unsharded gradients; reduce-scatter after the last micro-batch
+                model.set_requires_gradient_sync(i == len(micros) - 1)
+            engine = run.new_engine(*micro["input_ids"].shape)
+            ce = forward_loss(model, micro, engine, device, run.dtype)
+            for name, value in terms.layer_sums(engine.aux, mean=True).items():
+                sums.aux[name] += value
+            terms.micro_loss(ce, engine.aux).backward()
+            sums.ce += ce.detach().double()
+    if stop is not None and stop.signum:  # summed with the losses, so every rank stops after the same step
+        sums.request_stop()
+    # cross-entropy: pipeline rank 0 of every dp x cp x ep rank holds a share; aux terms: every rank
+    group = None if mesh.pp > 1 or mesh.world == 1 else mesh.dense_mesh.get_group()
+    ce_sum, aux_sums, stops = sums.reduce(group, mesh.world, mesh.cp)  # the step's one host sync for its scalars
+    loss = ce_sum / max(n_label, 1)
+    halt = stops and step + 1 < run.end
+    params = list(model.parameters())
+    if run.norms:
+        run.norms.grads(model.named_parameters())
+    grad_norm = global_grad_norm(params, mesh)
+    if not math.isfinite(loss) or not math.isfinite(grad_norm):
+        raise FloatingPointError(
+            f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {step + 1}; the last good checkpoint "
+            f"is kept. Lower optim.lr, raise optim.warmup_steps or check the data, then resume."
+        )
+    clip_grads(params, o.grad_clip, grad_norm)
+    with named_range("pithtrain::optimizer"):
+        optimizer_step(run.optimizer, params)
+    run.optimizer.zero_grad(set_to_none=True)
+    biases = model.correction_biases()
+    step_loads = step_expert_loads(run.engines) if biases or mesh.ep > 1 else {}  # summed once, for both
+    update_routing_biases(biases, step_loads, mesh, config.model)
+    balance_ep = ep_load_balance(step_loads, mesh) if mesh.ep > 1 else None
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        if run.capture and step + 1 == run.capture[1]:
+            torch.cuda.profiler.stop()
+    return Stepped(loss, StepSums.metrics(aux_sums, n_micro_global), lr, grad_norm, n_label,
+                   batch["input_ids"].numel(), balance_ep, halt)
+
+
+def write_instruments(run: Run, step: int, memory, profiler) -> None:
+    """After a step: the debug-memory recording and the profiler trace, if they ran this step."""
+    if memory is not None:
+        path = memory.save(run.out_dir, run.mesh.rank)
+        if run.echo:
+            print(f"memory of step {step + 1} written to {path}", flush=True)
+    if profiler is not None:
+        profiler.stop()
+        path = run.out_dir / "profile" / f"rank{run.mesh.rank}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        profiler.export_chrome_trace(str(path))
+        if run.echo:
+            print(f"profile of step {step + 1} written to {path.parent}/rank*.json", flush=True)
+
+
+def end_of_run(run: Run) -> None:
+    """The run reached its last step (train.steps or --stop-after): the final checkpoint, unless
+    checkpoints are off or nothing ran and there was a checkpoint already."""
+    if (run.start < run.end or not run.found) and run.config.train.checkpoint_every >= 0:
+        run.save(run.end)
 
 
 def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, echo: bool = False,
@@ -396,7 +479,7 @@ def evaluate(parts, runner, evaluation, config: RunConfig, mesh: Mesh, dispatche
         micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
         if runner is None:
             for micro in micros:
-                ce += forward_loss(parts[0], micro, ExpertEngine(dispatcher, None, *micro["input_ids"].shape), device, dtype)[0].double()
+                ce += forward_loss(parts[0], micro, ExpertEngine(dispatcher, None, *micro["input_ids"].shape), device, dtype).double()
             continue
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             ce += runner.forward_only(micros, lambda logits, micro: cross_entropy_sum(logits, micro["labels"]),
@@ -474,18 +557,11 @@ def _flat(config: dict) -> dict:
     return flat
 
 
-def dcp_cause(error: BaseException) -> BaseException:
-    """The error itself, or the first rank's error of DCP's CheckpointException (a BaseException
-    that holds each rank's error and prints their tracebacks)."""
-    failures = getattr(error, "failures", None)
-    return next(iter(failures.values()))[0] if failures else error
-
-
 def save_failed(error: BaseException, out_dir: Path, step: int, is_main: bool) -> BaseException:
     """The error to raise for a failed checkpoint save. A disk error (full, read-only, gone) becomes
     one message naming it and the last good checkpoint, after removing the partial step_N.tmp;
     anything else is returned unchanged."""
-    cause = dcp_cause(error)
+    cause = ckpt.dcp_cause(error)
     if not isinstance(cause, OSError):
         return error
     tmp = out_dir / "checkpoints" / f"step_{step:08d}.tmp"  # where checkpoint.write_checkpoint writes
@@ -551,21 +627,21 @@ def start_profiler(device: torch.device):
     return profiler
 
 
-def pipeline_step(runner, micros, n_label, n_moe, lb_scale, device, dtype) -> torch.Tensor:
-    """One optimizer step's forward/backward through the pipeline (this rank's part); returns
-    [cross-entropy sum, sum over micro-batches of the layer-mean load-balance loss]."""
+def pipeline_step(runner, micros, terms: LossTerms, device, dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One optimizer step's forward/backward through the pipeline (this rank's part); returns the
+    cross-entropy sum and, per auxiliary term, the sum over micro-batches of its layer mean."""
     ce_sums = []
 
     def loss_fn(logits, micro):
         ce = cross_entropy_sum(logits, micro["labels"])
         ce_sums.append(ce.detach().double())
-        return ce / max(n_label, 1)
+        return terms.ce_share(ce)
 
     lists = dualpipev_schedule(runner.mesh.pp, len(micros), defer_w=True)  # expert weight grads in W passes
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        lb_total = runner.run(micros, loss_fn, lists, lb_scale)
+        aux_totals = runner.run(micros, loss_fn, lists, terms)
     ce = torch.stack(ce_sums).sum() if ce_sums else torch.zeros((), dtype=torch.float64, device=device)
-    return torch.stack([ce, lb_total / max(n_moe, 1)])
+    return ce, {name: total / max(terms.n_layers, 1) for name, total in aux_totals.items()}
 
 
 def step_expert_loads(engines: list[ExpertEngine]) -> dict[int, torch.Tensor]:
@@ -618,9 +694,7 @@ def _count(n: int) -> str:
 
 def _init_from(model, path: str) -> None:
     """Copy weights from an HF directory or a PithTrain checkpoint (continued pretraining)."""
-    from pithtrain.tools.hf import load_model
-
-    source = load_model(path)
+    source = ckpt.load_model(path)
     if source.cfg != model.cfg:
         raise UserError(f"train.init_from={path}: its model config differs from the run's model config; "
                         f"build the run's model from that checkpoint's config.json")

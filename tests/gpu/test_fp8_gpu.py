@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pithtrain.config import fp8_tensor_cores
-from pithtrain.ops import fp8
+from pithtrain.ops import fp8, grouped_gemm
 from test_fp8 import random_fp8_linear  # the CPU FP8 tests' helper
 
 pytestmark = pytest.mark.skipif(not fp8_tensor_cores(),
@@ -122,7 +122,7 @@ def test_layers_match_cpu_emulation(recipe):
         mod.fp8 = recipe
         mod.w = nn.Parameter(experts.w.detach().to(device).clone())
         xi = xe.to(device).requires_grad_()
-        y = fp8.fp8_expert_mm(xi, mod, "w", counts.to(device), torch.float32)
+        y = grouped_gemm.fp8_expert_mm(xi, mod, "w", counts.to(device), torch.float32)
         y.backward(dye.to(device))
         return y, xi.grad, mod.w.grad
 

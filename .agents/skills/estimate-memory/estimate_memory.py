@@ -26,7 +26,7 @@ import sys
 import torch
 
 GIB = 2**30
-# Fitted to the one-H200 peaks of docs/performance.md (fourth session: Qwen3-30B-A3B width 4, 8 and
+# Fitted to the one-H200 peaks of docs/performance.md (Memory: Qwen3-30B-A3B width 4, 8 and
 # 9 layers at micro-batches 2-4, DeepSeek-V2-Lite and GPT-OSS-20B widths; compiled): within 1.5%.
 ACTIVATION_FACTOR = 0.85  # on layer_activation_bytes
 HEAD_BYTES_PER_LOGIT = 5.0  # per token and vocabulary entry: the head's logits and the loss's chunks
