@@ -9,9 +9,10 @@ def families() -> tuple[type, ...]:
     """The config class of every model family, in the order `train --help` lists them."""
     from pithtrain.models.deepseek_v2 import DeepseekV2Config
     from pithtrain.models.gpt_oss import GptOssConfig
+    from pithtrain.models.qwen3_5_moe import Qwen3_5MoeConfig
     from pithtrain.models.qwen3_moe import Qwen3MoeConfig
 
-    return (Qwen3MoeConfig, DeepseekV2Config, GptOssConfig)
+    return (Qwen3MoeConfig, DeepseekV2Config, GptOssConfig, Qwen3_5MoeConfig)
 
 
 def config_from_hf(hf: dict):
