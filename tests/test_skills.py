@@ -16,6 +16,7 @@ def write(path, losses):
                             for i, l in enumerate(losses)))
 
 
+@pytest.mark.fast
 def test_validate_correctness_script(tmp_path):
     write(tmp_path / "a.jsonl", [5.0, 4.5, 4.2])
     write(tmp_path / "b.jsonl", [5.0, 4.5 * (1 + 2e-6), 4.2])
@@ -28,6 +29,7 @@ def test_validate_correctness_script(tmp_path):
     assert differ.returncode == 1 and differ.stdout.strip().endswith("FAIL")
 
 
+@pytest.mark.fast
 def test_capture_profile_overlap_measure(tmp_path):
     # two NCCL kernels (10 + 10 us), compute kernels covering 5 us of the first and all of the second
     events = [
@@ -55,6 +57,7 @@ def test_capture_profile_overlap_measure(tmp_path):
     assert "all-to-all/p2p      0.02 ms,  75.0% overlapped" in kind.stdout, kind.stdout
 
 
+@pytest.mark.fast
 def test_capture_profile_names_what_the_host_did_while_the_gpu_idled(tmp_path):
     # kernels at 0-10 and 100-110 (a 90 us gap), 200-205 (a 90 us gap) on the main thread's host
     # calls: a sync inside a step annotation, then plain Python (no call open); another thread busy
@@ -93,6 +96,7 @@ def _profile_tool():
     return _load_script(".agents/skills/capture-profile/profile_step.py")
 
 
+@pytest.mark.fast
 def test_capture_profile_attributes_gpu_time_to_layer_stages():
     """Kernels are attributed through their launch (correlation id; a runtime or, as Triton
     launches, a driver call): inside a stage range -> that stage's forward; inside autograd's
@@ -130,6 +134,7 @@ def test_capture_profile_attributes_gpu_time_to_layer_stages():
                          ("stage 3 backward", "k4"): 400, ("optimizer", "k5"): 500, ("other", "k6"): 600}
 
 
+@pytest.mark.fast
 def test_capture_profile_stage_times_of_a_real_run(tmp_path, dataset_dir):
     """A one-process CPU run: every stage of the layer contract shows up, forward and backward."""
     import json as json_
@@ -161,6 +166,7 @@ def _estimator():
     return _load_script(".agents/skills/estimate-memory/estimate_memory.py")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("pp, ep", [(1, 2), (2, 2), (2, 1)])
 def test_estimate_memory_counts_the_parameters_each_rank_really_holds(pp, ep, dataset_dir):
     """The static terms against a real build: DualPipeV chunks of each pipeline rank, this EP
