@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from cli_util import run_script
 from conftest import tiny_config
 
 SCRIPT = ".agents/skills/validate-correctness/compare_runs.py"
@@ -230,10 +231,9 @@ def test_estimate_memory_matches_the_measured_h200_peaks_and_fails_clearly():
     ok = subprocess.run([sys.executable, script, "benchmarks/qwen3_width.py", "--set", "train.micro_batch_size=2",
                          "--set", "train.global_batch_size=8"], capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("PASS: 61."), ok.stdout + ok.stderr
-    small = subprocess.run([sys.executable, script, "benchmarks/qwen3_width.py", "--gpu-mem", "40"], capture_output=True, text=True)
+    small = run_script(script, "benchmarks/qwen3_width.py", "--gpu-mem", "40")  # main() here: no second process
     assert small.returncode == 1 and "FAIL:" in small.stdout and "micro_batch_size" in small.stdout
-    bad = subprocess.run([sys.executable, script, "benchmarks/qwen3_width.py", "--nproc", "3", "--ep", "2"],
-                         capture_output=True, text=True)
+    bad = run_script(script, "benchmarks/qwen3_width.py", "--nproc", "3", "--ep", "2")
     assert bad.returncode == 1 and bad.stdout.startswith("FAIL:") and "ep" in bad.stdout, bad.stdout
 
 
@@ -275,11 +275,14 @@ def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):
     trained on it) are written and PASS; a wrong expected vocabulary and a truncated file FAIL."""
     script = ".agents/skills/setup-benchmark-inputs/make_inputs.py"
 
-    def make(*args):
-        return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True)
+    def make(*args, process=False):
+        """The script in a process of its own (process=True: its exit code as a command) or its main() here."""
+        if process:
+            return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True)
+        return run_script(script, *args)
 
     for family, vocab in (("qwen3", 151936), ("deepseek_v2", 102400), ("gpt_oss", 201088)):
-        out = make("random", "--family", family, "--tokens", 500, "--out", tmp_path / family)
+        out = make("random", "--family", family, "--tokens", 500, "--out", tmp_path / family, process=family == "qwen3")
         assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
         assert f"num_tokens=500, num_docs=1, vocab_size={vocab}" in out.stdout, out.stdout
     stdlib = make("stdlib", "--max-bytes", 50_000, "--vocab-size", 300, "--out", tmp_path / "stdlib")
@@ -294,7 +297,7 @@ def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):
     assert small.stdout.strip().endswith(f"FAIL: {tmp_path / 'qwen3'} is not a usable dataset"), small.stdout
     tokens = tmp_path / "gpt_oss" / "tokens.bin"
     tokens.write_bytes(tokens.read_bytes()[:-8])
-    cut = make("check", "--out", tmp_path / "gpt_oss")
+    cut = make("check", "--out", tmp_path / "gpt_oss", process=True)
     assert cut.returncode == 1 and "truncated" in cut.stdout and "FAIL" in cut.stdout.splitlines()[-1], cut.stdout
 
 
