@@ -312,10 +312,13 @@ def test_track_experiments_checks_every_step_is_logged(tmp_path, dataset_dir):
     run = tmp_path / "run"
     train(tiny_config(dataset_dir, steps=3, tensorboard=True), run, echo=False)
 
-    def check(*args):
-        return subprocess.run([sys.executable, script, str(run), *args], capture_output=True, text=True)
+    def check(*args, process=False):
+        """The script in a process of its own (process=True: its exit code as a command) or its main() here."""
+        if process:
+            return subprocess.run([sys.executable, script, str(run), *args], capture_output=True, text=True)
+        return run_script(script, run, *args)
 
-    ok = check("--tensorboard")
+    ok = check("--tensorboard", process=True)
     assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS: steps 1..3 logged"), ok.stdout + ok.stderr
     assert "tensorboard: train/loss at 3 steps" in ok.stdout
     lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
