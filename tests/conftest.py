@@ -99,36 +99,6 @@ def write_run_file(path, data_path, extra: str = ""):
     return path
 
 
-@pytest.fixture(scope="session")
-def triton_interpreter_cases(tmp_path_factory):
-    """The Triton kernel cases (tests/triton_interpreter_cases.py, tests/attention_interpreter_cases.py) in
-    one fresh pytest process with TRITON_INTERPRET=1: Triton decides at import whether it interprets, and
-    other test files import it (through transformers) during collection. Returns, per case file, the
-    number of cases that passed and the reports of those that failed (from the run's JUnit XML)."""
-    import subprocess
-    import sys
-    import xml.etree.ElementTree as ET
-    from pathlib import Path
-
-    files = ["triton_interpreter_cases.py", "attention_interpreter_cases.py"]
-    report = tmp_path_factory.mktemp("interpreter") / "junit.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
-           *(str(Path(__file__).parent / f) for f in files)]
-    done = subprocess.run(cmd, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
-    output = done.stdout[-4000:] + done.stderr[-2000:]
-    results = {f: [0, []] for f in files}
-    for case in ET.parse(report).getroot().iter("testcase") if report.is_file() else ():
-        name = case.get("classname", "").split(".")[-1] + ".py"
-        bad = [e for e in case if e.tag in ("failure", "error")]
-        if name in results:
-            results[name][0] += not bad and case.find("skipped") is None
-            results[name][1] += [f"{case.get('name')}: {e.get('message')}" for e in bad]
-    for f in files:  # a run that failed outside any case (collection, a crash) fails every file
-        if done.returncode != 0 and not any(r[1] for r in results.values()):
-            results[f][1].append(output)
-    return {f: (passed, failed) for f, (passed, failed) in results.items()}
-
-
 def pytest_collection_modifyitems(config, items):
     """Tests marked `slow` run only with PITHTRAIN_SLOW=1 or when `-m` names them."""
     if os.environ.get("PITHTRAIN_SLOW") == "1" or "slow" in (config.option.markexpr or ""):
