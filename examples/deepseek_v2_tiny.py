@@ -3,8 +3,9 @@
 Exercises what makes the family different from Qwen3-MoE: MLA with q-LoRA and a shared rope key,
 shared experts next to the routed ones, and a dense first layer.
 
-Data: data/stdlib, which `make train` builds (the Python standard library's sources,
-byte-level BPE of 4096 tokens). Run: pithtrain train examples/deepseek_v2_tiny.py --out runs/dsv2_tiny
+Data: data/stdlib, which `make data` builds (the Python standard library's sources,
+byte-level BPE of 4096 tokens, with held-out eval tokens; `make train` builds it too).
+Run: pithtrain train examples/deepseek_v2_tiny.py --out runs/dsv2_tiny
 """
 
 from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig

@@ -2,8 +2,9 @@
 
 Every GPT-OSS feature is live: attention sinks, sliding-window layers (window 32 < seq_len 128)
 alternating with full-attention layers, YaRN RoPE, a biased router, clamped-SwiGLU experts with biases.
-Data: data/stdlib, which `make train` builds (the Python standard library's sources,
-byte-level BPE of 4096 tokens). Run: pithtrain train examples/gpt_oss_tiny.py --out runs/gpt_oss_tiny
+Data: data/stdlib, which `make data` builds (the Python standard library's sources,
+byte-level BPE of 4096 tokens, with held-out eval tokens; `make train` builds it too).
+Run: pithtrain train examples/gpt_oss_tiny.py --out runs/gpt_oss_tiny
 """
 
 from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig

@@ -1,7 +1,9 @@
 """The embedded default job (`make train`): no download, end to end in a few minutes on 2 CPU cores.
+`--data-only` (`make data`) builds step 2's dataset alone (data/stdlib, the examples' data) and stops.
 
 1. corpus: the Python standard library's sources (every Python install has them);
-2. a byte-level BPE tokenizer trained on it, and the corpus tokenized into a dataset;
+2. a byte-level BPE tokenizer trained on it, and the corpus tokenized into a dataset (data/stdlib:
+   tokens, the tokenizer, and held-out eval tokens from other stdlib files in data/stdlib/eval.npy);
 3. examples/qwen3_tiny.py trained for a few hundred steps (GPU when present), with checkpoints;
 4. the final checkpoint exported in HF format and loaded with transformers.AutoModelForCausalLM;
 5. eval loss of PithTrain and of transformers on held-out stdlib files, side by side.
@@ -85,12 +87,17 @@ def main() -> int:
     parser.add_argument("--data", default=str(ROOT / "data/stdlib"))
     parser.add_argument("--out", default=str(ROOT / "runs/quickstart"))
     parser.add_argument("--steps", type=int, help="override train.steps")
+    parser.add_argument("--data-only", action="store_true", help="build the dataset (--data) and stop (`make data`)")
     args = parser.parse_args()
     started = time.perf_counter()
 
     config = load_run_config(args.config)
     data_dir = Path(args.data)
     build_data(data_dir, config.model.vocab_size)
+    if args.data_only:
+        print(f"[data] {data_dir}: {TokenDataset(data_dir).num_tokens:,} training tokens, held-out eval tokens in "
+              f"{data_dir / 'eval.npy'} | {time.perf_counter() - started:.0f}s")
+        return 0
     config.data.path = str(data_dir)
     entropy = unigram_entropy(TokenDataset(data_dir))
     print(f"[data] unigram entropy of the training tokens: {entropy:.4f} nats/token")

@@ -1,7 +1,8 @@
 """A tiny Qwen3-MoE that trains on 2 CPU cores in well under a second per step.
 
-Data: data/stdlib, which `make train` builds (the Python standard library's sources,
-byte-level BPE of 4096 tokens). Run: pithtrain train examples/qwen3_tiny.py --out runs/tiny
+Data: data/stdlib, which `make data` builds (the Python standard library's sources,
+byte-level BPE of 4096 tokens, with held-out eval tokens; `make train` builds it too).
+Run: pithtrain train examples/qwen3_tiny.py --out runs/tiny
 """
 
 from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig

@@ -57,6 +57,30 @@ def read_until(proc: subprocess.Popen, text: str, stream: str = "stdout") -> lis
     return lines
 
 
+def run_script(path: str, *args) -> subprocess.CompletedProcess:
+    """A script's `main()` (it reads sys.argv, returns or exits with its code) in this process, its
+    stdout captured: what `subprocess.run([python, path, *args])` reports (child processes the script
+    starts print to this process's own output), without starting Python and torch again."""
+    import contextlib
+    import importlib.util
+    import io
+
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, argv = io.StringIO(), sys.argv
+    sys.argv = [path, *map(str, args)]
+    try:
+        with contextlib.redirect_stdout(out):
+            try:
+                code = module.main()
+            except SystemExit as exit_info:
+                code = exit_info.code
+    finally:
+        sys.argv = argv
+    return subprocess.CompletedProcess([path, *map(str, args)], code or 0, out.getvalue(), "")
+
+
 def _stat(pid: int) -> list[str] | None:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

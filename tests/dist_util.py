@@ -9,15 +9,8 @@ worker, each job building its own device mesh.
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _fn_worker(rank, world, port, fn, args, errors, results):
@@ -28,7 +21,8 @@ def _fn_worker(rank, world, port, fn, args, errors, results):
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK=str(rank))
-        dist.init_process_group("gloo")
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
         results.put((rank, fn(rank, world, *args)))
         dist.destroy_process_group()
         results.close()
@@ -43,9 +37,13 @@ def _fn_worker(rank, world, port, fn, args, errors, results):
 def run_fn(world: int, fn, *args, timeout_s: float = 600) -> list:
     """fn(rank, world, *args) on `world` forked gloo workers; returns their results by rank.
     Forked: fn and args need no pickling (results do)."""
+    from torch.distributed import TCPStore
+
     ctx = mp.get_context("fork")
     errors, results = ctx.Queue(), ctx.Queue()
-    port = _free_port()
+    # the rendezvous store lives here, on a port the OS picked: no free-port race between concurrent runs
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    port = store.port
     procs = [ctx.Process(target=_fn_worker, args=(r, world, port, fn, args, errors, results)) for r in range(world)]
     for proc in procs:
         proc.start()

@@ -53,6 +53,7 @@ def result(out: Path, fw: str, task: str, r: int = 0) -> dict:
 
 # ---- tasks and keys ----
 
+@pytest.mark.fast
 def test_task_suite_shape():
     by_cat = {c: [t for t in TASKS.values() if t.category == c] for c in ("understand", "operate", "extend")}
     assert [len(v) for v in by_cat.values()] == [12, 4, 4]
@@ -61,6 +62,7 @@ def test_task_suite_shape():
     assert all("pithtrain" in t.acceptance and "pithtrain" in t.interface for t in by_cat["extend"])
 
 
+@pytest.mark.fast
 def test_pithtrain_keys_name_real_code():
     """Every identifier-like phrasing in PithTrain's answer keys (a file, a dotted field, a snake_case
     or CamelCase name) names a file or occurs in the code or docs, so the keys cannot go stale silently."""
@@ -74,6 +76,7 @@ def test_pithtrain_keys_name_real_code():
             assert found or not names, (task.id, alts)
 
 
+@pytest.mark.fast
 def test_fact_grader_accepts_right_and_rejects_wrong_answers():
     facts = TASKS["qa_device_mesh"].keys["pithtrain"]
     assert grading.grade_facts(MESH_ANSWER, facts)["grade"] == "pass"
@@ -87,6 +90,7 @@ def test_fact_grader_accepts_right_and_rejects_wrong_answers():
 
 # ---- transcripts ----
 
+@pytest.mark.fast
 def test_transcript_parsers():
     claude = [{"type": "system", "subtype": "init"},
               {"type": "assistant", "message": {"id": "m1", "content": [{"type": "text", "text": "looking"}],
@@ -118,6 +122,7 @@ def test_transcript_parsers():
     assert (g.turns, g.output_tokens, g.context_tokens, g.answer) == (1, 3, [7], "a")
 
 
+@pytest.mark.fast
 def test_gpu_sampler():
     with GpuSampler(interval=0.02, reader=lambda: {0: 50.0, 1: 100.0}) as s:
         start = time.monotonic()
@@ -330,6 +335,7 @@ def test_memory_verifier(tmp_path):
 
 # ---- the CLI's bad input ----
 
+@pytest.mark.fast
 @pytest.mark.parametrize("args,flag", [
     (["--framework", "pithtrain"], "--framework"),
     (["--framework", "pithtrain=/no/such/dir"], "--framework"),

@@ -69,12 +69,14 @@ def check_against_float64(fn, leaves, doc_ids, dout, scale, window, tol):
         assert dx[3].abs().min() > 0
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("sink, window, docs", [(True, None, True), (True, 4, False), (False, 3, True), (False, None, False)])
 def test_reference_path_matches_float64(sink, window, docs):
     leaves, doc_ids, dout = random_case(2, 6, 2, 23, 8, sink, docs, seed=window or 0)
     check_against_float64(attention.attention_reference, leaves, doc_ids, dout, 8**-0.5, window, 2e-6)
 
 
+@pytest.mark.fast
 def test_document_bounds_against_loops():
     doc_ids = torch.tensor([[0, 0, 0, 1, 2, 2, 2, 2, 3], [5, 5, 5, 5, 5, 5, 5, 5, 5]])
     bounds = attention.document_bounds(doc_ids)
@@ -86,6 +88,7 @@ def test_document_bounds_against_loops():
     assert bounds.dtype == torch.int32 and attention.document_bounds(None) is None
 
 
+@pytest.mark.fast
 def test_flops_count_visible_pairs():
     assert attention.attention_flops(1, 1, 4, 1) == 4 * 10  # 10 causal pairs
     assert attention.attention_flops(2, 3, 5, 8, window=2) == 4 * 2 * 3 * 8 * 9  # 1 + 2 * 4 pairs

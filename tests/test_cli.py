@@ -21,6 +21,7 @@ def run_cli(args, capsys):
     return out
 
 
+@pytest.mark.fast
 def test_tokenize_train_convert_eval(tmp_path, capsys):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -104,6 +105,7 @@ def check_hf_export(hf_dir, eos_id):
     assert tok.decode(ids[0, : prompt["input_ids"].shape[1]]) == "alpha beta"
 
 
+@pytest.mark.fast
 def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     np.save(tmp_path / "bad.npy", np.arange(5))
     np.save(tmp_path / "good.npy", np.arange(10).reshape(2, 5))
@@ -118,6 +120,7 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     assert exit_info.value.code == 2 and "--stdlib" in capsys.readouterr().err
 
 
+@pytest.mark.fast
 def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "pithtrain", "--help"], capture_output=True, text=True, check=True).stdout
     for command in ("train", "tokenize", "convert", "eval"):

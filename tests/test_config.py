@@ -6,6 +6,8 @@ from conftest import tiny_config
 from pithtrain.cli import main
 from pithtrain.config import ConfigError, apply_override, load_run_config, validate
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 
 def test_overrides_are_type_checked(tmp_path):
     cfg = tiny_config(tmp_path)

@@ -25,6 +25,8 @@ from pithtrain.parallel.context import (
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train.balance import LoadBalance
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 SCALE = 0.3
 
 

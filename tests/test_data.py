@@ -22,6 +22,8 @@ from pithtrain.tools.tokenize import (
 )
 from pithtrain.train.data import BatchLoader, TokenDataset, dtype_for_vocab, write_dataset
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 
 def random_docs(rng, n_docs, vocab_size, max_len=40, allow_empty=False):
     low = 0 if allow_empty else 1

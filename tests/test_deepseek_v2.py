@@ -17,6 +17,8 @@ from pithtrain.models.routing import select_experts, update_correction_bias
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.tools.hf import load_model, read_hf_state, write_hf_dir
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 24, "beta_slow": 2,
         "mscale": 0.9, "mscale_all_dim": 0.6}
 

@@ -285,6 +285,7 @@ def env(tmp_path_factory):
     return make_env(tmp_path_factory.mktemp("errors"))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("case_id, line, names", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_ends_in_one_line(env, case_id, line, names):
     if "cuda" in case_id and torch.cuda.is_available():

@@ -2,6 +2,7 @@
 adversarial routings: every token on one expert, experts and whole ranks that receive nothing,
 tokens whose k experts all live on one rank (deduplicated to one row), and no tokens at all."""
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -9,6 +10,8 @@ from dist_util import run_fn
 from pithtrain.protocol import RoutingInfo
 import pithtrain.parallel.expert as expert_module
 from pithtrain.parallel.expert import AllToAllDispatch, LocalDispatch
+
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 
 E, K, H = 8, 3, 5
 

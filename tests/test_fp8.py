@@ -22,6 +22,7 @@ from pithtrain.train.optim import build_optimizer, optimizer_step
 E4M3_STEP = 2.0**-4  # half the spacing of e4m3's 3 mantissa bits, relative, for normal values
 
 
+@pytest.mark.fast
 def test_scales_and_round_trip_bounds():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(64, 200, generator=gen) * torch.logspace(-6, 3, 64).unsqueeze(1)  # rows over 9 decades
@@ -39,6 +40,7 @@ def test_scales_and_round_trip_bounds():
     assert ((back - x).abs() > 0.2 * bound).any()  # the bound is tight, not vacuous
 
 
+@pytest.mark.fast
 def test_transposed_copies_are_per_segment_and_aligned():
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(300, 48, generator=gen) * torch.rand(300, 1, generator=gen)
@@ -70,6 +72,7 @@ def random_fp8_linear(inp: int, out: int, gen, scale: float, recipe=True) -> fp8
     return layer
 
 
+@pytest.mark.fast
 def test_fp8_linear_gradients():
     """Against float64: (a) the recipe exactly (each GEMM's operands rounded as specified), 1e-5;
     (b) the unquantized layer, within e4m3's error (relative Frobenius error < 6%)."""
@@ -93,6 +96,7 @@ def test_fp8_linear_gradients():
         assert 1e-4 < err < 0.06  # quantized (not exact), within e4m3's step
 
 
+@pytest.mark.fast
 def test_fp8_expert_gemm_gradients_and_deferred_weight_pass():
     from pithtrain.ops.grouped_gemm import DeferredWeightGrads, accumulate_grad
 
@@ -124,6 +128,7 @@ def test_fp8_expert_gemm_gradients_and_deferred_weight_pass():
     assert torch.equal(other.w.grad, experts.w.grad)
 
 
+@pytest.mark.fast
 def test_weight_cache_is_reused_and_invalidated():
     layer = fp8.Linear(16, 16, bias=False)
     first = fp8.cached_weight(layer, "weight", True)
@@ -174,6 +179,7 @@ def test_training_resume_and_checkpoints(tmp_path, dataset_dir):
     assert [m["step"] for m in more] == [5, 6] and all(m["loss"] < plain[0]["loss"] for m in more)
 
 
+@pytest.mark.fast
 def test_hf_import_refreshes_the_cache(tmp_path, dataset_dir):
     """A model that ran FP8 forwards, then loaded HF weights: its next forward uses the new weights."""
     cfg = tiny_config(dataset_dir).model
@@ -198,6 +204,7 @@ def test_hf_import_refreshes_the_cache(tmp_path, dataset_dir):
     assert ((got - ref).norm() / ref.norm()) < 0.05  # FP8 of the imported weights, not of the old ones
 
 
+@pytest.mark.fast
 def test_bad_fp8_input_is_refused(dataset_dir):
     cfg = tiny_config(dataset_dir)
     cfg.train.fp8 = "tensorwise"
@@ -210,6 +217,7 @@ def test_bad_fp8_input_is_refused(dataset_dir):
     validate(cfg)
 
 
+@pytest.mark.fast
 def test_bf16_weight_gradient_recipe():
     """rowwise_bf16_wgrad: forward and input gradient as in `rowwise`, the weight gradient the plain
     product (fp32 on the CPU) of the saved activations, for Linear and the expert GEMM, queued too."""

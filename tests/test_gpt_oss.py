@@ -19,6 +19,8 @@ from pithtrain.models.gpt_oss import GptOssConfig, dequantize_mxfp4, sink_attent
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.tools.hf import load_model, read_hf_state, write_hf_dir
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 SEQ = 17
 # Non-default everywhere: odd sizes, a window shorter than the sequence, both layer types, YaRN with and
 # without truncation / an explicit attention factor, a SwiGLU limit small enough to clamp, tied embeddings.

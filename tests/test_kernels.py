@@ -91,6 +91,7 @@ def dispatch_plan_loops(ids, experts_per_rank, ep):
 # --- references ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.fast
 def test_cpu_tensors_take_the_reference_path():
     assert not kernels.use_triton(torch.zeros(1))
     x = torch.randn(5, 8)
@@ -99,6 +100,7 @@ def test_cpu_tensors_take_the_reference_path():
     assert torch.equal(kernels.cross_entropy_sum(x, labels), core.cross_entropy_sum(x, labels))
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("shape", [(37, 48), (2, 5, 32), (0, 16)])
 def test_swiglu_reference_matches_float64(shape):
     torch.manual_seed(0)
@@ -111,6 +113,7 @@ def test_swiglu_reference_matches_float64(shape):
     assert out.shape == ref_out.shape and dx.shape == x.shape
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_clamped_swiglu_reference_is_the_models_and_matches_float64(dtype):
     torch.manual_seed(1)
@@ -129,6 +132,7 @@ def test_clamped_swiglu_reference_is_the_models_and_matches_float64(dtype):
     assert (dx[:, :24][x[:, :24] > limit] == 0).all() and (dx[:, 24:][x[:, 24:].abs() > limit] == 0).all()
 
 
+@pytest.mark.fast
 def test_permute_and_unpermute_are_local_dispatch_and_combine():
     torch.manual_seed(2)
     t, k, e, h = 19, 3, 8, 12
@@ -144,6 +148,7 @@ def test_permute_and_unpermute_are_local_dispatch_and_combine():
     assert torch.equal(kernels.unpermute(y, order, t * k).view(t, k, h), dispatcher.combine(y, handle))
 
 
+@pytest.mark.fast
 def test_permute_reference_gradients_against_loops():
     torch.manual_seed(3)
     t, h = 11, 7
@@ -157,6 +162,7 @@ def test_permute_reference_gradients_against_loops():
     assert rel_err(dx, ref_dx) < 1e-6
 
 
+@pytest.mark.fast
 def test_unpermute_reference_gradients_and_zero_rows():
     torch.manual_seed(4)
     index = torch.tensor([5, 0, 2, 7])
@@ -167,6 +173,7 @@ def test_unpermute_reference_gradients_and_zero_rows():
     assert (out[[1, 3, 4, 6, 8]] == 0).all()
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("tokens, topk, experts, ep, empty", [
     (13, 3, 8, 4, ()),
     (20, 4, 8, 1, ()),
@@ -190,6 +197,7 @@ def test_dispatch_plan_reference_against_loops(tokens, topk, experts, ep, empty)
     assert plan.send_counts.dtype == plan.slot_meta.dtype == torch.long
 
 
+@pytest.mark.fast
 def test_expert_bias_add_reference_with_empty_groups():
     torch.manual_seed(5)
     counts = torch.tensor([3, 0, 5, 1, 0, 4])
@@ -203,6 +211,7 @@ def test_expert_bias_add_reference_with_empty_groups():
     assert torch.equal(dx, dy)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cross_entropy_reference_matches_float64(dtype):
     torch.manual_seed(6)

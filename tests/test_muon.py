@@ -15,6 +15,8 @@ from pithtrain.train import optim
 from pithtrain.train.metrics import read_metrics
 from pithtrain.train.optim import build_optimizer, newton_schulz, takes_muon
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 
 def with_spectrum(m, n, cond, gen):
     """A float64 m x n matrix U diag(s) V^T with log-spaced singular values from 1 down to 1/cond."""

@@ -15,6 +15,8 @@ from pithtrain.config import SECTIONS, field_help, load_run_config, run_dict
 from pithtrain.train import loop
 from pithtrain.train.metrics import MetricsLog
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, dataset_dir):

@@ -9,6 +9,8 @@ from pithtrain.ops.grouped_gemm import DeferredWeightGrads, expert_mm, grouped_m
 from pithtrain.parallel.expert import LocalDispatch
 from pithtrain.train.optim import optimizer_step
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 
 @pytest.mark.parametrize("hidden, dtype", [(32, torch.float32), (37, torch.float32), (64, torch.bfloat16)])
 def test_grouped_mm_matches_a_loop_with_gradients(hidden, dtype):

@@ -1,6 +1,7 @@
 """Expert parallelism + FSDP2 on CPU processes (gloo): the loss curve does not depend on the mesh.
 
-Two launches (2 and 4 processes) run every mesh job; single-process references run here.
+Mesh jobs run in launch groups of 2, 4 or 8 processes (`mesh_groups`, each launched when a test first
+reads one of its runs); single-process references run here.
 Checks: per-step loss, lb_loss and grad norm equal to one process (fp32, rel <= 1e-5), equal
 parameters afterwards, load-balance variants across ranks, and checkpoints resharded across
 meshes (ep4 -> dp2 x ep2 -> ep2 -> one process) continuing the uninterrupted curve;
@@ -64,75 +65,131 @@ def deep_config(dataset_dir, **train):
     return cfg
 
 
+def mesh_groups(d):
+    """Every mesh case, by launch group: group -> launches in order, each (world, [(config, run name,
+    train kwargs)]); world 1 runs in this process. A group is launched when a test first reads one of
+    its runs (so no single test waits for all of them); one launch runs its jobs in order in every
+    worker. A new mesh joins a group of its world (a list below), or a new group."""
+    no_overlap = mesh_config(d, pp=1, ep=2, steps=3, family=deep_config)
+    no_overlap.parallel.overlap_ep = False
+    return {
+        "dp_ep_4": [(4, [
+            (mesh_config(d, ep=4), "ep4", {}),
+            (mesh_config(d, ep=2), "dp2ep2", {}),
+            (evals(mesh_config(d, ep=2, hsdp=True)), "hsdp_dp2ep2", {}),
+            (mesh_config(d, ep=1), "dp4", {}),
+            (recompute(mesh_config(d, ep=2), "selective"), "recompute_dp2ep2", {}),
+        ])],
+        "cp_4": [(4, [
+            (evals(mesh_config(d, cp=2)), "cp2", {}),
+            (mesh_config(d, cp=4), "cp4", {}),
+            (mesh_config(d, cp=2, ep=2), "cp2ep2", {}),
+            (mesh_config(d, cp=2, ep=2, steps=3, packed=True, lb_type="seq"), "cp2ep2_packed", {}),
+        ])],
+        "pp_4": [(4, [
+            (evals(mesh_config(d, pp=2, ep=2, steps=3, family=deep_config)), "pp2ep2", {}),
+            (mesh_config(d, pp=2, steps=3, family=deep_config), "pp2dp2", {}),
+            (mesh_config(d, pp=4, steps=3, family=deep_config), "pp4", {}),
+            (fp8(mesh_config(d, pp=2, ep=2, steps=3, family=deep_config)), "fp8_pp2ep2", {}),
+            (recompute(mesh_config(d, pp=2, ep=2, steps=3, family=deep_config), "full"), "recompute_pp2ep2", {}),
+        ])],
+        "pp_cp_ep_8": [(8, [(evals(mesh_config(d, pp=2, cp=2, ep=2, steps=3, family=deep_config)), "pp2cp2ep2", {})])],
+        "dp_ep_2": [(2, [
+            (evals(mesh_config(d, ep=1)), "dp2", {}),
+            (evals(mesh_config(d, ep=2)), "ep2", {}),
+            (mesh_config(d, ep=1, steps=2, lb_type="global", lb_coef=0.5), "global_dp2", {}),
+            (mesh_config(d, ep=2, steps=2, lb_type="seq", lb_coef=0.5), "seq_ep2", {}),
+            (fp8(mesh_config(d, ep=2)), "fp8_ep2", {}),
+            (fp8(mesh_config(d, ep=1)), "fp8_dp2", {}),  # FSDP-gathered weights: a new version each gather
+            (recompute(mesh_config(d, cp=2), "full"), "recompute_cp2", {}),  # the ring runs again in backward
+        ])],
+        "families_pp_2": [(2, [
+            (mesh_config(d, ep=2, steps=3, family=tiny_deepseek_config), "ds_ep2", {}),
+            (mesh_config(d, ep=1, steps=3, family=tiny_deepseek_config), "ds_dp2", {}),
+            (mesh_config(d, ep=2, steps=3, family=tiny_gpt_oss_config), "oss_ep2", {}),
+            (evals(mesh_config(d, pp=2, steps=3, family=deep_config)), "pp2", {}),
+            # pp = 1 with EP: DualPipeV still overlaps two micro-batches on one rank
+            (evals(mesh_config(d, pp=1, ep=2, steps=3, family=deep_config)), "pp1ep2", {}),
+            (no_overlap, "ep2_no_overlap", {}),  # the same mesh, one micro-batch at a time
+        ])],
+        "muon": [
+            (4, [(muon(mesh_config(d, ep=2, steps=3)), "muon_dp2ep2", {}),
+                 (muon(mesh_config(d, pp=2, ep=2, steps=3, family=deep_config)), "muon_pp2ep2", {}),
+                 (muon(mesh_config(d, ep=2, steps=3, checkpoint_every=2)), "muon_chain", {"stop_after": 2})]),
+            (2, [(muon(mesh_config(d, ep=1, steps=3)), "muon_dp2", {}),  # experts sharded too
+                 (muon(mesh_config(d, ep=2, steps=3)), "muon_ep2", {}),  # experts whole, local
+                 (muon(mesh_config(d, cp=2, steps=3)), "muon_cp2", {})]),
+            (1, [(muon(mesh_config(d, steps=3, checkpoint_every=2)), "muon_chain", {})]),  # dp2 x ep2 -> 1
+        ],
+        # one run resharded: ep4 -> dp2 x ep2 -> ep2 -> one process, two steps on each
+        "chain": [
+            (4, [(mesh_config(d, ep=4, steps=8, checkpoint_every=2), "chain", {"stop_after": 2}),
+                 (mesh_config(d, ep=2, steps=8, checkpoint_every=2), "chain", {"stop_after": 4})]),
+            (2, [(mesh_config(d, ep=2, steps=8, checkpoint_every=2), "chain", {"stop_after": 6})]),
+            (1, [(mesh_config(d, steps=8, checkpoint_every=2), "chain", {})]),
+        ],
+    }
+
+
+def references(d):
+    """The single-process runs the meshes are compared with: name -> config."""
+    return {
+        "ref": evals(mesh_config(d)),
+        "ref8": mesh_config(d, steps=8),
+        # `global` on 2 data ranks == `micro` on one process with micro-batches twice as large
+        "ref_global": mesh_config(d, steps=2, lb_type="micro", lb_coef=0.5, micro_batch_size=4),
+        "ref_seq": mesh_config(d, steps=2, lb_type="seq", lb_coef=0.5),
+        "packed_ref": mesh_config(d, steps=3, packed=True, lb_type="seq"),
+        "deep_ref": evals(mesh_config(d, steps=3, family=deep_config)),
+        "ds_ref": mesh_config(d, steps=3, family=tiny_deepseek_config),
+        "oss_ref": mesh_config(d, steps=3, family=tiny_gpt_oss_config),
+        "fp8_ref": fp8(mesh_config(d)),
+        "fp8_deep_ref": fp8(mesh_config(d, steps=3, family=deep_config)),
+        "muon_ref": muon(mesh_config(d, steps=3)),
+        "muon_deep_ref": muon(mesh_config(d, steps=3, family=deep_config)),
+    }
+
+
+class Runs:
+    """The mesh runs and their references, each trained when a test first asks for it."""
+
+    def __init__(self, root, dataset_dir):
+        self.root, self.groups, self.ref_configs = root, mesh_groups(dataset_dir), references(dataset_dir)
+        self.group_of = {name: group for group, launches in self.groups.items()
+                         for _, jobs in launches for _, name, _ in jobs}
+        self.launched, self.refs = set(), {}
+
+    def dir(self, name):
+        """The run directory of mesh run `name`, its group launched first if it has not been."""
+        group = self.group_of[name]
+        if group not in self.launched:
+            for world, jobs in self.groups[group]:
+                jobs = [(config, self.root / run, kwargs) for config, run, kwargs in jobs]
+                if world == 1:
+                    for config, out, kwargs in jobs:
+                        train(config, out, echo=False, **kwargs)
+                else:
+                    run_world(world, jobs)
+            self.launched.add(group)
+        return self.root / name
+
+    def metrics(self, name):
+        return read_metrics(self.dir(name) / "metrics.jsonl")
+
+    def ref(self, name):
+        """The history of single-process reference `name` (its run directory: root / name)."""
+        if name not in self.refs:
+            self.refs[name] = train(self.ref_configs[name], self.root / name, echo=False)
+        return self.refs[name]
+
+    def ref_dir(self, name):
+        self.ref(name)
+        return self.root / name
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, dataset_dir):
-    root = tmp_path_factory.mktemp("parallel")
-    chain = root / "chain"
-    four = [
-        (mesh_config(dataset_dir, ep=4), root / "ep4", {}),
-        (mesh_config(dataset_dir, ep=2), root / "dp2ep2", {}),
-        (evals(mesh_config(dataset_dir, ep=2, hsdp=True)), root / "hsdp_dp2ep2", {}),
-        (mesh_config(dataset_dir, ep=1), root / "dp4", {}),
-        (mesh_config(dataset_dir, ep=4, steps=8, checkpoint_every=2), chain, {"stop_after": 2}),
-        (evals(mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config)), root / "pp2ep2", {}),
-        (mesh_config(dataset_dir, pp=2, steps=3, family=deep_config), root / "pp2dp2", {}),
-        (mesh_config(dataset_dir, pp=4, steps=3, family=deep_config), root / "pp4", {}),
-        (evals(mesh_config(dataset_dir, cp=2)), root / "cp2", {}),
-        (mesh_config(dataset_dir, cp=4), root / "cp4", {}),
-        (mesh_config(dataset_dir, cp=2, ep=2), root / "cp2ep2", {}),
-        (mesh_config(dataset_dir, cp=2, ep=2, steps=3, packed=True, lb_type="seq"), root / "cp2ep2_packed", {}),
-        (mesh_config(dataset_dir, ep=2, steps=8, checkpoint_every=2), chain, {"stop_after": 4}),
-        (fp8(mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config)), root / "fp8_pp2ep2", {}),
-        (muon(mesh_config(dataset_dir, ep=2, steps=3)), root / "muon_dp2ep2", {}),
-        (muon(mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config)), root / "muon_pp2ep2", {}),
-        (muon(mesh_config(dataset_dir, ep=2, steps=3, checkpoint_every=2)), root / "muon_chain", {"stop_after": 2}),
-        (recompute(mesh_config(dataset_dir, pp=2, ep=2, steps=3, family=deep_config), "full"), root / "recompute_pp2ep2", {}),
-        (recompute(mesh_config(dataset_dir, ep=2), "selective"), root / "recompute_dp2ep2", {}),
-    ]
-    no_overlap = mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config)
-    no_overlap.parallel.overlap_ep = False
-    two = [
-        (evals(mesh_config(dataset_dir, ep=1)), root / "dp2", {}),
-        (evals(mesh_config(dataset_dir, ep=2)), root / "ep2", {}),
-        (mesh_config(dataset_dir, ep=1, steps=2, lb_type="global", lb_coef=0.5), root / "global_dp2", {}),
-        (mesh_config(dataset_dir, ep=2, steps=2, lb_type="seq", lb_coef=0.5), root / "seq_ep2", {}),
-        (mesh_config(dataset_dir, ep=2, steps=8, checkpoint_every=2), chain, {"stop_after": 6}),
-        (mesh_config(dataset_dir, ep=2, steps=3, family=tiny_deepseek_config), root / "ds_ep2", {}),
-        (mesh_config(dataset_dir, ep=1, steps=3, family=tiny_deepseek_config), root / "ds_dp2", {}),
-        (mesh_config(dataset_dir, ep=2, steps=3, family=tiny_gpt_oss_config), root / "oss_ep2", {}),
-        (evals(mesh_config(dataset_dir, pp=2, steps=3, family=deep_config)), root / "pp2", {}),
-        # pp = 1 with EP: DualPipeV still overlaps two micro-batches on one rank
-        (evals(mesh_config(dataset_dir, pp=1, ep=2, steps=3, family=deep_config)), root / "pp1ep2", {}),
-        (no_overlap, root / "ep2_no_overlap", {}),  # the same mesh, one micro-batch at a time
-        (fp8(mesh_config(dataset_dir, ep=2)), root / "fp8_ep2", {}),
-        (fp8(mesh_config(dataset_dir, ep=1)), root / "fp8_dp2", {}),  # FSDP-gathered weights: a new version each gather
-        (muon(mesh_config(dataset_dir, ep=1, steps=3)), root / "muon_dp2", {}),  # experts sharded too
-        (muon(mesh_config(dataset_dir, ep=2, steps=3)), root / "muon_ep2", {}),  # experts whole, local
-        (muon(mesh_config(dataset_dir, cp=2, steps=3)), root / "muon_cp2", {}),
-        (recompute(mesh_config(dataset_dir, cp=2), "full"), root / "recompute_cp2", {}),  # the ring runs again in backward
-    ]
-    run_world(4, four)
-    run_world(2, two)
-    run_world(8, [(evals(mesh_config(dataset_dir, pp=2, cp=2, ep=2, steps=3, family=deep_config)), root / "pp2cp2ep2", {})])
-    train(mesh_config(dataset_dir, steps=8, checkpoint_every=2), chain, echo=False)  # the last leg: one process
-    train(muon(mesh_config(dataset_dir, steps=3, checkpoint_every=2)), root / "muon_chain", echo=False)  # dp2 x ep2 -> 1
-    refs = {
-        "ref": train(evals(mesh_config(dataset_dir)), root / "ref", echo=False),
-        "ref8": train(mesh_config(dataset_dir, steps=8), root / "ref8", echo=False),
-        # `global` on 2 data ranks == `micro` on one process with micro-batches twice as large
-        "ref_global": train(mesh_config(dataset_dir, steps=2, lb_type="micro", lb_coef=0.5, micro_batch_size=4),
-                            root / "ref_global", echo=False),
-        "ref_seq": train(mesh_config(dataset_dir, steps=2, lb_type="seq", lb_coef=0.5), root / "ref_seq", echo=False),
-        "packed_ref": train(mesh_config(dataset_dir, steps=3, packed=True, lb_type="seq"), root / "packed_ref", echo=False),
-        "deep_ref": train(evals(mesh_config(dataset_dir, steps=3, family=deep_config)), root / "deep_ref", echo=False),
-        "ds_ref": train(mesh_config(dataset_dir, steps=3, family=tiny_deepseek_config), root / "ds_ref", echo=False),
-        "oss_ref": train(mesh_config(dataset_dir, steps=3, family=tiny_gpt_oss_config), root / "oss_ref", echo=False),
-        "fp8_ref": train(fp8(mesh_config(dataset_dir)), root / "fp8_ref", echo=False),
-        "fp8_deep_ref": train(fp8(mesh_config(dataset_dir, steps=3, family=deep_config)), root / "fp8_deep_ref", echo=False),
-        "muon_ref": train(muon(mesh_config(dataset_dir, steps=3)), root / "muon_ref", echo=False),
-        "muon_deep_ref": train(muon(mesh_config(dataset_dir, steps=3, family=deep_config)), root / "muon_deep_ref", echo=False),
-    }
-    return root, refs
+    return Runs(tmp_path_factory.mktemp("parallel"), dataset_dir)
 
 
 def assert_same_curve(reference, other, rel=1e-5):
@@ -151,62 +208,64 @@ def final_weights(run_dir, dataset_dir, family=tiny_config):
 @pytest.mark.parametrize("name", ["dp2", "ep2", "ep4", "dp2ep2", "hsdp_dp2ep2", "dp4", "cp2", "cp4", "cp2ep2",
                                   "recompute_dp2ep2", "recompute_cp2"])
 def test_loss_curve_and_weights_do_not_depend_on_the_mesh(runs, dataset_dir, name):
-    root, refs = runs
-    metrics = read_metrics(root / name / "metrics.jsonl")
-    assert_same_curve(refs["ref"], metrics)
+    metrics = runs.metrics(name)
+    assert_same_curve(runs.ref("ref"), metrics)
     assert all(0.5 <= m["ep_load_balance"] <= 1 for m in metrics) if "ep" in name else "ep_load_balance" not in metrics[0]
-    ref_w, got_w = final_weights(root / "ref", dataset_dir), final_weights(root / name, dataset_dir)
+    ref_w, got_w = final_weights(runs.ref_dir("ref"), dataset_dir), final_weights(runs.dir(name), dataset_dir)
     for key in ref_w:
         # Adam turns ~1e-7 gradient differences on near-zero gradients into ~1e-6 weight differences
         assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), key
 
 
-@pytest.mark.parametrize("family, ref, names", [
-    (deep_config, "deep_ref", ["pp2", "pp1ep2", "ep2_no_overlap", "pp2ep2", "pp2dp2", "pp4", "pp2cp2ep2", "recompute_pp2ep2"]),
-    (tiny_config, "packed_ref", ["cp2ep2_packed"]),
-    (tiny_deepseek_config, "ds_ref", ["ds_ep2", "ds_dp2"]),
-    (tiny_gpt_oss_config, "oss_ref", ["oss_ep2"]),
-])
-def test_pipeline_other_families_and_aux_free_bias_do_not_depend_on_the_mesh(runs, dataset_dir, family, ref, names):
-    root, refs = runs
-    ref_w = final_weights(root / ref, dataset_dir, family)
+# (family, its one-process reference, a mesh run): one case per mesh
+FAMILY_MESHES = [
+    *[(deep_config, "deep_ref", name) for name in ["pp2", "pp1ep2", "ep2_no_overlap", "pp2ep2", "pp2dp2", "pp4",
+                                                    "pp2cp2ep2", "recompute_pp2ep2"]],
+    (tiny_config, "packed_ref", "cp2ep2_packed"),
+    *[(tiny_deepseek_config, "ds_ref", name) for name in ["ds_ep2", "ds_dp2"]],
+    (tiny_gpt_oss_config, "oss_ref", "oss_ep2"),
+]
+
+
+@pytest.mark.parametrize("family, ref, name", FAMILY_MESHES, ids=[case[2] for case in FAMILY_MESHES])
+def test_pipeline_other_families_and_aux_free_bias_do_not_depend_on_the_mesh(runs, dataset_dir, family, ref, name):
+    ref_w = final_weights(runs.ref_dir(ref), dataset_dir, family)
     biases = [k for k in ref_w if k.endswith("e_score_correction_bias")]
     assert (family is not tiny_deepseek_config) or (biases and all(ref_w[k].abs().sum() > 0 for k in biases))
-    for name in names:
-        assert_same_curve(refs[ref], read_metrics(root / name / "metrics.jsonl"))
-        got_w = final_weights(root / name, dataset_dir, family)
-        for key in ref_w:
-            assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), (name, key)
-        for key in biases:  # updated from integer loads summed over ranks and micro-batches: exact
-            assert torch.equal(got_w[key], ref_w[key]), (name, key)
+    assert_same_curve(runs.ref(ref), runs.metrics(name))
+    got_w = final_weights(runs.dir(name), dataset_dir, family)
+    for key in ref_w:
+        assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), (name, key)
+    for key in biases:  # updated from integer loads summed over ranks and micro-batches: exact
+        assert torch.equal(got_w[key], ref_w[key]), (name, key)
 
 
-@pytest.mark.parametrize("family, ref, names", [(tiny_config, "muon_ref", ["muon_dp2", "muon_ep2", "muon_dp2ep2", "muon_cp2"]),
-                                                 (deep_config, "muon_deep_ref", ["muon_pp2ep2"])])
-def test_muon_does_not_depend_on_the_mesh(runs, dataset_dir, family, ref, names):
+MUON_MESHES = [*[(tiny_config, "muon_ref", name) for name in ["muon_dp2", "muon_ep2", "muon_dp2ep2", "muon_cp2"]],
+               (deep_config, "muon_deep_ref", "muon_pp2ep2")]
+
+
+@pytest.mark.parametrize("family, ref, name", MUON_MESHES, ids=[case[2] for case in MUON_MESHES])
+def test_muon_does_not_depend_on_the_mesh(runs, dataset_dir, family, ref, name):
     """Muon orthogonalises whole matrices (dense ones gathered from their FSDP shards, expert stacks
     per expert on the shard that holds them): every mesh equals one process, weights included."""
-    root, refs = runs
-    assert refs[ref][-1]["loss"] != refs["ref" if family is tiny_config else "deep_ref"][2]["loss"]  # Muon really ran
-    ref_w = final_weights(root / ref, dataset_dir, family)
-    for name in names:
-        assert_same_curve(refs[ref], read_metrics(root / name / "metrics.jsonl"))
-        got_w = final_weights(root / name, dataset_dir, family)
-        for key in ref_w:
-            assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), (name, key)
+    assert runs.ref(ref)[-1]["loss"] != runs.ref("ref" if family is tiny_config else "deep_ref")[2]["loss"]  # Muon ran
+    ref_w = final_weights(runs.ref_dir(ref), dataset_dir, family)
+    assert_same_curve(runs.ref(ref), runs.metrics(name))
+    got_w = final_weights(runs.dir(name), dataset_dir, family)
+    for key in ref_w:
+        assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), (name, key)
 
 
 def test_muon_momentum_reshards(runs, dataset_dir):
     """Muon's momentum, saved on dp2 x ep2 (one entry per global expert) and resumed on one process,
     continues the one-process curve and ends with the same weights and momentum."""
-    root, refs = runs
-    assert_same_curve(refs["muon_ref"], read_metrics(root / "muon_chain" / "metrics.jsonl"))
+    assert_same_curve(runs.ref("muon_ref"), runs.metrics("muon_chain"))
     states = []
-    for run in ("muon_ref", "muon_chain"):
+    for run in (runs.ref_dir("muon_ref"), runs.dir("muon_chain")):
         cfg = muon(mesh_config(dataset_dir))
         model = cfg.model.build_model()
         optimizer = build_optimizer(list(model.named_parameters()), cfg.optim, "cpu")
-        ckpt.load_training_state(ckpt.resolve_checkpoint(root / run), model, optimizer)
+        ckpt.load_training_state(ckpt.resolve_checkpoint(run), model, optimizer)
         states.append({n: (p.detach().clone(), optimizer.state[p]) for n, p in model.named_parameters()})
     for name, (w, st) in states[0].items():
         got_w, got_st = states[1][name]
@@ -216,32 +275,31 @@ def test_muon_momentum_reshards(runs, dataset_dir):
     assert sum("momentum_buffer" in st for _, st in states[1].values()) == 12  # 2 layers x (q, k, v, o, 2 expert stacks)
 
 
-@pytest.mark.parametrize("ref, names", [("ref", ["dp2", "ep2", "cp2", "hsdp_dp2ep2"]),
-                                        ("deep_ref", ["pp2", "pp1ep2", "pp2ep2", "pp2cp2ep2"])])
-def test_eval_loss_does_not_depend_on_the_mesh(runs, ref, names):
+EVAL_MESHES = [*[("ref", name) for name in ["dp2", "ep2", "cp2", "hsdp_dp2ep2"]],
+               *[("deep_ref", name) for name in ["pp2", "pp1ep2", "pp2ep2", "pp2cp2ep2"]]]
+
+
+@pytest.mark.parametrize("ref, name", EVAL_MESHES, ids=[case[1] for case in EVAL_MESHES])
+def test_eval_loss_does_not_depend_on_the_mesh(runs, ref, name):
     """The held-out loss (forward only, on every layout: FSDP, EP, CP, both DualPipeV chunks in
     sequence) equals one process's."""
-    root, refs = runs
-    want = {m["step"]: m["eval_loss"] for m in refs[ref] if "eval_loss" in m}
+    want = {m["step"]: m["eval_loss"] for m in runs.ref(ref) if "eval_loss" in m}
     assert sorted(want) == ([2, 4] if ref == "ref" else [2, 3])  # every 2 steps and the last
-    for name in names:
-        got = {m["step"]: m["eval_loss"] for m in read_metrics(root / name / "metrics.jsonl") if "eval_loss" in m}
-        assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (name, got, want)
+    got = {m["step"]: m["eval_loss"] for m in runs.metrics(name) if "eval_loss" in m}
+    assert got.keys() == want.keys() and all(got[s] == pytest.approx(want[s], rel=1e-5) for s in want), (name, got, want)
 
 
 def test_load_balance_variants_across_ranks(runs):
-    root, refs = runs
-    assert_same_curve(refs["ref_global"], read_metrics(root / "global_dp2" / "metrics.jsonl"))
-    assert_same_curve(refs["ref_seq"], read_metrics(root / "seq_ep2" / "metrics.jsonl"))
+    assert_same_curve(runs.ref("ref_global"), runs.metrics("global_dp2"))
+    assert_same_curve(runs.ref("ref_seq"), runs.metrics("seq_ep2"))
     # the variants really differ (so the comparisons above can fail)
-    assert refs["ref_global"][0]["lb_loss"] != pytest.approx(refs["ref_seq"][0]["lb_loss"], rel=1e-3)
+    assert runs.ref("ref_global")[0]["lb_loss"] != pytest.approx(runs.ref("ref_seq")[0]["lb_loss"], rel=1e-3)
 
 
 def test_checkpoints_reshard_across_meshes(runs, dataset_dir):
-    root, refs = runs
-    assert_same_curve(refs["ref8"], read_metrics(root / "chain" / "metrics.jsonl"))
+    assert_same_curve(runs.ref("ref8"), runs.metrics("chain"))
     states = []
-    for run in (root / "ref8", root / "chain"):
+    for run in (runs.ref_dir("ref8"), runs.dir("chain")):
         cfg = mesh_config(dataset_dir)
         model = cfg.model.build_model()
         optimizer = build_optimizer(list(model.named_parameters()), cfg.optim, "cpu")
@@ -266,12 +324,11 @@ def test_fp8_meshes_equal_one_process(runs, ref, name, rel):
     and a 1e-7 difference can flip an e4m3 rounding (dp2 measured 1e-5 to 3e-4 from run to run).
     Under EP the expert weight gradient's scales also span the rows of every data rank's micro-batch
     in that expert's GEMM (one process: one micro-batch). Adam carries the differences on."""
-    root, refs = runs
-    bf = refs["ref"] if ref == "fp8_ref" else refs["deep_ref"]
-    assert refs[ref][-1]["loss"] != bf[-1]["loss"]  # FP8 really ran
-    got = read_metrics(root / name / "metrics.jsonl")
-    assert [m["step"] for m in got] == [m["step"] for m in refs[ref]]
-    for a, b in zip(refs[ref], got):
+    bf = runs.ref("ref" if ref == "fp8_ref" else "deep_ref")
+    assert runs.ref(ref)[-1]["loss"] != bf[-1]["loss"]  # FP8 really ran
+    got = runs.metrics(name)
+    assert [m["step"] for m in got] == [m["step"] for m in runs.ref(ref)]
+    for a, b in zip(runs.ref(ref), got):
         assert b["loss"] == pytest.approx(a["loss"], rel=rel), (a["step"], "loss")
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=25 * rel), (a["step"], "grad_norm")
 

@@ -13,6 +13,8 @@ from pithtrain.parallel.pipeline import (
     split_layers,
 )
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 
 @pytest.mark.parametrize("pp", [1, 2, 4, 8])
 @pytest.mark.parametrize("extra", [0, 1, 2, 6])

@@ -11,6 +11,8 @@ from pithtrain.models.qwen3_moe import Qwen3MoeConfig
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.tools.hf import load_model, read_hf_state, write_hf_dir
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 CONFIGS = {
     # non-default fields: norm_topk_prob off, attention bias, a dense layer, odd sizes
     "odd_dense_bias": dict(vocab_size=97, hidden_size=37, intermediate_size=41, moe_intermediate_size=19,

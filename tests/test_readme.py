@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).parent.parent
 # appended to the README's `pithtrain train`: a smaller model and batch, a few steps (later flags win)
 TINY = ("--steps 3 --set model.num_hidden_layers=2 --set model.hidden_size=64 --set data.seq_len=32 "
@@ -44,6 +46,7 @@ python() {{ {sys.executable} "$@"; }}
     assert (tmp_path / "loss.png").is_file()
 
 
+@pytest.mark.fast
 def test_examples_name_commands_that_exist():
     makefile = (ROOT / "Makefile").read_text()
     commands = {"train", "tokenize", "convert", "eval", "plot"}
@@ -55,6 +58,7 @@ def test_examples_name_commands_that_exist():
             assert command in commands or command == "pithtrain", (path.name, f"pithtrain {command}")
 
 
+@pytest.mark.fast
 def test_make_clean_removes_only_what_make_made(tmp_path):
     made = [".venv/bin/python", "runs/quickstart/metrics.jsonl", "data/stdlib/eval.npy", "data/stdlib/meta.json"]
     mine = ["runs/mine/metrics.jsonl", "data/mine/meta.json", "data/stdlib_mine/meta.json"]

@@ -106,6 +106,7 @@ def _saved_bytes_per_token(mode):
     return sum(seen.values()) / ids.numel(), model.cfg
 
 
+@pytest.mark.fast
 def test_saved_activations_shrink_as_the_estimate_models():
     """Measured on the CPU (fp32, 4 bytes; the estimate counts bf16, 2): selective stops saving the
     SwiGLU output, top-k x I per token per MoE layer, exactly (the routing counts, 8 bytes per
@@ -124,6 +125,7 @@ def test_saved_activations_shrink_as_the_estimate_models():
     assert drop <= off - full <= 1.5 * drop, (off - full, drop)
 
 
+@pytest.mark.fast
 def test_estimate_knows_recompute():
     """estimate(): the activation term drops by the factor-scaled model drop per token, nothing
     else changes; at 8 GPUs full recompute is what lets the real depth fit (docs/performance.md)."""
@@ -155,6 +157,7 @@ def test_estimate_knows_recompute():
     assert totals["full"] <= 0.95 * 139 < totals["off"], totals
 
 
+@pytest.mark.fast
 def test_fp8_with_recompute_trains_like_fp8(tmp_path, dataset_dir):
     """FP8 (emulated): the recomputed stages quantize again with the cached weight layouts; losses
     and gradient norms (step 2's loss reads step 1's update) equal the run without recompute."""
@@ -172,6 +175,7 @@ def test_fp8_with_recompute_trains_like_fp8(tmp_path, dataset_dir):
                 assert b[key] == pytest.approx(a[key], rel=1e-6), (mode, key)
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("mode", ["off", "selective"])
 def test_selective_really_frees_the_activation(mode, monkeypatch):
     """Memory, not only the saved-tensor count: after the forward, the experts' SwiGLU outputs are

@@ -18,6 +18,8 @@ from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.loop import check_resume
 from pithtrain.train.metrics import read_metrics
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 
 def cli(*args) -> tuple[int, str, str]:
     """(exit code, stdout, stderr) of `pithtrain ARGS`."""

@@ -3,6 +3,7 @@ source or an unrelated directory, train --out takes only a new, empty or run dir
 per run directory, checkpoint checksums with fallback to the newest intact checkpoint, and what a
 killed run leaves behind. Signals, kill -9 and the launcher are in test_faults.py."""
 
+import pytest
 import json
 import os
 import socket
@@ -14,6 +15,8 @@ from cli_util import cli, one_line_error, write_config
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.metrics import read_metrics
 from pithtrain.train.rundir import RunLock
+
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 
 
 def files_of(path):

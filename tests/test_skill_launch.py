@@ -60,6 +60,7 @@ def test_preflight_fails_fast_on_impossible_mesh():
     assert seconds < 10, seconds
 
 
+@pytest.mark.fast
 def test_preflight_config_errors_start_nothing(monkeypatch, capsys):
     module = load_module()
     started = []
@@ -100,6 +101,7 @@ def _checks(rank, world, corrupt):
     return code, text.getvalue()
 
 
+@pytest.mark.fast
 def test_checks_detect_wrong_data():
     results = run_fn(4, _checks, False)
     assert [code for code, _ in results] == [0] * 4 and results[0][1].strip().endswith("PASS"), results[0][1]

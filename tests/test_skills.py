@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from cli_util import run_script
 from conftest import tiny_config
 
 SCRIPT = ".agents/skills/validate-correctness/compare_runs.py"
@@ -16,6 +17,7 @@ def write(path, losses):
                             for i, l in enumerate(losses)))
 
 
+@pytest.mark.fast
 def test_validate_correctness_script(tmp_path):
     write(tmp_path / "a.jsonl", [5.0, 4.5, 4.2])
     write(tmp_path / "b.jsonl", [5.0, 4.5 * (1 + 2e-6), 4.2])
@@ -28,6 +30,7 @@ def test_validate_correctness_script(tmp_path):
     assert differ.returncode == 1 and differ.stdout.strip().endswith("FAIL")
 
 
+@pytest.mark.fast
 def test_capture_profile_overlap_measure(tmp_path):
     # two NCCL kernels (10 + 10 us), compute kernels covering 5 us of the first and all of the second
     events = [
@@ -55,6 +58,7 @@ def test_capture_profile_overlap_measure(tmp_path):
     assert "all-to-all/p2p      0.02 ms,  75.0% overlapped" in kind.stdout, kind.stdout
 
 
+@pytest.mark.fast
 def test_capture_profile_names_what_the_host_did_while_the_gpu_idled(tmp_path):
     # kernels at 0-10 and 100-110 (a 90 us gap), 200-205 (a 90 us gap) on the main thread's host
     # calls: a sync inside a step annotation, then plain Python (no call open); another thread busy
@@ -93,6 +97,7 @@ def _profile_tool():
     return _load_script(".agents/skills/capture-profile/profile_step.py")
 
 
+@pytest.mark.fast
 def test_capture_profile_attributes_gpu_time_to_layer_stages():
     """Kernels are attributed through their launch (correlation id; a runtime or, as Triton
     launches, a driver call): inside a stage range -> that stage's forward; inside autograd's
@@ -130,6 +135,7 @@ def test_capture_profile_attributes_gpu_time_to_layer_stages():
                          ("stage 3 backward", "k4"): 400, ("optimizer", "k5"): 500, ("other", "k6"): 600}
 
 
+@pytest.mark.fast
 def test_capture_profile_stage_times_of_a_real_run(tmp_path, dataset_dir):
     """A one-process CPU run: every stage of the layer contract shows up, forward and backward."""
     import json as json_
@@ -161,6 +167,7 @@ def _estimator():
     return _load_script(".agents/skills/estimate-memory/estimate_memory.py")
 
 
+@pytest.mark.fast
 @pytest.mark.parametrize("pp, ep", [(1, 2), (2, 2), (2, 1)])
 def test_estimate_memory_counts_the_parameters_each_rank_really_holds(pp, ep, dataset_dir):
     """The static terms against a real build: DualPipeV chunks of each pipeline rank, this EP
@@ -224,10 +231,9 @@ def test_estimate_memory_matches_the_measured_h200_peaks_and_fails_clearly():
     ok = subprocess.run([sys.executable, script, "benchmarks/qwen3_width.py", "--set", "train.micro_batch_size=2",
                          "--set", "train.global_batch_size=8"], capture_output=True, text=True)
     assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("PASS: 61."), ok.stdout + ok.stderr
-    small = subprocess.run([sys.executable, script, "benchmarks/qwen3_width.py", "--gpu-mem", "40"], capture_output=True, text=True)
+    small = run_script(script, "benchmarks/qwen3_width.py", "--gpu-mem", "40")  # main() here: no second process
     assert small.returncode == 1 and "FAIL:" in small.stdout and "micro_batch_size" in small.stdout
-    bad = subprocess.run([sys.executable, script, "benchmarks/qwen3_width.py", "--nproc", "3", "--ep", "2"],
-                         capture_output=True, text=True)
+    bad = run_script(script, "benchmarks/qwen3_width.py", "--nproc", "3", "--ep", "2")
     assert bad.returncode == 1 and bad.stdout.startswith("FAIL:") and "ep" in bad.stdout, bad.stdout
 
 
@@ -269,11 +275,14 @@ def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):
     trained on it) are written and PASS; a wrong expected vocabulary and a truncated file FAIL."""
     script = ".agents/skills/setup-benchmark-inputs/make_inputs.py"
 
-    def make(*args):
-        return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True)
+    def make(*args, process=False):
+        """The script in a process of its own (process=True: its exit code as a command) or its main() here."""
+        if process:
+            return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True)
+        return run_script(script, *args)
 
     for family, vocab in (("qwen3", 151936), ("deepseek_v2", 102400), ("gpt_oss", 201088)):
-        out = make("random", "--family", family, "--tokens", 500, "--out", tmp_path / family)
+        out = make("random", "--family", family, "--tokens", 500, "--out", tmp_path / family, process=family == "qwen3")
         assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
         assert f"num_tokens=500, num_docs=1, vocab_size={vocab}" in out.stdout, out.stdout
     stdlib = make("stdlib", "--max-bytes", 50_000, "--vocab-size", 300, "--out", tmp_path / "stdlib")
@@ -288,7 +297,7 @@ def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):
     assert small.stdout.strip().endswith(f"FAIL: {tmp_path / 'qwen3'} is not a usable dataset"), small.stdout
     tokens = tmp_path / "gpt_oss" / "tokens.bin"
     tokens.write_bytes(tokens.read_bytes()[:-8])
-    cut = make("check", "--out", tmp_path / "gpt_oss")
+    cut = make("check", "--out", tmp_path / "gpt_oss", process=True)
     assert cut.returncode == 1 and "truncated" in cut.stdout and "FAIL" in cut.stdout.splitlines()[-1], cut.stdout
 
 
@@ -303,10 +312,13 @@ def test_track_experiments_checks_every_step_is_logged(tmp_path, dataset_dir):
     run = tmp_path / "run"
     train(tiny_config(dataset_dir, steps=3, tensorboard=True), run, echo=False)
 
-    def check(*args):
-        return subprocess.run([sys.executable, script, str(run), *args], capture_output=True, text=True)
+    def check(*args, process=False):
+        """The script in a process of its own (process=True: its exit code as a command) or its main() here."""
+        if process:
+            return subprocess.run([sys.executable, script, str(run), *args], capture_output=True, text=True)
+        return run_script(script, run, *args)
 
-    ok = check("--tensorboard")
+    ok = check("--tensorboard", process=True)
     assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS: steps 1..3 logged"), ok.stdout + ok.stderr
     assert "tensorboard: train/loss at 3 steps" in ok.stdout
     lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)

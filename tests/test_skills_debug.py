@@ -16,6 +16,7 @@ def run(script, *args):
     return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True)
 
 
+@pytest.mark.fast
 def test_norm_log_records_every_stage_forward_and_backward_of_the_chosen_steps(tmp_path, dataset_dir, monkeypatch):
     """PITHTRAIN_DEBUG_NORMS=2: only step 2; forward outputs of every layer's stages 1, 3, 5, the
     gradients reaching them, and parameter gradients whose norms make the step's logged grad norm
@@ -62,6 +63,7 @@ def test_debug_divergence_finds_the_first_bad_step_and_tensor_of_a_real_blow_up(
     assert "first tensor non-finite: embed_tokens (backward)" in again.stdout
 
 
+@pytest.mark.fast
 def test_debug_divergence_scan_names_a_loss_jump():
     sys.path.insert(0, ".agents/skills/_common")
     import runs
@@ -89,6 +91,7 @@ def test_debug_divergence_bisect_names_the_factor_that_changes_the_run(tmp_path,
     assert healthy.returncode == 0 and healthy.stdout.strip().splitlines()[-1].startswith("PASS: no step diverged")
 
 
+@pytest.mark.fast
 def test_debug_divergence_one_process_variant_of_a_mesh():
     """The mesh factor drops every mesh flag (and its value) and keeps the rest."""
     import argparse
@@ -131,6 +134,7 @@ def test_debug_memory_on_a_real_cpu_step(tmp_path, dataset_dir):
     assert bad.returncode == 1 and bad.stdout.startswith("FAIL:") and "ep" in bad.stdout, bad.stdout
 
 
+@pytest.mark.fast
 def test_debug_memory_replays_a_cuda_allocator_snapshot():
     """A synthetic allocator snapshot: one block (weights) live before the step, then the step's
     history: the peak and the blocks live there, attributed by their Python stacks."""
@@ -163,6 +167,7 @@ def test_debug_memory_replays_a_cuda_allocator_snapshot():
     assert tool.call_site(blocks[1][1], None) == "pithtrain/ops/grouped_gemm.py(31): grouped_mm"
 
 
+@pytest.mark.fast
 def test_debug_memory_places_a_compiled_stage_by_its_calling_line():
     """A compiled stage's allocations carry Inductor's frames, not the stage's: the calling line
     of protocol.run_layer (CUDA stacks give the current line of each frame) places them."""

@@ -44,6 +44,7 @@ def _nvtx_names_of_runs(rank, world, jobs):
     return out
 
 
+@pytest.mark.fast
 def test_nvtx_ranges_name_the_stages_collectives_and_optimizer(tmp_path, dataset_dir):
     """Under PITHTRAIN_NVTX=1, a two-rank expert-parallel run opens the ranges the analysis reads:
     the five stages, dispatch and combine (forward and backward), the optimizer; the overlapped
@@ -61,6 +62,7 @@ def test_nvtx_ranges_name_the_stages_collectives_and_optimizer(tmp_path, dataset
         assert plain_open == over_open == 0
 
 
+@pytest.mark.fast
 def test_nvtx_is_off_by_default_and_on_a_cpu_build():
     from pithtrain import protocol
 
@@ -68,6 +70,7 @@ def test_nvtx_is_off_by_default_and_on_a_cpu_build():
     assert isinstance(protocol.stage_range(1), contextlib.nullcontext)
 
 
+@pytest.mark.fast
 def test_profile_steps_window_is_checked_before_training(tmp_path, dataset_dir, monkeypatch):
     from pithtrain.config import UserError
     from pithtrain.train.loop import cuda_profiler_steps, train
@@ -139,6 +142,7 @@ def _nsys_sqlite(path, stage5=True):
     return path
 
 
+@pytest.mark.fast
 def test_analyze_nsys_profile_attributes_time_overlap_and_gaps(tmp_path):
     """Known figures: each kernel to the innermost range open at its launch on its thread
     (dispatch and combine inside stages 2 and 4, the wgrad range on the autograd thread); NCCL
@@ -165,6 +169,7 @@ def test_analyze_nsys_profile_attributes_time_overlap_and_gaps(tmp_path):
     assert "     0.50  pithtrain::stage3.wgrad" in idle, idle
 
 
+@pytest.mark.fast
 def test_analyze_nsys_profile_fails_clearly(tmp_path):
     """A stage without GPU time, an overlap under the bar, a capture without our ranges, no file."""
     def analyze(*args):
@@ -228,6 +233,7 @@ def test_capture_nsys_profile_runs_exports_and_analyses(tmp_path, dataset_dir):
     assert again.returncode == 1 and "exists" in again.stdout.splitlines()[-1]
 
 
+@pytest.mark.fast
 def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path):
     env = dict(os.environ, PATH=os.path.dirname(sys.executable))  # python, but no nsys
     out = subprocess.run([sys.executable, CAPTURE, "examples/qwen3_tiny.py", "--capture", "3:4", "--train-args", "--nproc 2 --ep 2"],
@@ -255,6 +261,7 @@ def _ncu_csv(path, kernels):
     return path
 
 
+@pytest.mark.fast
 def test_profile_kernel_roofline_of_an_ncu_csv(tmp_path):
     """A grouped GEMM: two kernels (units scaled and plain, thousands separators), 0.2 TFLOP in
     0.5 ms = 400 TFLOP/s, 150 MB of DRAM traffic: compute-bound at 51% of the measured 785;
@@ -298,6 +305,7 @@ def test_profile_kernel_roofline_of_an_ncu_csv(tmp_path):
     assert empty.returncode == 1 and "ncu measured no kernel" in empty.stdout
 
 
+@pytest.mark.fast
 def test_profile_kernel_driver_runs_each_op(tmp_path):
     """What ncu profiles, on the CPU paths at small shapes: each op runs, with its FLOPs and least bytes."""
     import argparse
@@ -320,12 +328,14 @@ def test_profile_kernel_driver_runs_each_op(tmp_path):
     assert json.loads(facts.read_text()) == {"flops": 0.0, "min_bytes": float(expect["permute"][1]), "dtype": "bf16"}
 
 
+@pytest.mark.fast
 def test_profile_kernel_without_ncu_says_where_it_is(tmp_path):
     env = dict(os.environ, PATH=os.path.dirname(sys.executable))
     out = subprocess.run([sys.executable, KERNEL, "grouped_mm"], capture_output=True, text=True, env=env)
     assert out.returncode == 1 and out.stdout.strip().startswith("FAIL: ncu is not on PATH"), out.stdout
 
 
+@pytest.mark.fast
 def test_profile_kernel_judges_a_runs_kernels_by_speed_of_light(tmp_path):
     """--train's report on an ncu CSV of a step's range: kernels grouped by name; a kernel with
     5% or more of the time under the bar FAILs, a short one does not."""
@@ -388,6 +398,7 @@ def test_profile_kernel_profiles_a_range_of_a_real_run(tmp_path, dataset_dir):
     assert steps == [1, 2]
 
 
+@pytest.mark.fast
 def test_timeline_overlap_matches_pairwise_sums():
     """The shared one-pass overlap against the sum over all pairs, on random disjoint span sets."""
     import random

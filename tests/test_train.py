@@ -34,6 +34,7 @@ def test_loss_falls_and_metrics_are_logged(tmp_path, dataset_dir):
     assert 0.9 < logged[0]["lb_loss"] < 4  # E * sum f P is 1 when balanced, at most E
 
 
+@pytest.mark.fast
 def test_accumulation_does_not_change_the_step(tmp_path, dataset_dir):
     # seq-wise balance loss is independent of how the batch is cut; micro-batch size must not matter
     runs = []
@@ -46,6 +47,7 @@ def test_accumulation_does_not_change_the_step(tmp_path, dataset_dir):
             assert a[key] == pytest.approx(b[key], rel=1e-5), key
 
 
+@pytest.mark.fast
 def test_resume_after_crash_is_bit_exact(tmp_path, dataset_dir):
     full = loop.train(tiny_config(dataset_dir, steps=6, checkpoint_every=2), tmp_path / "a", echo=False)
     run = tmp_path / "b"
@@ -67,6 +69,7 @@ def test_resume_after_crash_is_bit_exact(tmp_path, dataset_dir):
         assert torch.equal(x, y), n
 
 
+@pytest.mark.fast
 def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, dataset_dir, monkeypatch):
     loop.train(tiny_config(dataset_dir, steps=4, checkpoint_every=2), tmp_path, echo=False, stop_after=2)
     good = ckpt.list_checkpoints(tmp_path)
@@ -84,6 +87,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, dataset_dir, 
     assert [m["step"] for m in history] == [3, 4]
 
 
+@pytest.mark.fast
 def test_non_finite_loss_stops_with_a_clear_error(tmp_path, dataset_dir, monkeypatch):
     monkeypatch.setattr(loop, "cross_entropy_sum", lambda logits, labels: logits.sum() * float("nan"))
     with pytest.raises(FloatingPointError, match="non-finite loss"):
@@ -91,6 +95,7 @@ def test_non_finite_loss_stops_with_a_clear_error(tmp_path, dataset_dir, monkeyp
     assert ckpt.list_checkpoints(tmp_path) == []
 
 
+@pytest.mark.fast
 def test_lr_schedules():
     cos = OptimConfig(lr=1.0, min_lr_ratio=0.1, schedule="cosine", warmup_steps=4)
     assert [lr_at(s, cos, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
@@ -104,6 +109,7 @@ def test_lr_schedules():
     assert lr_at(10, OptimConfig(lr=0.5, schedule="constant"), 20) == 0.5
 
 
+@pytest.mark.fast
 def test_load_balance_losses_match_formulas():
     torch.manual_seed(0)
     b, s, e, k = 3, 10, 6, 2
@@ -133,16 +139,19 @@ def test_load_balance_losses_match_formulas():
     assert LoadBalance("global").layer_loss(routing, b, s).item() == pytest.approx(got.item(), rel=1e-12)
 
 
+@pytest.mark.fast
 def test_lb_coef_zero_disables_the_loss(tmp_path, dataset_dir):
     history = loop.train(tiny_config(dataset_dir, steps=1, lb_coef=0.0), tmp_path, echo=False)
     assert history[0]["lb_loss"] == 0.0
 
 
+@pytest.mark.fast
 def test_checkpoint_every_minus_one_writes_none(tmp_path, dataset_dir):
     history = loop.train(tiny_config(dataset_dir, steps=2, checkpoint_every=-1), tmp_path, echo=False)
     assert len(history) == 2 and ckpt.list_checkpoints(tmp_path) == []
 
 
+@pytest.mark.fast
 def test_grad_norm_and_clipping_against_float64():
     from pithtrain.parallel.fsdp import clip_grads, global_grad_norm
     from pithtrain.parallel.mesh import Mesh
@@ -162,6 +171,7 @@ def test_grad_norm_and_clipping_against_float64():
         torch.testing.assert_close(p.grad, b * (1.0 / (norm + 1e-6)))
 
 
+@pytest.mark.fast
 def test_rank_balance_of_expert_loads():
     loads = torch.randint(0, 50, (3, 8))  # 3 layers, 8 experts on ep = 4 ranks of 2
     busiest = sum(max(int(loads[l, 2 * r : 2 * r + 2].sum()) for r in range(4)) for l in range(3))
@@ -181,6 +191,7 @@ def _startup_line(rank, world, config, out):
     return [line for line in printed.getvalue().splitlines() if line.startswith("model ")]
 
 
+@pytest.mark.fast
 def test_startup_line_counts_the_whole_model_and_what_a_rank_holds(dataset_dir, tmp_path):
     from dist_util import run_fn
 
@@ -204,6 +215,7 @@ def direct_loss(cfg, run_dir, batch) -> float:
     return ce.item() / int((labels != -100).sum())
 
 
+@pytest.mark.fast
 def test_eval_on_held_out_samples_and_progress_lines(tmp_path, dataset_dir, capsys):
     cfg = tiny_config(dataset_dir, steps=5, eval_every=3, log_every=50)
     cfg.data.eval_samples = 8  # the last 8 windows of the dataset
@@ -225,6 +237,7 @@ def test_eval_on_held_out_samples_and_progress_lines(tmp_path, dataset_dir, caps
     assert began <= stamps[0] and stamps == sorted(stamps) and stamps[-1] <= ended
 
 
+@pytest.mark.fast
 def test_eval_on_an_eval_dataset_equals_the_direct_loss(tmp_path, dataset_dir):
     write_dataset(tmp_path / "eval", markov_docs(np.random.default_rng(3), 64, 12), vocab_size=64, eos_id=0)
     cfg = tiny_config(dataset_dir, steps=1, eval_every=1)
@@ -245,6 +258,7 @@ def test_eval_on_an_eval_dataset_equals_the_direct_loss(tmp_path, dataset_dir):
         BatchLoader(TokenDataset(dataset_dir), 32, 8, 5).global_batch(3)["input_ids"])
 
 
+@pytest.mark.fast
 def test_cpu_threads_share_the_cores(monkeypatch):
     before, cpu = torch.get_num_threads(), torch.device("cpu")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
@@ -265,6 +279,7 @@ def test_cpu_threads_share_the_cores(monkeypatch):
         torch.set_num_threads(before)
 
 
+@pytest.mark.fast
 def test_progress_line_durations_and_tensorboard_tags(tmp_path):
     m = {"step": 7, "loss": 2.0, "eval_loss": 2.5, "lb_loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 2e3,
          "step_time_s": 0.1, "peak_mem_bytes": 2**30}
