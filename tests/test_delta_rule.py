@@ -14,6 +14,8 @@ import torch.nn.functional as F
 
 from pithtrain.ops import delta_rule as dr
 
+pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
 F64 = torch.float64
 
 

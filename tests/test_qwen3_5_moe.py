@@ -61,6 +61,7 @@ def hf_grads(hf, ids, labels, dtype):
     return loss, out
 
 
+@pytest.mark.fast
 def test_logits_loss_and_gradients_match_transformers(hf_model):
     hf, hf_dir = hf_model
     model = load_model(hf_dir)
@@ -101,6 +102,7 @@ def test_logits_loss_and_gradients_match_transformers(hf_model):
         assert kind in kinds, kind
 
 
+@pytest.mark.fast
 def test_packed_documents_reset_state_and_conv(hf_model):
     _, hf_dir = hf_model
     model = load_model(hf_dir)
@@ -117,6 +119,7 @@ def test_packed_documents_reset_state_and_conv(hf_model):
         assert rel(staged[row:row + 1, lo:hi], alone) <= 1e-5, (row, lo, hi)
 
 
+@pytest.mark.fast
 def test_round_trip_export_loads_and_generates(hf_model, tmp_path):
     hf, hf_dir = hf_model
     model = load_model(hf_dir)
@@ -140,6 +143,7 @@ def test_round_trip_export_loads_and_generates(hf_model, tmp_path):
     assert Qwen3_5MoeConfig.from_hf(model.cfg.to_hf()) == model.cfg
 
 
+@pytest.mark.fast
 def test_multimodal_checkpoint_takes_the_language_model(hf_model, tmp_path, capsys):
     """A released-layout checkpoint: model_type qwen3_5_moe with a text_config, the language model under
     model.language_model., a vision tower and MTP weights beside it."""
@@ -160,6 +164,7 @@ def test_multimodal_checkpoint_takes_the_language_model(hf_model, tmp_path, caps
     assert config_from_hf(text) == model.cfg
 
 
+@pytest.mark.fast
 def test_real_config_is_the_example():
     """The released Qwen3.5-35B-A3B text_config gives the model of examples/qwen3_5_35b_a3b.py."""
     from pithtrain.config import load_run_config
@@ -178,6 +183,7 @@ def test_real_config_is_the_example():
     assert [cfg.layer_type(i) for i in range(8)] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
 
 
+@pytest.mark.fast
 def test_muon_takes_the_hybrid_matrices():
     """Muon: the matrices of both layer kinds, experts and shared expert; AdamW: the conv (a depthwise
     filter, not a matrix), the decay parameters, norms, the router and the shared expert's [1, H] gate."""
