@@ -66,6 +66,23 @@ def tiny_deepseek_config(data_path, **train) -> RunConfig:
     return cfg
 
 
+def tiny_deepseek_v3_config(data_path, **train) -> RunConfig:
+    """DeepSeek-V3 (DeepseekV3Config's switches): q-LoRA MLA, YaRN with mscale, a dense first layer,
+    grouped noaux_tc routing with the correction bias, a shared expert; four layers, so pp2 gets two each."""
+    from pithtrain.models.deepseek_v2 import DeepseekV3Config
+
+    cfg = tiny_config(data_path, **train)
+    cfg.model = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                                 num_hidden_layers=4, num_attention_heads=4, q_lora_rank=16, kv_lora_rank=16,
+                                 qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+                                 n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2,
+                                 topk_group=1, routed_scaling_factor=2.5, bias_update_speed=0.01,
+                                 rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                               "mscale": 1.0, "mscale_all_dim": 1.0},
+                                 max_position_embeddings=128, rope_theta=10000.0)
+    return cfg
+
+
 def tiny_gpt_oss_config(data_path, **train) -> RunConfig:
     """GPT-OSS with sinks, alternating sliding-window/full attention and clamped SwiGLU."""
     from pithtrain.models.gpt_oss import GptOssConfig

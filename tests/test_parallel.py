@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from conftest import tiny_config, tiny_deepseek_config, tiny_gpt_oss_config, tiny_qwen3_5_config
+from conftest import tiny_config, tiny_deepseek_config, tiny_deepseek_v3_config, tiny_gpt_oss_config, tiny_qwen3_5_config
 from dist_util import run_world
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.loop import train
@@ -69,6 +69,11 @@ def deep_config(dataset_dir, **train):
 def qwen3_5_deep(dataset_dir, **train):
     """The hybrid tiny model with one sample per micro-batch: 8 micro-batches a step for DualPipeV."""
     return tiny_qwen3_5_config(dataset_dir, **{**train, "micro_batch_size": 1})
+
+
+def v3_deep(dataset_dir, **train):
+    """The tiny DeepSeek-V3 with one sample per micro-batch: 8 micro-batches a step for DualPipeV."""
+    return tiny_deepseek_v3_config(dataset_dir, **{**train, "micro_batch_size": 1})
 
 
 def mesh_groups(d):
@@ -134,6 +139,13 @@ def mesh_groups(d):
                  (mesh_config(d, cp=2, ep=2, steps=3, family=tiny_qwen3_5_config, packed=True), "q35_cp2ep2_packed", {})]),
             (2, [(mesh_config(d, ep=2, steps=3, family=tiny_qwen3_5_config), "q35_ep2", {})]),
         ],
+        # DeepSeek-V3 (grouped noaux_tc routing, its correction bias, q-LoRA MLA with YaRN) on every kind of mesh
+        "deepseek_v3": [
+            (4, [(mesh_config(d, ep=2, steps=3, family=tiny_deepseek_v3_config), "v3_dp2ep2", {}),
+                 (mesh_config(d, pp=2, ep=2, steps=3, family=v3_deep), "v3_pp2ep2", {}),
+                 (mesh_config(d, cp=2, ep=2, steps=3, family=tiny_deepseek_v3_config), "v3_cp2ep2", {})]),
+            (2, [(mesh_config(d, ep=2, steps=3, family=tiny_deepseek_v3_config), "v3_ep2", {})]),
+        ],
         # one run resharded: ep4 -> dp2 x ep2 -> ep2 -> one process, two steps on each
         "chain": [
             (4, [(mesh_config(d, ep=4, steps=8, checkpoint_every=2), "chain", {"stop_after": 2}),
@@ -160,6 +172,8 @@ def references(d):
         "fp8_deep_ref": fp8(mesh_config(d, steps=3, family=deep_config)),
         "muon_ref": muon(mesh_config(d, steps=3)),
         "muon_deep_ref": muon(mesh_config(d, steps=3, family=deep_config)),
+        "v3_ref": mesh_config(d, steps=3, family=tiny_deepseek_v3_config),
+        "v3_deep_ref": mesh_config(d, steps=3, family=v3_deep),
         "q35_ref": mesh_config(d, steps=3, family=tiny_qwen3_5_config),
         "q35_deep_ref": mesh_config(d, steps=3, family=qwen3_5_deep),
         "q35_packed_ref": mesh_config(d, steps=3, family=tiny_qwen3_5_config, packed=True),
@@ -253,6 +267,29 @@ def test_pipeline_other_families_and_aux_free_bias_do_not_depend_on_the_mesh(run
     for key in ref_w:
         assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), (name, key)
     for key in biases:  # updated from integer loads summed over ranks and micro-batches: exact
+        assert torch.equal(got_w[key], ref_w[key]), (name, key)
+
+
+V3_MESHES = [*[("v3_ref", name) for name in ["v3_ep2", "v3_dp2ep2", "v3_cp2ep2"]], ("v3_deep_ref", "v3_pp2ep2")]
+
+
+@pytest.mark.parametrize("ref, name", V3_MESHES, ids=[case[1] for case in V3_MESHES])
+def test_deepseek_v3_does_not_depend_on_the_mesh(runs, dataset_dir, ref, name):
+    """DeepSeek-V3 on ep2, dp2 x ep2, pp2 x ep2 and cp2 x ep2 equals one process: loss per step within
+    1e-6, weights as the other families', the correction biases (moved by the aux-free rule) exactly."""
+    family = tiny_deepseek_v3_config
+    ref_w = final_weights(runs.ref_dir(ref), dataset_dir, family)
+    biases = [k for k in ref_w if k.endswith("e_score_correction_bias")]
+    assert len(biases) == 3 and all(ref_w[k].abs().sum() > 0 for k in biases)
+    reference, metrics = runs.ref(ref), runs.metrics(name)
+    assert [m["step"] for m in metrics] == [m["step"] for m in reference]
+    for a, b in zip(reference, metrics):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
+    assert_same_curve(reference, metrics)
+    got_w = final_weights(runs.dir(name), dataset_dir, family)
+    for key in ref_w:
+        assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), (name, key)
+    for key in biases:
         assert torch.equal(got_w[key], ref_w[key]), (name, key)
 
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 def families() -> tuple[type, ...]:
     """The config class of every model family, in the order `train --help` lists them."""
-    from pithtrain.models.deepseek_v2 import DeepseekV2Config
+    from pithtrain.models.deepseek_v2 import DeepseekV2Config, DeepseekV3Config
     from pithtrain.models.gpt_oss import GptOssConfig
     from pithtrain.models.qwen3_5_moe import Qwen3_5MoeConfig
     from pithtrain.models.qwen3_moe import Qwen3MoeConfig
 
-    return (Qwen3MoeConfig, DeepseekV2Config, GptOssConfig, Qwen3_5MoeConfig)
+    return (Qwen3MoeConfig, DeepseekV2Config, DeepseekV3Config, GptOssConfig, Qwen3_5MoeConfig)
 
 
 def config_from_hf(hf: dict):
@@ -26,6 +26,10 @@ def config_from_hf(hf: dict):
         from pithtrain.models.deepseek_v2 import DeepseekV2Config
 
         return DeepseekV2Config.from_hf(hf)
+    elif model_type in ("deepseek_v3", "kimi_k2", "kimi_k25"):  # kimi_k25: its text_config
+        from pithtrain.models.deepseek_v2 import DeepseekV3Config
+
+        return DeepseekV3Config.from_hf(hf)
     elif model_type == "gpt_oss":
         from pithtrain.models.gpt_oss import GptOssConfig
 
@@ -34,5 +38,6 @@ def config_from_hf(hf: dict):
         from pithtrain.models.qwen3_5_moe import Qwen3_5MoeConfig
 
         return Qwen3_5MoeConfig.from_hf(hf)
-    raise ValueError(f"model_type {model_type!r} is not supported; supported: qwen3_moe, deepseek_v2, gpt_oss, "
+    raise ValueError(f"model_type {model_type!r} is not supported; supported: qwen3_moe, deepseek_v2, "
+                     f"deepseek_v3, kimi_k2, kimi_k25, gpt_oss, "
                      f"qwen3_5_moe_text, qwen3_5_moe")

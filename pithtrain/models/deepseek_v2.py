@@ -22,6 +22,7 @@ RoPE, a loop over experts) used as the oracle in tests.
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar, NamedTuple
 
@@ -199,6 +200,67 @@ class DeepseekV2Config:
         return DeepseekV2Model(self, layer_ids, embed, head)
 
 
+@dataclass
+class DeepseekV3Config(DeepseekV2Config):
+    """DeepSeek-V3 (and Kimi K2, Moonlight): the same model as V2 with the V3 switches on (sigmoid
+    scores, `noaux_tc` selection with its correction bias), HF's deepseek_v3 defaults, and its own
+    HF schema and model_type for import and export. `rope_interleave=False`: the rope dims are in
+    rotate-half layout already (HF's option). Multi-token prediction is not built: a checkpoint's MTP
+    layers (past num_hidden_layers) are ignored on load, and the export says num_nextn_predict_layers=0."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 128
+    q_lora_rank: int | None = 1536
+    n_routed_experts: int = 256
+    n_shared_experts: int | None = 1
+    num_experts_per_tok: int = 8
+    first_k_dense_replace: int = 3
+    topk_method: str = "noaux_tc"
+    n_group: int | None = 8
+    topk_group: int | None = 4
+    scoring_func: str = "sigmoid"
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 2.5
+    max_position_embeddings: int = 4096
+    bos_token_id: int | None = 0
+    eos_token_id: int | None = 1
+    rope_interleave: bool = True  # rope dims in adjacent pairs (DeepSeek's layout); False: rotate-half halves
+
+    model_type: ClassVar[str] = "deepseek_v3"
+
+    def validate(self) -> None:
+        super().validate()
+        if self.topk_method != "noaux_tc" or self.scoring_func != "sigmoid":
+            raise ConfigError(f"model.topk_method={self.topk_method!r}, scoring_func={self.scoring_func!r}: deepseek_v3 "
+                              f"routes with noaux_tc and sigmoid; use DeepseekV2Config (deepseek_v2) for other routing")
+        if self.moe_layer_freq != 1:
+            raise ConfigError(f"model.moe_layer_freq={self.moe_layer_freq}: deepseek_v3 makes every layer from "
+                              f"first_k_dense_replace on MoE; set it to 1")
+
+    @classmethod
+    def from_hf(cls, hf: dict) -> "DeepseekV3Config":
+        if hf.get("model_type") == "kimi_k25":  # Kimi K2.5: a multimodal config around a deepseek_v3 text model
+            if not isinstance(hf.get("text_config"), dict):
+                raise ConfigError("model_type 'kimi_k25' without a text_config: not a Kimi K2.5 checkpoint's config.json")
+            print("kimi_k25: a multimodal checkpoint; its language model (text_config) is used, the vision tower "
+                  "is left out", file=sys.stderr)
+            hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
+        if hf.get("quantization_config"):
+            raise ConfigError(f"{hf.get('model_type')}: quantization_config {hf['quantization_config'].get('quant_method')!r}: "
+                              f"quantized checkpoints are not read; dequantize to bf16 first and drop quantization_config")
+        return super().from_hf(hf)
+
+    def to_hf(self) -> dict:
+        """HF deepseek_v3 config.json (what DeepseekV3ForCausalLM reads; a kimi_k2 import exports as this too)."""
+        out = super().to_hf()
+        out.update(architectures=["DeepseekV3ForCausalLM"], num_nextn_predict_layers=0)
+        return out
+
+
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -274,6 +336,7 @@ class Attention(nn.Module):
         self.heads, self.v_dim = cfg.num_attention_heads, cfg.v_head_dim
         self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.kv_lora_rank, self.q_lora_rank, self.scale = cfg.kv_lora_rank, cfg.q_lora_rank, softmax_scale
+        self.interleaved = getattr(cfg, "rope_interleave", True)  # a deepseek_v3 field; V2 always interleaves
         hidden, bias, q_out = cfg.hidden_size, cfg.attention_bias, self.heads * cfg.qk_head_dim
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(hidden, q_out, bias=False)
@@ -298,8 +361,10 @@ class Attention(nn.Module):
         q = self.project_q(x).view(b, s, self.heads, self.nope + self.rope).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
-        q = torch.cat([q_nope, apply_rope(deinterleave(q_rope), cos, sin)], dim=-1)
-        k_rope = apply_rope(deinterleave(k_rope).unsqueeze(1), cos, sin)
+        if self.interleaved:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
+        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin)
         return q, self.kv_a_layernorm(latent), k_rope
 
     def expand_kv(self, latent, k_rope, kv_b_weight):
@@ -496,6 +561,8 @@ class DeepseekV2Model(nn.Module):
 
         def rotate(t):  # t: [B, h, S, rope], pairs (t0, t1), (t2, t3), ... are complex numbers
             wide = t.to(torch.promote_types(t.dtype, torch.float32))
+            if not getattr(cfg, "rope_interleave", True):  # halves: pairs (t0, t_d/2), ...; made adjacent
+                wide = wide.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
             pairs = torch.view_as_complex(wide.unflatten(-1, (-1, 2)).contiguous())
             return torch.view_as_real(pairs * rotation).flatten(-2).to(t.dtype)
 
@@ -588,6 +655,10 @@ class DeepseekV2Model(nn.Module):
                 ex.down[e].copy_(take(f"{pre}.down_proj.weight", (hidden, inter)).T)
         own_layers = tuple(f"model.layers.{lid}." for lid in self.layers)
         ignored = {k for k in hf if k.startswith("model.layers.") and not k.startswith(own_layers)}
+        past = {k.split(".")[2] for k in ignored if int(k.split(".")[2]) >= self.cfg.num_hidden_layers}
+        if past:  # DeepSeek-V3's multi-token prediction layers sit past the last decoder layer
+            print(f"{self.cfg.model_type}: weights of layer(s) {', '.join(sorted(past, key=int))} (past num_hidden_layers="
+                  f"{self.cfg.num_hidden_layers}: multi-token prediction) are ignored; MTP is not built", file=sys.stderr)
         if self.lm_head is None and "lm_head.weight" in hf:
             ignored.add("lm_head.weight")  # tied: HF may store a copy
         extra = set(hf) - used - ignored
