@@ -70,6 +70,7 @@ def test_run_file_and_cli_errors(tmp_path, capsys):
 def test_example_configs_validate():
     expected = {"examples/qwen3_tiny.py": "qwen3_moe", "examples/qwen3_30b_a3b.py": "qwen3_moe",
                 "examples/deepseek_v2_tiny.py": "deepseek_v2", "examples/deepseek_v2_lite.py": "deepseek_v2",
+                "examples/moonlight_16b_a3b.py": "deepseek_v3", "examples/deepseek_v3_671b.py": "deepseek_v3",
                 "examples/gpt_oss_tiny.py": "gpt_oss", "examples/gpt_oss_20b.py": "gpt_oss"}
     for path, model_type in expected.items():
         config = load_run_config(path)

@@ -73,6 +73,9 @@ CASES = [  # (id, command line, what the one line must name)
     ("positions-zero", "train {cfg} --set model.max_position_embeddings=0", "model.max_position_embeddings"),
     ("deepseek-expert-size", "train {deepseek} --set model.moe_intermediate_size=0", "model.moe_intermediate_size"),
     ("deepseek-rope-theta", "train {deepseek} --set model.rope_theta=-1", "model.rope_theta"),
+    ("deepseek-v3-topk-group", "train {deepseek_v3} --set model.topk_group=9", "model.topk_group"),
+    ("deepseek-v3-routing", "train {deepseek_v3} --set model.scoring_func=softmax", "model.scoring_func"),
+    ("kimi-k25-no-text-config", "eval {hf_kimi_k25} --tokens {tokens}", "text_config"),
     ("gpt-oss-eps", "train {gpt_oss} --set model.rms_norm_eps=0", "model.rms_norm_eps"),
     ("gpt-oss-experts", "train {gpt_oss} --set model.num_local_experts=0", "model.num_local_experts"),
     ("qwen3-5-layer-types", "train {qwen3_5} --set model.layer_types=" + json.dumps(["linear_attention"] * 3 + ["mamba"], separators=(",", ":")),
@@ -192,7 +195,8 @@ def make_env(tmp: Path) -> dict:
     from pithtrain.train.data import write_dataset
 
     env = {"tmp": tmp, "deepseek": ROOT / "examples/deepseek_v2_tiny.py", "gpt_oss": ROOT / "examples/gpt_oss_tiny.py",
-           "qwen3_5": ROOT / "examples/qwen3_5_tiny.py"}
+           "qwen3_5": ROOT / "examples/qwen3_5_tiny.py",
+           "deepseek_v3": ROOT / "examples/deepseek_v3_671b.py"}
     data = env["data"] = tmp / "data"
     write_dataset(data, markov_docs(np.random.default_rng(0), 64, 60), vocab_size=64, eos_id=0)
     env["cfg"] = write_run_file(tmp / "tiny.py", data)
@@ -238,6 +242,7 @@ def make_env(tmp: Path) -> dict:
     # a multimodal Qwen3.5-MoE config.json (text_config + vision_config) labelled as the text model
     (copy(hf, "hf_mm_as_text") / "config.json").write_text(json.dumps(
         {"model_type": "qwen3_5_moe_text", "text_config": {"hidden_size": 32}, "vision_config": {"depth": 2}}))
+    (copy(hf, "hf_kimi_k25") / "config.json").write_text(json.dumps({"model_type": "kimi_k25"}))  # no text_config
     (copy(hf, "hf_llama") / "config.json").write_text(json.dumps(dict(hf_config, model_type="llama")))
     state = load_file(str(hf / "model.safetensors"))
     save_file(dict(state, **{"model.norm.weight": torch.ones(1)}), str(copy(hf, "hf_shape") / "model.safetensors"))

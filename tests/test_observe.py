@@ -36,7 +36,7 @@ def test_help_lists_every_field_with_type_default_and_meaning(capsys):
             default = f.default_factory() if f.default is dataclasses.MISSING else f.default  # optim.muon_exclude: a list
             assert f"= {default!r}" in line and meaning[f.name][:30] in out, line
     assert "train.fp8: str = 'off'" in out and "compute capability 8.9+" in out  # a comment block above the field
-    for family in ("qwen3_moe (Qwen3MoeConfig)", "deepseek_v2 (DeepseekV2Config)", "gpt_oss (GptOssConfig)",
+    for family in ("qwen3_moe (Qwen3MoeConfig)", "deepseek_v2 (DeepseekV2Config)", "deepseek_v3 (DeepseekV3Config)", "gpt_oss (GptOssConfig)",
                    "qwen3_5_moe_text (Qwen3_5MoeConfig)"):
         assert family in out
 

@@ -234,9 +234,10 @@ class DeepseekV3Config(DeepseekV2Config):
 
     def validate(self) -> None:
         super().validate()
-        if self.topk_method != "noaux_tc" or self.scoring_func != "sigmoid":
-            raise ConfigError(f"model.topk_method={self.topk_method!r}, scoring_func={self.scoring_func!r}: deepseek_v3 "
-                              f"routes with noaux_tc and sigmoid; use DeepseekV2Config (deepseek_v2) for other routing")
+        for name, value in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
+            if getattr(self, name) != value:
+                raise ConfigError(f"model.{name}={getattr(self, name)!r}: deepseek_v3 routes with {name}={value!r} "
+                                  f"(what HF's DeepseekV3 does); use DeepseekV2Config (deepseek_v2) for other routing")
         if self.moe_layer_freq != 1:
             raise ConfigError(f"model.moe_layer_freq={self.moe_layer_freq}: deepseek_v3 makes every layer from "
                               f"first_k_dense_replace on MoE; set it to 1")

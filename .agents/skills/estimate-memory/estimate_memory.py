@@ -52,7 +52,7 @@ def layer_activation_bytes(cfg, layer_id: int, seq: int, recompute: str = "off")
     1 (norms, attention, shared experts or dense MLP, router) and 3 (experts) only their inputs."""
     h = cfg.hidden_size
     heads = cfg.num_attention_heads
-    if cfg.model_type == "deepseek_v2":
+    if cfg.model_type in ("deepseek_v2", "deepseek_v3"):  # MLA
         q = k = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         v = o = heads * cfg.v_head_dim
     else:
