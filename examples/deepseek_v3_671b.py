@@ -9,9 +9,10 @@ it; it could not be fetched when this file was written). Its multi-token-predict
 released weights are FP8 block-quantized (quantization_config): dequantize them to bf16 first.
 
 For memory planning (`estimate-memory`) and the multi-node docs: 64 GPUs at ep64 estimate 620 GiB per GPU
-(FAIL); 512 H200s at pp16 x ep32 with full recomputation estimate 116 GiB (PASS):
+(FAIL); 64 nodes of 8 H200s at pp16 x dp4 x ep8 (each EP group inside a node) with full recomputation
+estimate 125 GiB (PASS):
     python .agents/skills/estimate-memory/estimate_memory.py examples/deepseek_v3_671b.py --nproc 512 --pp 16 \
-        --ep 32 --set train.recompute=full
+        --ep 8 --set train.recompute=full
 """
 
 from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
