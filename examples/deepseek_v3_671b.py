@@ -3,8 +3,9 @@ hidden 7168, MLA with q-LoRA (q_lora_rank 1536, kv_lora_rank 512), 128 heads, 25
 1 shared, sigmoid noaux_tc routing over 8 groups keeping 4 with routed_scaling_factor 2.5, YaRN (factor 40
 over 4096 positions, mscale = mscale_all_dim = 1.0).
 
-The fields are those of the published config.json of deepseek-ai/DeepSeek-V3 (written here from memory of
-it; it could not be fetched when this file was written). Its multi-token-prediction module
+The fields are those of the published config.json of deepseek-ai/DeepSeek-V3 (the layer, width, MLA and
+expert sizes checked on 2026-12-02 against a public configuration of it; the routing groups, YaRN and
+vocabulary as published, not re-checked). Its multi-token-prediction module
 (num_nextn_predict_layers=1) is not built: the released checkpoint's layer 61 is ignored on load. The
 released weights are FP8 block-quantized (quantization_config): dequantize them to bf16 first.
 

@@ -2,10 +2,10 @@
 with 27 layers, hidden 2048, MLA without q-LoRA (kv_lora_rank 512), 64 routed experts top-6 plus 2 shared,
 the first layer dense, sigmoid noaux_tc routing (one group) with routed_scaling_factor 2.446, plain RoPE.
 
-The fields are those of the published config.json of moonshotai/Moonlight-16B-A3B, written here from
-memory of it (it could not be fetched when this file was written); the ones least certain are
-rms_norm_eps (1e-5), bos/eos_token_id (163584/163585) and max_position_embeddings (8192). With the
-checkpoint at hand, `pithtrain convert` reads its config.json and needs none of this file.
+The fields are those of the published config.json of moonshotai/Moonlight-16B-A3B (checked on
+2026-12-02 against a public copy of it: every architecture field, rms_norm_eps 1e-5, bos/eos 163584/163586,
+max_position_embeddings 8192). With the checkpoint at hand, `pithtrain convert` reads its config.json
+and needs none of this file.
 
 Run on GPUs (about 16B parameters in all, 3B active per token); 8 H200s at ep8 fit with data.seq_len=4096
 (estimate-memory: 91 GiB per GPU), not at 8192 (135 GiB):
@@ -47,7 +47,7 @@ CONFIG = RunConfig(
         max_position_embeddings=8192,
         tie_word_embeddings=False,
         bos_token_id=163584,
-        eos_token_id=163585,
+        eos_token_id=163586,
     ),
     data=DataConfig(path="data/corpus", seq_len=4096),
     optim=OptimConfig(lr=3e-4, min_lr_ratio=0.1, schedule="cosine", warmup_steps=2000, weight_decay=0.1, grad_clip=1.0),
