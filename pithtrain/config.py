@@ -155,7 +155,7 @@ def _default(f: dataclasses.Field) -> Any:
 
 def config_help(families: tuple[type, ...]) -> str:
     """Every run config field with its type, default and meaning (`pithtrain train --help`); the model
-    families' fields (`families`: their config classes, models.FAMILIES) by name and default."""
+    families' fields (`families`: their config classes, models.families()) by name and default."""
     out = ["config fields (set in the run file or with --set SECTION.FIELD=VALUE):"]
     for section, cls in SECTIONS:
         hints, meaning = typing.get_type_hints(cls), field_help(cls)

@@ -221,6 +221,68 @@ def hf_tensor(hf: dict, key: str, shape, used: set) -> torch.Tensor:
     return hf[key]
 
 
+def hf_state(model) -> dict[str, torch.Tensor]:
+    """HF tensors of a family whose parameter names are HF's under `model.` (the head `lm_head.weight`)
+    and whose MoE layers stack SwiGLU experts in `mlp.experts` (gate_up [E, H, 2I], gate then up; down
+    [E, I, H]): those as HF saves them, per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`)."""
+    out = {name if name == "lm_head.weight" else f"model.{name}": t
+           for name, t in model.state_dict().items() if ".mlp.experts." not in name}
+    for lid, layer in model.layers.items():
+        ex = getattr(layer.mlp, "experts", None)  # None: a dense-MLP layer
+        if ex is None:
+            continue
+        inter = ex.down.shape[1]
+        for e in range(ex.gate_up.shape[0]):
+            pre = f"model.layers.{lid}.mlp.experts.{e}"
+            out[f"{pre}.gate_proj.weight"] = ex.gate_up[e, :, :inter].T.contiguous()
+            out[f"{pre}.up_proj.weight"] = ex.gate_up[e, :, inter:].T.contiguous()
+            out[f"{pre}.down_proj.weight"] = ex.down[e].T.contiguous()
+    return out
+
+
+@torch.no_grad()
+def load_hf_state(model, hf: dict[str, torch.Tensor]) -> set[str]:
+    """The inverse of `hf_state`: copies HF tensors into `model` (experts per expert as saved, or HF's fused
+    in-memory layout gate_up_proj [E, 2I, H], down_proj [E, H, I]), each shape-checked (`hf_tensor`).
+    Keys of layers this model (a pipeline chunk) does not hold are ignored and returned; any other key
+    left over raises, naming it."""
+    used = set()
+
+    def take(key, shape):
+        return hf_tensor(hf, key, shape, used)
+
+    for name, t in model.state_dict().items():
+        if ".mlp.experts." not in name:
+            t.copy_(take("lm_head.weight" if name == "lm_head.weight" else f"model.{name}", t.shape))
+    for lid, layer in model.layers.items():
+        ex = getattr(layer.mlp, "experts", None)
+        if ex is None:
+            continue
+        n, hidden, inter = ex.down.shape[0], ex.down.shape[2], ex.down.shape[1]
+        fused = f"model.layers.{lid}.mlp.experts.gate_up_proj"
+        for e in range(n):
+            if fused in hf:
+                ex.gate_up[e].copy_(take(fused, (n, 2 * inter, hidden))[e].T)
+                ex.down[e].copy_(take(f"model.layers.{lid}.mlp.experts.down_proj", (n, hidden, inter))[e].T)
+                continue
+            pre = f"model.layers.{lid}.mlp.experts.{e}"
+            gate, up = take(f"{pre}.gate_proj.weight", (inter, hidden)), take(f"{pre}.up_proj.weight", (inter, hidden))
+            ex.gate_up[e].copy_(torch.cat([gate.T, up.T], 1))
+            ex.down[e].copy_(take(f"{pre}.down_proj.weight", (hidden, inter)).T)
+    own_layers = tuple(f"model.layers.{lid}." for lid in model.layers)
+    other_layers = {k for k in hf if k.startswith("model.layers.") and not k.startswith(own_layers)}
+    extra = set(hf) - used - other_layers
+    if model.lm_head is None:
+        extra.discard("lm_head.weight")  # tied: HF may store a copy
+    if model.embed_tokens is None:
+        extra.discard("model.embed_tokens.weight")
+    if model.norm is None:
+        extra -= {"model.norm.weight", "lm_head.weight"}
+    if extra:
+        raise UserError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}; does config.json match the weights?")
+    return other_layers
+
+
 @torch.no_grad()
 def init_by_name(model: torch.nn.Module, seed: int, std: float) -> None:
     """Normal(0, std) for matrices (and any other parameter), ones for norm weights, zeros for

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.config import ConfigError, UserError, check_positive
-from pithtrain.protocol import RoutingInfo, Stage1Out, hf_tensor, init_by_name, run_layer
+from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.ops.core import attention, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
 from pithtrain.ops.delta_rule import causal_conv1d, doc_cu_seqlens, gated_delta_rule, gated_delta_rule_recurrent, l2norm
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
@@ -489,22 +489,8 @@ class Qwen3_5MoeModel(nn.Module):
     # ---- Hugging Face conversion (this model's names <-> HF's per-expert names) ----
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, t in self.state_dict().items():
-            if ".mlp.experts." in name:
-                continue
-            out["lm_head.weight" if name == "lm_head.weight" else f"model.{name}"] = t
-        inter = self.cfg.moe_intermediate_size
-        for lid, layer in self.layers.items():
-            ex = layer.mlp.experts
-            for e in range(ex.gate_up.shape[0]):
-                pre = f"model.layers.{lid}.mlp.experts.{e}"
-                out[f"{pre}.gate_proj.weight"] = ex.gate_up[e, :, :inter].T.contiguous()
-                out[f"{pre}.up_proj.weight"] = ex.gate_up[e, :, inter:].T.contiguous()
-                out[f"{pre}.down_proj.weight"] = ex.down[e].T.contiguous()
-        return out
+        return hf_state(self)
 
-    @torch.no_grad()
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
         """Load HF tensors (per-expert or fused expert layout; a multimodal checkpoint's language model
         under `model.language_model.`, its vision tower and MTP weights ignored); raises naming any
@@ -512,36 +498,4 @@ class Qwen3_5MoeModel(nn.Module):
         if any(k.startswith("model.language_model.") for k in hf):
             hf = {k.replace("model.language_model.", "model.", 1): v for k, v in hf.items()
                   if not k.startswith(("model.visual.", "mtp."))}
-        used = set()
-
-        def take(key, shape):
-            return hf_tensor(hf, key, shape, used)
-
-        for name, t in self.state_dict().items():
-            if ".mlp.experts." in name:
-                continue
-            t.copy_(take("lm_head.weight" if name == "lm_head.weight" else f"model.{name}", t.shape))
-        for lid, layer in self.layers.items():
-            ex = layer.mlp.experts
-            n, hidden, inter = ex.down.shape[0], ex.down.shape[2], ex.down.shape[1]
-            fused = f"model.layers.{lid}.mlp.experts.gate_up_proj"
-            for e in range(n):
-                if fused in hf:  # HF's in-memory layout [E, 2I, H]
-                    ex.gate_up[e].copy_(take(fused, (n, 2 * inter, hidden))[e].T)
-                    ex.down[e].copy_(take(f"model.layers.{lid}.mlp.experts.down_proj", (n, hidden, inter))[e].T)
-                    continue
-                pre = f"model.layers.{lid}.mlp.experts.{e}"
-                gate, up = take(f"{pre}.gate_proj.weight", (inter, hidden)), take(f"{pre}.up_proj.weight", (inter, hidden))
-                ex.gate_up[e].copy_(torch.cat([gate.T, up.T], 1))
-                ex.down[e].copy_(take(f"{pre}.down_proj.weight", (hidden, inter)).T)
-        own_layers = {f"model.layers.{lid}." for lid in self.layers}
-        ignored = {k for k in hf if k.startswith("model.layers.") and not any(k.startswith(p) for p in own_layers)}
-        if self.lm_head is None and "lm_head.weight" in hf:
-            ignored.add("lm_head.weight")  # tied: HF may store a copy
-        extra = set(hf) - used - ignored
-        if self.embed_tokens is None:
-            extra.discard("model.embed_tokens.weight")
-        if self.norm is None:
-            extra -= {"model.norm.weight", "lm_head.weight"}
-        if extra:
-            raise UserError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}; does config.json match the weights?")
+        load_hf_state(self, hf)
