@@ -75,7 +75,10 @@ def family_config(family: str, layers: int):
 
 
 def flops_per_token(cfg, seq: int) -> float:
-    """6 x active non-embedding parameters (routed experts counted k/E) + causal attention."""
+    """6 x active non-embedding parameters (routed experts counted k/E) + causal attention (+ the gated
+    delta rule's chunked FLOPs for Qwen3.5's linear layers)."""
+    from pithtrain.ops.delta_rule import chunked_flops
+
     with torch.device("meta"):
         model = cfg.build_model()
     active = 0.0
@@ -92,10 +95,7 @@ def flops_per_token(cfg, seq: int) -> float:
     attn = 0.0
     for i in range(cfg.num_hidden_layers):
         if cfg.model_type == "qwen3_5_moe_text" and cfg.layer_type(i) == "linear_attention":
-            from pithtrain.ops.delta_rule import chunked_flops
-
-            heads_v = cfg.linear_num_value_heads
-            attn += chunked_flops(1, seq, heads_v, cfg.linear_key_head_dim, cfg.linear_value_head_dim) / seq
+            attn += chunked_flops(1, seq, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim) / seq
             continue
         sliding = cfg.model_type == "gpt_oss" and cfg.layer_type(i) == "sliding_attention"
         ctx = min(cfg.sliding_window, seq / 2) if sliding else seq / 2  # mean keys seen per query

@@ -110,6 +110,32 @@ def tiny_qwen3_5_config(data_path, **train) -> RunConfig:
     return cfg
 
 
+def hf_grads(hf, ids, labels, dtype=torch.float64):
+    """(loss, gradients) of the mean next-token cross-entropy of a copy of HF model `hf` in `dtype`, the
+    gradients under the keys HF saves (its fused in-memory experts split per expert)."""
+    model = type(hf)(hf.config).to(dtype)
+    model.load_state_dict(hf.state_dict())
+    loss = torch.nn.functional.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten())
+    loss.backward()
+    return loss, per_expert_grads(model)
+
+
+def per_expert_grads(model) -> dict:
+    """The .grad of every parameter of an HF model under the keys it saves: fused `experts.gate_up_proj`
+    [E, 2I, H] and `experts.down_proj` [E, H, I] split into experts.{e}.gate_proj/up_proj/down_proj.weight."""
+    out = {}
+    for n, p in model.named_parameters():
+        if n.endswith("experts.gate_up_proj"):
+            for e, g in enumerate(p.grad):
+                out[f"{n[:-12]}{e}.gate_proj.weight"], out[f"{n[:-12]}{e}.up_proj.weight"] = g.chunk(2, 0)
+        elif n.endswith("experts.down_proj"):
+            for e, g in enumerate(p.grad):
+                out[f"{n[:-9]}{e}.down_proj.weight"] = g
+        else:
+            out[n] = p.grad
+    return out
+
+
 RUN_FILE = """from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 import transformers
 
+from conftest import hf_grads
 from pithtrain.config import ConfigError
 from pithtrain.models import config_from_hf, families
 from pithtrain.models.deepseek_v2 import DeepseekV3Config
@@ -56,23 +57,6 @@ def hf_pair(request, tmp_path_factory):
     return hf, path
 
 
-def hf_grads(hf, ids, labels):
-    """float64 HF gradients of the mean cross-entropy, per-expert keys as saved."""
-    model = transformers.DeepseekV3ForCausalLM(hf.config).to(torch.float64)
-    model.load_state_dict(hf.state_dict())
-    loss = torch.nn.functional.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten())
-    loss.backward()
-    out = {}
-    for n, p in model.named_parameters():  # HF keeps experts fused in memory: split per expert
-        if n.endswith("experts.gate_up_proj"):
-            for e, g in enumerate(p.grad):
-                out[f"{n[:-12]}{e}.gate_proj.weight"], out[f"{n[:-12]}{e}.up_proj.weight"] = g.chunk(2, 0)
-        elif n.endswith("experts.down_proj"):
-            for e, g in enumerate(p.grad):
-                out[f"{n[:-9]}{e}.down_proj.weight"] = g
-        else:
-            out[n] = p.grad
-    return loss, out
 
 
 def test_logits_loss_and_gradients_match_hf(hf_pair):

@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
 
+from conftest import hf_grads
 from pithtrain.models import config_from_hf
 from pithtrain.models.qwen3_5_moe import Qwen3_5MoeConfig
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
@@ -42,23 +43,6 @@ def hf_model(tmp_path_factory):
     return hf, path
 
 
-def hf_grads(hf, ids, labels, dtype):
-    """Gradients of the mean cross-entropy of HF's model in `dtype`, per-expert keys as saved."""
-    model = Qwen3_5MoeForCausalLM(hf.config).to(dtype)
-    model.load_state_dict(hf.state_dict())
-    loss = torch.nn.functional.cross_entropy(model(ids).logits.flatten(0, 1), labels.flatten())
-    loss.backward()
-    out = {}
-    for n, p in model.named_parameters():  # HF keeps experts fused in memory: split per expert
-        if n.endswith("experts.gate_up_proj"):
-            for e, g in enumerate(p.grad):
-                out[f"{n[:-12]}{e}.gate_proj.weight"], out[f"{n[:-12]}{e}.up_proj.weight"] = g.chunk(2, 0)
-        elif n.endswith("experts.down_proj"):
-            for e, g in enumerate(p.grad):
-                out[f"{n[:-9]}{e}.down_proj.weight"] = g
-        else:
-            out[n] = p.grad
-    return loss, out
 
 
 @pytest.mark.fast

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen3MoeConfig as HFConfig, Qwen3MoeForCausalLM
 
+from conftest import per_expert_grads
 from pithtrain.config import UserError
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
@@ -64,16 +65,7 @@ def test_logits_and_gradients_match_transformers(tmp_path, name):
         for p, g in zip(grad_model.parameters(), model.parameters()):
             p.copy_(g.grad)
     ours = grad_model.hf_state_dict()
-    theirs = {}
-    for n, p in hf.named_parameters():  # HF keeps experts fused in memory: split per expert
-        if n.endswith("experts.gate_up_proj"):
-            for e, g in enumerate(p.grad):
-                theirs[f"{n[:-12]}{e}.gate_proj.weight"], theirs[f"{n[:-12]}{e}.up_proj.weight"] = g.chunk(2, 0)
-        elif n.endswith("experts.down_proj"):
-            for e, g in enumerate(p.grad):
-                theirs[f"{n[:-9]}{e}.down_proj.weight"] = g
-        else:
-            theirs[n] = p.grad
+    theirs = per_expert_grads(hf)  # HF keeps experts fused in memory: split per expert
     assert set(ours) == set(theirs)
     for key, g in ours.items():
         if theirs[key].norm() == 0:  # an expert no token chose

@@ -87,6 +87,7 @@ class DeepseekV2Config:
     eos_token_id: int | None = None
 
     model_type: ClassVar[str] = "deepseek_v2"
+    rope_interleave: ClassVar[bool] = True  # rope dims in adjacent pairs; a field of deepseek_v3
 
     @property
     def qk_head_dim(self) -> int:
@@ -337,7 +338,7 @@ class Attention(nn.Module):
         self.heads, self.v_dim = cfg.num_attention_heads, cfg.v_head_dim
         self.nope, self.rope = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
         self.kv_lora_rank, self.q_lora_rank, self.scale = cfg.kv_lora_rank, cfg.q_lora_rank, softmax_scale
-        self.interleaved = getattr(cfg, "rope_interleave", True)  # a deepseek_v3 field; V2 always interleaves
+        self.interleaved = cfg.rope_interleave
         hidden, bias, q_out = cfg.hidden_size, cfg.attention_bias, self.heads * cfg.qk_head_dim
         if cfg.q_lora_rank is None:
             self.q_proj = Linear(hidden, q_out, bias=False)
@@ -562,7 +563,7 @@ class DeepseekV2Model(nn.Module):
 
         def rotate(t):  # t: [B, h, S, rope], pairs (t0, t1), (t2, t3), ... are complex numbers
             wide = t.to(torch.promote_types(t.dtype, torch.float32))
-            if not getattr(cfg, "rope_interleave", True):  # halves: pairs (t0, t_d/2), ...; made adjacent
+            if not cfg.rope_interleave:  # halves: pairs (t0, t_d/2), ...; made adjacent
                 wide = wide.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
             pairs = torch.view_as_complex(wide.unflatten(-1, (-1, 2)).contiguous())
             return torch.view_as_real(pairs * rotation).flatten(-2).to(t.dtype)

@@ -34,7 +34,7 @@ from torch import nn
 
 from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
-from pithtrain.ops.core import attention, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
+from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
 from pithtrain.ops.delta_rule import causal_conv1d, doc_cu_seqlens, gated_delta_rule, gated_delta_rule_recurrent, l2norm
 from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
@@ -203,11 +203,7 @@ class GatedRMSNorm(nn.Module):
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Partial RoPE (rotate-half layout) on the first cos.shape[-1] dims of x [B, heads, S, D]."""
     rot = cos.shape[-1]
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    xr, rest = x[..., :rot], x[..., rot:]
-    half = rot // 2
-    rotated = torch.cat((-xr[..., half:], xr[..., :half]), dim=-1)
-    return torch.cat((xr * cos + rotated * sin, rest), dim=-1)
+    return torch.cat((apply_rope(x[..., :rot], cos, sin), x[..., rot:]), dim=-1)
 
 
 class GatedAttention(nn.Module):
@@ -277,8 +273,7 @@ class GatedDeltaNet(nn.Module):
             doc_ids = gathered_doc_ids(attn.cp)
         mixed = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), doc_ids)
         q, k, v, g = self.split_heads(mixed, a)
-        cu_seqlens = attn.cu_seqlens if attn.cp is None else None
-        out = gated_delta_rule(q, k, v, g, torch.sigmoid(beta_in.float()), doc_ids, cu_seqlens=cu_seqlens)
+        out = gated_delta_rule(q, k, v, g, torch.sigmoid(beta_in.float()), doc_ids, cu_seqlens=attn.cu_seqlens)
         if attn.cp is not None:
             out = zigzag_split(out, attn.cp.cp, attn.cp.rank)
         z = self.in_proj_z(x).view(b, s, self.v_heads, self.v_dim)
