@@ -1,5 +1,6 @@
 """Gated DeltaNet's gated delta rule on one GPU: FLA's Triton kernels (ops/delta_rule.py's GPU path, with
-its PyTorch dqkwg in the backward where FLA refuses its own) against the PyTorch chunked path, eager and
+our dqkwg in the backward where FLA refuses its own: Triton, and the PyTorch one as `fla_dqkwg_torch`;
+that kernel alone per launch config under "dqkwg") against the PyTorch chunked path, eager and
 torch.compile'd, at the Qwen3.5-35B-A3B shape (B=4, S=4096, 32 value heads, Dk=Dv=128, bf16).
 
     PYTHONPATH=. python benchmarks/delta_rule.py [--batch 4] [--seq 4096] [--docs 0] [--repeats 10]
@@ -60,12 +61,17 @@ def main():
         return dr.gated_delta_rule_chunked(*t, doc_ids=doc_ids)
 
     paths = [("torch_eager", chunked), ("torch_compiled", torch.compile(chunked, fullgraph=True))]
+    patched = False
     if dr._fla_ready():
-        paths.insert(0, ("fla", fla))
+        import fla.ops.gated_delta_rule.chunk as chunk
+        patched = chunk.chunk_bwd_dqkwg is dr._our_dqkwg
+        paths[:0] = [("fla", fla)] + ([("fla_dqkwg_torch", fla)] if patched else [])
+        print(f"FLA backward's dqkwg: {'ours (FLA refuses its kernel here)' if patched else 'FLA'}")
     else:
         print("fla not installed: timing the PyTorch paths only")
-    figures = {}
+    figures = {"dqkwg": time_dqkwg(b, s, h, d, args.repeats)} if patched else {}
     for label, fn in paths:
+        dr.DQKWG_TRITON = label != "fla_dqkwg_torch"
         def fwd():
             with torch.no_grad():
                 fn(*inputs)
@@ -84,13 +90,39 @@ def main():
         print(f"{label:15s} B={b} S={s} H={h} D={d} docs={args.docs}  fwd {f:8.3f} ms {tf:6.1f} TFLOP/s   "
               f"fwd+bwd {fb:8.3f} ms {tfb:6.1f} TFLOP/s", flush=True)
         torch.cuda.empty_cache()
-    patched = False
-    if "fla" in figures:
-        import fla.ops.gated_delta_rule.chunk as chunk
-        patched = chunk.chunk_bwd_dqkwg is dr.dqkwg_torch
-        print(f"FLA backward's dqkwg: {'ops/delta_rule.dqkwg_torch (FLA refuses its kernel here)' if patched else 'FLA'}")
+    dr.DQKWG_TRITON = True
     record({"benchmark": "delta_rule", "batch": b, "seq": s, "heads": h, "dim": d, "docs": args.docs,
-            "fwd_gflop": round(flops / 1e9, 1), "dqkwg_torch": patched, **figures})
+            "fwd_gflop": round(flops / 1e9, 1), "dqkwg_ours": patched, **figures})
+
+
+def time_dqkwg(b, s, h, d, repeats):
+    """The backward's dqkwg alone (where ours replaces FLA's): dqkwg_torch, and dqkwg_triton per
+    (num_warps, num_stages); the module's DQKWG_WARPS / DQKWG_STAGES come from these figures."""
+    bf16, c = torch.bfloat16, 64
+    nc = b * s // c
+    q, k, w = (torch.randn(b, s, h // 2 if i < 2 else h, d, device="cuda", dtype=bf16) for i in range(3))
+    v, do, dv = (torch.randn(b, s, h, d, device="cuda", dtype=bf16) for _ in range(3))
+    g = -torch.rand(b, s // c, c, h, device="cuda").cumsum(2).reshape(b, s, h) * 0.05
+    st, dst = (torch.randn(b, nc // b, h, d, d, device="cuda", dtype=bf16) * 0.1 for _ in range(2))
+    kw = dict(q=q, k=k, v=v, do=do, h=st, dh=dst, w=w, g=g, dv=dv, scale=d ** -0.5, chunk_size=c)
+    ref = dr.dqkwg_torch(**kw)
+    out = {"torch_ms": round(median_ms(lambda: dr.dqkwg_torch(**kw), repeats), 3)}
+    best = dr.DQKWG_WARPS, dr.DQKWG_STAGES
+    for warps in (4, 8):
+        for stages in (1, 2, 3):
+            dr.DQKWG_WARPS, dr.DQKWG_STAGES = warps, stages
+            try:
+                got = dr.dqkwg_triton(**kw)
+                err = max(((a.float() - r.float()).norm() / r.float().norm()).item() for a, r in zip(got, ref))
+                ms = median_ms(lambda: dr.dqkwg_triton(**kw), repeats)
+            except Exception as e:  # a config out of shared memory or registers: say so, go on
+                print(f"dqkwg_triton warps={warps} stages={stages}: {type(e).__name__}: {str(e)[:120]}")
+                continue
+            out[f"triton_w{warps}s{stages}_ms"] = round(ms, 3)
+            print(f"dqkwg_triton warps={warps} stages={stages}: {ms:.3f} ms, rel err vs torch {err:.1e}")
+    dr.DQKWG_WARPS, dr.DQKWG_STAGES = best
+    print(f"dqkwg_torch: {out['torch_ms']:.3f} ms", flush=True)
+    return out
 
 
 if __name__ == "__main__":

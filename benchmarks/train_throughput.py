@@ -159,6 +159,10 @@ def transformers_run(cfg, seq: int, batch: int, steps: int, tokens: np.ndarray, 
 
     hf_cfg = AutoConfig.for_model(**{k: v for k, v in cfg.to_hf().items() if k not in ("architectures", "dtype")})
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).cuda().train()
+    for module in model.modules():  # Qwen3.5: which gated delta rule transformers picked (FLA when installed)
+        if hasattr(module, "chunk_gated_delta_rule"):
+            print(f"transformers' gated delta rule: {module.chunk_gated_delta_rule.__module__}", flush=True)
+            break
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     history = []
     for step in range(steps):

@@ -251,3 +251,37 @@ def test_fused_weight_grad_dispatch(interpreter, monkeypatch, deferred):
     expert_mm(xs[0], module, "w", counts, torch.float16, other).backward(dys[0])
     other.run()
     assert calls[2:] == [torch.float16]
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_triton_dqkwg_matches_pytorch(interpreter, varlen):
+    """ops/delta_rule.dqkwg_triton (what FLA's gated-delta-rule backward calls on Hopper with Triton
+    < 3.7.1) against dqkwg_torch, the batched PyTorch form of the same chunk formulas: fp32, 1e-4
+    (the kernel's sums run in another order). Two value heads per q/k head, V = 80 (two V blocks, the
+    second partial), a last chunk cut short; varlen: three documents, chunks that end mid-chunk."""
+    from pithtrain.ops import delta_rule as dr
+
+    torch.manual_seed(3 + varlen)
+    c, hk, hv, kd, vd = 16, 2, 4, 32, 80
+    b, t = (1, 53) if varlen else (2, 37)
+    cu = torch.tensor([0, 20, 21, 53]) if varlen else None
+    if varlen:
+        idx = [(n, i) for n in range(3) for i in range(-(-int(cu[n + 1] - cu[n]) // c))]
+    else:
+        idx = [(n, i) for n in range(b) for i in range(-(-t // c))]
+    chunk_indices = torch.tensor(idx) if varlen else None
+    nc = len(idx)
+    q, k, w = torch.randn(b, t, hk, kd), torch.randn(b, t, hk, kd), torch.randn(b, t, hv, kd)
+    v, do, dv = (torch.randn(b, t, hv, vd) for _ in range(3))
+    g = -torch.rand(b, t, hv).cumsum(1) * 0.1  # log2-unit decays; any values test the same formula
+    h, dh = torch.randn(nc, hv, kd, vd) * 0.3, torch.randn(nc, hv, kd, vd) * 0.3
+    kw = dict(q=q, k=k, v=v, do=do, w=w, g=g, dv=dv, scale=kd ** -0.5, cu_seqlens=cu, chunk_size=c,
+              chunk_indices=chunk_indices)
+    for transposed in (False, True):
+        hh, dhh = (x.transpose(-1, -2).contiguous() for x in (h, dh)) if transposed else (h, dh)
+        ref = dr.dqkwg_torch(h=hh, dh=dhh, state_v_first=transposed, **kw)
+        out = dr.dqkwg_triton(h=hh, dh=dhh, state_v_first=transposed, **kw)
+        for name, a, r in zip(("dq", "dk", "dw", "dg"), out, ref):
+            assert a.shape == r.shape and a.dtype == r.dtype, name
+            err = ((a - r).norm() / r.norm()).item()
+            assert err < 1e-4, f"{name} varlen={varlen} transposed={transposed}: {err:.2e}"

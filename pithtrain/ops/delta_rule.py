@@ -43,8 +43,11 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from pithtrain.ops.kernels import _Kernel, _pow2
+
 USE_FLA = True  # False: the PyTorch chunked path on CUDA too (tests, benchmarks)
 FLA_CHUNKS = (16, 32, 64)  # the chunk sizes FLA's gated delta rule takes
+DQKWG_TRITON = True  # where FLA's dqkwg is refused: our Triton kernel (False: the PyTorch one)
 _warned = False
 
 
@@ -221,12 +224,16 @@ def _fla_ready() -> bool:
 
 def _patch_fla(chunk) -> None:
     """FLA refuses its gated chunk_bwd_dqkwg on Hopper with Triton >= 3.4, < 3.7.1 (wrong results there,
-    its issue #640). Exactly there, the gated delta rule's backward calls dqkwg_torch instead (the name in
-    that one module: no other FLA op changes); everything else stays FLA's Triton."""
+    its issue #640). Exactly there, the gated delta rule's backward calls ours instead (the name in that
+    one module: no other FLA op changes): dqkwg_triton, or dqkwg_torch with DQKWG_TRITON = False."""
     from fla.utils import IS_NVIDIA_HOPPER, TRITON_ABOVE_3_4_0, TRITON_ABOVE_3_7_1
 
     if IS_NVIDIA_HOPPER and TRITON_ABOVE_3_4_0 and not TRITON_ABOVE_3_7_1:
-        chunk.chunk_bwd_dqkwg = dqkwg_torch
+        chunk.chunk_bwd_dqkwg = _our_dqkwg
+
+
+def _our_dqkwg(*args, **kwargs):
+    return (dqkwg_triton if DQKWG_TRITON else dqkwg_torch)(*args, **kwargs)
 
 
 def _fla_layout(q, k, v, g, beta, doc_ids, cu_seqlens):
@@ -378,3 +385,106 @@ def dqkwg_torch(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale
 
     return (scatter(dq, hk, q.dtype), scatter(dk, hk, k.dtype), scatter(dw, hv, w.dtype),
             scatter(dg, hv, torch.float32))
+
+
+def dqkwg_triton(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scale=None, state_v_first=False,
+                 cu_seqlens=None, chunk_size=64, chunk_indices=None):
+    """dqkwg_torch's computation as one Triton kernel (a program per chunk and value head), for FLA's
+    gated-delta-rule backward on Hopper with Triton < 3.7.1. FLA's own kernel is miscompiled there
+    (its issue #640) at `tl.trans` of the ds tile, a matmul result; this kernel never transposes a
+    matmul result: ds^T is a second (C x C) matmul of the loaded tiles, v do^T."""
+    if g is None or w is None or dv is None or g_gamma is not None:
+        raise NotImplementedError("dqkwg_triton covers the gated delta rule only (g, w and dv given)")
+    b, t, hk, kd = k.shape
+    hv, vd = v.shape[2], v.shape[3]
+    if cu_seqlens is not None and chunk_indices is None:
+        from fla.ops.utils.index import prepare_chunk_indices
+        chunk_indices = prepare_chunk_indices(cu_seqlens, chunk_size)
+    nt = -(-t // chunk_size) if cu_seqlens is None else len(chunk_indices)
+    dq = q.new_empty(b, t, hv, kd)
+    dk = k.new_empty(b, t, hv, kd)
+    dw, dg = torch.empty_like(w), torch.empty(b, t, hv, dtype=torch.float32, device=g.device)
+    sk, sv = (1, kd) if state_v_first else (vd, 1)  # h, dh: [.., K, V] or [.., V, K] per chunk and head
+    _dqkwg_kernel[(nt, b * hv)](
+        q, k, v, g, h, do, dh, dv, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, t, sk, sv,
+        HK=hk, HV=hv, K=kd, V=vd, BT=chunk_size, BK=_pow2(max(kd, 16)), BV=min(_pow2(max(vd, 16)), 64),
+        VARLEN=cu_seqlens is not None, num_warps=DQKWG_WARPS, num_stages=DQKWG_STAGES)
+    if hk != hv:  # each q/k head's gradient sums over its value heads
+        dq, dk = (x.view(b, t, hk, hv // hk, kd).sum(3) for x in (dq, dk))
+    return dq, dk, dw, dg
+
+
+DQKWG_WARPS, DQKWG_STAGES = 8, 2  # measured on an H200 (benchmarks/delta_rule.py --dqkwg)
+tl = None  # triton.language, bound by kernels._Kernel at the first launch
+
+
+def _dqkwg_body(q, k, v, g, h, do, dh, dv, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, T, sk, sv,
+                HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr):
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_hv = i_bh // HV, i_bh % HV
+    if VARLEN:  # chunk i_t is chunk i_c of sequence i_n; its state is h[i_t]
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+        bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+        T = (tl.load(cu_seqlens + i_n + 1) - bos).to(tl.int32)
+        i_state = i_t.to(tl.int64)
+    else:
+        i_c = i_t.to(tl.int64)
+        bos = i_b * T
+        i_state = i_b * tl.cdiv(T, BT) + i_t
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    tok = (bos + o_t).to(tl.int64)
+    rows_v = tok[:, None] * HV + i_hv  # [BT, 1]: the chunk's rows of the [B*T, HV, .] tensors
+    rows_k = tok[:, None] * HK + i_hv // (HV // HK)
+    state = (i_state * HV + i_hv) * (K * V)
+    acc_ds = tl.zeros([BT, BT], dtype=tl.float32)  # do v^T
+    acc_dst = tl.zeros([BT, BT], dtype=tl.float32)  # v do^T (ds transposed, without transposing a result)
+    acc_dq = tl.zeros([BT, BK], dtype=tl.float32)
+    acc_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    acc_dw = tl.zeros([BT, BK], dtype=tl.float32)
+    hdh = tl.zeros([BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        m_vk = (o_v < V)[:, None] & m_k[None, :]
+        b_v = tl.load(v + rows_v * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_do = tl.load(do + rows_v * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_dv = tl.load(dv + rows_v * V + o_v[None, :], mask=m_tv, other=0.0)
+        at_state = state + o_v[:, None] * sv + o_k[None, :] * sk  # [BV, BK]: the state tile, transposed
+        b_ht = tl.load(h + at_state, mask=m_vk, other=0.0).to(b_v.dtype)
+        b_dht = tl.load(dh + at_state, mask=m_vk, other=0.0).to(b_v.dtype)
+        acc_ds = tl.dot(b_do, tl.trans(b_v), acc_ds)
+        acc_dst = tl.dot(b_v, tl.trans(b_do), acc_dst)
+        acc_dq = tl.dot(b_do, b_ht, acc_dq)
+        acc_dk = tl.dot(b_v, b_dht, acc_dk)
+        acc_dw = tl.dot(b_dv.to(b_v.dtype), b_ht, acc_dw)
+        hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
+    m_tk = m_t[:, None] & m_k[None, :]
+    tl.store(dw + rows_v * K + o_k[None, :], (-acc_dw).to(dw.dtype.element_ty), mask=m_tk)
+    b_q = tl.load(q + rows_k * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = tl.load(k + rows_k * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_g = tl.load(g + tok * HV + i_hv, mask=m_t, other=0.0)
+    last = tl.minimum(i_c * BT + BT, T) - 1
+    g_last = tl.load(g + (bos + last) * HV + i_hv)
+    acc_dq = acc_dq * (tl.exp2(b_g) * scale)[:, None]
+    acc_dk = acc_dk * tl.where(m_t, tl.exp2(g_last - b_g), 0.0)[:, None]
+    dg_last = tl.sum(hdh) * tl.exp2(g_last) + tl.sum(acc_dk * b_k.to(tl.float32))
+    causal = (o_t[:, None] >= o_t[None, :]) & m_t[:, None] & m_t[None, :]  # [i, j]: i >= j
+    ds = tl.where(causal, acc_ds * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0) * scale
+    causal_t = (o_t[None, :] >= o_t[:, None]) & m_t[:, None] & m_t[None, :]  # [j, i]
+    dst = tl.where(causal_t, acc_dst * tl.exp2(b_g[None, :] - b_g[:, None]), 0.0) * scale
+    acc_dq = tl.dot(ds.to(b_k.dtype), b_k, acc_dq)
+    acc_dk = tl.dot(dst.to(b_q.dtype), b_q, acc_dk)
+    b_dg = tl.sum(acc_dq * b_q.to(tl.float32), axis=1) - tl.sum(acc_dk * b_k.to(tl.float32), axis=1)
+    b_dg = tl.where(o_t == last, b_dg + dg_last, b_dg)
+    tl.store(dq + rows_v * K + o_k[None, :], acc_dq.to(dq.dtype.element_ty), mask=m_tk)
+    tl.store(dk + rows_v * K + o_k[None, :], acc_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dg + tok * HV + i_hv, b_dg, mask=m_t)
+
+
+_dqkwg_kernel = _Kernel(_dqkwg_body)
