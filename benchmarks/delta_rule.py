@@ -38,6 +38,8 @@ def main():
     parser.add_argument("--dim", type=int, default=128)
     parser.add_argument("--docs", type=int, default=0, help="documents packed per row (0: one)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--paths", default="fla,fla_dqkwg_torch,torch_eager,torch_compiled",
+                        help="which to time (torch_compiled compiles for minutes)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (it times the GPU kernels); run it on the GPU machine")
@@ -69,6 +71,7 @@ def main():
         print(f"FLA backward's dqkwg: {'ours (FLA refuses its kernel here)' if patched else 'FLA'}")
     else:
         print("fla not installed: timing the PyTorch paths only")
+    paths = [(label, fn) for label, fn in paths if label in args.paths.split(",")]
     figures = {"dqkwg": time_dqkwg(b, s, h, d, args.repeats)} if patched else {}
     for label, fn in paths:
         dr.DQKWG_TRITON = label != "fla_dqkwg_torch"
