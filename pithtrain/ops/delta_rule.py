@@ -25,13 +25,15 @@ GPU path (CUDA inputs, `fla` importable, USE_FLA, chunk_size in 16/32/64): FLA 0
 chunk_gated_delta_rule forward and backward, documents as varlen sequences (B*S tokens flattened,
 cu_seqlens), wrapped as torch.library custom ops so a compiled stage traces through them. FLA refuses
 its gated `chunk_bwd_dqkwg` kernel on Hopper with Triton in [3.4, 3.7.1) (its issue #640: wrong
-results); there `dqkwg_torch` below, a batched PyTorch version of that kernel, takes its place in
-FLA's gated-delta-rule backward (`_patch_fla`). Without fla on CUDA: the chunked PyTorch path, with
-one warning per process. Checked: dqkwg_torch against FLA's kernel and FLA's whole op (with it) against
-the chunked path under the Triton interpreter (benchmarks/delta_rule_interpreter.py); FLA on an H200
-(torch 2.11, Triton 3.6) against float64 in tests/gpu/test_delta_rule_gpu.py. Speed there, B=4, S=4096,
-H=32, D=128 bf16 (benchmarks/delta_rule.py): FLA fwd 1.0 ms, fwd+bwd 16-17 ms, most of the backward in
-dqkwg_torch (13 ms, fp32); the chunked path 15.9 / 135 ms eager, 12.9 / 48 ms compiled.
+results); there our `dqkwg_triton` (the same chunk formulas as one Triton kernel that never transposes
+a matmul result; `dqkwg_torch` is its batched PyTorch reference) takes its place in FLA's gated-delta-
+rule backward (`_patch_fla`). Without fla on CUDA: the chunked PyTorch path, with one warning per
+process. Checked: dqkwg_torch against FLA's kernel (benchmarks/delta_rule_interpreter.py) and
+dqkwg_triton against dqkwg_torch under the Triton interpreter (tests/triton_interpreter_cases.py); on an
+H200 (torch 2.11, Triton 3.6) FLA with either against float64 in tests/gpu/test_delta_rule_gpu.py.
+Speed there, B=4, S=4096, H=32, D=128 bf16 (benchmarks/delta_rule.py): FLA fwd 1.06 ms, fwd+bwd 3.7 ms
+with dqkwg_triton (1.0 ms of it; dqkwg_torch: 10 ms, fwd+bwd 13.3 ms); the chunked path 14.6 / 118 ms
+eager, 12.9 / 48 ms compiled.
 """
 
 from __future__ import annotations
@@ -392,7 +394,9 @@ def dqkwg_triton(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scal
     """dqkwg_torch's computation as one Triton kernel (a program per chunk and value head), for FLA's
     gated-delta-rule backward on Hopper with Triton < 3.7.1. FLA's own kernel is miscompiled there
     (its issue #640) at `tl.trans` of the ds tile, a matmul result; this kernel never transposes a
-    matmul result: ds^T is a second (C x C) matmul of the loaded tiles, v do^T."""
+    matmul result: ds^T is a second (C x C) matmul of the loaded tiles, v do^T. fp32 inputs multiply in
+    full fp32: dg = rowsum(dq q) - rowsum(dk k) cancels, and TF32's error there reaches the decay
+    parameters' gradients (A_log, dt_bias) at the size of the gradients themselves."""
     if g is None or w is None or dv is None or g_gamma is not None:
         raise NotImplementedError("dqkwg_triton covers the gated delta rule only (g, w and dv given)")
     b, t, hk, kd = k.shape
@@ -408,7 +412,7 @@ def dqkwg_triton(q, k, v, do, h, dh, w=None, g=None, g_gamma=None, dv=None, scal
     _dqkwg_kernel[(nt, b * hv)](
         q, k, v, g, h, do, dh, dv, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, t, sk, sv,
         HK=hk, HV=hv, K=kd, V=vd, BT=chunk_size, BK=_pow2(max(kd, 16)), BV=min(_pow2(max(vd, 16)), 64),
-        VARLEN=cu_seqlens is not None, num_warps=DQKWG_WARPS, num_stages=DQKWG_STAGES)
+        VARLEN=cu_seqlens is not None, PRECISION="ieee" if v.dtype == torch.float32 else "tf32", num_warps=DQKWG_WARPS, num_stages=DQKWG_STAGES)
     if hk != hv:  # each q/k head's gradient sums over its value heads
         dq, dk = (x.view(b, t, hk, hv // hk, kd).sum(3) for x in (dq, dk))
     return dq, dk, dw, dg
@@ -420,7 +424,7 @@ tl = None  # triton.language, bound by kernels._Kernel at the first launch
 
 def _dqkwg_body(q, k, v, g, h, do, dh, dv, dq, dk, dw, dg, cu_seqlens, chunk_indices, scale, T, sk, sv,
                 HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-                BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr):
+                BK: tl.constexpr, BV: tl.constexpr, VARLEN: tl.constexpr, PRECISION: tl.constexpr):
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv = i_bh // HV, i_bh % HV
@@ -458,11 +462,11 @@ def _dqkwg_body(q, k, v, g, h, do, dh, dv, dq, dk, dw, dg, cu_seqlens, chunk_ind
         at_state = state + o_v[:, None] * sv + o_k[None, :] * sk  # [BV, BK]: the state tile, transposed
         b_ht = tl.load(h + at_state, mask=m_vk, other=0.0).to(b_v.dtype)
         b_dht = tl.load(dh + at_state, mask=m_vk, other=0.0).to(b_v.dtype)
-        acc_ds = tl.dot(b_do, tl.trans(b_v), acc_ds)
-        acc_dst = tl.dot(b_v, tl.trans(b_do), acc_dst)
-        acc_dq = tl.dot(b_do, b_ht, acc_dq)
-        acc_dk = tl.dot(b_v, b_dht, acc_dk)
-        acc_dw = tl.dot(b_dv.to(b_v.dtype), b_ht, acc_dw)
+        acc_ds = tl.dot(b_do, tl.trans(b_v), acc_ds, input_precision=PRECISION)
+        acc_dst = tl.dot(b_v, tl.trans(b_do), acc_dst, input_precision=PRECISION)
+        acc_dq = tl.dot(b_do, b_ht, acc_dq, input_precision=PRECISION)
+        acc_dk = tl.dot(b_v, b_dht, acc_dk, input_precision=PRECISION)
+        acc_dw = tl.dot(b_dv.to(b_v.dtype), b_ht, acc_dw, input_precision=PRECISION)
         hdh += tl.sum(b_ht.to(tl.float32) * b_dht.to(tl.float32), axis=0)
     m_tk = m_t[:, None] & m_k[None, :]
     tl.store(dw + rows_v * K + o_k[None, :], (-acc_dw).to(dw.dtype.element_ty), mask=m_tk)
@@ -478,8 +482,8 @@ def _dqkwg_body(q, k, v, g, h, do, dh, dv, dq, dk, dw, dg, cu_seqlens, chunk_ind
     ds = tl.where(causal, acc_ds * tl.exp2(b_g[:, None] - b_g[None, :]), 0.0) * scale
     causal_t = (o_t[None, :] >= o_t[:, None]) & m_t[:, None] & m_t[None, :]  # [j, i]
     dst = tl.where(causal_t, acc_dst * tl.exp2(b_g[None, :] - b_g[:, None]), 0.0) * scale
-    acc_dq = tl.dot(ds.to(b_k.dtype), b_k, acc_dq)
-    acc_dk = tl.dot(dst.to(b_q.dtype), b_q, acc_dk)
+    acc_dq = tl.dot(ds.to(b_k.dtype), b_k, acc_dq, input_precision=PRECISION)
+    acc_dk = tl.dot(dst.to(b_q.dtype), b_q, acc_dk, input_precision=PRECISION)
     b_dg = tl.sum(acc_dq * b_q.to(tl.float32), axis=1) - tl.sum(acc_dk * b_k.to(tl.float32), axis=1)
     b_dg = tl.where(o_t == last, b_dg + dg_last, b_dg)
     tl.store(dq + rows_v * K + o_k[None, :], acc_dq.to(dq.dtype.element_ty), mask=m_tk)

@@ -53,20 +53,28 @@ def test_hybrid_model_matches_reference_and_chunked_gradients():
             grads[use_fla] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         finally:
             delta_rule.USE_FLA = True
-    if True in grads:  # FLA (with the PyTorch dqkwg on Hopper + Triton < 3.7.1) against the chunked path
+    if True in grads:  # FLA (with our dqkwg on Hopper + Triton < 3.7.1) against the chunked path
         for name, g in grads[False].items():
             if g.norm() > 0:
                 assert rel(grads[True][name], g) <= 1e-2, name
 
 
-def test_compiled_bf16_step_matches_eager():
+def test_compiled_step_matches_eager():
+    """fp32: compiled stages equal eager (1e-4; measured 1.7e-5 on an H200). bf16 autocast: eager rounds
+    every op's output to bf16, inductor keeps fused intermediates in fp32, so the two differ by bf16
+    rounding spread over every token (measured 3.5% overall, median 0.8% a token): each is held to the
+    fp32 logits instead, the compiled one no further than twice the eager one's error plus 1e-2."""
     from pithtrain.train.loop import compile_stages
 
-    model = small_model().cuda()
     ids, pos, doc = (t.cuda() for t in inputs())
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        eager = model(ids, pos, ExpertEngine(LocalDispatch()), doc_ids=doc).float()
-        compile_stages(model)
-        compiled = model(ids, pos, ExpertEngine(LocalDispatch()), doc_ids=doc).float()
-    assert torch.isfinite(compiled).all()
-    assert rel(compiled, eager) <= 2e-2  # bf16, different fusion order
+    logits = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = small_model().cuda()
+        with torch.autocast("cuda", dtype=dtype, enabled=dtype == torch.bfloat16):
+            eager = model(ids, pos, ExpertEngine(LocalDispatch()), doc_ids=doc).float()
+            compile_stages(model)
+            logits[dtype] = eager, model(ids, pos, ExpertEngine(LocalDispatch()), doc_ids=doc).float()
+    (ref, compiled32), (eager16, compiled16) = logits[torch.float32], logits[torch.bfloat16]
+    assert rel(compiled32, ref) <= 1e-4
+    assert torch.isfinite(compiled16).all()
+    assert rel(compiled16, ref) <= 2 * rel(eager16, ref) + 1e-2
