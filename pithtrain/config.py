@@ -82,6 +82,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 compute on GPU, fp32 on CPU) | fp32 | bf16
     lb_coef: float = 1e-3  # MoE load-balance loss coefficient; 0 disables
+    mtp_coef: float = 0.3  # multi-token prediction loss weight (model.num_nextn_predict_layers > 0; DeepSeek-V3's 0.3, later 0.1); 0: logged, not trained
     lb_type: str = "micro"  # micro | global | seq (load-balance loss statistics scope)
     log_every: int = 1  # print a metrics line every N steps (and always the first 3); metrics.jsonl gets every step
     eval_every: int = 0  # held-out loss (data.eval_path / data.eval_samples) every N steps and at the end; 0: off
@@ -367,6 +368,8 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(t.recompute in ("off", "selective", "full"), f"train.recompute={t.recompute!r}: use off, selective or full")
     _check(t.lb_type in ("micro", "global", "seq"), f"train.lb_type={t.lb_type!r}: use micro, global or seq")
     _check(t.lb_coef >= 0, f"train.lb_coef={t.lb_coef}: must be >= 0 (0 disables the load-balance loss)")
+    _check(t.mtp_coef >= 0 and math.isfinite(t.mtp_coef),
+           f"train.mtp_coef={t.mtp_coef}: must be a finite number >= 0 (0: the MTP loss is logged, not trained)")
     _check(not t.wandb_project or _installed("wandb"),
            f"train.wandb_project={t.wandb_project!r}: wandb is not installed; pip install wandb, or set train.wandb_project=''")
     _check(t.log_every >= 1, f"train.log_every={t.log_every}: must be at least 1")
@@ -410,6 +413,13 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
         p.pp == 1 or micro_per_rank >= 2 * p.pp,
         f"parallel.pp={p.pp} needs at least 2*pp = {2 * p.pp} micro-batches per data rank and step, got "
         f"{micro_per_rank}; raise train.global_batch_size or lower train.micro_batch_size",
+    )
+    mtp, per_chunk = config.model.num_nextn_predict_layers, max(1, config.model.num_hidden_layers // (2 * p.pp))
+    _check(
+        p.pp == 1 or mtp <= per_chunk,
+        f"model.num_nextn_predict_layers={mtp} with parallel.pp={p.pp}: the MTP layers run beside the head on the "
+        f"last pipeline chunk, sized for about {per_chunk} decoder layer(s); more would stall the pipeline there; "
+        f"use at most {per_chunk} MTP layer(s) or a smaller parallel.pp",
     )
     _check(
         p.pp == 1 or not getattr(config.model, "tie_word_embeddings", False),

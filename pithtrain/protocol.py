@@ -138,16 +138,22 @@ class LossTerms:
     d(loss)/d(value); they are written as each path always computed them, so neither path's
     numbers change."""
 
-    def __init__(self, train_config, n_label: int, n_micro: int, n_layers: int):
+    def __init__(self, train_config, n_label: int, n_micro: int, n_layers: int, n_mtp_label: int = 0):
         self.n_label, self.n_micro, self.n_layers = n_label, n_micro, n_layers
         self.coefs = {term.name: getattr(train_config, term.scale) for term in AUX_TERMS}
+        self.n_mtp_label, self.mtp_coef = n_mtp_label, train_config.mtp_coef
 
-    def ce_share(self, ce: torch.Tensor) -> torch.Tensor:
-        return ce / max(self.n_label, 1)
+    def ce_share(self, ce: torch.Tensor, mtp_ce: torch.Tensor | None = None) -> torch.Tensor:
+        """The cross-entropy part of the loss for a micro-batch's token sums: the main one / the global
+        batch's label tokens, plus multi-token prediction's (its sum over depths and tokens) times
+        train.mtp_coef / the global batch's MTP label tokens (all depths)."""
+        if mtp_ce is None:
+            return ce / max(self.n_label, 1)
+        return ce / max(self.n_label, 1) + self.mtp_coef * mtp_ce / max(self.n_mtp_label, 1)
 
-    def micro_loss(self, ce: torch.Tensor, aux: dict[str, list[torch.Tensor]]) -> torch.Tensor:
+    def micro_loss(self, ce: torch.Tensor, aux: dict[str, list[torch.Tensor]], mtp_ce=None) -> torch.Tensor:
         """A whole-model forward's share of the step's loss (aux: its values by term)."""
-        total = self.ce_share(ce)
+        total = self.ce_share(ce, mtp_ce)
         for term in AUX_TERMS:
             if aux.get(term.name) and self.coefs[term.name]:
                 total = total + self.coefs[term.name] * torch.stack(aux[term.name]).mean() / self.n_micro
@@ -181,27 +187,28 @@ class LossTerms:
 
 
 class StepSums:
-    """This rank's sums over one step, by name: `ce` the token cross-entropy; `aux[name]` each
-    term's per-layer mean, summed over this rank's micro-batches; `stop` whether a stop was
-    requested. One float64 tensor underneath, so `reduce` is one collective and one host sync."""
+    """This rank's sums over one step, by name: `ce` the token cross-entropy, `mtp` multi-token
+    prediction's (over its depths); `aux[name]` each term's per-layer mean, summed over this rank's
+    micro-batches; `stop` whether a stop was requested. One float64 tensor underneath, so `reduce` is
+    one collective and one host sync."""
 
     def __init__(self, device):
-        self.values = torch.zeros(2 + len(AUX_TERMS), dtype=torch.float64, device=device)
-        self.ce = self.values[0]
-        self.aux = {term.name: self.values[1 + i] for i, term in enumerate(AUX_TERMS)}
+        self.values = torch.zeros(3 + len(AUX_TERMS), dtype=torch.float64, device=device)
+        self.ce, self.mtp = self.values[0], self.values[1]
+        self.aux = {term.name: self.values[2 + i] for i, term in enumerate(AUX_TERMS)}
 
     def request_stop(self) -> None:
         self.values[-1] = 1  # summed over the ranks: every rank sees a stop requested anywhere
 
-    def reduce(self, group=None, world: int = 1, cp: int = 1) -> tuple[float, dict[str, float], bool]:
-        """(cross-entropy sum, {term name: sum}, stop requested) over the ranks of `group`; an aux
-        value is the same on every CP rank of a micro-batch, so its sum is divided by cp."""
+    def reduce(self, group=None, world: int = 1, cp: int = 1) -> tuple[float, float, dict[str, float], bool]:
+        """(cross-entropy sum, MTP cross-entropy sum, {term name: sum}, stop requested) over the ranks of
+        `group`; an aux value is the same on every CP rank of a micro-batch, so its sum is divided by cp."""
         if world > 1:
             torch.distributed.all_reduce(self.values, group=group)
             for value in self.aux.values():
                 value /= cp
         values = self.values.tolist()
-        return values[0], {term.name: values[1 + i] for i, term in enumerate(AUX_TERMS)}, values[-1] > 0
+        return values[0], values[1], {term.name: values[2 + i] for i, term in enumerate(AUX_TERMS)}, values[-1] > 0
 
     @staticmethod
     def metrics(aux_sums: dict[str, float], n_micro: int) -> dict[str, float]:
@@ -221,13 +228,25 @@ def hf_tensor(hf: dict, key: str, shape, used: set) -> torch.Tensor:
     return hf[key]
 
 
+def _hf_name(name: str) -> str:
+    """HF's name of a parameter: under `model.`, the head as `lm_head.weight`, and multi-token
+    prediction layers (`mtp.{id}`, DeepSeek-V3) as the layers past the last one, as DeepSeek saves them."""
+    if name == "lm_head.weight":
+        return name
+    return "model.layers." + name[4:] if name.startswith("mtp.") else f"model.{name}"
+
+
+def all_layers(model) -> dict:
+    """layer id -> decoder layer, multi-token prediction layers (DeepSeek-V3's `mtp`) included."""
+    return {**model.layers, **(getattr(model, "mtp", None) or {})}
+
+
 def hf_state(model) -> dict[str, torch.Tensor]:
     """HF tensors of a family whose parameter names are HF's under `model.` (the head `lm_head.weight`)
     and whose MoE layers stack SwiGLU experts in `mlp.experts` (gate_up [E, H, 2I], gate then up; down
     [E, I, H]): those as HF saves them, per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`)."""
-    out = {name if name == "lm_head.weight" else f"model.{name}": t
-           for name, t in model.state_dict().items() if ".mlp.experts." not in name}
-    for lid, layer in model.layers.items():
+    out = {_hf_name(name): t for name, t in model.state_dict().items() if ".mlp.experts." not in name}
+    for lid, layer in all_layers(model).items():
         ex = getattr(layer.mlp, "experts", None)  # None: a dense-MLP layer
         if ex is None:
             continue
@@ -253,8 +272,8 @@ def load_hf_state(model, hf: dict[str, torch.Tensor]) -> set[str]:
 
     for name, t in model.state_dict().items():
         if ".mlp.experts." not in name:
-            t.copy_(take("lm_head.weight" if name == "lm_head.weight" else f"model.{name}", t.shape))
-    for lid, layer in model.layers.items():
+            t.copy_(take(_hf_name(name), t.shape))
+    for lid, layer in all_layers(model).items():
         ex = getattr(layer.mlp, "experts", None)
         if ex is None:
             continue
@@ -269,7 +288,7 @@ def load_hf_state(model, hf: dict[str, torch.Tensor]) -> set[str]:
             gate, up = take(f"{pre}.gate_proj.weight", (inter, hidden)), take(f"{pre}.up_proj.weight", (inter, hidden))
             ex.gate_up[e].copy_(torch.cat([gate.T, up.T], 1))
             ex.down[e].copy_(take(f"{pre}.down_proj.weight", (hidden, inter)).T)
-    own_layers = tuple(f"model.layers.{lid}." for lid in model.layers)
+    own_layers = tuple(f"model.layers.{lid}." for lid in all_layers(model))
     other_layers = {k for k in hf if k.startswith("model.layers.") and not k.startswith(own_layers)}
     extra = set(hf) - used - other_layers
     if model.lm_head is None:

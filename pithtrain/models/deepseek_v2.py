@@ -88,6 +88,7 @@ class DeepseekV2Config:
 
     model_type: ClassVar[str] = "deepseek_v2"
     rope_interleave: ClassVar[bool] = True  # rope dims in adjacent pairs; a field of deepseek_v3
+    num_nextn_predict_layers: ClassVar[int] = 0  # multi-token prediction depths; a field of deepseek_v3
 
     @property
     def qk_head_dim(self) -> int:
@@ -207,7 +208,8 @@ class DeepseekV3Config(DeepseekV2Config):
     scores, `noaux_tc` selection with its correction bias), HF's deepseek_v3 defaults, and its own
     HF schema and model_type for import and export. `rope_interleave=False`: the rope dims are in
     rotate-half layout already (HF's option). Multi-token prediction is not built: a checkpoint's MTP
-    layers (past num_hidden_layers) are ignored on load, and the export says num_nextn_predict_layers=0."""
+    layers (past num_hidden_layers) are imported, trained and exported with `num_nextn_predict_layers`
+    (MTPLayer; 0: ignored on load)."""
 
     vocab_size: int = 129280
     hidden_size: int = 7168
@@ -230,6 +232,7 @@ class DeepseekV3Config(DeepseekV2Config):
     bos_token_id: int | None = 0
     eos_token_id: int | None = 1
     rope_interleave: bool = True  # rope dims in adjacent pairs (DeepSeek's layout); False: rotate-half halves
+    num_nextn_predict_layers: int = 0  # multi-token prediction depths (MTPLayer, on the head's pipeline stage); 0: off
 
     model_type: ClassVar[str] = "deepseek_v3"
 
@@ -242,6 +245,9 @@ class DeepseekV3Config(DeepseekV2Config):
         if self.moe_layer_freq != 1:
             raise ConfigError(f"model.moe_layer_freq={self.moe_layer_freq}: deepseek_v3 makes every layer from "
                               f"first_k_dense_replace on MoE; set it to 1")
+        if not 0 <= self.num_nextn_predict_layers <= 8:
+            raise ConfigError(f"model.num_nextn_predict_layers={self.num_nextn_predict_layers}: must be in [0, 8] "
+                              f"(DeepSeek-V3 uses 1; 0 turns multi-token prediction off)")
 
     @classmethod
     def from_hf(cls, hf: dict) -> "DeepseekV3Config":
@@ -251,6 +257,8 @@ class DeepseekV3Config(DeepseekV2Config):
             print("kimi_k25: a multimodal checkpoint; its language model (text_config) is used, the vision tower "
                   "is left out", file=sys.stderr)
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
+        if "num_nextn_predict_layers" not in hf and "num_mtp_layers" in hf:  # transformers 5 saves this name
+            hf = {**hf, "num_nextn_predict_layers": hf["num_mtp_layers"]}
         if hf.get("quantization_config"):
             raise ConfigError(f"{hf.get('model_type')}: quantization_config {hf['quantization_config'].get('quant_method')!r}: "
                               f"quantized checkpoints are not read; dequantize to bf16 first and drop quantization_config")
@@ -259,7 +267,7 @@ class DeepseekV3Config(DeepseekV2Config):
     def to_hf(self) -> dict:
         """HF deepseek_v3 config.json (what DeepseekV3ForCausalLM reads; a kimi_k2 import exports as this too)."""
         out = super().to_hf()
-        out.update(architectures=["DeepseekV3ForCausalLM"], num_nextn_predict_layers=0)
+        out.update(architectures=["DeepseekV3ForCausalLM"])
         return out
 
 
@@ -493,6 +501,40 @@ class DecoderLayer(nn.Module):
         return s1.residual + moe_out.view_as(s1.residual).to(s1.residual.dtype)
 
 
+class MTPLayer(DecoderLayer):
+    """Multi-token prediction depth k (DeepSeek-V3 report, section 2.2): a decoder layer whose input at
+    token t is eh_proj([enorm(Emb(token t+k)); hnorm(h^{k-1}_t)]) (h^0: the main model's last hidden state,
+    before its final norm), and whose output h^k predicts token t+k+1 through its own norm
+    (`shared_head`) and the main model's output head. The embedding and head are shared; DeepSeek's
+    checkpoints store copies of them under the layer (`embed_tokens`, `shared_head.head`), which the HF
+    conversion reads and writes. The concatenation puts the embedding first, as the released weights
+    (eh_proj [H, 2H]) are laid out. stage1 takes [Emb(token t+k); h^{k-1}] as one [B, S, 2H] input, so
+    its projections run inside the stage (where FSDP gathers the layer's weights)."""
+
+    def __init__(self, cfg: DeepseekV2Config, layer_id: int, softmax_scale: float):
+        super().__init__(cfg, layer_id, softmax_scale)
+        self.enorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.eh_proj = Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.shared_head = MTPHeadNorm(cfg)
+
+    def stage1(self, x, attn: AttnInputs) -> Stage1Out:
+        embedded, h = x.chunk(2, -1)
+        return super().stage1(self.eh_proj(torch.cat([self.enorm(embedded), self.hnorm(h)], -1)), attn)
+
+
+class MTPHeadNorm(nn.Module):
+    """An MTP depth's norm before the shared output head (HF: shared_head.norm); a module with a
+    forward, so FSDP gathers its weight when called outside the layer's stages."""
+
+    def __init__(self, cfg: DeepseekV2Config):
+        super().__init__()
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x):
+        return self.norm(x)
+
+
 class DeepseekV2Model(nn.Module):
     """A contiguous run of layers; the full model by default. `layer_ids`/`embed`/`head` select
     a pipeline chunk; layers keep their global ids as names so checkpoints do not depend on it."""
@@ -507,6 +549,8 @@ class DeepseekV2Model(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         # With tied embeddings the head reads embed_tokens.weight (a pipeline puts both on one rank).
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head and not cfg.tie_word_embeddings else None
+        n, depths = cfg.num_hidden_layers, cfg.num_nextn_predict_layers  # MTP layers: ids n .. n + depths - 1
+        self.mtp = nn.ModuleDict({str(n + k): MTPLayer(cfg, n + k, softmax_scale) for k in range(depths)}) if head and depths else None
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @torch.no_grad()
@@ -523,7 +567,7 @@ class DeepseekV2Model(nn.Module):
         topk_method='noaux_tc'); the training loop updates them with routing.update_correction_bias."""
         return {
             int(lid): layer.mlp.gate.e_score_correction_bias
-            for lid, layer in self.layers.items()
+            for lid, layer in {**self.layers, **(self.mtp or {})}.items()
             if layer.is_moe and layer.mlp.gate.e_score_correction_bias is not None
         }
 
@@ -536,28 +580,45 @@ class DeepseekV2Model(nn.Module):
             return AttnInputs(cos, sin, None, cp)
         return AttnInputs(cos, sin, attention_mask(doc_ids, position_ids.shape[1], position_ids.device))
 
-    def forward(self, x, position_ids, engine, doc_ids=None, cp: ContextParallel | None = None):
+    def forward(self, x, position_ids, engine, doc_ids=None, cp: ContextParallel | None = None, mtp_ids=None,
+                mtp_embedded=None):
         """x: token ids [B, S] if this chunk embeds, else hidden states [B, S, H]. Returns logits
         [B, S, V] if this chunk holds the head, else hidden states. With `cp`, the inputs are this
-        rank's zigzag share of the sequence (parallel/context.py)."""
+        rank's zigzag share of the sequence (parallel/context.py).
+
+        Multi-token prediction (training): `mtp_ids` [B, S, D], token t+k at (t, k-1) (train/data.py
+        mtp_targets). The chunk with the embedding embeds them; a head chunk without it takes them
+        embedded (`mtp_embedded` [B, S, D, H]). Then the head chunk returns (logits, MTP logits
+        [B, S, D, V]) and a chunk with the embedding but no head (hidden, mtp_embedded)."""
         if self.embed_tokens is not None:
+            if mtp_ids is not None:
+                mtp_embedded = self.embed_tokens(mtp_ids)
             x = self.embed_tokens(x)
         attn = self.attn_inputs(position_ids, doc_ids, x.dtype, cp)
         for layer in self.layers.values():
             x = run_layer(layer, x, attn, engine)
-        if self.norm is not None:
-            x = head_logits(self.norm(x), self.head_weight())
-        return x
+        if self.norm is None:
+            return x if mtp_embedded is None else (x, mtp_embedded)
+        logits = head_logits(self.norm(x), self.head_weight())
+        if self.mtp is None or mtp_embedded is None:
+            return logits
+        out = []
+        for k, layer in enumerate(self.mtp.values()):
+            x = run_layer(layer, torch.cat([mtp_embedded[:, :, k].to(x.dtype), x], -1), attn, engine)
+            out.append(head_logits(layer.shared_head(x), self.head_weight()))
+        return logits, torch.stack(out, 2)
 
     @torch.no_grad()
-    def reference_forward(self, input_ids, position_ids=None, doc_ids=None):
+    def reference_forward(self, input_ids, position_ids=None, doc_ids=None, inputs_embeds=None, final_hidden=False):
         """Plain oracle: eager softmax attention with an explicit mask, RoPE as complex
-        multiplication of adjacent pairs, routing written out, and a loop over experts."""
+        multiplication of adjacent pairs, routing written out, and a loop over experts. From
+        `inputs_embeds` instead of token ids, and to the last hidden state (`final_hidden`, before the
+        final norm): a test's reference for a block alone (multi-token prediction)."""
         cfg = self.cfg
-        b, s = input_ids.shape
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, s = x.shape[:2]
         if position_ids is None:
             position_ids = torch.arange(s).expand(b, s)
-        x = self.embed_tokens(input_ids)
         angles = position_ids[..., None].float() * self.inv_freq.float()  # [B, S, rope/2]
         rotation = torch.polar(torch.full_like(angles, self.rope_factor), angles)[:, None]  # broadcast over heads
 
@@ -605,21 +666,42 @@ class DeepseekV2Model(nn.Module):
             if layer.mlp.shared_experts is not None:
                 moe = moe + layer.mlp.shared_experts(flat)
             x = x + moe.view_as(x)
-        return head_logits(self.norm(x), self.head_weight())
+        return x if final_hidden else head_logits(self.norm(x), self.head_weight())
 
     # ---- Hugging Face conversion (this model's names <-> HF's per-expert names) ----
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return hf_state(self)
+        """HF tensors; an MTP layer as DeepSeek-V3 saves it (model.layers.{n + k}), with its copies of
+        the shared embedding and head."""
+        out = hf_state(self)
+        for lid in self.mtp or {}:
+            out[f"model.layers.{lid}.embed_tokens.weight"] = self.embed_tokens.weight.detach().clone()
+            out[f"model.layers.{lid}.shared_head.head.weight"] = self.head_weight().detach().clone()
+        return out
 
     def load_hf_state_dict(self, hf: dict[str, torch.Tensor]) -> None:
         """Load HF tensors (per-expert keys as saved, or the fused in-memory layout); raises
-        naming any missing or unexpected key."""
+        naming any missing or unexpected key. An MTP layer's copies of the embedding and head are
+        checked against the main model's (which it shares) and dropped."""
+        for lid in self.mtp or {}:
+            if f"model.layers.{lid}.eh_proj.weight" not in hf:
+                raise UserError(f"model.num_nextn_predict_layers={self.cfg.num_nextn_predict_layers}: the checkpoint "
+                                f"has no multi-token prediction layer {lid} (model.layers.{lid}.eh_proj.weight); set "
+                                f"model.num_nextn_predict_layers to the MTP layers it has (0: none)")
+        hf = dict(hf)
+        for lid in self.mtp or {}:
+            for copy, own in ((f"model.layers.{lid}.embed_tokens.weight", "model.embed_tokens.weight"),
+                              (f"model.layers.{lid}.shared_head.head.weight", "lm_head.weight")):
+                kept = hf.pop(copy, None)
+                if kept is not None and own in hf and not torch.equal(kept, hf[own]):
+                    print(f"{self.cfg.model_type}: {copy} differs from {own}; MTP shares the main model's "
+                          f"(the export writes it as the copy)", file=sys.stderr)
         other_layers = load_hf_state(self, hf)
         past = {k.split(".")[2] for k in other_layers if int(k.split(".")[2]) >= self.cfg.num_hidden_layers}
         if past:  # DeepSeek-V3's multi-token prediction layers sit past the last decoder layer
             print(f"{self.cfg.model_type}: weights of layer(s) {', '.join(sorted(past, key=int))} (past num_hidden_layers="
-                  f"{self.cfg.num_hidden_layers}: multi-token prediction) are ignored; MTP is not built", file=sys.stderr)
+                  f"{self.cfg.num_hidden_layers}: multi-token prediction) are ignored: model.num_nextn_predict_layers="
+                  f"{self.cfg.num_nextn_predict_layers}", file=sys.stderr)
 
 
 def _reference_routing(cfg: DeepseekV2Config, logits: torch.Tensor, bias: torch.Tensor | None):

@@ -80,6 +80,7 @@ class GptOssConfig:
     pad_token_id: int | None = None
 
     model_type: ClassVar[str] = "gpt_oss"
+    num_nextn_predict_layers: ClassVar[int] = 0  # no multi-token prediction (DeepSeek-V3's)
 
     def __post_init__(self):
         # One spelling of the RoPE dict: HF 5 keys, with HF's implicit defaults written out.

@@ -78,6 +78,7 @@ class Qwen3_5MoeConfig:
     eos_token_id: int | None = None
 
     model_type: ClassVar[str] = "qwen3_5_moe_text"
+    num_nextn_predict_layers: ClassVar[int] = 0  # no multi-token prediction (DeepSeek-V3's)
 
     @property
     def dim_per_head(self) -> int:

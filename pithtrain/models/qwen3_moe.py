@@ -53,6 +53,7 @@ class Qwen3MoeConfig:
     eos_token_id: int | None = None
 
     model_type: ClassVar[str] = "qwen3_moe"
+    num_nextn_predict_layers: ClassVar[int] = 0  # no multi-token prediction (DeepSeek-V3's)
 
     @property
     def dim_per_head(self) -> int:

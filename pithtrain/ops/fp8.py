@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.ops.kernels import _cdiv, _Kernel, _pow2, use_triton
+from pithtrain.protocol import all_layers
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
@@ -585,7 +586,7 @@ def enable_fp8(model: nn.Module, compiled: bool, recipe: str = "rowwise") -> Non
         if isinstance(m, Linear) or "fp8" in type(m).__dict__:
             m.fp8 = recipe
     if compiled:
-        for layer in model.layers.values():
+        for layer in all_layers(model).values():
             layer.stage1 = _refreshing(layer, layer.stage1)
 
 

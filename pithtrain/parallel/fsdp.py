@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from pithtrain.ops.grouped_gemm import accumulate_grad
 from pithtrain.ops.kernels import add_into
 from pithtrain.parallel.mesh import Mesh
+from pithtrain.protocol import all_layers
 
 
 def expert_modules(model: torch.nn.Module):
@@ -64,7 +65,10 @@ def shard_model(model: torch.nn.Module, mesh: Mesh, bf16_params: bool, reshard_a
             ignored.update(module.parameters())
             continue
         units.append(fully_shard(module, mesh=expert, mp_policy=policy, reshard_after_forward=reshard_after_forward))
-    for layer in model.layers.values():
+    for layer in all_layers(model).values():
+        if hasattr(layer, "shared_head"):  # an MTP layer's head norm runs outside its stages: its own unit
+            units.append(fully_shard(layer.shared_head, mesh=dense, mp_policy=policy,
+                                     reshard_after_forward=reshard_after_forward))
         units.append(fully_shard(layer, mesh=dense, mp_policy=policy, reshard_after_forward=reshard_after_forward,
                                  ignored_params=ignored or None))
         # the engine calls the stages, not forward(): let FSDP gather the weights around them

@@ -250,7 +250,7 @@ class ChunkPair(torch.nn.Module):
         super().__init__()
         self.chunks = (down, up)  # a tuple: not registered, so names carry no chunk prefix
         self.layers = torch.nn.ModuleDict({**down.layers, **up.layers})
-        for name in ("embed_tokens", "norm", "lm_head"):
+        for name in ("embed_tokens", "norm", "lm_head", "mtp"):
             module = getattr(down, name) if getattr(down, name) is not None else getattr(up, name)
             setattr(self, name, module)
 
@@ -340,11 +340,14 @@ def _layer_steps(layer, x, attn, engine, tape, terms, note):
         return layer.stage5(s1, combined)
 
 
-def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, terms, note):
+def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, terms, note, mtp_ids=None, mtp_embedded=None):
     """The model's forward template (embed -> attention inputs -> layers -> norm/head, the same
     in every family) as a generator over `_layer_steps`. Under FSDP, the chunk's own forward
     hooks run around the embedding part and the head part (so the root's weights are gathered
-    again when backward reaches either); the layers gather theirs around their stages."""
+    again when backward reaches either); the layers gather theirs around their stages.
+    Multi-token prediction (DeepSeek-V3) as in the model's forward: the embedding chunk also
+    returns the MTP tokens embedded, the head chunk runs the MTP layers after the last layer and
+    then every head in the last segment (the loss is a root there), from cuts of the hidden states."""
     state = chunk._get_fsdp_state() if isinstance(chunk, FSDPModule) else None
 
     def as_root(fn, *args):
@@ -354,16 +357,35 @@ def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, terms, note):
         return state._post_forward(chunk, args, fn(*args))
 
     def embed(h):
-        h = chunk.embed_tokens(h) if chunk.embed_tokens is not None else h
-        return h, chunk.attn_inputs(pos, doc, h.dtype, cp)
+        embedded = None
+        if chunk.embed_tokens is not None:
+            embedded = chunk.embed_tokens(mtp_ids) if mtp_ids is not None else None
+            h = chunk.embed_tokens(h)
+        return h, chunk.attn_inputs(pos, doc, h.dtype, cp), embedded
 
-    x, attn = as_root(embed, x)
+    x, attn, embedded = as_root(embed, x)
     for layer in chunk.layers.values():
         x = yield from _layer_steps(layer, x, attn, engine, tape, terms, note)
-    if chunk.norm is not None:  # x stays out of the hook's arguments (FSDP would cast it); the
-        # hook still needs one argument on GPUs (it moves args to the device): the integer positions
-        x = as_root(lambda _positions: head_logits(chunk.norm(x), chunk.head_weight()), pos)
-    return x
+    if chunk.norm is None:
+        return x if embedded is None else (x, embedded)
+    mtp = getattr(chunk, "mtp", None) if mtp_embedded is not None else None
+    hidden = [(x, len(tape.roots) - 1)]  # each head's input and the segment that made it
+    for k, layer in enumerate((mtp or {}).values()):
+        x = yield from _layer_steps(layer, torch.cat([mtp_embedded[:, :, k].to(x.dtype), x], -1), attn, engine,
+                                    tape, terms, note)
+        hidden.append((x, len(tape.roots) - 1))
+    last = len(tape.roots) - 1
+    hidden = [tape.cut(h, segment) if segment < last else h for h, segment in hidden]
+
+    def heads(_positions):  # x stays out of the hook's arguments (FSDP would cast it); the hook still
+        # needs one argument on GPUs (it moves args to the device): the integer positions
+        logits = head_logits(chunk.norm(hidden[0]), chunk.head_weight())
+        if mtp is None:
+            return logits
+        return logits, torch.stack([head_logits(layer.shared_head(h), chunk.head_weight())
+                                    for layer, h in zip(mtp.values(), hidden[1:])], 2)
+
+    return as_root(heads, pos)
 
 
 def _backward_steps(tape, outputs, note, fsdp_state=None):
@@ -490,7 +512,8 @@ class PipelineRunner:
                     for d in self.peer}  # what each neighbour sends us, in its order
         posted = {d: 0 for d in self.peer}
         pending_recv, pending_send = {}, []
-        saved = {}  # (phase, mb) -> (input leaf or None, outputs, grads-to-outputs template)
+        saved = {}  # (phase, mb) -> (input leaf or None, outputs, grads-to-outputs template, ...)
+        mtp_stash, mtp_grads = {}, {}  # mb -> the MTP tokens embedded (first chunk), their gradient (head)
         aux_totals = {}  # term name -> sum of its values over this rank's chunk forwards
         b, s = micros[0]["input_ids"].shape
         hidden = self.chunks[0].cfg.hidden_size
@@ -528,12 +551,23 @@ class PipelineRunner:
             engine = self.make_engine(b, s)
             if defer_w:
                 engine.weight_queue = DeferredWeightGrads(add_grad, plain=True)
+            # Multi-token prediction: rank 0's first chunk embeds the MTP tokens, its last chunk (the head)
+            # takes them as a leaf; that leaf's gradient joins the first chunk's backward (mtp_grads).
+            mtp = {}
+            if "mtp_ids" in micro and chunk.embed_tokens is not None:
+                mtp["mtp_ids"] = micro["mtp_ids"]
+            if "mtp_ids" in micro and chunk.norm is not None:
+                mtp["mtp_embedded"] = mtp_stash.pop(mb).detach().requires_grad_()
             tape = _Tape() if self.overlap and hasattr(engine.dispatcher, "dispatch_start") else None
             if tape is None:
-                out = chunk(x, pos, engine, doc_ids=doc, cp=cp)
+                out = chunk(x, pos, engine, doc_ids=doc, cp=cp, **mtp)
             else:
-                out = yield from _chunk_steps(chunk, x, pos, doc, cp, engine, tape, terms, tracer("F", phase, mb))
+                out = yield from _chunk_steps(chunk, x, pos, doc, cp, engine, tape, terms, tracer("F", phase, mb), **mtp)
             outputs, grads = [], []
+            if "mtp_ids" in mtp:  # out: (hidden, the MTP tokens embedded)
+                out, mtp_stash[mb] = out
+                outputs.append(mtp_stash[mb])
+                grads.append("mtp")
             if phase == 1 and rank == 0:
                 outputs.append(loss_fn(out, micro))
                 grads.append(None)
@@ -549,11 +583,11 @@ class PipelineRunner:
                     grads.append(None)
             for name, total in terms.layer_sums(engine.aux, mean=False).items():
                 aux_totals[name] = aux_totals[name] + total if name in aux_totals else total
-            saved[(phase, mb)] = (leaf, outputs, grads, engine.weight_queue, tape)
+            saved[(phase, mb)] = (leaf, outputs, grads, engine.weight_queue, tape, mtp.get("mtp_embedded"))
 
         def backward(phase, mb):
             """Generator: one chunk backward; returns the input gradient to pass on (or None)."""
-            leaf, outputs, grads, queue, tape = saved.pop((phase, mb))
+            leaf, outputs, grads, queue, tape, mtp_leaf = saved.pop((phase, mb))
             chunk = self.chunks[phase]
             if isinstance(chunk, FSDPModule):  # a phase's backwards run in micro-batch order:
                 last = mb == len(micros) - 1  # reduce-scatter and reshard after the last only
@@ -565,6 +599,8 @@ class PipelineRunner:
             for out, g in zip(outputs, grads):
                 if g is None:
                     tensors.append(torch.ones_like(out))
+                elif g == "mtp":
+                    tensors.append(mtp_grads.pop(mb))
                 elif ("grad", phase, mb) in inbox:
                     tensors.append(inbox.pop(("grad", phase, mb)))
                 else:
@@ -574,6 +610,8 @@ class PipelineRunner:
             else:
                 state = chunk._get_fsdp_state() if isinstance(chunk, FSDPModule) else None
                 yield from _backward_steps(tape, list(zip(outputs, tensors)), tracer("B", phase, mb), state)
+            if mtp_leaf is not None:
+                mtp_grads[mb] = mtp_leaf.grad if mtp_leaf.grad is not None else torch.zeros_like(mtp_leaf)
             return None if leaf is None else leaf.grad.to(dtype)
 
         def weights(phase, mb):

@@ -317,3 +317,21 @@ class BatchLoader:
     def epoch_of_step(self, step) -> float:
         """Epochs completed after `step` global batches (samples consumed / num_samples)."""
         return step * self.global_batch_size / self.num_samples
+
+
+def mtp_targets(batch: dict[str, torch.Tensor], depths: int) -> dict[str, torch.Tensor]:
+    """Multi-token prediction's inputs and targets for a batch of windows, [G, S, depths] each:
+    `mtp_ids[:, t, k-1]` is token t+k (what depth k embeds at t; 0 past the window), `mtp_labels[:, t, k-1]`
+    token t+k+1 (what it predicts), -100 past the window or where a label between t and t+k+1 is -100 (a
+    document boundary: the prediction would cross it). Token t+k is input_ids[t+k], or labels[S-1] at S."""
+    ids, labels = batch["input_ids"], batch["labels"]
+    g, s = ids.shape
+    tokens = torch.cat([ids, labels[:, -1:].clamp(min=0), ids.new_zeros(g, depths)], 1)  # 0..S, then padding
+    valid = torch.cat([labels != -100, labels.new_zeros(g, depths, dtype=torch.bool)], 1)
+    padded = torch.cat([labels, labels.new_full((g, depths), -100)], 1)
+    mtp_ids, mtp_labels, chain = [], [], valid[:, :s]
+    for k in range(1, depths + 1):
+        mtp_ids.append(tokens[:, k : k + s])
+        chain = chain & valid[:, k : k + s]  # labels t .. t+k all kept: tokens t .. t+k+1 in one document
+        mtp_labels.append(torch.where(chain, padded[:, k : k + s], -100))
+    return {"mtp_ids": torch.stack(mtp_ids, 2), "mtp_labels": torch.stack(mtp_labels, 2)}

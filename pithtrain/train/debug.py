@@ -22,6 +22,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from pithtrain.config import UserError
+from pithtrain.protocol import all_layers
 
 
 def chosen_steps(spec: str) -> set[int]:
@@ -60,7 +61,7 @@ class NormLog:
     def watch(self, model) -> None:
         """Wrap stages 1, 3, 5 of every layer (after compile and FSDP: the outermost call) and hook
         the embedding and the final norm."""
-        for layer in model.layers.values():
+        for layer in all_layers(model).values():
             for n in (1, 3, 5):
                 stage = getattr(layer, f"stage{n}")
                 setattr(layer, f"stage{n}", lambda *a, _f=stage, _n=f"layer{layer.layer_id}.stage{n}", **k:

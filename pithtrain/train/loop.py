@@ -36,10 +36,10 @@ from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispa
 from pithtrain.parallel.fsdp import clip_grads, expert_modules, global_grad_norm, keep_local_experts, shard_model
 from pithtrain.parallel.mesh import Mesh
 from pithtrain.parallel.pipeline import ChunkPair, PipelineRunner, build_chunks, dualpipev_schedule
-from pithtrain.protocol import LossTerms, StepSums, named_range
+from pithtrain.protocol import LossTerms, StepSums, all_layers, named_range
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
-from pithtrain.train.data import BatchLoader, TokenDataset
+from pithtrain.train.data import BatchLoader, TokenDataset, mtp_targets
 from pithtrain.train.debug import MemoryRecorder, NormLog, chosen_steps
 from pithtrain.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
 from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step
@@ -59,12 +59,22 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if name == "bf16" else torch.float32
 
 
-def forward_loss(model, micro: dict, engine: ExpertEngine, device, dtype) -> torch.Tensor:
-    """Forward one (device-resident, CP-split) micro-batch; returns its sum of token cross-entropy
-    (the auxiliary loss values are in engine.aux)."""
+def forward_loss(model, micro: dict, engine: ExpertEngine, device, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Forward one (device-resident, CP-split) micro-batch; returns its sums of token cross-entropy, the
+    main one and multi-token prediction's (None without "mtp_ids" in the micro-batch; the auxiliary
+    loss values are in engine.aux)."""
+    mtp = {"mtp_ids": micro["mtp_ids"]} if "mtp_ids" in micro else {}  # DeepSeek-V3 with MTP layers only
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-        logits = model(micro["input_ids"], micro["position_ids"], engine, doc_ids=micro.get("doc_ids"), cp=micro.get("cp"))
-    return cross_entropy_sum(logits, micro["labels"])
+        out = model(micro["input_ids"], micro["position_ids"], engine, doc_ids=micro.get("doc_ids"), cp=micro.get("cp"), **mtp)
+    return head_losses(out, micro)
+
+
+def head_losses(out, micro: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(main cross-entropy sum, MTP cross-entropy sum or None) of a head's output: logits, or
+    (logits, MTP logits [B, S, D, V]) with MTP."""
+    if not isinstance(out, tuple):
+        return cross_entropy_sum(out, micro["labels"]), None
+    return cross_entropy_sum(out[0], micro["labels"]), cross_entropy_sum(out[1], micro["mtp_labels"])
 
 
 def prepare_micro(micro: dict, mesh: Mesh) -> dict:
@@ -252,7 +262,7 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
             f"{f' (+{len(evaluation[1])} for eval)' if evaluation else ''} | {t.steps} steps of {t.global_batch_size} samples",
             flush=True,
         )
-    n_moe = sum(config.model.is_moe_layer(i) for i in range(config.model.num_hidden_layers))
+    n_moe = sum(config.model.is_moe_layer(i) for i in range(config.model.num_hidden_layers + config.model.num_nextn_predict_layers))
     end = t.steps if stop_after is None else min(t.steps, stop_after)
     run = Run(config, mesh, out_dir, dtype, echo, loader, evaluation, found, model, chunks, optimizer, dispatcher,
               balance, log, start, end, n_moe, norms, int(memory_step), capture)
@@ -339,14 +349,19 @@ def train_step(run: Run, step: int, stop) -> Stepped:
         group["lr"] = lr
     batch = run.loader.global_batch(step)
     n_label = int((batch["labels"] != -100).sum())  # over the whole global batch
+    depths = config.model.num_nextn_predict_layers
+    if depths:  # multi-token prediction: each depth's input tokens and labels
+        batch.update(mtp_targets(batch, depths))
+    n_mtp_label = int((batch["mtp_labels"] != -100).sum()) if depths else 0
     micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
     n_micro_global = len(micros) * mesh.data_ranks
-    terms = LossTerms(t, n_label, n_micro_global, run.n_moe)  # how the loss is composed (protocol.py)
+    terms = LossTerms(t, n_label, n_micro_global, run.n_moe, n_mtp_label)  # how the loss is composed (protocol.py)
     sums = StepSums(device)
     run.engines.clear()
     if run.chunks is not None:
-        ce, aux = pipeline_step(run.runner, micros, terms, device, run.dtype)
+        ce, mtp_ce, aux = pipeline_step(run.runner, micros, terms, device, run.dtype)
         sums.ce += ce
+        sums.mtp += mtp_ce
         for name, value in aux.items():
             sums.aux[name] += value
     else:
@@ -354,16 +369,18 @@ def train_step(run: Run, step: int, stop) -> Stepped:
             if mesh.world > 1:  # accumulate unsharded gradients; reduce-scatter after the last micro-batch
                 model.set_requires_gradient_sync(i == len(micros) - 1)
             engine = run.new_engine(*micro["input_ids"].shape)
-            ce = forward_loss(model, micro, engine, device, run.dtype)
+            ce, mtp_ce = forward_loss(model, micro, engine, device, run.dtype)
             for name, value in terms.layer_sums(engine.aux, mean=True).items():
                 sums.aux[name] += value
-            terms.micro_loss(ce, engine.aux).backward()
+            terms.micro_loss(ce, engine.aux, mtp_ce).backward()
             sums.ce += ce.detach().double()
+            if mtp_ce is not None:
+                sums.mtp += mtp_ce.detach().double()
     if stop is not None and stop.signum:  # summed with the losses, so every rank stops after the same step
         sums.request_stop()
     # cross-entropy: pipeline rank 0 of every dp x cp x ep rank holds a share; aux terms: every rank
     group = None if mesh.pp > 1 or mesh.world == 1 else mesh.dense_mesh.get_group()
-    ce_sum, aux_sums, stops = sums.reduce(group, mesh.world, mesh.cp)  # the step's one host sync for its scalars
+    ce_sum, mtp_sum, aux_sums, stops = sums.reduce(group, mesh.world, mesh.cp)  # the step's one host sync for its scalars
     loss = ce_sum / max(n_label, 1)
     halt = stops and step + 1 < run.end
     params = list(model.parameters())
@@ -387,7 +404,10 @@ def train_step(run: Run, step: int, stop) -> Stepped:
         torch.cuda.synchronize(device)
         if run.capture and step + 1 == run.capture[1]:
             torch.cuda.profiler.stop()
-    return Stepped(loss, StepSums.metrics(aux_sums, n_micro_global), lr, grad_norm, n_label,
+    metrics = StepSums.metrics(aux_sums, n_micro_global)
+    if depths:  # the mean token cross-entropy over every depth's labels
+        metrics["mtp_loss"] = mtp_sum / max(n_mtp_label, 1)
+    return Stepped(loss, metrics, lr, grad_norm, n_label,
                    batch["input_ids"].numel(), balance_ep, halt)
 
 
@@ -479,7 +499,7 @@ def evaluate(parts, runner, evaluation, config: RunConfig, mesh: Mesh, dispatche
         micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
         if runner is None:
             for micro in micros:
-                ce += forward_loss(parts[0], micro, ExpertEngine(dispatcher, None, *micro["input_ids"].shape), device, dtype).double()
+                ce += forward_loss(parts[0], micro, ExpertEngine(dispatcher, None, *micro["input_ids"].shape), device, dtype)[0].double()
             continue
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             ce += runner.forward_only(micros, lambda logits, micro: cross_entropy_sum(logits, micro["labels"]),
@@ -577,7 +597,7 @@ def compile_stages(model) -> None:
     """torch.compile(fullgraph=True) the dense stages (1: norms, attention, router; 5: the
     weighted sum) of every layer. The expert stage and the dispatch planning stay eager (their
     shapes depend on the routing). Layers of one family share their graphs."""
-    for layer in model.layers.values():
+    for layer in all_layers(model).values():
         layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
         layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
 
@@ -590,7 +610,7 @@ def recompute_stages(model, mode: str) -> None:
     a recomputation stays inside one segment of DualPipeV's backward."""
     for experts in expert_modules(model) if mode == "selective" else ():
         experts.recompute_act = True
-    for layer in model.layers.values() if mode == "full" else ():
+    for layer in all_layers(model).values() if mode == "full" else ():
         layer.stage1, layer.stage3 = _checkpointed(layer.stage1), _checkpointed(layer.stage3)
 
 
@@ -627,21 +647,23 @@ def start_profiler(device: torch.device):
     return profiler
 
 
-def pipeline_step(runner, micros, terms: LossTerms, device, dtype) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def pipeline_step(runner, micros, terms: LossTerms, device, dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """One optimizer step's forward/backward through the pipeline (this rank's part); returns the
-    cross-entropy sum and, per auxiliary term, the sum over micro-batches of its layer mean."""
-    ce_sums = []
+    cross-entropy sums (main, MTP) and, per auxiliary term, the sum over micro-batches of its layer mean."""
+    ce_sums, mtp_sums = [], []
 
-    def loss_fn(logits, micro):
-        ce = cross_entropy_sum(logits, micro["labels"])
+    def loss_fn(out, micro):
+        ce, mtp_ce = head_losses(out, micro)
         ce_sums.append(ce.detach().double())
-        return terms.ce_share(ce)
+        if mtp_ce is not None:
+            mtp_sums.append(mtp_ce.detach().double())
+        return terms.ce_share(ce, mtp_ce)
 
     lists = dualpipev_schedule(runner.mesh.pp, len(micros), defer_w=True)  # expert weight grads in W passes
     with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
         aux_totals = runner.run(micros, loss_fn, lists, terms)
-    ce = torch.stack(ce_sums).sum() if ce_sums else torch.zeros((), dtype=torch.float64, device=device)
-    return ce, {name: total / max(terms.n_layers, 1) for name, total in aux_totals.items()}
+    ce, mtp_ce = (torch.stack(x).sum() if x else torch.zeros((), dtype=torch.float64, device=device) for x in (ce_sums, mtp_sums))
+    return ce, mtp_ce, {name: total / max(terms.n_layers, 1) for name, total in aux_totals.items()}
 
 
 def step_expert_loads(engines: list[ExpertEngine]) -> dict[int, torch.Tensor]:
