@@ -225,6 +225,8 @@ def test_mtp_matches_the_report_equations(tmp_path):
     assert batch["mtp_labels"][1, :, 0].tolist() == ids[1, 2:].tolist() + [-100]
     assert batch["mtp_labels"][0, 5, 0] == -100 and batch["mtp_labels"][0, 6, 0] == -100 and batch["mtp_labels"][0, 4, 0] == ids[0, 6]
     assert batch["mtp_ids"][1, :, 1].tolist() == ids[1, 2:].tolist() + [0]
+    # depth 2 at t predicts token t+3: t = 3 reaches token 6, its document's last; t = 4, 5 would cross
+    assert batch["mtp_labels"][0, 3, 1] == ids[0, 6] and (batch["mtp_labels"][0, 4:7, 1] == -100).all()
     n_label, n_mtp = int((labels != -100).sum()), int((batch["mtp_labels"] != -100).sum())
     terms = LossTerms(SimpleNamespace(lb_coef=0.0, mtp_coef=0.3), n_label, 1, 0, n_mtp)
 
