@@ -3,7 +3,8 @@ train.mtp_coef 0.3) from the same initialisation on the stdlib corpus (`make dat
 
 Both runs draw the same main-model weights (init_by_name seeds each parameter by its name) and the same
 batches; the only difference is the MTP layer and its loss. Compares the main loss (the logged `loss`,
-MTP excluded) at the end: the mean over the last 50 steps, and the held-out eval loss at the last step.
+MTP excluded) at the end: the mean over the last 50 steps, and the held-out loss (the last 64 samples
+of the corpus, out of both runs' training) at the last step.
 Writes a plot and one JSON line to benchmarks/results.jsonl.
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/mtp_loss.py --steps 500 --plot docs/mtp_loss.png
@@ -29,7 +30,7 @@ EXAMPLE = "examples/deepseek_v3_tiny.py"
 
 def train(out: str, steps: int, depths: int, eval_every: int) -> list[dict]:
     cmd = [sys.executable, "-m", "pithtrain", "train", EXAMPLE, "--out", out, "--steps", str(steps),
-           "--set", f"model.num_nextn_predict_layers={depths}", "--set", f"train.eval_every={eval_every}",
+           "--set", f"model.num_nextn_predict_layers={depths}", "--set", f"train.eval_every={eval_every}", "--set", "data.eval_samples=64",
            "--set", "train.checkpoint_every=0", "--set", "train.log_every=50"]
     subprocess.run(cmd, check=True)
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
