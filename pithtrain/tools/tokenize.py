@@ -51,21 +51,36 @@ def _input_files(paths: list[Path]) -> Iterator[Path]:
         yield from _walk_files(path) if path.is_dir() else [path]
 
 
-def check_readers(inputs: list[str]) -> None:
-    """Before any work: the library that reads each kind of input is there (pyarrow for .parquet,
-    `datasets` for a save_to_disk directory), and no input is a DatasetDict."""
-    needed = {}
+def check_readers(inputs: list[str], text_field: str) -> None:
+    """Before any work: every parquet file and save_to_disk directory opens and has the text column."""
     for file in _input_files([Path(p) for p in inputs]):
+        if file.is_dir() or file.suffix.lower() == ".parquet":
+            _table_batches(file, text_field)
+
+
+def _table_batches(file: Path, text_field: str) -> Iterator[list]:
+    """The text column of a parquet file (pyarrow) or a save_to_disk directory (`datasets`), batch by
+    batch: bounded memory. A missing reader library or column is an error naming the file."""
+    module = "datasets" if file.is_dir() else "pyarrow"
+    try:
         if file.is_dir():
-            needed.setdefault("datasets", f"{file} is a Hugging Face dataset (save_to_disk)")
-        elif file.suffix.lower() == ".parquet":
-            needed.setdefault("pyarrow.parquet", f"{file} is parquet")
-    for module, what in needed.items():
-        try:
-            __import__(module)
-        except ImportError:
-            raise UserError(f"input {what}: reading it needs the {module.split('.')[0]} package; "
-                            f"pip install {module.split('.')[0]} (or pip install -e '.[data]')") from None
+            from datasets import load_from_disk
+        else:
+            import pyarrow.parquet as pq
+    except ImportError:
+        kind = "a Hugging Face dataset (save_to_disk)" if file.is_dir() else "parquet"
+        raise UserError(f"input {file} is {kind}: reading it needs the {module} package; pip install {module} "
+                        "(or pip install -e '.[data]')") from None
+    try:
+        table = load_from_disk(str(file)) if file.is_dir() else pq.ParquetFile(file)
+    except Exception as e:  # the libraries' errors name no file
+        raise ValueError(f"{file}: not a readable {module} dataset ({e})") from None
+    columns = table.column_names if file.is_dir() else table.schema_arrow.names
+    if text_field not in columns:
+        raise ValueError(f"{file}: no column {text_field!r} (it has {', '.join(columns)}); pass --text-field")
+    if file.is_dir():
+        return (batch[text_field] for batch in table.iter(1024))
+    return (batch.column(0).to_pylist() for batch in table.iter_batches(1024, columns=[text_field]))
 
 
 def _texts(where, values, text_field: str) -> Iterator[str]:
@@ -76,11 +91,6 @@ def _texts(where, values, text_field: str) -> Iterator[str]:
                              "pass --text-field with the column that holds the text")
         if value:
             yield value
-
-
-def _check_column(where: Path, columns: list[str], text_field: str) -> None:
-    if text_field not in columns:
-        raise ValueError(f"{where}: no column {text_field!r} (it has {', '.join(columns)}); pass --text-field")
 
 
 def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
@@ -94,34 +104,19 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
             raise FileNotFoundError(f"input {path} not found")
     skipped = []
     for file in _input_files(paths):
-        if file.is_dir():
-            from datasets import load_from_disk
-
-            data = load_from_disk(str(file))
-            _check_column(file, data.column_names, text_field)
-            batches = (b[text_field] for b in data.iter(1024))
-        elif file.suffix.lower() == ".parquet":
-            import pyarrow.parquet as pq
-
-            try:
-                table = pq.ParquetFile(file)
-            except Exception as e:  # pyarrow's errors name no file
-                raise ValueError(f"{file}: not a readable parquet file ({e})") from None
-            _check_column(file, table.schema_arrow.names, text_field)
-            batches = (b.column(0).to_pylist() for b in table.iter_batches(1024, columns=[text_field]))
-        else:
-            try:
-                text = file.read_bytes().decode("utf-8")
-            except UnicodeDecodeError:
-                skipped.append(file)
-                continue
-            if file.suffix.lower() in _JSON_LINES_SUFFIXES:
-                yield from _json_lines_texts(file, text, text_field)
-            elif text:
-                yield text
+        if file.is_dir() or file.suffix.lower() == ".parquet":
+            for batch in _table_batches(file, text_field):  # a column batch by batch: bounded memory
+                yield from _texts(file, batch, text_field)
             continue
-        for batch in batches:  # a column batch by batch: bounded memory
-            yield from _texts(file, batch, text_field)
+        try:
+            text = file.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            skipped.append(file)
+            continue
+        if file.suffix.lower() in _JSON_LINES_SUFFIXES:
+            yield from _json_lines_texts(file, text, text_field)
+        elif text:
+            yield text
     if skipped:
         warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text, e.g. {skipped[0]}", stacklevel=2)
 
@@ -327,7 +322,7 @@ def _argument_error(args) -> str | None:
         return f"--out: {e}"
     if Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
         return f"--out {args.out} already holds a dataset; choose a new directory, or pass --overwrite to replace it"
-    check_readers(args.inputs)
+    check_readers(args.inputs, args.text_field)
     return None
 
 
