@@ -73,7 +73,7 @@ def _check_only(args, config, out: Path, world: int) -> int:
     directory, data, resume or init_from), with the warnings it would print; then the config (JSON), or
     the startup line's sizes, the estimated memory per GPU and what it would resume from. Nothing is written."""
     from pithtrain.config import describe, run_dict
-    from pithtrain.train.loop import check_run, model_sizes, pick_device, size_text
+    from pithtrain.train.loop import check_run, count_text, model_sizes, pick_device, size_text
     from pithtrain.train.memory import estimate
     from pithtrain.train.rundir import check_out
 
@@ -90,7 +90,8 @@ def _check_only(args, config, out: Path, world: int) -> int:
     loader, _, found = check_run(config, out, args.stop_after, echo=True, create=False)
     p = config.parallel
     stages = [f"{r['total']:.1f} GiB" if r["total"] >= 1 else f"{r['total'] * 1024:.0f} MiB" for r in estimate(config, world)]
-    print(f"model {config.model.model_type}: {size_text(config, loader, model_sizes(config.model))}\n"
+    counts = model_sizes(config.model)
+    print(f"model {config.model.model_type}: {count_text(counts[0])} parameters | {size_text(config, loader, counts)}\n"
           f"estimated peak memory per GPU (bf16; the estimate-memory skill): {', '.join(stages)}"
           f"{' (pipeline stage 0, 1, ...)' if len(stages) > 1 else ''}\n"
           f"dry run ok: {world} process(es), mesh pp={p.pp} dp={world // (p.pp * p.cp * p.ep)} cp={p.cp} ep={p.ep}; "

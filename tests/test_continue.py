@@ -95,8 +95,10 @@ def test_dry_run_warns_as_the_run_does_and_logs_continue_across_a_resume(tmp_pat
     run = tmp_path / "run"
     dry, _ = cli(["train", config, "--out", run, "--dry-run"], capsys)
     out, _ = cli(["train", config, "--out", run], capsys)
-    sizes = re.search(r"^model qwen3_moe: .*steps per epoch [\d.]+", dry, re.M).group(0)
-    assert f"{sizes} | mesh" in out and "active per token" in sizes and "256 tokens per step" in sizes
+    total, sizes = re.search(r"^(model qwen3_moe: [\d,]+ parameters) \| (.*steps per epoch [\d.]+)$", dry, re.M).groups()
+    banner = next(line for line in out.splitlines() if line.startswith("model "))
+    assert banner.startswith(f"{total} |") and banner.endswith(f" | {sizes}"), (dry, banner)
+    assert "parameters active per token" in sizes and "256 tokens per step" in sizes
     assert re.search(r"^estimated peak memory per GPU .*: \d+ MiB$", dry, re.M), dry
 
     with open(next((run / "checkpoints" / "step_00000004").glob("*.distcp")), "r+b") as f:

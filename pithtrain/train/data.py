@@ -320,9 +320,6 @@ class BatchLoader:
         """Epochs completed after `step` global batches (samples consumed / num_samples)."""
         return step * self.global_batch_size / self.num_samples
 
-    def steps_per_epoch(self) -> list[float]:
-        return [self.num_samples / self.global_batch_size]
-
 
 BLEND_PERIOD = 1 << 16  # stream positions after which a blend's interleave repeats: weights exact to 1/65536
 

@@ -249,10 +249,10 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
                      start=start)
     if echo and start == 0:
         print(
-            f"model {config.model.model_type}: {sizes}{f' ({_count(n_held)} held by this rank)' if n_held != n_total else ''}"
-            f" | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | device {device}{threads} | compute {dtype} | "
-            f"{loader.num_samples} samples of {config.data.seq_len} tokens{f' (+{len(evaluation[1])} for eval)' if evaluation else ''}"
-            f" | {t.steps} steps of {t.global_batch_size} samples",
+            f"model {config.model.model_type}: {count_text(n_total)} parameters"
+            f"{f' ({count_text(n_held)} held by this rank)' if n_held != n_total else ''} | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
+            f"device {device}{threads} | compute {dtype} | {loader.num_samples} samples of {config.data.seq_len} tokens"
+            f"{f' (+{len(evaluation[1])} for eval)' if evaluation else ''} | {t.steps} steps of {t.global_batch_size} samples | {sizes}",
             flush=True,
         )
     n_moe = sum(config.model.is_moe_layer(i) for i in range(config.model.num_hidden_layers))
@@ -727,19 +727,18 @@ def model_sizes(cfg) -> tuple[int, int]:
 
 
 def size_text(config: RunConfig, loader, counts: tuple[int, int]) -> str:
-    """The startup line's sizes, which --dry-run prints too: parameters (`counts`: model_sizes), tokens
-    per step, steps per epoch."""
-    total, active = counts
-    epochs = loader.steps_per_epoch()
+    """The end of the startup line, which --dry-run prints too: parameters active per token (`counts`:
+    model_sizes), tokens per step, steps per epoch."""
+    active = counts[1]
     if isinstance(loader, BlendLoader):
-        epochs = ": " + ", ".join(f"{n:.1f} of {part.dataset.path}" for n, part in zip(epochs, loader.parts))
+        epochs = ": " + ", ".join(f"{n:.1f} of {part.dataset.path}" for n, part in zip(loader.steps_per_epoch(), loader.parts))
     else:
-        epochs = f" {epochs[0]:.1f}"
-    return (f"{_count(total)} parameters ({_count(active)} active per token), "
-            f"{config.train.global_batch_size * config.data.seq_len:,} tokens per step, steps per epoch{epochs}")
+        epochs = f" {loader.num_samples / loader.global_batch_size:.1f}"
+    return (f"{count_text(active)} parameters active per token, {config.train.global_batch_size * config.data.seq_len:,} "
+            f"tokens per step, steps per epoch{epochs}")
 
 
-def _count(n: int) -> str:
+def count_text(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
 
 
