@@ -263,7 +263,7 @@ class BatchLoader:
         self.num_samples = (dataset.num_tokens - 1) // seq_len - held_out
         if self.num_samples < global_batch_size:
             raise ValueError(
-                f"corpus of {dataset.num_tokens} tokens gives {self.num_samples + held_out} samples of seq_len {seq_len}"
+                f"{dataset.path}: its {dataset.num_tokens} tokens give {self.num_samples + held_out} samples of seq_len {seq_len}"
                 + (f", {held_out} of them held out for eval (data.eval_samples)," if held_out else ",")
                 + f" fewer than one global batch of {global_batch_size} left to train on; "
                 "use more data or a smaller data.seq_len / train.global_batch_size" + (" / data.eval_samples" if held_out else "")
