@@ -70,9 +70,11 @@ def _cmd_train(args) -> int:
 
 def _check_only(args, config, out: Path, world: int) -> int:
     """--print-config and --dry-run: what `train` checks before it starts (config, mesh, device, run
-    directory, data, resume), then the config; nothing is written."""
+    directory, data, resume or init_from), with the warnings it would print; then the config (JSON), or
+    the startup line's sizes, the estimated memory per GPU and what it would resume from. Nothing is written."""
     from pithtrain.config import describe, run_dict
-    from pithtrain.train.loop import check_run, pick_device
+    from pithtrain.train.loop import check_run, count_text, model_sizes, pick_device, size_text
+    from pithtrain.train.memory import estimate
     from pithtrain.train.rundir import check_out
 
     pick_device(config.train.device)
@@ -80,14 +82,20 @@ def _check_only(args, config, out: Path, world: int) -> int:
     parent = next(p for p in (out, *out.parents) if p.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UserError(f"--out {out}: {parent} is not a writable directory; choose another --out")
-    *_, found = check_run(config, out, args.stop_after, echo=False, create=False)
     if args.print_config:
+        check_run(config, out, args.stop_after, echo=False, create=False)
         print(json.dumps(run_dict(config), indent=2))
         return 0
+    print(f"config:\n{describe(config)}", flush=True)
+    loader, _, found = check_run(config, out, args.stop_after, echo=True, create=False)
     p = config.parallel
-    print(f"config:\n{describe(config)}\ndry run ok: {world} process(es), mesh pp={p.pp} dp={world // (p.pp * p.cp * p.ep)} "
-          f"cp={p.cp} ep={p.ep}; {f'would resume from {found}' if found else 'would start at step 0'} in {out}; "
-          f"nothing was written")
+    stages = [f"{r['total']:.1f} GiB" if r["total"] >= 1 else f"{r['total'] * 1024:.0f} MiB" for r in estimate(config, world)]
+    counts = model_sizes(config.model)
+    print(f"model {config.model.model_type}: {count_text(counts[0])} parameters | {size_text(config, loader, counts)}\n"
+          f"estimated peak memory per GPU (bf16; the estimate-memory skill): {', '.join(stages)}"
+          f"{' (pipeline stage 0, 1, ...)' if len(stages) > 1 else ''}\n"
+          f"dry run ok: {world} process(es), mesh pp={p.pp} dp={world // (p.pp * p.cp * p.ep)} cp={p.cp} ep={p.ep}; "
+          f"{f'would resume from {found}' if found else 'would start at step 0'} in {out}; nothing was written")
     return 0
 
 
@@ -133,8 +141,9 @@ def _train_here(args, config, out: Path, launched: bool, stop) -> int:
                   f"{saved}\nresume with: {shlex.join(['pithtrain', *args.argv])}", flush=True)
         elif history:
             held_out = f", eval loss {history[-1]['eval_loss']:.4f}" if "eval_loss" in history[-1] else ""
-            print(f"done: {len(history)} steps, final loss {history[-1]['loss']:.4f}{held_out}; metrics in {out}/metrics.jsonl, "
-                  f"checkpoints in {out}/checkpoints")
+            resumed = f" ({len(history)} after resuming at step {history[0]['step'] - 1})" if history[0]["step"] > 1 else ""
+            print(f"done: step {history[-1]['step']} of {config.train.steps}{resumed}, final loss {history[-1]['loss']:.4f}"
+                  f"{held_out}; metrics in {out}/metrics.jsonl, checkpoints in {out}/checkpoints")
     if mesh is not None:
         import torch.distributed as dist
 
@@ -151,8 +160,8 @@ def _cmd_tokenize(args) -> int:
 def _cmd_convert(args) -> int:
     from pithtrain.tools.hf import convert
 
-    out = convert(args.src, args.dst, overwrite=args.overwrite, echo=lambda line: print(line, file=sys.stderr))
-    print(f"wrote {out}")
+    out, what = convert(args.src, args.dst, overwrite=args.overwrite, echo=lambda line: print(line, file=sys.stderr))
+    print(f"wrote {out}: {what}")
     return 0
 
 
@@ -164,21 +173,24 @@ def _cmd_plot(args) -> int:
 
 
 def _cmd_eval(args) -> int:
-    from pithtrain.tools.hf import evaluate, load_model, load_tokens
+    from pithtrain.tools.hf import evaluate, load_model, load_tokens, trained_seq_len
     from pithtrain.train.loop import pick_device
 
     if args.batch_size < 1:
         raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
-    if args.seq_len < 2 or args.max_tokens is not None and args.max_tokens < 2:
+    if args.seq_len is not None and args.seq_len < 2 or args.max_tokens is not None and args.max_tokens < 2:
         raise UserError(f"--seq-len {args.seq_len} / --max-tokens {args.max_tokens}: each must be at least 2")
     device = pick_device(args.device or "auto", "--device")
-    tokens = load_tokens(args.tokens, args.max_tokens, args.seq_len)
+    seq_len, why = (args.seq_len, "--seq-len") if args.seq_len else trained_seq_len(args.checkpoint)
+    tokens = load_tokens(args.tokens, args.max_tokens, seq_len)
     model = load_model(args.checkpoint)
     if int(tokens.max()) >= model.cfg.vocab_size:
         raise UserError(f"--tokens {args.tokens}: token id {int(tokens.max())} is outside the model's vocabulary "
                         f"[0, {model.cfg.vocab_size}); tokenize with the model's tokenizer")
     loss, count = evaluate(model, tokens, args.batch_size, device)
-    print(json.dumps({"loss": loss, "tokens": count}) if args.json else f"eval loss {loss:.6f} over {count} tokens")
+    rows = f"rows of {tokens.shape[1]} tokens ({why if Path(args.tokens).is_dir() else 'the .npy array'})"
+    print(json.dumps({"loss": loss, "tokens": count, "seq_len": tokens.shape[1]}) if args.json
+          else f"eval loss {loss:.6f} over {count} tokens in {rows}")
     return 0
 
 
@@ -215,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, help="expert-parallel size (parallel.ep); dp = nproc / (pp*cp*ep)")
     p.add_argument("--hsdp", action="store_true", help="replicate weights over dp, shard within cp x ep")
     p.add_argument("--print-config", action="store_true", help="check as train does, print the effective config as JSON, exit")
-    p.add_argument("--dry-run", action="store_true", help="check config, mesh, run directory, data and resume; print; do not train")
+    p.add_argument("--dry-run", action="store_true", help="every check and warning of train (config, mesh, run directory, data, resume, init_from), "
+                   "then sizes, memory per GPU, the checkpoint to resume; do not train")
     p.set_defaults(func=_cmd_train)
 
     p = sub.add_parser("tokenize", help="text files, directories or JSONL -> token dataset")
@@ -238,7 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", required=True, help="a dataset directory of `pithtrain tokenize` (held-out texts "
                    "tokenized with the run's tokenizer.json), or a .npy file of token ids [batch, seq]")
     p.add_argument("--max-tokens", type=int, help="at most this many tokens: a dataset's last N, a .npy's first rows")
-    p.add_argument("--seq-len", type=int, default=128, help="row length for a dataset directory (default 128)")
+    p.add_argument("--seq-len", type=int, help="row length for a dataset directory (default: the model's training "
+                   "data.seq_len, else its config.json's seq_length or max_position_embeddings)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--device", choices=("cpu", "cuda"), help="cpu or cuda (default: cuda when available)")
     p.add_argument("--json", action="store_true", help='print one line {"loss": ..., "tokens": ...}')

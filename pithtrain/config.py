@@ -14,6 +14,7 @@ import inspect
 import io
 import json
 import math
+import os
 import runpy
 import sys
 import textwrap
@@ -42,7 +43,9 @@ MUON_EXCLUDE = ("embed_tokens.*", "lm_head.*", "*norm*", "*bias", "*.mlp.gate.we
 
 @dataclass
 class DataConfig:
-    path: str = ""  # dataset directory written by `pithtrain tokenize`
+    # a dataset directory written by `pithtrain tokenize`, or a blend of several sharing one tokenizer:
+    # {"data/a": 0.7, "data/b": 0.3} or Megatron's [0.7, "data/a", 0.3, "data/b"] (the rule: train/data.py BlendLoader)
+    path: str | dict | list = ""
     seq_len: int = 256  # tokens per sample
     pack_documents: bool = False  # attention restricted to each document (cu_seqlens-style)
     seed: int = 1234  # sample order
@@ -214,6 +217,8 @@ def _parse_value(text: str, annotation: Any, name: str) -> Any:
         if text.lower() in ("none", "null") and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
+        if len(inner) > 1 and text[:1] in ("[", "{"):  # data.path: a blend as JSON
+            return _parse_value(text, Any, name)
         return _parse_value(text, inner[0], name)
     if annotation is bool:
         if text.lower() in ("1", "true", "yes", "on"):
@@ -318,6 +323,26 @@ def runs_dualpipev(config: RunConfig, world_size: int) -> bool:
     return p.pp > 1 or (p.ep > 1 and micro_per_rank >= 2 and p.overlap_ep and not tied)
 
 
+BLEND_MIN_SHARE = 1e-4  # a blend's smallest weight share (data.BLEND_PERIOD gives each dataset whole positions)
+
+
+def data_parts(path: Any, field: str = "data.path") -> list[tuple[str, float]]:
+    """The datasets of data.path and their weight shares (summing to 1): [(path, 1.0)] for one dataset,
+    else those of a blend {path: weight} or [weight, path, weight, path, ...] (Megatron's form)."""
+    if isinstance(path, str):
+        return [(path, 1.0)]
+    pairs = list(path.items()) if isinstance(path, dict) else list(zip(path[1::2], path[::2])) if isinstance(path, list) else []
+    good = (pairs and not (isinstance(path, list) and len(path) % 2)
+            and all(isinstance(p, str) and p and _has_type(w, float) and w > 0 for p, w in pairs))
+    _check(good, f"{field}={path!r}: expected a dataset directory, {{path: weight, ...}} or [weight, path, ...] "
+                 "with weights > 0")
+    _check(len({os.path.realpath(p) for p, _ in pairs}) == len(pairs), f"{field}={path!r}: a dataset is named twice")
+    total = sum(w for _, w in pairs)
+    _check(min(w for _, w in pairs) / total >= BLEND_MIN_SHARE,
+           f"{field}={path!r}: every weight must be at least {BLEND_MIN_SHARE:g} of their sum; drop the tiny ones")
+    return [(p, w / total) for p, w in pairs]
+
+
 def fp8_tensor_cores() -> bool:
     """The visible GPU has FP8 tensor cores: compute capability 8.9 (Ada) or 9.0+ (Hopper)."""
     import torch
@@ -375,6 +400,10 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(t.log_every >= 1, f"train.log_every={t.log_every}: must be at least 1")
     _check(t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0 turns evaluation off)")
     _check(d.eval_samples >= 0, f"data.eval_samples={d.eval_samples}: must be >= 0")
+    blend = len(data_parts(d.path)) > 1
+    _check(not (blend and d.eval_samples and not d.eval_path),
+           f"data.eval_samples={d.eval_samples} holds out the end of one dataset, and data.path is a blend; set "
+           "data.eval_path (a tokenized held-out dataset) or data.eval_samples=0")
     _check(t.eval_every == 0 or d.eval_path or d.eval_samples,
            f"train.eval_every={t.eval_every} needs held-out data: set data.eval_path (a tokenized dataset) or "
            "data.eval_samples=N (the last N samples of data.path)")

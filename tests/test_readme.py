@@ -43,7 +43,7 @@ python() {{ {sys.executable} "$@"; }}
     assert "step 3/3" in result.stdout and "eval loss" in result.stdout
     assert (tmp_path / "runs/mine_hf/tokenizer.json").is_file() and "no tokenizer" not in result.stderr
     assert any(line.startswith("The ") for line in result.stdout.splitlines())  # the generated sample
-    assert (tmp_path / "loss.png").is_file()
+    assert (tmp_path / "runs/mine/metrics.png").is_file() and not list(tmp_path.glob("*.png"))  # nothing in the checkout's root
 
 
 @pytest.mark.fast

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-from pithtrain.config import UserError
+from pithtrain.config import UserError, data_parts, read_json
 from pithtrain.ops.core import cross_entropy_sum
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train import checkpoint as ckpt
@@ -28,10 +28,11 @@ from pithtrain.train.data import TokenDataset
 SHARD_BYTES = 4 * 2**30
 
 
-def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None) -> Path:
+def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, seq_len: int | None = None) -> Path:
     """config.json + safetensors (sharded at 4 GiB with an index), written to a temp dir then renamed.
     With the `dataset` the model trained on: its EOS as the bos/eos/pad ids of config.json and
-    generation_config.json, and its tokenizer as files `AutoTokenizer.from_pretrained` reads."""
+    generation_config.json, and its tokenizer as files `AutoTokenizer.from_pretrained` reads.
+    `seq_len`: the training sequence length, as config.json's `seq_length` (eval's default rows)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -56,6 +57,8 @@ def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None) ->
         total = sum(v.numel() * v.element_size() for v in state.values())
         _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
     hf = model.cfg.to_hf()
+    if seq_len:
+        hf["seq_length"] = seq_len
     if dataset is not None and dataset.eos_id is not None:  # documents end with EOS; BOS and padding reuse it (as GPT-2)
         ids = {f"{k}_token_id": dataset.eos_id for k in ("bos", "eos", "pad")}
         hf.update(ids)
@@ -92,19 +95,22 @@ def write_tokenizer(dataset: TokenDataset, folder: Path, max_length: int | None)
 
 
 def trained_on(ck: Path) -> tuple[TokenDataset | None, str]:
-    """The dataset of the run that wrote checkpoint `ck` (data.path in its meta.json), or None and why not."""
+    """The dataset of the run that wrote checkpoint `ck` (data.path in its meta.json; a blend's first,
+    whose tokenizer they share), or None and why not."""
     path = ckpt.read_meta(ck).get("config", {}).get("data", {}).get("path")
     if not path:
         return None, f"{ck / 'meta.json'} names no data.path"
+    path = data_parts(path)[0][0]
     try:
         return TokenDataset(path), ""
     except (OSError, ValueError) as e:
         return None, f"the run's dataset data.path={path!r} does not open ({e})"
 
 
-def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=print) -> Path:
+def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=print) -> tuple[Path, str]:
     """HF directory -> PithTrain checkpoint, or PithTrain checkpoint/run directory -> HF directory (with
     the tokenizer and token ids of the run's dataset when it is found; else `echo` says why not).
+    Returns the output and what it holds (the step exported).
     An existing non-empty `dst` is replaced only with `overwrite`, and never when it is, holds or lies
     in `src` (replacing it would delete the source)."""
     src, dst = Path(src), Path(dst)
@@ -122,12 +128,34 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         rundir.RunLock(dst).release()  # raises while a run is writing there
     if is_hf_dir(src):
         model = load_model(src)
-        return ckpt.write_checkpoint(dst, {"model": ckpt.canonical_model_state(model)}, {"step": 0, "source": str(src)}, model.cfg.to_hf())
-    model = load_model(src)
-    dataset, why = trained_on(ckpt.resolve_checkpoint(src))
+        return (ckpt.write_checkpoint(dst, {"model": ckpt.canonical_model_state(model)}, {"step": 0, "source": str(src)},
+                                      model.cfg.to_hf()), "a weights-only checkpoint (step 0)")
+    ck = ckpt.resolve_checkpoint(src)
+    model = load_model(ck)
+    dataset, why = trained_on(ck)
     if dataset is None or not dataset.tokenizer_file:
         echo(f"note: no tokenizer written to {dst}: " + (why or f"the run's dataset {dataset.path} has no tokenizer.json"))
-    return write_hf_dir(model, dst, dataset)
+    meta = ckpt.read_meta(ck)
+    seq_len = meta.get("config", {}).get("data", {}).get("seq_len")
+    return write_hf_dir(model, dst, dataset, seq_len), f"the weights of step {meta.get('step')} ({ck})"
+
+
+def trained_seq_len(path: str | Path) -> tuple[int, str]:
+    """eval's default row length for a model: the data.seq_len its run trained at (a checkpoint's or run
+    directory's newest meta.json), else config.json's seq_length (an export of ours), else its
+    max_position_embeddings; and where it came from."""
+    path = Path(path)
+    found = path if is_hf_dir(path) or ckpt.is_checkpoint(path) else next(reversed(ckpt.list_checkpoints(path)), None)
+    if found is None:
+        return 128, "no model found to read it from"  # load_model names what is wrong with the path
+    fix = "move the checkpoint away or pass --seq-len"
+    meta = read_json(found / "meta.json", fix) if ckpt.is_checkpoint(found) else {}
+    seq_len = meta.get("config", {}).get("data", {}).get("seq_len")
+    if seq_len:
+        return seq_len, f"data.seq_len of the run, {found / 'meta.json'}"
+    hf = read_json(found / "config.json", "re-download or re-export it")
+    key = next((k for k in ("seq_length", "max_position_embeddings") if isinstance(hf.get(k), int)), None)
+    return (hf[key], f"{key} of {found / 'config.json'}; --seq-len to choose") if key else (128, "a default")
 
 
 TOKEN_FORMS = ("a .npy file of token ids [batch, seq] or a dataset directory of `pithtrain tokenize` "

@@ -1,6 +1,6 @@
 """`pithtrain tokenize`: turn text files into a token dataset (see pithtrain/train/data.py).
 
-Reads plain-text files, directories and JSON Lines, optionally trains a byte-level BPE tokenizer
+Reads plain-text files, directories, JSON Lines, parquet and `datasets`' save_to_disk directories, optionally trains a byte-level BPE tokenizer
 on them first, tokenizes with Hugging Face `tokenizers` and writes the dataset. `--stdlib` uses
 Python's own standard library sources as a ready-made corpus that needs no download.
 """
@@ -30,34 +30,93 @@ _JSON_LINES_SUFFIXES = (".jsonl", ".json")
 
 
 def _walk_files(root: Path) -> Iterator[Path]:
-    """Files under `root`, recursively, sorted, skipping hidden files and directories."""
+    """Files under `root`, recursively, sorted, skipping hidden files and directories; a directory of
+    `datasets`' save_to_disk (a Dataset) comes as itself, and a DatasetDict's is refused."""
     for dirpath, dirnames, filenames in os.walk(root):
+        if "dataset_dict.json" in filenames:
+            raise UserError(f"input {dirpath} is a Hugging Face DatasetDict (splits {', '.join(sorted(dirnames))}); "
+                            f"pass one split's directory, e.g. {Path(dirpath) / 'train'}")
+        if {"state.json", "dataset_info.json"} <= set(filenames):
+            dirnames[:] = []
+            yield Path(dirpath)
+            continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # in place: prunes the walk
         for name in sorted(filenames):
             if not name.startswith("."):
                 yield Path(dirpath) / name
 
 
+def _input_files(paths: list[Path]) -> Iterator[Path]:
+    for path in paths:
+        yield from _walk_files(path) if path.is_dir() else [path]
+
+
+def check_readers(inputs: list[str], text_field: str) -> None:
+    """Before any work: every parquet file and save_to_disk directory opens and has the text column."""
+    for file in _input_files([Path(p) for p in inputs]):
+        if file.is_dir() or file.suffix.lower() == ".parquet":
+            _table_batches(file, text_field)
+
+
+def _table_batches(file: Path, text_field: str) -> Iterator[list]:
+    """The text column of a parquet file (pyarrow) or a save_to_disk directory (`datasets`), batch by
+    batch: bounded memory. A missing reader library or column is an error naming the file."""
+    module = "datasets" if file.is_dir() else "pyarrow"
+    try:
+        if file.is_dir():
+            from datasets import load_from_disk
+        else:
+            import pyarrow.parquet as pq
+    except ImportError:
+        kind = "a Hugging Face dataset (save_to_disk)" if file.is_dir() else "parquet"
+        raise UserError(f"input {file} is {kind}: reading it needs the {module} package; pip install {module} "
+                        "(or pip install -e '.[data]')") from None
+    try:
+        table = load_from_disk(str(file)) if file.is_dir() else pq.ParquetFile(file)
+    except Exception as e:  # the libraries' errors name no file
+        raise ValueError(f"{file}: not a readable {module} dataset ({e})") from None
+    columns = table.column_names if file.is_dir() else table.schema_arrow.names
+    if text_field not in columns:
+        raise ValueError(f"{file}: no column {text_field!r} (it has {', '.join(columns)}); pass --text-field")
+    if file.is_dir():
+        return (batch[text_field] for batch in table.iter(1024))
+    return (batch.column(0).to_pylist() for batch in table.iter_batches(1024, columns=[text_field]))
+
+
+def _texts(where, values, text_field: str) -> Iterator[str]:
+    """The non-empty strings of a text column; anything else but a missing value is an error naming `where`."""
+    for value in values:
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{where}: column {text_field!r} holds {type(value).__name__}, expected strings; "
+                             "pass --text-field with the column that holds the text")
+        if value:
+            yield value
+
+
 def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
     """Documents from files and directories: JSON Lines files (.jsonl/.json) give obj[text_field]
-    per line, any other file gives its whole text. Non-UTF-8 (binary) files and empty documents
-    are skipped; the number of skipped files is reported with a warning."""
+    per line, parquet files and `datasets`' save_to_disk directories their column text_field, any
+    other file gives its whole text. Non-UTF-8 (binary) files and empty documents are skipped; the
+    number of skipped files is reported with a warning."""
     paths = [Path(p) for p in inputs]
     for path in paths:  # check all up front so a typo fails before hours of work
         if not path.exists():
             raise FileNotFoundError(f"input {path} not found")
     skipped = []
-    for path in paths:
-        for file in _walk_files(path) if path.is_dir() else [path]:
-            try:
-                text = file.read_bytes().decode("utf-8")
-            except UnicodeDecodeError:
-                skipped.append(file)
-                continue
-            if file.suffix.lower() in _JSON_LINES_SUFFIXES:
-                yield from _json_lines_texts(file, text, text_field)
-            elif text:
-                yield text
+    for file in _input_files(paths):
+        if file.is_dir() or file.suffix.lower() == ".parquet":
+            for batch in _table_batches(file, text_field):  # a column batch by batch: bounded memory
+                yield from _texts(file, batch, text_field)
+            continue
+        try:
+            text = file.read_bytes().decode("utf-8")
+        except UnicodeDecodeError:
+            skipped.append(file)
+            continue
+        if file.suffix.lower() in _JSON_LINES_SUFFIXES:
+            yield from _json_lines_texts(file, text, text_field)
+        elif text:
+            yield text
     if skipped:
         warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text, e.g. {skipped[0]}", stacklevel=2)
 
@@ -228,7 +287,8 @@ def unigram_entropy(dataset: TokenDataset) -> float:
 
 
 def add_tokenize_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="*", metavar="INPUT", help="text files, directories (recursive) or .jsonl files")
+    parser.add_argument("inputs", nargs="*", metavar="INPUT", help="text files, directories (recursive), .jsonl or .parquet "
+                        "files, or directories of datasets' save_to_disk")
     parser.add_argument("--out", required=True, metavar="DIR", help="dataset directory to write (new or empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace the dataset at --out (never other files)")
     parser.add_argument("--tokenizer", metavar="FILE", help="an existing tokenizer.json")
@@ -236,7 +296,7 @@ def add_tokenize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vocab-size", type=int, metavar="N", help="vocabulary size for --train-tokenizer (default 4096)")
     parser.add_argument("--stdlib", action="store_true", help="add Python's standard library sources as inputs")
     parser.add_argument("--max-bytes", type=int, default=20_000_000, help="with --stdlib: take at most this many bytes (default 20 MB)")
-    parser.add_argument("--text-field", default="text", help="JSON Lines field holding the text (default: text)")
+    parser.add_argument("--text-field", default="text", help="JSON Lines field or parquet/dataset column holding the text (default: text)")
 
 
 def _argument_error(args) -> str | None:
@@ -262,6 +322,7 @@ def _argument_error(args) -> str | None:
         return f"--out: {e}"
     if Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
         return f"--out {args.out} already holds a dataset; choose a new directory, or pass --overwrite to replace it"
+    check_readers(args.inputs, args.text_field)
     return None
 
 

@@ -10,7 +10,8 @@ A dataset is a directory written by `write_dataset` (usually via `pithtrain toke
 
 `BatchLoader` cuts the token stream into fixed windows of seq_len + 1 tokens and serves them in
 a seeded, per-epoch shuffled order that is a pure function of the step: any step can be
-re-created after a restart without replaying history.
+re-created after a restart without replaying history. `BlendLoader` interleaves several datasets
+by weight (data.path as a blend), with the same property.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from pithtrain.config import UserError
+from pithtrain.config import UserError, data_parts
 
 FORMAT = "pithtrain-tokens-v1"
 TOKENS_FILE, OFFSETS_FILE, META_FILE, TOKENIZER_FILE = "tokens.bin", "doc_offsets.npy", "meta.json", "tokenizer.json"
@@ -252,16 +253,17 @@ class BatchLoader:
     """
 
     def __init__(self, dataset: TokenDataset, seq_len: int, global_batch_size: int, seed: int, pack_documents: bool = False,
-                 held_out: int = 0):
-        """`held_out`: the last windows of the dataset are left out of the order (eval's; see `windows`)."""
+                 held_out: int = 0, stream: tuple = ()):
+        """`held_out`: the last windows of the dataset are left out of the order (eval's; see `windows`).
+        `stream`: more seed words (a blend's dataset index), so that blended datasets get independent orders."""
         if seq_len < 1 or global_batch_size < 1:
             raise ValueError(f"data.seq_len ({seq_len}) and train.global_batch_size ({global_batch_size}) must be >= 1")
         self.dataset, self.seq_len, self.global_batch_size = dataset, seq_len, global_batch_size
-        self.seed, self.pack_documents = seed, pack_documents
+        self.seed, self.pack_documents, self.stream = seed, pack_documents, stream
         self.num_samples = (dataset.num_tokens - 1) // seq_len - held_out
         if self.num_samples < global_batch_size:
             raise ValueError(
-                f"corpus of {dataset.num_tokens} tokens gives {self.num_samples + held_out} samples of seq_len {seq_len}"
+                f"{dataset.path}: its {dataset.num_tokens} tokens give {self.num_samples + held_out} samples of seq_len {seq_len}"
                 + (f", {held_out} of them held out for eval (data.eval_samples)," if held_out else ",")
                 + f" fewer than one global batch of {global_batch_size} left to train on; "
                 "use more data or a smaller data.seq_len / train.global_batch_size" + (" / data.eval_samples" if held_out else "")
@@ -272,7 +274,7 @@ class BatchLoader:
         if epoch not in self._perms:
             if len(self._perms) >= 2:
                 self._perms.pop(max(self._perms, key=lambda e: abs(e - epoch)))  # drop the farthest epoch
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.num_samples)
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch, *self.stream]).permutation(self.num_samples)
         return self._perms[epoch]
 
     def sample_index(self, k: int) -> int:
@@ -335,3 +337,89 @@ def mtp_targets(batch: dict[str, torch.Tensor], depths: int) -> dict[str, torch.
         chain = chain & valid[:, k : k + s]  # labels t .. t+k all kept: tokens t .. t+k+1 in one document
         mtp_labels.append(torch.where(chain, padded[:, k : k + s], -100))
     return {"mtp_ids": torch.stack(mtp_ids, 2), "mtp_labels": torch.stack(mtp_labels, 2)}
+
+
+BLEND_PERIOD = 1 << 16  # stream positions after which a blend's interleave repeats: weights exact to 1/65536
+
+
+def blend_pattern(weights: Sequence[float], period: int = BLEND_PERIOD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One period of a blend: (the dataset of each position, its rank among that dataset's positions
+    in the period, positions per dataset). Dataset d gets q_d = weight_d x period positions (rounded
+    down, the rest to the largest remainders); its j-th sits at the ideal time (j + 1/2) / q_d, and
+    the period lists every dataset's positions in order of those times (ties: the earlier dataset),
+    so that any run of n positions holds each dataset n x weight times, within a sample or two."""
+    exact = np.asarray(weights, dtype=np.float64) * period
+    counts = np.floor(exact).astype(np.int64)
+    counts[np.argsort(counts - exact, kind="stable")[: period - counts.sum()]] += 1
+    which = np.repeat(np.arange(len(counts)), counts)
+    rank = np.concatenate([np.arange(q) for q in counts])
+    order = np.lexsort((which, (rank + 0.5) / counts[which]))
+    return which[order], rank[order], counts
+
+
+class BlendLoader:
+    """Global batches from several datasets by weight (data.path as a blend). Stream position k of
+    the blend is dataset d = which[k % P]'s sample (k // P) x q_d + rank[k % P] of its own order
+    (blend_pattern; P = BLEND_PERIOD), and each dataset's order is a BatchLoader's, seeded by
+    (data.seed, d): a pure function of k, the same on every rank and after a restart."""
+
+    def __init__(self, datasets: list[TokenDataset], weights: list[float], seq_len: int, global_batch_size: int,
+                 seed: int, pack_documents: bool = False):
+        self.parts = [BatchLoader(ds, seq_len, 1, seed, pack_documents, stream=(d,)) for d, ds in enumerate(datasets)]
+        self.which, self.rank, self.counts = blend_pattern(weights)
+        self.global_batch_size, self.seq_len = global_batch_size, seq_len
+        self.num_samples = sum(part.num_samples for part in self.parts)
+
+    def sources(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """The dataset of each sample of global batch `step`, and its position in that dataset's order."""
+        G = self.global_batch_size
+        period, offset = np.divmod(np.arange(step * G, (step + 1) * G, dtype=np.int64), len(self.which))
+        which = self.which[offset]
+        return which, period * self.counts[which] + self.rank[offset]
+
+    def global_batch(self, step: int) -> dict[str, torch.Tensor]:
+        which, position = self.sources(step)
+        order = np.argsort(which, kind="stable")  # grouped by dataset, each group in batch order
+        batches = [part.windows(part._sample_indices(position[which == d]))
+                   for d, part in enumerate(self.parts) if (which == d).any()]
+        back = torch.from_numpy(np.argsort(order))
+        return {k: torch.cat([b[k] for b in batches])[back] for k in batches[0]}
+
+    def dataset_tokens(self, step: int) -> list[int]:
+        """Input tokens of global batch `step` from each dataset, in data.path's order (metrics.jsonl)."""
+        return [int(n) * self.seq_len for n in np.bincount(self.sources(step)[0], minlength=len(self.parts))]
+
+    def steps_per_epoch(self) -> list[float]:
+        """Steps until each dataset has been read once."""
+        return [part.num_samples * len(self.which) / (q * self.global_batch_size) for part, q in zip(self.parts, self.counts)]
+
+
+def open_training_data(path, seq_len: int, global_batch_size: int, seed: int, pack_documents: bool, held_out: int,
+                       model_vocab_size: int) -> BatchLoader | BlendLoader:
+    """The loader of data.path (one dataset, or a blend whose datasets share one tokenizer); each
+    dataset opened and its ids checked against the model's vocabulary, a failure named by its path."""
+    parts = data_parts(path)
+    datasets = []
+    for name, _ in parts:
+        try:
+            datasets.append(TokenDataset(name))
+        except (OSError, ValueError) as e:
+            raise UserError(f"data.path={name!r}: {e}") from None
+        datasets[-1].check_vocab(model_vocab_size)
+    if len(parts) == 1:
+        return BatchLoader(datasets[0], seq_len, global_batch_size, seed, pack_documents, held_out)
+    first = datasets[0]
+    for ds in datasets[1:]:
+        if _tokenizer_of(ds) != _tokenizer_of(first):
+            raise UserError(f"data.path: {ds.path} and {first.path} were tokenized with different tokenizers (tokenizer.json, "
+                            f"vocab_size or eos_id differ); a blend needs one: re-tokenize {ds.path} with "
+                            f"`pithtrain tokenize ... --tokenizer {first.path / TOKENIZER_FILE}`")
+    try:
+        return BlendLoader(datasets, [w for _, w in parts], seq_len, global_batch_size, seed, pack_documents)
+    except ValueError as e:
+        raise UserError(f"data.path: {e}") from None
+
+
+def _tokenizer_of(dataset: TokenDataset) -> tuple:
+    tokenizer = Path(dataset.tokenizer_file).read_bytes() if dataset.tokenizer_file else None
+    return tokenizer, dataset.vocab_size, dataset.eos_id

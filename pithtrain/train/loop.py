@@ -27,7 +27,7 @@ import torch.utils.checkpoint
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 
-from pithtrain.config import ConfigError, RunConfig, UserError, read_json, run_dict, runs_dualpipev, validate
+from pithtrain.config import ConfigError, RunConfig, UserError, data_parts, read_json, run_dict, runs_dualpipev, validate
 from pithtrain.models.routing import update_correction_bias
 from pithtrain.ops.fp8 import enable_fp8
 from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
@@ -39,7 +39,7 @@ from pithtrain.parallel.pipeline import ChunkPair, PipelineRunner, build_chunks,
 from pithtrain.protocol import LossTerms, StepSums, all_layers, named_range
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
-from pithtrain.train.data import BatchLoader, TokenDataset, mtp_targets
+from pithtrain.train.data import BatchLoader, BlendLoader, TokenDataset, mtp_targets, open_training_data
 from pithtrain.train.debug import MemoryRecorder, NormLog, chosen_steps
 from pithtrain.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
 from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step
@@ -191,6 +191,8 @@ def train(
              "tokens": out.n_label}
         if out.ep_balance is not None:
             m["ep_load_balance"] = out.ep_balance
+        if isinstance(run.loader, BlendLoader):  # each dataset's share, in data.path's order
+            m["dataset_tokens"] = run.loader.dataset_tokens(step)
         if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
             m["eval_loss"] = evaluate(run.chunks or (run.model,), run.runner, run.evaluation, config, run.mesh,
                                       run.dispatcher, run.dtype)
@@ -238,8 +240,8 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
     loader, evaluation, found = check_run(config, out_dir, stop_after, echo, create=mesh.is_main)
 
     model, chunks = build_model(config, mesh, dtype, found)
-    with torch.device("meta"):  # the whole model's size, without memory (this rank may build only its pipeline chunks)
-        n_total = sum(p.numel() for p in config.model.build_model().parameters())
+    counts = model_sizes(config.model)
+    sizes, n_total = size_text(config, loader, counts), counts[0]
     # after slicing the experts and sharding: what this rank holds (a DTensor's numel is the whole tensor's)
     n_held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
     norms = None  # the debug skills' instruments (train/debug.py); nothing when unset
@@ -253,13 +255,14 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
     dispatcher = AllToAllDispatch(mesh.ep_group, num_experts) if mesh.ep > 1 else LocalDispatch()
 
     start = resume(config, model, optimizer, mesh, found, out_dir, echo)
-    log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main, wandb_project=t.wandb_project, config=run_dict(config))
+    log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main, wandb_project=t.wandb_project, config=run_dict(config),
+                     start=start)
     if echo and start == 0:
         print(
-            f"model {config.model.model_type}: {_count(n_total)} parameters"
-            f"{f' ({_count(n_held)} held by this rank)' if n_held != n_total else ''} | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
+            f"model {config.model.model_type}: {count_text(n_total)} parameters"
+            f"{f' ({count_text(n_held)} held by this rank)' if n_held != n_total else ''} | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
             f"device {device}{threads} | compute {dtype} | {loader.num_samples} samples of {config.data.seq_len} tokens"
-            f"{f' (+{len(evaluation[1])} for eval)' if evaluation else ''} | {t.steps} steps of {t.global_batch_size} samples",
+            f"{f' (+{len(evaluation[1])} for eval)' if evaluation else ''} | {t.steps} steps of {t.global_batch_size} samples | {sizes}",
             flush=True,
         )
     n_moe = sum(config.model.is_moe_layer(i) for i in range(config.model.num_hidden_layers + config.model.num_nextn_predict_layers))
@@ -448,18 +451,42 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
             tempfile.TemporaryFile(dir=out_dir / "checkpoints").close()
         except OSError as e:
             raise UserError(f"--out {out_dir}: cannot write the run directory ({e}); choose another --out") from None
-    try:
-        dataset = TokenDataset(config.data.path)
-    except (OSError, ValueError) as e:
-        raise UserError(f"data.path={config.data.path!r}: {e}") from None
-    dataset.check_vocab(config.model.vocab_size)
     d = config.data
-    loader = BatchLoader(dataset, d.seq_len, config.train.global_batch_size, d.seed, d.pack_documents,
-                         held_out=0 if d.eval_path else d.eval_samples)
+    loader = open_training_data(d.path, d.seq_len, config.train.global_batch_size, d.seed, d.pack_documents,
+                                0 if d.eval_path else d.eval_samples, config.model.vocab_size)
     found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None)
     if found is not None:  # the newest checkpoint whose files pass their checksums
         check_resume(config, found, stop_after, echo)
+    elif config.train.init_from:
+        check_init_from(config, echo)
     return loader, eval_windows(config, loader), found
+
+
+# HF config fields that do not change what the weights compute: token ids, the initialisation's scale,
+# the longest sequence meant (plain or YaRN RoPE reads its own fields), training's routing-bias step
+NOT_ARCHITECTURE = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "max_position_embeddings",
+                    "bias_update_speed", "architectures", "dtype")
+
+
+def check_init_from(config: RunConfig, echo: bool) -> None:
+    """train.init_from's model has the run's architecture (every HF config field but NOT_ARCHITECTURE's;
+    those keep the run's values), read from its config.json alone; says where the weights come from."""
+    path = Path(config.train.init_from)
+    source = path if ckpt.is_hf_dir(path) or ckpt.is_checkpoint(path) else next(reversed(ckpt.list_checkpoints(path)), None)
+    if source is None:
+        raise UserError(f"train.init_from={path}: neither an HF directory (config.json and *.safetensors) nor a checkpoint "
+                        "or a run directory with one; fix the path or set it to ''")
+    theirs, ours = ckpt.model_config(source).to_hf(), config.model.to_hf()
+    differ = [k for k in sorted(theirs.keys() | ours.keys()) if theirs.get(k) != ours.get(k)]
+    wrong = ["model_type"] if "model_type" in differ else [k for k in differ if k not in NOT_ARCHITECTURE]
+    if wrong:
+        raise UserError(f"train.init_from={path}: its model differs from the run's in " + ", ".join(
+            f"model.{k} ({theirs.get(k)!r} there, {ours.get(k)!r} in the run)" for k in wrong) +
+            "; set the run's model fields to the source's (its config.json) or choose another train.init_from")
+    if echo:
+        kept = [k for k in differ if k not in ("architectures", "dtype")]
+        print(f"init_from: the weights of {source}" + (f" (the run keeps its own {', '.join(kept)})" if kept else ""),
+              flush=True)
 
 
 def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, np.ndarray] | None:
@@ -570,8 +597,9 @@ def _flat(config: dict) -> dict:
     """{"train.steps": 6, ...} from a stored run config (data.path as the real path it names)."""
     flat = {f"{section}.{k}": v for section, fields in config.items() if isinstance(fields, dict) for k, v in fields.items()}
     flat.setdefault("optim.name", "adamw")  # checkpoints from before Muon
-    if isinstance(flat.get("data.path"), str):
-        flat["data.path"] = os.path.realpath(flat["data.path"])
+    if "data.path" in flat:
+        parts = data_parts(flat["data.path"])
+        flat["data.path"] = os.path.realpath(parts[0][0]) if len(parts) == 1 else [[os.path.realpath(p), w] for p, w in parts]
         # the hold-out changes the training order (eval_samples alone does not, with an eval_path)
         flat[HELD_OUT] = 0 if flat.get("data.eval_path") else flat.get("data.eval_samples", 0)
     return flat
@@ -710,14 +738,33 @@ def rank_balance(loads: torch.Tensor, ep: int) -> float:
     return float(per_rank.mean(1).sum() / per_rank.max(1).values.sum().clamp(min=1))
 
 
-def _count(n: int) -> str:
+def model_sizes(cfg) -> tuple[int, int]:
+    """(parameters, parameters active per token: every MoE layer's top-k of its routed experts), counted
+    on the meta device (no memory)."""
+    with torch.device("meta"):
+        named = list(cfg.build_model().named_parameters())
+    routed = sum(p.numel() for name, p in named if ".experts." in name)  # [experts, ...] per layer
+    total = sum(p.numel() for _, p in named)
+    return total, total - routed + routed // max(cfg.num_routed_experts(), 1) * cfg.num_experts_per_tok
+
+
+def size_text(config: RunConfig, loader, counts: tuple[int, int]) -> str:
+    """The end of the startup line, which --dry-run prints too: parameters active per token (`counts`:
+    model_sizes), tokens per step, steps per epoch."""
+    active = counts[1]
+    if isinstance(loader, BlendLoader):
+        epochs = ": " + ", ".join(f"{n:.1f} of {part.dataset.path}" for n, part in zip(loader.steps_per_epoch(), loader.parts))
+    else:
+        epochs = f" {loader.num_samples / loader.global_batch_size:.1f}"
+    return (f"{count_text(active)} parameters active per token, {config.train.global_batch_size * config.data.seq_len:,} "
+            f"tokens per step, steps per epoch{epochs}")
+
+
+def count_text(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
 
 
 def _init_from(model, path: str) -> None:
-    """Copy weights from an HF directory or a PithTrain checkpoint (continued pretraining)."""
-    source = ckpt.load_model(path)
-    if source.cfg != model.cfg:
-        raise UserError(f"train.init_from={path}: its model config differs from the run's model config; "
-                        f"build the run's model from that checkpoint's config.json")
-    model.load_state_dict(source.state_dict())
+    """Copy weights from an HF directory or a PithTrain checkpoint (continued pretraining; check_init_from
+    compared the architectures)."""
+    model.load_state_dict(ckpt.load_model(path).state_dict())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import resource
+import uuid
 from pathlib import Path
 
 import torch
@@ -39,7 +40,8 @@ def format_line(m: dict, total_steps: int, elapsed: float | None = None, eta: fl
 
 class MetricsLog:
     def __init__(self, out_dir: str | Path, tensorboard: bool, enabled: bool = True, wandb_project: str = "",
-                 config: dict | None = None):
+                 config: dict | None = None, start: int = 0):
+        """`start`: the step the run resumes from; the steps after it replace an interrupted attempt's."""
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self.writer = self.wandb = None
@@ -47,7 +49,8 @@ class MetricsLog:
             try:
                 from torch.utils.tensorboard import SummaryWriter
 
-                self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"))
+                # purge_step: TensorBoard hides the earlier event files' steps from here on (a killed attempt's)
+                self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=start + 1)
             except ImportError:
                 print("note: tensorboard is not installed (pip install tensorboard, or make setup); "
                       "train.tensorboard=false silences this", flush=True)
@@ -76,12 +79,21 @@ class MetricsLog:
             self.wandb.finish()
 
 
+WANDB_ID = "wandb_id"  # in the run directory: every attempt of the run logs to this one wandb run
+
+
 def _wandb_run(project: str, out_dir: Path, config: dict | None):
-    """A wandb run named after the run directory; WANDB_MODE (offline, disabled) and the other WANDB_*
-    variables act as wandb documents. `validate` refused a missing package before training."""
+    """A wandb run named after the run directory, the same one across resumes (its id kept in
+    OUT/wandb_id; wandb drops re-logged steps, which a bit-exact resume logs with the same values);
+    WANDB_MODE (offline, disabled) and the other WANDB_* variables act as wandb documents. `validate`
+    refused a missing package before training."""
     import wandb
 
-    return wandb.init(project=project, name=out_dir.resolve().name, dir=str(out_dir), config=config)
+    id_file = out_dir / WANDB_ID
+    run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:12]
+    id_file.write_text(run_id + "\n")
+    return wandb.init(project=project, name=out_dir.resolve().name, dir=str(out_dir), config=config, id=run_id,
+                      resume="allow")
 
 
 def read_metrics(path: str | Path) -> list[dict]:
