@@ -5,8 +5,8 @@ over 4096 positions, mscale = mscale_all_dim = 1.0).
 
 The fields are those of the published config.json of deepseek-ai/DeepSeek-V3 (the layer, width, MLA and
 expert sizes checked on 2026-12-02 against a public configuration of it; the routing groups, YaRN and
-vocabulary as published, not re-checked). Its multi-token-prediction module
-(num_nextn_predict_layers=1) is not built: the released checkpoint's layer 61 is ignored on load. The
+vocabulary as published, not re-checked). Its multi-token-prediction module (num_nextn_predict_layers=1,
+the released checkpoint's layer 61) is built, imported and exported; train.mtp_coef weights its loss. The
 released weights are FP8 block-quantized (quantization_config): dequantize them to bf16 first.
 
 For memory planning (`estimate-memory`) and the multi-node docs: 64 GPUs at ep64 estimate 620 GiB per GPU
@@ -59,6 +59,7 @@ CONFIG = RunConfig(
         tie_word_embeddings=False,
         bos_token_id=0,
         eos_token_id=1,
+        num_nextn_predict_layers=1,
     ),
     data=DataConfig(path="data/corpus", seq_len=4096),
     optim=OptimConfig(lr=2.2e-4, min_lr_ratio=0.1, schedule="cosine", warmup_steps=2000, weight_decay=0.1, grad_clip=1.0),

@@ -68,7 +68,8 @@ def tiny_deepseek_config(data_path, **train) -> RunConfig:
 
 def tiny_deepseek_v3_config(data_path, **train) -> RunConfig:
     """DeepSeek-V3 (DeepseekV3Config's switches): q-LoRA MLA, YaRN with mscale, a dense first layer,
-    grouped noaux_tc routing with the correction bias, a shared expert; four layers, so pp2 gets two each."""
+    grouped noaux_tc routing with the correction bias, a shared expert, one multi-token prediction depth;
+    four layers, so pp2 gets two each."""
     from pithtrain.models.deepseek_v2 import DeepseekV3Config
 
     cfg = tiny_config(data_path, **train)
@@ -79,7 +80,7 @@ def tiny_deepseek_v3_config(data_path, **train) -> RunConfig:
                                  topk_group=1, routed_scaling_factor=2.5, bias_update_speed=0.01,
                                  rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                                "mscale": 1.0, "mscale_all_dim": 1.0},
-                                 max_position_embeddings=128, rope_theta=10000.0)
+                                 max_position_embeddings=128, rope_theta=10000.0, num_nextn_predict_layers=1)
     return cfg
 
 

@@ -275,16 +275,21 @@ V3_MESHES = [*[("v3_ref", name) for name in ["v3_ep2", "v3_dp2ep2", "v3_cp2ep2"]
 
 @pytest.mark.parametrize("ref, name", V3_MESHES, ids=[case[1] for case in V3_MESHES])
 def test_deepseek_v3_does_not_depend_on_the_mesh(runs, dataset_dir, ref, name):
-    """DeepSeek-V3 on ep2, dp2 x ep2, pp2 x ep2 and cp2 x ep2 equals one process: loss per step within
-    1e-6, weights as the other families', the correction biases (moved by the aux-free rule) exactly."""
+    """DeepSeek-V3 with multi-token prediction (one depth, train.mtp_coef 0.3) on ep2, dp2 x ep2, pp2 x ep2
+    (the MTP layer on the head's chunk) and cp2 x ep2 equals one process: loss and mtp_loss per step
+    within 1e-6, weights as the other families' (the MTP layer's included), the correction biases (moved
+    by the aux-free rule; the MTP layer's too) exactly."""
     family = tiny_deepseek_v3_config
     ref_w = final_weights(runs.ref_dir(ref), dataset_dir, family)
     biases = [k for k in ref_w if k.endswith("e_score_correction_bias")]
-    assert len(biases) == 3 and all(ref_w[k].abs().sum() > 0 for k in biases)
+    assert len(biases) == 4 and all(ref_w[k].abs().sum() > 0 for k in biases)
+    assert any(k.startswith("mtp.") and "eh_proj" in k for k in ref_w)
     reference, metrics = runs.ref(ref), runs.metrics(name)
     assert [m["step"] for m in metrics] == [m["step"] for m in reference]
     for a, b in zip(reference, metrics):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-6), a["step"]
+        assert b["mtp_loss"] == pytest.approx(a["mtp_loss"], rel=1e-6), a["step"]
+        assert a["mtp_loss"] > 0
     assert_same_curve(reference, metrics)
     got_w = final_weights(runs.dir(name), dataset_dir, family)
     for key in ref_w:

@@ -100,8 +100,10 @@ def estimate(config, world: int) -> list[dict]:
             d, e = param_counts(cfg, layer_ids, embed, head)
             dense, expert = dense + d, expert + e
             table += cfg.vocab_size * cfg.hidden_size * (int(embed) + int(head))
-            per_token = sum(layer_activation_bytes(cfg, i, config.data.seq_len, t.recompute) for i in layer_ids)
-            per_token = per_token * ACTIVATION_FACTOR + (HEAD_BYTES_PER_LOGIT * cfg.vocab_size if head else 0.0)
+            # the head's chunk also runs the multi-token prediction layers (DeepSeek-V3), each with its head
+            mtp = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers) if head else ()
+            per_token = sum(layer_activation_bytes(cfg, i, config.data.seq_len, t.recompute) for i in [*layer_ids, *mtp])
+            per_token = per_token * ACTIVATION_FACTOR + (HEAD_BYTES_PER_LOGIT * cfg.vocab_size * (1 + len(mtp)) if head else 0.0)
             act += in_flight * tokens * per_token
         local_dense = dense / (dp * cp * ep)
         local_expert = expert / ep / (dp * cp)
