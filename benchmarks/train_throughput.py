@@ -4,13 +4,15 @@ same run, peak memory, GPU time per layer stage (from a profiled step, by defaul
 left out of the medians), and the PithTrain/transformers ratio.
 
     PYTHONPATH=. python benchmarks/train_throughput.py --family qwen3 --layers 4 --seq 4096 --steps 8
-    (--family deepseek_v2 | gpt_oss | qwen3_5: the DeepSeek-V2-Lite / GPT-OSS-20B / Qwen3.5-35B-A3B widths; --compile;
+    (--family deepseek_v2 | gpt_oss | qwen3_5 | moonlight: the DeepSeek-V2-Lite / GPT-OSS-20B / Qwen3.5-35B-A3B /
+     Moonlight-16B-A3B (DeepSeek-V3) widths, --mtp 1: with one multi-token prediction depth; --compile;
      --attention sdpa: GPT-OSS's attention through SDPA with masks instead of ops/attention.py's kernel)
 
 Model FLOPs per token = 6 * (active non-embedding parameters) + 6 * hidden * vocab (LM head)
                         + 6 * layers * seq * head_dim * q_heads (causal attention, fwd+bwd)
                         + 3 * the chunked Gated DeltaNet's forward FLOPs per token (Qwen3.5's linear layers:
-                          ops/delta_rule.chunked_flops, the matmuls of the chunked algorithm at chunk 64).
+                          ops/delta_rule.chunked_flops, the matmuls of the chunked algorithm at chunk 64)
+                        + per MTP depth (--mtp): its layer as above and 6 * hidden * vocab for its pass through the head.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def family_config(family: str, layers: int):
     from pithtrain.config import load_run_config
 
     path = {"qwen3": None, "deepseek_v2": "examples/deepseek_v2_lite.py", "gpt_oss": "examples/gpt_oss_20b.py",
-            "qwen3_5": "examples/qwen3_5_35b_a3b.py"}[family]
+            "qwen3_5": "examples/qwen3_5_35b_a3b.py", "moonlight": "examples/moonlight_16b_a3b.py"}[family]
     if path is None:
         return qwen3_config(layers)
     cfg = load_run_config(path).model
@@ -88,12 +90,15 @@ def flops_per_token(cfg, seq: int) -> float:
         share = cfg.num_experts_per_tok / cfg.num_routed_experts() if ".experts." in name else 1.0
         active += p.numel() * share
     heads = cfg.num_attention_heads
-    if cfg.model_type == "deepseek_v2":
+    if cfg.model_type in ("deepseek_v2", "deepseek_v3"):
         d_qk, d_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
     else:
         d_qk = d_v = getattr(cfg, "head_dim", None) or cfg.dim_per_head
     attn = 0.0
-    for i in range(cfg.num_hidden_layers):
+    # multi-token prediction (DeepSeek-V3): each depth is one more layer (its parameters are in `active`)
+    # and one more pass through the head (lm_head, counted once above)
+    active += cfg.num_nextn_predict_layers * cfg.hidden_size * cfg.vocab_size
+    for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
         if cfg.model_type == "qwen3_5_moe_text" and cfg.layer_type(i) == "linear_attention":
             attn += chunked_flops(1, seq, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim) / seq
             continue
@@ -189,7 +194,9 @@ def transformers_run(cfg, seq: int, batch: int, steps: int, tokens: np.ndarray, 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--family", default="qwen3", choices=["qwen3", "deepseek_v2", "gpt_oss", "qwen3_5"])
+    parser.add_argument("--family", default="qwen3", choices=["qwen3", "deepseek_v2", "gpt_oss", "qwen3_5", "moonlight"])
+    parser.add_argument("--mtp", type=int, default=0, help="multi-token prediction depths (moonlight: DeepSeek-V3's "
+                        "MTP; its FLOPs counted; the transformers loop has none: compare it at --mtp 0)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=1)
@@ -225,6 +232,10 @@ def main():
     from pithtrain.train.data import write_dataset
 
     cfg = family_config(args.family, args.layers)
+    if args.mtp:
+        if args.family != "moonlight":
+            parser.error("--mtp: multi-token prediction is DeepSeek-V3's; use --family moonlight")
+        cfg.num_nextn_predict_layers = args.mtp
     rng = np.random.default_rng(0)
     need = (args.steps + 2) * args.batch * args.accum * (args.seq + 1)
     tokens = rng.integers(0, cfg.vocab_size, size=need, dtype=np.int64)
@@ -241,7 +252,7 @@ def main():
     torch.cuda.empty_cache()
     warm = [m for m in ours[2:] if m["step"] != args.profile_step] or ours
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "fp8": args.fp8, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "fused_wgrad": args.fused_wgrad, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "fused_wgrad": args.fused_wgrad, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30,

@@ -292,6 +292,9 @@ def test_kimi_configs_load():
         config_from_hf({"model_type": "kimi_k25"})
     with pytest.raises(ConfigError, match="quantization_config"):
         config_from_hf({**text, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ConfigError, match="quantization_config 'compressed-tensors'"):  # K2.5's release: INT4 experts
+        config_from_hf({"model_type": "kimi_k25", "text_config": text,
+                        "quantization_config": {"quant_method": "compressed-tensors"}})
 
 
 @pytest.mark.parametrize("change, field", [
