@@ -251,7 +251,7 @@ class ChunkPair(torch.nn.Module):
         self.chunks = (down, up)  # a tuple: not registered, so names carry no chunk prefix
         self.layers = torch.nn.ModuleDict({**down.layers, **up.layers})
         for name in ("embed_tokens", "norm", "lm_head", "mtp"):
-            module = getattr(down, name) if getattr(down, name) is not None else getattr(up, name)
+            module = getattr(down, name, None) if getattr(down, name, None) is not None else getattr(up, name, None)
             setattr(self, name, module)
 
     def correction_biases(self) -> dict:
