@@ -71,12 +71,13 @@ def _cmd_train(args) -> int:
 def _check_only(args, config, out: Path, world: int) -> int:
     """--print-config and --dry-run: what `train` checks before it starts (config, mesh, device, run
     directory, data, resume), then the config; nothing is written."""
-    from pithtrain.config import describe, run_dict
+    from pithtrain.config import describe, ignored_options, run_dict
     from pithtrain.train.loop import check_run, pick_device
-    from pithtrain.train.rundir import check_out
+    from pithtrain.train.rundir import check_out, check_unheld
 
     pick_device(config.train.device)
     check_out(out)
+    check_unheld(out)  # as the real run would be refused
     parent = next(p for p in (out, *out.parents) if p.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UserError(f"--out {out}: {parent} is not a writable directory; choose another --out")
@@ -85,6 +86,8 @@ def _check_only(args, config, out: Path, world: int) -> int:
         print(json.dumps(run_dict(config), indent=2))
         return 0
     p = config.parallel
+    for line in ignored_options(config, world):
+        print(line)
     print(f"config:\n{describe(config)}\ndry run ok: {world} process(es), mesh pp={p.pp} dp={world // (p.pp * p.cp * p.ep)} "
           f"cp={p.cp} ep={p.ep}; {f'would resume from {found}' if found else 'would start at step 0'} in {out}; "
           f"nothing was written")
@@ -151,7 +154,8 @@ def _cmd_tokenize(args) -> int:
 def _cmd_convert(args) -> int:
     from pithtrain.tools.hf import convert
 
-    out = convert(args.src, args.dst, overwrite=args.overwrite, echo=lambda line: print(line, file=sys.stderr))
+    out = convert(args.src, args.dst, overwrite=args.overwrite, echo=lambda line: print(line, file=sys.stderr),
+                  tokenizer=not args.no_tokenizer)
     print(f"wrote {out}")
     return 0
 
@@ -226,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="HF directory (config.json + safetensors), checkpoint, or run directory")
     p.add_argument("dst", help="output: a checkpoint directory (from HF) or an HF directory (from PithTrain)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (never SRC or a directory holding it)")
+    p.add_argument("--no-tokenizer", action="store_true", help="to HF: export the model alone, without the run's tokenizer")
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("plot", help="loss, eval loss, learning rate and tokens/s of runs into one PNG")

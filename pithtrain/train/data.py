@@ -15,6 +15,8 @@ re-created after a restart without replaying history.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import shutil
@@ -25,7 +27,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from pithtrain.config import UserError
+from pithtrain.config import UserError, disk_error
 
 FORMAT = "pithtrain-tokens-v1"
 TOKENS_FILE, OFFSETS_FILE, META_FILE, TOKENIZER_FILE = "tokens.bin", "doc_offsets.npy", "meta.json", "tokenizer.json"
@@ -136,8 +138,11 @@ def write_dataset(
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _install(tmp, path)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        failure = disk_error(e, path, removed=tmp, within=tmp) if isinstance(e, Exception) else None
+        if failure is not None:
+            raise failure from e
         raise
     return meta
 
@@ -152,6 +157,14 @@ def _install(tmp: Path, path: Path) -> None:
     path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class TokenDataset:
@@ -219,6 +232,14 @@ class TokenDataset:
             self.tokenizer_file = str((self.path / meta["tokenizer"]).resolve())
             if not os.path.isfile(self.tokenizer_file):
                 raise FileNotFoundError(f"{self.tokenizer_file} (named by {meta_path}) not found; {_RETOKENIZE}")
+
+    @functools.cached_property
+    def identity(self) -> dict:
+        """What this dataset is, as a run records it (when first asked): its real path, the SHA-256 of its
+        tokenizer.json (None without one) and of its meta.json + doc_offsets.npy (re-tokenizing changes them)."""
+        content = hashlib.sha256(b"".join(_sha256(self.path / name).encode() for name in (META_FILE, OFFSETS_FILE)))
+        return {"path": os.path.realpath(self.path), "tokenizer_sha256": self.tokenizer_file and _sha256(self.tokenizer_file),
+                "content_sha256": content.hexdigest()}
 
     def check_vocab(self, model_vocab_size: int) -> None:
         """Fail early if the data holds ids the model's embedding table cannot look up (step 1 would
