@@ -99,11 +99,12 @@ def _drop_unused(out: Path) -> None:
     holds only what train wrote on the way (lock, config.json, an empty checkpoints/...), nothing to resume."""
     from pithtrain.train.rundir import LOCK
 
-    ours = {LOCK, "config.json", "checkpoints", "tensorboard"}
+    ours = {LOCK, "config.json", "run_config.json", "checkpoints", "tensorboard", "wandb"}
     if {p.name for p in out.iterdir()} - ours or any((out / "checkpoints").glob("*")):
         return
     (out / "config.json").unlink(missing_ok=True)
-    for name in ("checkpoints", "tensorboard"):
+    (out / "run_config.json").unlink(missing_ok=True)
+    for name in ("checkpoints", "tensorboard", "wandb"):
         shutil.rmtree(out / name, ignore_errors=True)
     (out / LOCK).unlink()  # still held: a process that opens it now makes a new file, and then OUT stays
     try:

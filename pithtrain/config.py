@@ -70,7 +70,7 @@ def disk_error(error: BaseException, path, removed=None, then: str = "run again"
             os.path.abspath(within)):
         return None
     code = errno.errorcode.get(cause.errno, "")
-    fix = _DISK_FIXES.get(cause.errno, "check the disk and its permissions")
+    fix = _DISK_FIXES.get(cause.errno, "check the free space and permissions of that disk")
     return UserError(f"writing {path} failed: {cause.strerror or cause}{f' ({code})' if code else ''}"
                      f"{f'; removed {removed}' if removed else ''}; {fix}, then {then}")
 
