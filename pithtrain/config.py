@@ -450,6 +450,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(p.timeout_s <= _MAX_TIMEOUT_S, f"parallel.timeout_s={p.timeout_s}: at most {_MAX_TIMEOUT_S:.0f} s (a year)")
     check_positive(o, "eps", "optim.")
     _check(d.seed >= 0, f"data.seed={d.seed}: must be >= 0")
+    _check(0 <= t.seed < 2**32, f"train.seed={t.seed}: must be in [0, 2**32) (seeds per parameter are derived from it)")
     _check(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
     _check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype={t.dtype!r}: use auto, fp32 or bf16")
     _check(t.fp8 in ("off", "rowwise", "rowwise_bf16_wgrad"),
@@ -482,7 +483,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(
         world_size % model_parallel == 0,
         f"mesh pp={p.pp} x cp={p.cp} x ep={p.ep} = {model_parallel} does not divide the {world_size} processes; "
-        f"choose --nproc as a multiple of {model_parallel}",
+        f"choose --nproc as a multiple of {model_parallel}, or lower parallel.pp, parallel.cp or parallel.ep",
     )
     dp = world_size // model_parallel
     num_experts = config.model.num_routed_experts()
@@ -498,7 +499,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
         f"use a multiple of {t.micro_batch_size * data_ranks}",
     )
     _check(
-        not t.init_from or Path(t.init_from).exists(),
+        not t.init_from or os.path.exists(t.init_from),  # False, not an error, for a name too long
         f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''",
     )
     _check(d.eval_samples % (t.micro_batch_size * data_ranks) == 0,
