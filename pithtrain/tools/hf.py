@@ -95,8 +95,8 @@ def write_tokenizer(dataset: TokenDataset, folder: Path, max_length: int | None)
 def trained_on(ck: Path, echo=print) -> TokenDataset | None:
     """The dataset whose tokenizer an export of checkpoint `ck` carries: the one its run recorded (real
     path and identity, meta.json's "dataset"), found unchanged. None, said through `echo`, when the run
-    had no tokenizer or recorded no identity and its data.path cannot be placed; a recorded tokenizer
-    that is gone or differs is a UserError (--no-tokenizer exports the model alone)."""
+    had no tokenizer, its dataset is gone, or it recorded no identity and its data.path cannot be placed;
+    a tokenizer that differs from the recorded one is a UserError (--no-tokenizer exports the model alone)."""
     meta = ckpt.read_meta(ck)
     recorded = meta.get("dataset")
     path = recorded["path"] if recorded else meta.get("config", {}).get("data", {}).get("path")
@@ -106,17 +106,14 @@ def trained_on(ck: Path, echo=print) -> TokenDataset | None:
     if not recorded and not (path and os.path.isabs(path)):  # a run from before datasets were recorded
         return echo(f"{no_tokenizer}{ck / 'meta.json'} records no dataset and data.path={path!r} is relative (to a "
                     "working directory it does not name); copy the run's tokenizer.json by hand")
-    fix = "restore it, or pass --no-tokenizer to export the model alone"
     try:
         dataset = TokenDataset(path)
-    except (OSError, ValueError) as e:
-        if recorded:
-            raise UserError(f"convert: the run's dataset {path}, whose tokenizer the export carries, does not open "
-                            f"({e}); {fix}") from None
+    except (OSError, ValueError) as e:  # gone: the export is visibly without a tokenizer, never with a wrong one
         return echo(f"{no_tokenizer}the run's dataset data.path={path!r} does not open ({e})")
     if recorded and dataset.identity["tokenizer_sha256"] != recorded["tokenizer_sha256"]:
         raise UserError(f"convert: {dataset.tokenizer_file or path} is not the tokenizer the run trained with (its "
-                        f"SHA-256 differs from the one {ck / 'meta.json'} records); {fix}")
+                        f"SHA-256 differs from the one {ck / 'meta.json'} records); restore it, or pass --no-tokenizer "
+                        "to export the model alone")
     if not dataset.tokenizer_file:
         echo(f"{no_tokenizer}the run's dataset {path} has no tokenizer.json")
     return dataset

@@ -603,7 +603,7 @@ def save_failed(error: BaseException, out_dir: Path, step: int, is_main: bool) -
     good = ckpt.list_checkpoints(out_dir)
     # DCP wraps a rank's error; PyTorch's writers raise a RuntimeError that names the OS error
     failure = disk_error(ckpt.dcp_cause(error), f"the checkpoint of step {step}", removed=tmp,
-                         then=f"run again to resume from the last good checkpoint, {good[-1] if good else 'none'}")
+                         then=f"run again to resume: the last good checkpoint is {good[-1] if good else 'none'}")
     if failure is None:
         return error
     if is_main:
