@@ -66,9 +66,12 @@ def disk_error(error: BaseException, path, removed=None, then: str = "run again"
     deleted): the OS reason, its errno and the fix. None when `error` is not a disk problem, or (given
     `within`, where the writes go) is about a file outside it: an input that did not read."""
     cause = None if isinstance(error, UserError) else os_cause(error)  # a UserError says what is wrong already
-    if cause is None or within and isinstance(cause.filename, str) and not os.path.abspath(cause.filename).startswith(
-            os.path.abspath(within)):
+    if cause is None:
         return None
+    if within and isinstance(cause.filename, str):  # a file in `within`, or a folder made on the way to it
+        named, where = os.path.abspath(cause.filename), os.path.abspath(within)
+        if not (named.startswith(where) or where.startswith(named + os.sep)):
+            return None
     code = errno.errorcode.get(cause.errno, "")
     fix = _DISK_FIXES.get(cause.errno, "check the free space and permissions of that disk")
     return UserError(f"writing {path} failed: {cause.strerror or cause}{f' ({code})' if code else ''}"

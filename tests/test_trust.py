@@ -242,3 +242,30 @@ def test_meta_json_carries_its_own_checksum(tmp_path, dataset_dir):
     del meta["meta_crc32"]
     (step / "meta.json").write_text(json.dumps(meta))  # as written before the field: still intact
     assert ckpt.check_checkpoint(step) is None
+
+
+@pytest.mark.fast
+def test_a_dataset_directory_that_cannot_be_made_and_an_input_that_does_not_read(tmp_path, monkeypatch):
+    """write_dataset: a folder it cannot create is a write failure (one line, the fix); an input that
+    fails to read while documents stream in is not misreported as one."""
+    from pathlib import Path as P
+
+    made = P.mkdir
+
+    def read_only(self, *args, **kwargs):
+        if "out" in str(self):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(self))
+        return made(self, *args, **kwargs)
+
+    monkeypatch.setattr(P, "mkdir", read_only)
+    with pytest.raises(ValueError, match=r"writing .*ds failed: Read-only file system \(EROFS\).*choose a writable location"):
+        write_dataset(tmp_path / "out" / "ds", [[1, 2, 3]], vocab_size=8, eos_id=0)
+    monkeypatch.undo()
+
+    def docs():
+        yield [1, 2]
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(tmp_path / "corpus.txt"))
+
+    with pytest.raises(PermissionError):  # the input's own error, naming the input
+        write_dataset(tmp_path / "ds2", docs(), vocab_size=8, eos_id=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

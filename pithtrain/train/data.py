@@ -82,11 +82,10 @@ def write_dataset(
     if tokenizer_file is not None and not Path(tokenizer_file).is_file():
         raise FileNotFoundError(f"tokenizer file {tokenizer_file} not found")
     check_output_dir(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        tmp.mkdir(parents=True)
         eos = None if eos_id is None else np.array([eos_id], dtype=dtype)
         offsets = array("q", [0])
         num_tokens, max_token_id = 0, -1

@@ -11,7 +11,6 @@ of `total` itself.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -441,6 +440,7 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
     except (OSError, ValueError) as e:
         raise UserError(f"data.path={config.data.path!r}: {e}") from None
     dataset.check_vocab(config.model.vocab_size)
+    _ = dataset.identity  # hashed now: checkpoints record the dataset the run started on
     check_muon_takes_some(config)
     d = config.data
     loader = BatchLoader(dataset, d.seq_len, config.train.global_batch_size, d.seed, d.pack_documents,
