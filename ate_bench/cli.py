@@ -46,7 +46,10 @@ def cmd_run(args) -> int:
         raise UsageError(f"--out {out}: is a file; give a directory")
     if out.exists() and any(out.iterdir()) and not (out / "ate_bench.json").exists():
         raise UsageError(f"--out {out}: exists and is not an ATE-Bench results directory; choose a new directory")
-    select = [s for part in args.tasks for s in part.replace(",", " ").split()] if args.tasks else None
+    select = [s for part in args.tasks for s in part.replace(",", " ").split()] if args.tasks is not None else None
+    if select == []:
+        raise UsageError(f"--tasks {' '.join(map(repr, args.tasks))}: names no task; give task ids or categories "
+                         "(see `python -m ate_bench list`), or leave --tasks out for all")
     tasks = load_tasks(select)
     out.mkdir(parents=True, exist_ok=True)
     manifest = out / "ate_bench.json"  # marks the directory; the frameworks in the order first run (the report's)
@@ -75,7 +78,7 @@ def cmd_report(args) -> int:
         raise UsageError(f"report {args.dir}: no such directory; pass the --out directory of `ate_bench run`")
     try:
         md, png = write_report(Path(args.dir), args.baseline)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:  # no sessions, an unknown baseline, a result.json that does not read
         raise UsageError(str(e)) from e
     print(md.read_text())
     print(f"report: {md}" + (f", {png}" if png else " (install matplotlib for the plot)"))
@@ -118,6 +121,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, TaskError) as e:
-        print(f"ate_bench: error: {e}", file=sys.stderr)
+    except (UsageError, TaskError, OSError) as e:  # OSError: a directory or file that could not be written or read
+        print(f"ate_bench: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

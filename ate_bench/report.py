@@ -19,8 +19,25 @@ METRICS = (  # (result key, column title): the cost of a session, lower is cheap
 )
 
 
+REQUIRED = ("task", "category", "framework", "repeat", "status", "grade") + tuple(m for m, _ in METRICS)
+
+
 def load_results(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(out.glob("*/*/r*/result.json"))]
+    """Every session's result.json; one that does not read, or lacks a field the report uses, is a
+    ValueError naming it."""
+    results = []
+    for path in sorted(out.glob("*/*/r*/result.json")):
+        try:
+            result = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e}); rerun that session or move it away") from None
+        missing = [k for k in REQUIRED if not isinstance(result, dict) or k not in result]
+        missing += [m for m, _ in METRICS if m not in missing and not isinstance(result[m], (int, float))]
+        if missing or result["category"] not in CATEGORIES:
+            raise ValueError(f"{path} is not a result of `ate_bench run` (missing or bad: {', '.join(missing) or 'category'}); "
+                             "rerun that session or move it away")
+        results.append(result)
+    return results
 
 
 def _mean(values) -> float:

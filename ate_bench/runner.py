@@ -34,7 +34,12 @@ def _git(work: Path, *args: str) -> str:
 def fresh_copy(checkout: Path, work: Path) -> None:
     """A standalone copy: no .git of the original (a worktree's .git file would point back into
     it); a new repository with the starting state committed instead."""
-    shutil.copytree(checkout, work, ignore=COPY_IGNORE, symlinks=True)
+    inside = set(work.resolve().parents)
+
+    def ignore(folder, names):  # and the results directory, when it lies in the checkout (README's --out ate_runs/...)
+        return set(COPY_IGNORE(folder, names)) | {n for n in names if Path(folder, n).resolve() in inside}
+
+    shutil.copytree(checkout, work, ignore=ignore, symlinks=True)
     if shutil.which("git"):
         _git(work, "init", "-q")
         _git(work, "add", "-A")

@@ -72,13 +72,14 @@ def _check_only(args, config, out: Path, world: int) -> int:
     """--print-config and --dry-run: what `train` checks before it starts (config, mesh, device, run
     directory, data, resume or init_from), with the warnings it would print; then the config (JSON), or
     the startup line's sizes, the estimated memory per GPU and what it would resume from. Nothing is written."""
-    from pithtrain.config import describe, run_dict
+    from pithtrain.config import describe, ignored_options, run_dict
     from pithtrain.train.loop import check_run, count_text, model_sizes, pick_device, size_text
     from pithtrain.train.memory import estimate
-    from pithtrain.train.rundir import check_out
+    from pithtrain.train.rundir import check_out, check_unheld
 
     pick_device(config.train.device)
     check_out(out)
+    check_unheld(out)  # as the real run would be refused
     parent = next(p for p in (out, *out.parents) if p.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UserError(f"--out {out}: {parent} is not a writable directory; choose another --out")
@@ -89,6 +90,8 @@ def _check_only(args, config, out: Path, world: int) -> int:
     print(f"config:\n{describe(config)}", flush=True)
     loader, _, found = check_run(config, out, args.stop_after, echo=True, create=False)
     p = config.parallel
+    for line in ignored_options(config, world):
+        print(line)
     stages = [f"{r['total']:.1f} GiB" if r["total"] >= 1 else f"{r['total'] * 1024:.0f} MiB" for r in estimate(config, world)]
     counts = model_sizes(config.model)
     print(f"model {config.model.model_type}: {count_text(counts[0])} parameters | {size_text(config, loader, counts)}\n"
@@ -104,11 +107,12 @@ def _drop_unused(out: Path) -> None:
     holds only what train wrote on the way (lock, config.json, an empty checkpoints/...), nothing to resume."""
     from pithtrain.train.rundir import LOCK
 
-    ours = {LOCK, "config.json", "checkpoints", "tensorboard"}
+    ours = {LOCK, "config.json", "run_config.json", "checkpoints", "tensorboard", "wandb"}
     if {p.name for p in out.iterdir()} - ours or any((out / "checkpoints").glob("*")):
         return
     (out / "config.json").unlink(missing_ok=True)
-    for name in ("checkpoints", "tensorboard"):
+    (out / "run_config.json").unlink(missing_ok=True)
+    for name in ("checkpoints", "tensorboard", "wandb"):
         shutil.rmtree(out / name, ignore_errors=True)
     (out / LOCK).unlink()  # still held: a process that opens it now makes a new file, and then OUT stays
     try:
@@ -160,7 +164,8 @@ def _cmd_tokenize(args) -> int:
 def _cmd_convert(args) -> int:
     from pithtrain.tools.hf import convert
 
-    out, what = convert(args.src, args.dst, overwrite=args.overwrite, echo=lambda line: print(line, file=sys.stderr))
+    out, what = convert(args.src, args.dst, overwrite=args.overwrite, echo=lambda line: print(line, file=sys.stderr),
+                        tokenizer=not args.no_tokenizer)
     print(f"wrote {out}: {what}")
     return 0
 
@@ -239,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="HF directory (config.json + safetensors), checkpoint, or run directory")
     p.add_argument("dst", help="output: a checkpoint directory (from HF) or an HF directory (from PithTrain)")
     p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (never SRC or a directory holding it)")
+    p.add_argument("--no-tokenizer", action="store_true", help="to HF: export the model alone, without the run's tokenizer")
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("plot", help="loss, eval loss, learning rate and tokens/s of runs into one PNG")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import errno
 import importlib.util
 import inspect
 import io
@@ -35,6 +36,48 @@ class ConfigError(UserError):
     """A config problem; the message names the field and the fix."""
 
 
+# What to do when a write fails for a reason of the disk, not of the program.
+_DISK_FIXES = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space within your disk quota",
+               errno.EFBIG: "raise the file-size limit (ulimit -f) or write to another filesystem",
+               errno.EACCES: "make it writable (or choose another location)",
+               errno.EPERM: "make it writable (or choose another location)",
+               errno.EROFS: "the filesystem is read-only: choose a writable location"}
+
+
+def os_cause(error: BaseException) -> OSError | None:
+    """The OSError behind `error`: itself, one in its cause/context chain, or the errno a library's
+    RuntimeError names in its text (PyTorch's writers: "file write failed", "No space left on device")."""
+    seen = error
+    while seen is not None:
+        if isinstance(seen, OSError):
+            return seen
+        seen = seen.__cause__ or (None if seen.__suppress_context__ else seen.__context__)
+    text = str(error)
+    for code in _DISK_FIXES:
+        if os.strerror(code) in text or errno.errorcode[code] in text:
+            return OSError(code, os.strerror(code))
+    if "write failed" in text:  # PyTorch's zip writer hides the errno: a full disk is the likely cause
+        return OSError(errno.EIO, f"write failed ({text.splitlines()[0][:200]})")
+    return None
+
+
+def disk_error(error: BaseException, path, removed=None, then: str = "run again", within=None) -> UserError | None:
+    """A UserError for a failed write of `path` (`removed`: the partial file or directory the caller
+    deleted): the OS reason, its errno and the fix. None when `error` is not a disk problem, or (given
+    `within`, where the writes go) is about a file outside it: an input that did not read."""
+    cause = None if isinstance(error, UserError) else os_cause(error)  # a UserError says what is wrong already
+    if cause is None:
+        return None
+    if within and isinstance(cause.filename, str):  # a file in `within`, or a folder made on the way to it
+        named, where = os.path.abspath(cause.filename), os.path.abspath(within)
+        if not (named.startswith(where) or where.startswith(named + os.sep)):
+            return None
+    code = errno.errorcode.get(cause.errno, "")
+    fix = _DISK_FIXES.get(cause.errno, "check the free space and permissions of that disk")
+    return UserError(f"writing {path} failed: {cause.strerror or cause}{f' ({code})' if code else ''}"
+                     f"{f'; removed {removed}' if removed else ''}; {fix}, then {then}")
+
+
 # Kept on AdamW under optim.name=muon (besides any tensor that is not one matrix, or a stack of expert matrices):
 # embeddings, LM head, norms, biases, router gates (Qwen3/DeepSeek `mlp.gate`, GPT-OSS `mlp.router`), attention sinks.
 MUON_EXCLUDE = ("embed_tokens.*", "lm_head.*", "*norm*", "*bias", "*.mlp.gate.weight", "*.shared_expert_gate.*", "*.router.*",
@@ -54,6 +97,7 @@ class DataConfig:
     # then never reads (0: none held out, the training order of older runs)
     eval_path: str = ""  # held-out dataset for train.eval_every; '' holds out the last eval_samples of path
     eval_samples: int = 0  # held-out samples for train.eval_every (0 with eval_path: all of it)
+    eval_on_train: bool = False  # allow data.eval_path to be data.path itself (its eval loss is then a training loss)
 
 
 @dataclass
@@ -368,6 +412,55 @@ def _check(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+_MAX_TIMEOUT_S = 365 * 86400.0  # a collective timeout beyond any run (a larger one overflows timedelta)
+
+
+def _wandb_can_log() -> bool:
+    """wandb logs offline or disabled (WANDB_MODE), or has an API key (WANDB_API_KEY, or the ~/.netrc entry
+    `wandb login` writes for WANDB_BASE_URL's host): known before any network call."""
+    import netrc
+    from urllib.parse import urlparse
+
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc(os.environ.get("NETRC")).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
+    """Warnings, one line each, for options set away from their default that cannot take effect with
+    the rest of the config (the option they depend on is off); `validate` refuses the ones that would
+    mislead (fp8_emulate with fp8=off, a profile_step past the last step)."""
+    t, o, d, p = config.train, config.optim, config.data, config.parallel
+
+    def changed(section, name):
+        return getattr(section, name) != _default(next(f for f in dataclasses.fields(section) if f.name == name))
+
+    found = [
+        (changed(o, "decay_fraction") and o.schedule != "wsd", f"optim.decay_fraction applies only to optim.schedule=wsd (not {o.schedule})"),
+        (changed(o, "min_lr_ratio") and o.schedule == "constant", "optim.min_lr_ratio has no effect with optim.schedule=constant"),
+        (changed(o, "momentum") and o.name == "adamw", "optim.momentum is Muon's; optim.name=adamw does not use it"),
+        (changed(o, "muon_exclude") and o.name == "adamw", "optim.muon_exclude is Muon's; optim.name=adamw does not use it"),
+        (o.warmup_steps >= t.steps, f"optim.warmup_steps={o.warmup_steps} >= train.steps={t.steps}: the lr never reaches optim.lr"),
+        (changed(t, "lb_type") and t.lb_coef == 0, "train.lb_type has no effect with train.lb_coef=0 (no load-balance loss)"),
+        (changed(t, "keep_checkpoints") and t.checkpoint_every == -1,
+         "train.keep_checkpoints has no effect with train.checkpoint_every=-1 (no checkpoints)"),
+        (changed(t, "seed") and bool(t.init_from), "train.seed initialises the weights that train.init_from replaces"),
+        (bool(d.eval_path) and t.eval_every == 0, "data.eval_path is never read with train.eval_every=0"),
+        (d.eval_samples > 0 and not d.eval_path and t.eval_every == 0, f"data.eval_samples={d.eval_samples} holds samples "
+         "out of training that train.eval_every=0 never evaluates (set train.eval_every=N, or data.eval_samples=0 for a new run)"),
+        (d.eval_on_train and not d.eval_path, "data.eval_on_train applies to data.eval_path, which is not set"),
+        (p.hsdp and world_size // (p.pp * p.cp * p.ep) == 1, "parallel.hsdp has no effect with one data-parallel replica (dp=1)"),
+        (not p.overlap_ep and not (p.pp == 1 and p.ep > 1), "parallel.overlap_ep applies only to pp=1 with ep > 1"),
+        (t.fp8_emulate and t.fp8 != "off" and t.device != "cpu" and fp8_tensor_cores(),
+         "train.fp8_emulate has no effect on a GPU with FP8 tensor cores (FP8 runs natively)"),
+    ]
+    return [f"warning: {text}" for cond, text in found if cond]
+
+
 def validate(config: RunConfig, world_size: int = 1) -> None:
     """Refuse an invalid config before any work starts; each message names the field and the fix."""
     t, o, d, p = config.train, config.optim, config.data, config.parallel
@@ -382,8 +475,10 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be at least 1")
     check_positive(t, "global_batch_size", "train.")
     check_positive(p, "timeout_s", "parallel.")
+    _check(p.timeout_s <= _MAX_TIMEOUT_S, f"parallel.timeout_s={p.timeout_s}: at most {_MAX_TIMEOUT_S:.0f} s (a year)")
     check_positive(o, "eps", "optim.")
     _check(d.seed >= 0, f"data.seed={d.seed}: must be >= 0")
+    _check(0 <= t.seed < 2**32, f"train.seed={t.seed}: must be in [0, 2**32) (seeds per parameter are derived from it)")
     _check(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
     _check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype={t.dtype!r}: use auto, fp32 or bf16")
     _check(t.fp8 in ("off", "rowwise", "rowwise_bf16_wgrad"),
@@ -397,6 +492,9 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
            f"train.mtp_coef={t.mtp_coef}: must be a finite number >= 0 (0: the MTP loss is logged, not trained)")
     _check(not t.wandb_project or _installed("wandb"),
            f"train.wandb_project={t.wandb_project!r}: wandb is not installed; pip install wandb, or set train.wandb_project=''")
+    _check(not t.wandb_project or _wandb_can_log(),
+           f"train.wandb_project={t.wandb_project!r}: wandb has no credentials (no WANDB_API_KEY, no `wandb login` in "
+           "~/.netrc); run `wandb login`, set WANDB_API_KEY, or log offline with WANDB_MODE=offline")
     _check(t.log_every >= 1, f"train.log_every={t.log_every}: must be at least 1")
     _check(t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0 turns evaluation off)")
     _check(d.eval_samples >= 0, f"data.eval_samples={d.eval_samples}: must be >= 0")
@@ -404,6 +502,10 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(not (blend and d.eval_samples and not d.eval_path),
            f"data.eval_samples={d.eval_samples} holds out the end of one dataset, and data.path is a blend; set "
            "data.eval_path (a tokenized held-out dataset) or data.eval_samples=0")
+    _check(0 <= t.profile_step <= t.steps, f"train.profile_step={t.profile_step}: there is no such step of "
+           f"train.steps={t.steps}; choose a step in 1..{t.steps}, or 0 (off)")
+    _check(not t.fp8_emulate or t.fp8 != "off", "train.fp8_emulate=true has no effect with train.fp8=off; set "
+           "train.fp8=rowwise (or rowwise_bf16_wgrad), or train.fp8_emulate=false")
     _check(t.eval_every == 0 or d.eval_path or d.eval_samples,
            f"train.eval_every={t.eval_every} needs held-out data: set data.eval_path (a tokenized dataset) or "
            "data.eval_samples=N (the last N samples of data.path)")
@@ -415,7 +517,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(
         world_size % model_parallel == 0,
         f"mesh pp={p.pp} x cp={p.cp} x ep={p.ep} = {model_parallel} does not divide the {world_size} processes; "
-        f"choose --nproc as a multiple of {model_parallel}",
+        f"choose --nproc as a multiple of {model_parallel}, or lower parallel.pp, parallel.cp or parallel.ep",
     )
     dp = world_size // model_parallel
     num_experts = config.model.num_routed_experts()
@@ -431,7 +533,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
         f"use a multiple of {t.micro_batch_size * data_ranks}",
     )
     _check(
-        not t.init_from or Path(t.init_from).exists(),
+        not t.init_from or os.path.exists(t.init_from),  # False, not an error, for a name too long
         f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''",
     )
     _check(d.eval_samples % (t.micro_batch_size * data_ranks) == 0,

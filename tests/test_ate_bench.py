@@ -354,3 +354,34 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, args, flag):
     assert code == 2 and err.count("\n") == 1 and flag in err, err
     code, _, err = run(["report", str(tmp_path)], capsys)
     assert code == 2 and "result.json" in err and err.count("\n") == 1
+
+
+def test_readme_run_with_out_inside_the_checkout_blank_tasks_and_a_bad_result(tmp_path, capsys, monkeypatch):
+    """As README writes it: --framework pithtrain=$PWD --out ate_runs/NAME from the checkout. The results
+    directory is not copied into the agent's copy (it was, into itself, until the path was too long);
+    `--tasks ' '` names no task; `report` on a damaged result.json is one line, not a traceback."""
+    scripts = tmp_path / "scripts"
+    scripts.mkdir()
+    script(scripts, "pithtrain", format="claude-stream-json", turns=[[1000, 50]], answer=MESH_ANSWER)
+    checkout = fake_framework(tmp_path, "checkout")
+    monkeypatch.chdir(checkout)
+    agent = f"{PY} {STANDIN} {scripts}/$ATE_FRAMEWORK.json {{prompt_file}}"
+    base = ["run", "--framework", f"pithtrain={checkout}", "--agent", agent, "--format", "claude-stream-json"]
+    for args in (["--out", "ate_runs/first"], ["--out", "ate_runs/second"]):  # the second finds the first's results there
+        code, stdout, err = run([*base, "--tasks", "qa_device_mesh", *args], capsys)
+        assert code == 0, stdout + err
+    work = checkout / "ate_runs" / "second" / "pithtrain" / "qa_device_mesh" / "r0" / "work"
+    assert (work / "src" / "core.py").is_file() and not (work / "ate_runs").exists()
+    assert result(checkout / "ate_runs" / "second", "pithtrain", "qa_device_mesh")["grade"] == "pass"
+
+    code, _, err = run([*base, "--tasks", " ", "--out", "ate_runs/third"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "--tasks" in err and "names no task" in err, err
+    assert not (checkout / "ate_runs" / "third").exists()
+
+    results = checkout / "ate_runs" / "first"
+    path = results / "pithtrain" / "qa_device_mesh" / "r0" / "result.json"
+    good = path.read_text()
+    for bad in ("{not json", json.dumps({"task": "qa_device_mesh"}), json.dumps(dict(json.loads(good), turns="many"))):
+        path.write_text(bad)
+        code, _, err = run(["report", results], capsys)
+        assert code == 2 and err.count("\n") == 1 and str(path) in err and "Traceback" not in err, err

@@ -12,7 +12,8 @@ import shlex
 import shutil
 import subprocess
 import sys
-from contextlib import nullcontext, redirect_stderr, redirect_stdout
+import types
+from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
 from pathlib import Path
 from unittest import mock
 
@@ -330,3 +331,133 @@ def test_end_to_end_exit_code_and_debug_traceback(env):
         assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr, result.stderr
     result = subprocess.run(args, capture_output=True, text=True, env=dict(base, PITHTRAIN_DEBUG="1"))
     assert result.returncode != 0 and "Traceback" in result.stderr
+
+
+# ---- options that cannot take effect, datasets that are not what they claim, the newer commands ----
+
+TRUST_CASES = [  # (id, command line, what the one line must name)
+    ("fp8-emulate-without-fp8", "train {cfg} --set train.fp8_emulate=true", "train.fp8_emulate=true has no effect with train.fp8=off"),
+    ("muon-all-excluded", "train {cfg} --set optim.name=muon --set 'optim.muon_exclude=[\"*\"]'", "excludes every weight matrix"),
+    ("muon-all-excluded-dry-run", "train {cfg} --dry-run --set optim.name=muon --set 'optim.muon_exclude=[\"layers.*\",\"embed_tokens.*\",\"lm_head.*\"]'",
+     "optim.muon_exclude"),
+    ("profile-step-past-end", "train {cfg} --set train.profile_step=3", "train.profile_step=3: there is no such step"),
+    ("profile-step-negative", "train {cfg} --set train.profile_step=-1", "train.profile_step=-1"),
+    ("timeout-huge", "train {cfg} --set parallel.timeout_s=1e300", "parallel.timeout_s"),
+    ("eval-path-is-data-path", "train {cfg} --set train.eval_every=1 --set data.eval_path={data}", "data.eval_on_train=true"),
+    ("eval-path-copy-of-data", "train {cfg} --set train.eval_every=1 --set data.eval_path={data_copy}", "is the training dataset"),
+    ("eval-path-other-tokenizer", "train {cfg} --set data.path={data_tok} --set train.eval_every=1 --set data.eval_path={data_tok_other}",
+     "another tokenizer"),
+    ("wandb-no-credentials", "train {cfg} --set train.wandb_project=moe", "WANDB_MODE=offline"),
+    ("wandb-no-network", "train {cfg} --set train.wandb_project=moe", "wandb did not start"),
+    ("dry-run-held-run-dir", "train {cfg} --dry-run --out {run_held}", "is in use by pid"),
+    ("resume-meta-step-edited", "train {cfg} --out {run_meta_edited}", "CRC32"),
+    ("disk-full-runtime-error", "train {cfg} --out {run_full_rt}", "write failed"),
+    ("disk-read-only-runtime-error", "train {cfg} --out {run_rofs}", "EROFS"),
+    ("plot-rows-without-step", "plot {metrics_nostep}", 'row 2 has no integer "step"'),
+    ("plot-empty-metrics", "plot {metrics_empty}", "no metrics rows"),
+    ("plot-out-directory", "plot {tmp}/run_good --out {empty_dir}", "is a directory"),
+]
+
+
+def _without_wandb_credentials():
+    """No WANDB_API_KEY, no WANDB_MODE, an empty netrc: what a machine never logged in has."""
+    env = {k: v for k, v in os.environ.items() if k not in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_BASE_URL")}
+    env["NETRC"] = os.devnull
+    return mock.patch.dict(os.environ, env, clear=True)
+
+
+class _OfflineWandb(types.ModuleType):
+    """wandb with a key but no network: init fails as the real one does (a CommError after retries)."""
+
+    def __init__(self):
+        super().__init__("wandb")
+
+    def init(self, **kwargs):
+        raise ConnectionError("Network error (ConnectionError), entering retry loop: api.wandb.ai unreachable")
+
+
+@contextmanager
+def _wandb_without_network():
+    with mock.patch.dict(os.environ, {"WANDB_API_KEY": "0" * 40, "WANDB_MODE": "online"}), \
+            mock.patch.dict(sys.modules, {"wandb": _OfflineWandb()}):
+        yield
+
+
+@contextmanager
+def _held(run):
+    from pithtrain.train.rundir import RunLock
+
+    lock = RunLock(run)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _failing_write(error):
+    return mock.patch("torch.distributed.checkpoint.filesystem._write_item", side_effect=error)
+
+
+def _runtime_error_from(code):
+    """PyTorch's writers report an OS error as a RuntimeError (the OSError as its cause)."""
+    error = RuntimeError("PytorchStreamWriter failed writing file")
+    error.__cause__ = OSError(code, os.strerror(code))
+    return error
+
+
+TRUST_PATCHES = {
+    "wandb-no-credentials": _without_wandb_credentials,
+    "wandb-no-network": _wandb_without_network,
+    "dry-run-held-run-dir": lambda env: _held(env["run_held"]),
+    "disk-full-runtime-error": lambda: _failing_write(RuntimeError(
+        "[enforce fail at inline_container.cc:603] . PytorchStreamWriter failed writing file data/0: file write failed")),
+    "disk-read-only-runtime-error": lambda: _failing_write(_runtime_error_from(errno.EROFS)),
+}
+
+
+@pytest.fixture(scope="module")
+def trust_env(env):
+    """The battery's files, and: datasets with two different tokenizer.json files, a copy of the training
+    data, runs to hold, damage or fill, metrics files without steps."""
+    from pithtrain.train.data import write_dataset
+
+    tmp = env["tmp"]
+    out = dict(env)
+    for name, tokenizer in (("data_tok", "tokenizer A"), ("data_tok_other", "tokenizer B")):
+        (tmp / f"{name}.json").write_text(json.dumps({"stand-in": tokenizer}))
+        out[name] = tmp / name
+        write_dataset(out[name], markov_docs(np.random.default_rng(len(name)), 64, 80), vocab_size=64, eos_id=0,
+                      tokenizer_file=str(tmp / f"{name}.json"))
+    out["data_copy"] = shutil.copytree(env["data"], tmp / "data_copy")
+    for name in ("run_held", "run_meta_edited", "run_full_rt", "run_rofs"):
+        out[name] = shutil.copytree(tmp / "run_good", tmp / name)
+    meta = out["run_meta_edited"] / "checkpoints/step_00000001/meta.json"
+    text = meta.read_text()
+    assert text.count('"step": 1,') == 1
+    meta.write_text(text.replace('"step": 1,', '"step": 2,'))  # same size: only its own checksum tells
+    out["metrics_nostep"] = tmp / "nostep.jsonl"
+    out["metrics_nostep"].write_text('{"step": 1, "loss": 4.0}\n{"loss": 3.0}\n')
+    out["metrics_empty"] = tmp / "empty.jsonl"
+    out["metrics_empty"].write_text("")
+    return out
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("case_id, line, names", TRUST_CASES, ids=[c[0] for c in TRUST_CASES])
+def test_trust_case_ends_in_one_line(trust_env, case_id, line, names):
+    patch = TRUST_PATCHES.get(case_id, lambda: nullcontext())
+    context = patch(trust_env) if patch.__code__.co_argcount else patch()
+    err = io.StringIO()
+    with context, redirect_stdout(io.StringIO()), redirect_stderr(err):
+        with pytest.raises(SystemExit) as exit_info:
+            main(command(trust_env, case_id, line))
+    lines = err.getvalue().strip().splitlines()
+    print(f"{case_id}: {err.getvalue().strip()}")  # the message each case gets (pytest -rP shows it)
+    assert exit_info.value.code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], err.getvalue()
+    if line.startswith("train") and "--out" not in line:
+        assert not (trust_env["tmp"] / "runs" / case_id).exists()
+    if case_id.startswith("disk-"):  # the partial save is removed; the last good checkpoint is named and kept
+        run = trust_env[line.split("--out {")[1].rstrip("}")]
+        assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000001"] and "step_00000001" in lines[0]
+    if case_id == "plot-out-directory":
+        assert list(trust_env["empty_dir"].iterdir()) == []

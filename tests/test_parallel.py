@@ -37,6 +37,7 @@ def evals(cfg):
     """Held-out loss every 2 steps and at the end, on the first 8 windows of the training data
     (data.eval_path: the training order stays that of the other runs)."""
     cfg.train.eval_every, cfg.data.eval_path, cfg.data.eval_samples = 2, cfg.data.path, 8
+    cfg.data.eval_on_train = True  # the training data as its eval set, asked for
     return cfg
 
 

@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file
+from torch.distributed.checkpoint import CheckpointException
 
-from pithtrain.config import UserError, data_parts, read_json
+from pithtrain.config import UserError, data_parts, disk_error, read_json
 from pithtrain.ops.core import cross_entropy_sum
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train import checkpoint as ckpt
@@ -94,25 +95,42 @@ def write_tokenizer(dataset: TokenDataset, folder: Path, max_length: int | None)
                                                         model_max_length=max_length, clean_up_tokenization_spaces=False))
 
 
-def trained_on(ck: Path) -> tuple[TokenDataset | None, str]:
-    """The dataset of the run that wrote checkpoint `ck` (data.path in its meta.json; a blend's first,
-    whose tokenizer they share), or None and why not."""
-    path = ckpt.read_meta(ck).get("config", {}).get("data", {}).get("path")
-    if not path:
-        return None, f"{ck / 'meta.json'} names no data.path"
-    path = data_parts(path)[0][0]
+def trained_on(ck: Path, echo=print) -> TokenDataset | None:
+    """The dataset whose tokenizer an export of checkpoint `ck` carries: the one its run recorded (real
+    path and identity, meta.json's "dataset"; a blend's first, whose tokenizer they share), found
+    unchanged. None, said through `echo`, when the run had no tokenizer, its dataset is gone, or it
+    recorded no identity and its data.path cannot be placed; a tokenizer that differs from the recorded
+    one is a UserError (--no-tokenizer exports the model alone)."""
+    meta = ckpt.read_meta(ck)
+    recorded = meta.get("dataset")
+    path = recorded["path"] if recorded else meta.get("config", {}).get("data", {}).get("path")
+    if path and not recorded:
+        path = data_parts(path)[0][0]
+    no_tokenizer = "note: no tokenizer written: "
+    if recorded and not recorded.get("tokenizer_sha256"):
+        return echo(f"{no_tokenizer}the run's dataset {path} had no tokenizer.json")
+    if not recorded and not (path and os.path.isabs(path)):  # a run from before datasets were recorded
+        return echo(f"{no_tokenizer}{ck / 'meta.json'} records no dataset and data.path={path!r} is relative (to a "
+                    "working directory it does not name); copy the run's tokenizer.json by hand")
     try:
-        return TokenDataset(path), ""
-    except (OSError, ValueError) as e:
-        return None, f"the run's dataset data.path={path!r} does not open ({e})"
+        dataset = TokenDataset(path)
+    except (OSError, ValueError) as e:  # gone: the export is visibly without a tokenizer, never with a wrong one
+        return echo(f"{no_tokenizer}the run's dataset data.path={path!r} does not open ({e})")
+    if recorded and dataset.identity["tokenizer_sha256"] != recorded["tokenizer_sha256"]:
+        raise UserError(f"convert: {dataset.tokenizer_file or path} is not the tokenizer the run trained with (its "
+                        f"SHA-256 differs from the one {ck / 'meta.json'} records); restore it, or pass --no-tokenizer "
+                        "to export the model alone")
+    if not dataset.tokenizer_file:
+        echo(f"{no_tokenizer}the run's dataset {path} has no tokenizer.json")
+    return dataset
 
 
-def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=print) -> tuple[Path, str]:
+def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=print, tokenizer: bool = True) -> tuple[Path, str]:
     """HF directory -> PithTrain checkpoint, or PithTrain checkpoint/run directory -> HF directory (with
-    the tokenizer and token ids of the run's dataset when it is found; else `echo` says why not).
-    Returns the output and what it holds (the step exported).
-    An existing non-empty `dst` is replaced only with `overwrite`, and never when it is, holds or lies
-    in `src` (replacing it would delete the source)."""
+    the tokenizer and token ids of the dataset the run recorded, checked by `trained_on`; `tokenizer`
+    False: the model alone). Returns the output and what it holds (the step exported). An existing
+    non-empty `dst` is replaced only with `overwrite`, and never when it is, holds or lies in `src`
+    (replacing it would delete the source)."""
     src, dst = Path(src), Path(dst)
     a, b = src.resolve(), dst.resolve()
     for path, name in ((b, f"DST {dst}"), (b.with_name(b.name + ".tmp"), f"{dst}.tmp, where DST is written first,")):
@@ -126,18 +144,25 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
                                   f"or pass --overwrite to replace it")
     if overwrite and (dst / rundir.LOCK).exists():
         rundir.RunLock(dst).release()  # raises while a run is writing there
-    if is_hf_dir(src):
-        model = load_model(src)
-        return (ckpt.write_checkpoint(dst, {"model": ckpt.canonical_model_state(model)}, {"step": 0, "source": str(src)},
-                                      model.cfg.to_hf()), "a weights-only checkpoint (step 0)")
-    ck = ckpt.resolve_checkpoint(src)
-    model = load_model(ck)
-    dataset, why = trained_on(ck)
-    if dataset is None or not dataset.tokenizer_file:
-        echo(f"note: no tokenizer written to {dst}: " + (why or f"the run's dataset {dataset.path} has no tokenizer.json"))
-    meta = ckpt.read_meta(ck)
-    seq_len = meta.get("config", {}).get("data", {}).get("seq_len")
-    return write_hf_dir(model, dst, dataset, seq_len), f"the weights of step {meta.get('step')} ({ck})"
+    tmp = dst.with_name(dst.name + ".tmp")  # where both directions write first
+    try:
+        if is_hf_dir(src):
+            model = load_model(src)
+            return (ckpt.write_checkpoint(dst, {"model": ckpt.canonical_model_state(model)}, {"step": 0, "source": str(src)},
+                                          model.cfg.to_hf()), "a weights-only checkpoint (step 0)")
+        ck = ckpt.resolve_checkpoint(src)
+        dataset = trained_on(ck, echo) if tokenizer else None
+        if not tokenizer:
+            echo(f"note: --no-tokenizer: {dst} holds the model alone (no tokenizer files, no token ids in config.json)")
+        meta = ckpt.read_meta(ck)
+        seq_len = meta.get("config", {}).get("data", {}).get("seq_len")
+        return write_hf_dir(load_model(ck), dst, dataset, seq_len), f"the weights of step {meta.get('step')} ({ck})"
+    except (Exception, CheckpointException) as e:  # a write that failed on the disk: no partial DST.tmp left
+        failure = disk_error(ckpt.dcp_cause(e), dst, removed=tmp if tmp.exists() else None, within=tmp)
+        if failure is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise failure from e
 
 
 def trained_seq_len(path: str | Path) -> tuple[int, str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pithtrain.config import UserError
+from pithtrain.config import UserError, disk_error
 from pithtrain.train.metrics import read_metrics
 
 PANELS = (("loss", "loss (dashed: eval_loss)"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
@@ -16,9 +16,16 @@ def _rows(run: Path) -> list[dict]:
     if not path.is_file():
         raise UserError(f"{run}: no metrics.jsonl there; pass run directories written by pithtrain train")
     try:
-        return read_metrics(path)
+        rows = read_metrics(path)
     except ValueError as e:  # a line that is not JSON
         raise UserError(f"{path}: not a metrics file ({e})") from None
+    fix = "pass a metrics.jsonl of pithtrain train"
+    if not rows:
+        raise UserError(f"{path}: no metrics rows (the run logged no step yet); {fix}")
+    bad = next((i for i, m in enumerate(rows, 1) if not isinstance(m, dict) or not isinstance(m.get("step"), int)), None)
+    if bad is not None:
+        raise UserError(f"{path}: row {bad} has no integer \"step\"; {fix}")
+    return rows
 
 
 def plot_runs(runs: list[Path], out: Path | None = None) -> Path:
@@ -27,6 +34,8 @@ def plot_runs(runs: list[Path], out: Path | None = None) -> Path:
     out = out or (runs[0] if runs[0].is_dir() else runs[0].parent) / "metrics.png"
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise UserError(f"--out {out}: {out.parent} is not a writable directory; choose another path")
+    if out.is_dir():
+        raise UserError(f"--out {out} is a directory; name the PNG file to write, e.g. {out / 'metrics.png'}")
     try:
         import matplotlib
     except ImportError:
@@ -48,6 +57,11 @@ def plot_runs(runs: list[Path], out: Path | None = None) -> Path:
             axes[0].plot(*zip(*evals), color=color, linestyle="--", marker=".")
     axes[0].legend(fontsize="small")
     fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
+    try:
+        fig.savefig(out)
+    except OSError as e:
+        out.unlink(missing_ok=True)  # a partial image
+        raise disk_error(e, out, then="plot again") or e
+    finally:
+        plt.close(fig)
     return out

@@ -21,7 +21,7 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from pithtrain.config import UserError
+from pithtrain.config import UserError, disk_error
 from pithtrain.train.data import TokenDataset, check_output_dir, dtype_for_vocab, write_dataset
 
 EOS_TOKEN = "<|endoftext|>"
@@ -178,8 +178,12 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_file: str, eos_token: s
     tokenizer.train_from_iterator(texts, trainer=trainer)
     if tokenizer.get_vocab_size() < vocab_size:  # BPE stops when no pair occurs twice: a tiny corpus
         warnings.warn(f"the corpus only supported {tokenizer.get_vocab_size()} of the {vocab_size} requested tokens; use more text", stacklevel=2)
-    Path(out_file).parent.mkdir(parents=True, exist_ok=True)
-    tokenizer.save(str(out_file))
+    try:
+        Path(out_file).parent.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(str(out_file))
+    except Exception as e:  # tokenizers raises plain Exceptions naming the OS error
+        Path(out_file).unlink(missing_ok=True)
+        raise disk_error(e, out_file) or e
     return str(out_file)
 
 

@@ -69,6 +69,10 @@ def _digests(folder: Path, names) -> dict:
     return {name: [(folder / name).stat().st_size, _crc32(folder / name)] for name in names}
 
 
+def _json_crc(obj: dict) -> int:
+    return zlib.crc32(json.dumps(obj, sort_keys=True).encode())
+
+
 def _all_ranks(value) -> list:
     if not dist.is_initialized():
         return [value]
@@ -96,7 +100,9 @@ def write_checkpoint(final: str | Path, state: dict, meta: dict, hf_config: dict
     if _is_main():
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         files.update(_digests(tmp, [".metadata", "config.json"]))
-        (tmp / "meta.json").write_text(json.dumps(dict(meta, files=files), indent=2))  # last: it marks completion
+        meta = dict(meta, files=files)
+        # last: it marks completion; its own CRC32 (of its other keys) catches an edit of its step
+        (tmp / "meta.json").write_text(json.dumps(dict(meta, meta_crc32=_json_crc(meta)), indent=2))
         for f in tmp.iterdir():  # make the data durable before the rename publishes it
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
@@ -141,11 +147,17 @@ def check_checkpoint(ckpt: str | Path, rank: int = 0, world: int = 1) -> str | N
     against the sizes and CRC32s that meta.json lists (this rank's share of them: rank::world)."""
     ckpt = Path(ckpt)
     try:
-        files = json.loads((ckpt / "meta.json").read_text()).get("files", {".metadata": None})
+        meta = json.loads((ckpt / "meta.json").read_text())
     except FileNotFoundError:
         return "no meta.json (never finished, or partly deleted)"
     except ValueError:
         return "meta.json is not valid JSON"
+    if not isinstance(meta, dict):
+        return "meta.json is not a JSON object"
+    crc = meta.pop("meta_crc32", None)  # absent in checkpoints written before it
+    if crc is not None and crc != _json_crc(meta):
+        return "meta.json was edited or corrupted (its CRC32 does not match its content)"
+    files = meta.get("files", {".metadata": None})
     for name in sorted(files)[rank::world]:
         path = ckpt / name
         if not path.is_file():

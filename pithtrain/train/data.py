@@ -16,6 +16,8 @@ by weight (data.path as a blend), with the same property.
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import os
 import shutil
@@ -26,7 +28,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from pithtrain.config import UserError, data_parts
+from pithtrain.config import UserError, data_parts, disk_error
 
 FORMAT = "pithtrain-tokens-v1"
 TOKENS_FILE, OFFSETS_FILE, META_FILE, TOKENIZER_FILE = "tokens.bin", "doc_offsets.npy", "meta.json", "tokenizer.json"
@@ -81,11 +83,10 @@ def write_dataset(
     if tokenizer_file is not None and not Path(tokenizer_file).is_file():
         raise FileNotFoundError(f"tokenizer file {tokenizer_file} not found")
     check_output_dir(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
     try:
+        tmp.mkdir(parents=True)
         eos = None if eos_id is None else np.array([eos_id], dtype=dtype)
         offsets = array("q", [0])
         num_tokens, max_token_id = 0, -1
@@ -137,8 +138,11 @@ def write_dataset(
         }
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _install(tmp, path)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        failure = disk_error(e, path, removed=tmp, within=tmp) if isinstance(e, Exception) else None
+        if failure is not None:
+            raise failure from e
         raise
     return meta
 
@@ -153,6 +157,14 @@ def _install(tmp: Path, path: Path) -> None:
     path.rename(old)
     tmp.rename(path)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def _sha256(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 class TokenDataset:
@@ -220,6 +232,14 @@ class TokenDataset:
             self.tokenizer_file = str((self.path / meta["tokenizer"]).resolve())
             if not os.path.isfile(self.tokenizer_file):
                 raise FileNotFoundError(f"{self.tokenizer_file} (named by {meta_path}) not found; {_RETOKENIZE}")
+
+    @functools.cached_property
+    def identity(self) -> dict:
+        """What this dataset is, as a run records it (when first asked): its real path, the SHA-256 of its
+        tokenizer.json (None without one) and of its meta.json + doc_offsets.npy (re-tokenizing changes them)."""
+        content = hashlib.sha256(b"".join(_sha256(self.path / name).encode() for name in (META_FILE, OFFSETS_FILE)))
+        return {"path": os.path.realpath(self.path), "tokenizer_sha256": self.tokenizer_file and _sha256(self.tokenizer_file),
+                "content_sha256": content.hexdigest()}
 
     def check_vocab(self, model_vocab_size: int) -> None:
         """Fail early if the data holds ids the model's embedding table cannot look up (step 1 would
@@ -369,6 +389,7 @@ class BlendLoader:
         self.which, self.rank, self.counts = blend_pattern(weights)
         self.global_batch_size, self.seq_len = global_batch_size, seq_len
         self.num_samples = sum(part.num_samples for part in self.parts)
+        self.dataset = datasets[0]  # the blend's tokenizer is this one's (checked): its identity is what a run records
 
     def sources(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The dataset of each sample of global batch `step`, and its position in that dataset's order."""

@@ -11,7 +11,6 @@ of `total` itself.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import math
 import os
@@ -27,7 +26,8 @@ import torch.utils.checkpoint
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 
-from pithtrain.config import ConfigError, RunConfig, UserError, data_parts, read_json, run_dict, runs_dualpipev, validate
+from pithtrain.config import (ConfigError, RunConfig, UserError, data_parts, disk_error, ignored_options, read_json,
+                               run_dict, runs_dualpipev, validate)
 from pithtrain.models.routing import update_correction_bias
 from pithtrain.ops.fp8 import enable_fp8
 from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
@@ -42,7 +42,7 @@ from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, BlendLoader, TokenDataset, mtp_targets, open_training_data
 from pithtrain.train.debug import MemoryRecorder, NormLog, chosen_steps
 from pithtrain.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
-from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step
+from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step, takes_muon
 
 
 def pick_device(name: str, field: str = "train.device") -> torch.device:
@@ -135,7 +135,8 @@ class Run:
     def save(self, step: int) -> None:
         t = self.config.train
         state = ckpt.training_state(self.model, self.optimizer, self.mesh)
-        meta = {"samples_consumed": step * t.global_batch_size, "config": run_dict(self.config)}
+        meta = {"samples_consumed": step * t.global_batch_size, "config": run_dict(self.config),
+                "dataset": self.loader.dataset.identity}  # what convert's tokenizer and a resume are checked against
         try:
             ckpt.save_checkpoint(self.out_dir, step, state, meta, self.config.model.to_hf(), t.keep_checkpoints)
         except (Exception, CheckpointException) as e:
@@ -233,6 +234,8 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
     chosen_steps(norm_spec or "")  # a bad value fails here, before any work
     mesh = mesh or Mesh.single(device)
     validate(config, world_size=mesh.world)
+    for line in ignored_options(config, mesh.world) if echo and mesh.is_main else ():
+        print(line, flush=True)
     device = mesh.device
     dtype = compute_dtype(t.dtype, device)
     echo = echo and mesh.is_main
@@ -328,12 +331,16 @@ def resume(config: RunConfig, model, optimizer, mesh: Mesh, found: Path | None, 
             print(f"resumed from {found} (step {start})", flush=True)
     metrics_path = out_dir / "metrics.jsonl"
     if mesh.is_main:
-        if metrics_path.exists():  # drop steps after the checkpoint we resume from
-            kept = [m for m in read_metrics(metrics_path) if m["step"] <= start]
-            metrics_path.with_suffix(".tmp").write_text("".join(json.dumps(m) + "\n" for m in kept))
-            metrics_path.with_suffix(".tmp").replace(metrics_path)  # a kill mid-write keeps the old file
-        (out_dir / "config.json").write_text(json.dumps(config.model.to_hf(), indent=2))
-        (out_dir / "run_config.json").write_text(json.dumps(run_dict(config), indent=2))  # the effective run config
+        try:
+            if metrics_path.exists():  # drop steps after the checkpoint we resume from
+                kept = [m for m in read_metrics(metrics_path) if m["step"] <= start]
+                metrics_path.with_suffix(".tmp").write_text("".join(json.dumps(m) + "\n" for m in kept))
+                metrics_path.with_suffix(".tmp").replace(metrics_path)  # a kill mid-write keeps the old file
+            (out_dir / "config.json").write_text(json.dumps(config.model.to_hf(), indent=2))
+            (out_dir / "run_config.json").write_text(json.dumps(run_dict(config), indent=2))  # the effective run config
+        except OSError as e:
+            metrics_path.with_suffix(".tmp").unlink(missing_ok=True)
+            raise disk_error(e, out_dir) or e
     return start
 
 
@@ -454,9 +461,11 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
     d = config.data
     loader = open_training_data(d.path, d.seq_len, config.train.global_batch_size, d.seed, d.pack_documents,
                                 0 if d.eval_path else d.eval_samples, config.model.vocab_size)
+    _ = loader.dataset.identity  # hashed now: checkpoints record the dataset the run started on
+    check_muon_takes_some(config)
     found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None)
     if found is not None:  # the newest checkpoint whose files pass their checksums
-        check_resume(config, found, stop_after, echo)
+        check_resume(config, found, stop_after, echo, loader.dataset)
     elif config.train.init_from:
         check_init_from(config, echo)
     return loader, eval_windows(config, loader), found
@@ -489,6 +498,17 @@ def check_init_from(config: RunConfig, echo: bool) -> None:
               flush=True)
 
 
+def check_muon_takes_some(config: RunConfig) -> None:
+    """optim.name=muon with every matrix excluded by optim.muon_exclude would be an AdamW run."""
+    if config.optim.name != "muon":
+        return
+    with torch.device("meta"):  # names and shapes, without memory
+        params = list(config.model.build_model().named_parameters())
+    if not any(takes_muon(name, p, config.optim.muon_exclude) for name, p in params):
+        raise ConfigError(f"optim.name=muon, but optim.muon_exclude={config.optim.muon_exclude} excludes every weight "
+                          "matrix: the run would be AdamW; narrow optim.muon_exclude or set optim.name=adamw")
+
+
 def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, np.ndarray] | None:
     """The eval samples: (a loader whose `windows` reads them, their window indices), or None.
     data.eval_path: its first data.eval_samples windows (0: as many whole global batches as it
@@ -501,6 +521,14 @@ def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, n
         dataset.check_vocab(config.model.vocab_size)
     except (OSError, ValueError) as e:
         raise UserError(f"data.eval_path={d.eval_path!r}: {e}") from None
+    ours, theirs = loader.dataset.identity, dataset.identity
+    if not d.eval_on_train and (theirs["path"] == ours["path"] or theirs["content_sha256"] == ours["content_sha256"]):
+        raise UserError(f"data.eval_path={d.eval_path!r} is the training dataset (data.path={d.path!r}): its loss "
+                        "would be a training loss; use a held-out dataset, data.eval_samples=N without data.eval_path, "
+                        "or set data.eval_on_train=true to evaluate on the training data")
+    if None not in (theirs["tokenizer_sha256"], ours["tokenizer_sha256"]) and theirs["tokenizer_sha256"] != ours["tokenizer_sha256"]:
+        raise UserError(f"data.eval_path={d.eval_path!r} was tokenized with another tokenizer than data.path={d.path!r} "
+                        f"(their tokenizer.json differ); tokenize it with --tokenizer {Path(d.path) / 'tokenizer.json'}")
     total = (dataset.num_tokens - 1) // d.seq_len
     n = d.eval_samples or total // batch * batch
     if not 0 < n <= total:
@@ -563,10 +591,19 @@ FIXED = ("data.path", "data.seed", "data.seq_len", "train.global_batch_size", HE
 WARNED = ("optim.", "train.steps", "train.lb_coef", "train.lb_type", "data.pack_documents")
 
 
-def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = None, echo: bool = True) -> None:
-    """Compare the run config stored in `checkpoint` (meta.json) with `config`, field by field."""
+def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = None, echo: bool = True,
+                 dataset: TokenDataset | None = None) -> None:
+    """Compare the run config stored in `checkpoint` (meta.json) with `config`, field by field, and
+    the dataset it recorded (its real path and identity) with `dataset`, this run's data.path."""
     meta = read_json(checkpoint / "meta.json", f"move {checkpoint} away to resume from the checkpoint before it")
     old, new = _flat(meta.get("config", {})), _flat(json.loads(json.dumps(run_dict(config))))
+    recorded = meta.get("dataset") or {}
+    if "path" in recorded:  # the path as resolved when the run started, not in today's working directory
+        old["data.path"] = recorded["path"]
+    if dataset is not None and recorded.get("path") == dataset.identity["path"] and recorded != dataset.identity:
+        raise UserError(f"cannot resume from {checkpoint}: the dataset at {recorded['path']} changed since it was "
+                        "written (its tokenizer.json, meta.json or doc_offsets.npy differ); restore that dataset, or "
+                        "train into a new --out")
     changed = {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
 
     def show(keys):
@@ -574,7 +611,8 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
 
     fixed = [k for k in changed if k.startswith("model.") or k in FIXED]
     if fixed:
-        raise UserError(f"cannot resume from {checkpoint}: {show(fixed)} changed since it was written; "
+        where = " (a relative data.path resolves against the working directory)" if "data.path" in fixed else ""
+        raise UserError(f"cannot resume from {checkpoint}: {show(fixed)} changed since it was written{where}; "
                         f"undo the change (--set) or train into a new --out")
     if "optim.name" in changed and not config.optim.allow_switch:
         was, now = changed["optim.name"]
@@ -609,16 +647,16 @@ def save_failed(error: BaseException, out_dir: Path, step: int, is_main: bool) -
     """The error to raise for a failed checkpoint save. A disk error (full, read-only, gone) becomes
     one message naming it and the last good checkpoint, after removing the partial step_N.tmp;
     anything else is returned unchanged."""
-    cause = ckpt.dcp_cause(error)
-    if not isinstance(cause, OSError):
-        return error
     tmp = out_dir / "checkpoints" / f"step_{step:08d}.tmp"  # where checkpoint.write_checkpoint writes
+    good = ckpt.list_checkpoints(out_dir)
+    # DCP wraps a rank's error; PyTorch's writers raise a RuntimeError that names the OS error
+    failure = disk_error(ckpt.dcp_cause(error), f"the checkpoint of step {step}", removed=tmp,
+                         then=f"run again to resume: the last good checkpoint is {good[-1] if good else 'none'}")
+    if failure is None:
+        return error
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
-    good = ckpt.list_checkpoints(out_dir)
-    code = f" ({errno.errorcode[cause.errno]})" if cause.errno in errno.errorcode else ""
-    return UserError(f"saving the checkpoint of step {step} failed: {cause.strerror or cause}{code}; removed {tmp}; "
-                     f"the last good checkpoint is {good[-1] if good else 'none'}; free space, then run again to resume")
+    return failure
 
 
 def compile_stages(model) -> None:

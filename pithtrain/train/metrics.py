@@ -3,12 +3,16 @@ TensorBoard scalars when tensorboard is installed, Weights & Biases when `train.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import resource
 import uuid
 from pathlib import Path
 
 import torch
+
+from pithtrain.config import UserError, disk_error
 
 
 def peak_memory_bytes(device: torch.device) -> int:
@@ -51,18 +55,31 @@ class MetricsLog:
 
                 # purge_step: TensorBoard hides the earlier event files' steps from here on (a killed attempt's)
                 self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=start + 1)
+            except OSError as e:
+                raise disk_error(e, Path(out_dir) / "tensorboard", then="run again (or set train.tensorboard=false)") or e
             except ImportError:
                 print("note: tensorboard is not installed (pip install tensorboard, or make setup); "
                       "train.tensorboard=false silences this", flush=True)
         if enabled and wandb_project:
-            self.wandb = _wandb_run(wandb_project, Path(out_dir), config)
+            try:
+                self.wandb = _wandb_run(wandb_project, Path(out_dir), config)
+            except Exception as e:  # wandb's own errors (no network, a rejected key), before the first step
+                reason = " ".join(str(e).split())[:300]
+                raise UserError(f"train.wandb_project={wandb_project!r}: wandb did not start ({type(e).__name__}: {reason}); "
+                                "check the network and `wandb login`, or log offline with WANDB_MODE=offline") from None
 
     def log(self, metrics: dict, total_steps: int, echo: bool = True, elapsed: float | None = None,
             eta: float | None = None) -> None:
         if not self.enabled:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")  # json writes floats with full precision (repr)
+        size = self.path.stat().st_size if self.path.exists() else 0
+        try:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(metrics) + "\n")  # json writes floats with full precision (repr)
+        except OSError as e:  # no half line left behind: a resume reads every line
+            with contextlib.suppress(OSError):  # nothing to cut when the file did not open
+                os.truncate(self.path, size)
+            raise disk_error(e, self.path, then="run again to resume from the last checkpoint") or e
         if echo:
             print(format_line(metrics, total_steps, elapsed, eta), flush=True)
         if self.writer is not None:

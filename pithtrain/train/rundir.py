@@ -16,6 +16,8 @@ import shutil
 import socket
 from pathlib import Path
 
+from pithtrain.config import disk_error
+
 LOCK = "run.lock"
 
 
@@ -49,8 +51,11 @@ class RunLock:
     def __init__(self, out: Path):
         self.path = out / LOCK
         self.note = None  # what taking the lock over says, if it was stale
-        out.mkdir(parents=True, exist_ok=True)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise disk_error(e, self.path, then="run again or choose another --out") or e
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             taken = True
@@ -73,14 +78,40 @@ class RunLock:
                     else f"if that run is gone, delete {self.path}")
             raise ValueError(f"run directory {self.path.parent} is in use by {who} (lock {self.path}); {hint}, "
                              f"or choose another directory")
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, json.dumps(me).encode(), 0)
+        try:
+            os.ftruncate(self.fd, 0)
+            os.pwrite(self.fd, json.dumps(me).encode(), 0)
+        except OSError as e:
+            os.close(self.fd)
+            raise disk_error(e, self.path, then="run again or choose another --out") or e
 
     def release(self) -> None:
         if self.fd is not None:
             os.ftruncate(self.fd, 0)  # emptied, not deleted: unlinking a flocked file lets two writers in
             os.close(self.fd)
             self.fd = None
+
+
+def check_unheld(out: Path) -> None:
+    """Refuse, as RunLock would, a run directory whose lock a live process holds; takes nothing."""
+    try:
+        fd = os.open(out / LOCK, os.O_RDONLY)
+    except OSError:  # no lock file: nobody holds it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the close below
+    except BlockingIOError:
+        try:
+            holder = json.loads(os.pread(fd, 4096, 0) or b"null")
+            who = f"pid {holder['pid']} on host {holder['host']}"
+        except (ValueError, TypeError, KeyError):
+            who = "another process"
+        raise ValueError(f"run directory {out} is in use by {who} (lock {out / LOCK}); wait for it to end or stop "
+                         "it, or choose another directory") from None
+    except OSError:
+        pass  # no flock on this filesystem
+    finally:
+        os.close(fd)
 
 
 def check_out(out: Path) -> None:
