@@ -87,11 +87,11 @@ def _check_only(args, config, out: Path, world: int) -> int:
         check_run(config, out, args.stop_after, echo=False, create=False)
         print(json.dumps(run_dict(config), indent=2))
         return 0
+    for line in ignored_options(config, world):  # first, as the real run prints them
+        print(line)
     print(f"config:\n{describe(config)}", flush=True)
     loader, _, found = check_run(config, out, args.stop_after, echo=True, create=False)
     p = config.parallel
-    for line in ignored_options(config, world):
-        print(line)
     stages = [f"{r['total']:.1f} GiB" if r["total"] >= 1 else f"{r['total'] * 1024:.0f} MiB" for r in estimate(config, world)]
     counts = model_sizes(config.model)
     print(f"model {config.model.model_type}: {count_text(counts[0])} parameters | {size_text(config, loader, counts)}\n"
@@ -107,11 +107,11 @@ def _drop_unused(out: Path) -> None:
     holds only what train wrote on the way (lock, config.json, an empty checkpoints/...), nothing to resume."""
     from pithtrain.train.rundir import LOCK
 
-    ours = {LOCK, "config.json", "run_config.json", "checkpoints", "tensorboard", "wandb"}
+    ours = {LOCK, "config.json", "run_config.json", "checkpoints", "tensorboard", "wandb", "wandb_id"}
     if {p.name for p in out.iterdir()} - ours or any((out / "checkpoints").glob("*")):
         return
-    (out / "config.json").unlink(missing_ok=True)
-    (out / "run_config.json").unlink(missing_ok=True)
+    for name in ("config.json", "run_config.json", "wandb_id"):
+        (out / name).unlink(missing_ok=True)
     for name in ("checkpoints", "tensorboard", "wandb"):
         shutil.rmtree(out / name, ignore_errors=True)
     (out / LOCK).unlink()  # still held: a process that opens it now makes a new file, and then OUT stays

@@ -446,6 +446,8 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
         (changed(o, "muon_exclude") and o.name == "adamw", "optim.muon_exclude is Muon's; optim.name=adamw does not use it"),
         (o.warmup_steps >= t.steps, f"optim.warmup_steps={o.warmup_steps} >= train.steps={t.steps}: the lr never reaches optim.lr"),
         (changed(t, "lb_type") and t.lb_coef == 0, "train.lb_type has no effect with train.lb_coef=0 (no load-balance loss)"),
+        (changed(t, "mtp_coef") and not getattr(config.model, "num_nextn_predict_layers", 0),
+         "train.mtp_coef has no effect without multi-token prediction layers (model.num_nextn_predict_layers=0)"),
         (changed(t, "keep_checkpoints") and t.checkpoint_every == -1,
          "train.keep_checkpoints has no effect with train.checkpoint_every=-1 (no checkpoints)"),
         (changed(t, "seed") and bool(t.init_from), "train.seed initialises the weights that train.init_from replaces"),

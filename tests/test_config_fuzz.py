@@ -34,6 +34,9 @@ def bad_values(hint) -> dict[str, object]:
                 "huge": HUGE_FLOAT}
     if hint is str:
         return {"wrong type": 3, "empty": "", "huge": LONG, "blank": " "}
+    if set(typing.get_args(hint)) == {str, dict, list}:  # data.path: one dataset, or a blend ({path: weight}, Megatron's list)
+        return {"wrong type": 3, "empty": "", "huge": LONG, "blank": " ", "empty blend": {}, "negative": {"x": -1.0},
+                "wrong item type": [0.5]}
     if typing.get_origin(hint) is list:
         return {"wrong type": "lm_head.*", "wrong item type": [1], "empty": [], "huge": ["*"] * 10000}
     raise AssertionError(f"no generator for {hint}: add one")
@@ -44,7 +47,7 @@ VALID = {
     **{(f"optim.{name}", "zero"): "0 is in the documented range" for name in (
         "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip", "momentum")},
     **{(f"train.{name}", "zero"): "0 turns it off (documented)" for name in (
-        "seed", "lb_coef", "eval_every", "checkpoint_every", "profile_step")},
+        "seed", "lb_coef", "eval_every", "checkpoint_every", "profile_step", "mtp_coef")},
     ("data.seed", "zero"): "a seed", ("data.eval_samples", "zero"): "0: no hold-out (the default)",
     ("train.checkpoint_every", "negative"): "-1: never (documented)",
     ("data.seed", "huge"): "any non-negative seed (numpy's generator takes big integers)",
@@ -53,6 +56,7 @@ VALID = {
     ("optim.grad_clip", "huge"): "no clipping in practice",
     ("optim.eps", "huge"): "a (useless) epsilon, not an error",
     ("train.lb_coef", "huge"): "a (useless) strength: the loss diverges and the non-finite check stops the run",
+    ("train.mtp_coef", "huge"): "a (useless) weight; without MTP layers it has no effect",
     ("optim.lr", "huge"): "the loss diverges: the non-finite check names optim.lr at that step",
     ("train.log_every", "huge"): "only the first 3 and the last steps printed",
     ("train.checkpoint_every", "huge"): "only the final checkpoint",

@@ -107,8 +107,6 @@ def trained_on(ck: Path, echo=print) -> TokenDataset | None:
     if path and not recorded:
         path = data_parts(path)[0][0]
     no_tokenizer = "note: no tokenizer written: "
-    if recorded and not recorded.get("tokenizer_sha256"):
-        return echo(f"{no_tokenizer}the run's dataset {path} had no tokenizer.json")
     if not recorded and not (path and os.path.isabs(path)):  # a run from before datasets were recorded
         return echo(f"{no_tokenizer}{ck / 'meta.json'} records no dataset and data.path={path!r} is relative (to a "
                     "working directory it does not name); copy the run's tokenizer.json by hand")
