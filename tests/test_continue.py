@@ -3,13 +3,16 @@
 sizes, W&B and TensorBoard continuing across a resume, and eval at the training sequence length."""
 
 import json
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from cli_util import cli, one_line_error, write_config
+from cli_util import ROOT, cli, one_line_error, write_config
 from pithtrain.train.data import BatchLoader, TokenDataset
 from pithtrain.train.metrics import read_metrics
 
@@ -84,17 +87,21 @@ def test_dry_run_warns_as_the_run_does_and_logs_continue_across_a_resume(tmp_pat
     newest checkpoint damaged: --dry-run prints the same warning and fallback as the resumed run then
     does. The resume re-runs steps 3-4: metrics.jsonl and TensorBoard hold each step once (the
     resumed values), and both attempts log to one W&B run."""
-    wandb = pytest.importorskip("wandb")  # in the test extra: CI has it
+    pytest.importorskip("wandb")  # in the test extra: CI has it
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    inits = []
-    real_init = wandb.init
-    monkeypatch.setattr(wandb, "init", lambda **kw: inits.append(kw) or real_init(**kw))
+
+    def train(*args):  # in a child process: wandb's service and threads must not outlive it in this one (a
+        # later forked gloo test inherits them and can hang)
+        done = subprocess.run([sys.executable, "-m", "pithtrain", "train", *map(str, args)], capture_output=True,
+                              text=True, cwd=ROOT, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+        assert done.returncode == 0, done.stdout + done.stderr
+        return done.stdout
     config = write_config(tmp_path / "tiny.py", dataset_dir, steps=4, checkpoint_every=2, tensorboard=True,
                           wandb_project="moe")
     run = tmp_path / "run"
     dry, _ = cli(["train", config, "--out", run, "--dry-run"], capsys)
-    out, _ = cli(["train", config, "--out", run], capsys)
+    out = train(config, "--out", run)
     total, sizes = re.search(r"^(model qwen3_moe: [\d,]+ parameters) \| (.*steps per epoch [\d.]+)$", dry, re.M).groups()
     banner = next(line for line in out.splitlines() if line.startswith("model "))
     assert banner.startswith(f"{total} |") and banner.endswith(f" | {sizes}"), (dry, banner)
@@ -105,7 +112,7 @@ def test_dry_run_warns_as_the_run_does_and_logs_continue_across_a_resume(tmp_pat
         f.seek(100)
         f.write(b"\xff" * 8)  # a damaged newest checkpoint: the run falls back to step 2 and logs steps 3-4 again
     dry, _ = cli(["train", config, "--out", run, "--dry-run", "--steps", "5"], capsys)
-    out, _ = cli(["train", config, "--out", run, "--steps", "5"], capsys)
+    out = train(config, "--out", run, "--steps", "5")
     warnings = [line for line in dry.splitlines() if line.startswith("warning: ")]
     assert len(warnings) == 2 and "step_00000004 is damaged" in warnings[0] and "falling back to step_00000002" in warnings[0]
     assert "train.steps 4 -> 5" in warnings[1] and all(w in out.splitlines() for w in warnings)
@@ -122,6 +129,5 @@ def test_dry_run_warns_as_the_run_does_and_logs_continue_across_a_resume(tmp_pat
     assert len(list((run / "tensorboard").glob("events.*"))) == 2  # the first attempt's steps 3-4 are in the files, purged
 
     run_id = (run / "wandb_id").read_text().strip()
-    assert [(kw["id"], kw["resume"]) for kw in inits] == [(run_id, "allow")] * 2
     offline = sorted(p.name for p in (run / "wandb").glob("offline-run-*"))
     assert len(offline) == 2 and all(name.endswith(f"-{run_id}") for name in offline), offline

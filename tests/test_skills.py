@@ -334,13 +334,16 @@ def test_track_experiments_checks_every_step_is_logged(tmp_path, dataset_dir):
     assert short.returncode == 1 and "unexpected [3]" in short.stdout, short.stdout
 
 
-def test_track_experiments_reads_a_real_offline_wandb_run(tmp_path, dataset_dir, monkeypatch):
+def test_track_experiments_reads_a_real_offline_wandb_run(tmp_path, dataset_dir, monkeypatch, request):
     """The real wandb package, offline: a 3-step run, then a resume to 4 (a second offline run): every
     step's loss and the config once per run are found: PASS. A loss that no wandb record holds
     (metrics.jsonl edited) and a run with its records gone: FAIL naming what is missing."""
-    pytest.importorskip("wandb")  # in the test extra: CI has it
+    wandb = pytest.importorskip("wandb")  # in the test extra: CI has it
     from pithtrain.train.loop import train
 
+    # wandb's service and threads stop with this test: a gloo test forked later from this pytest process
+    # must not inherit them (it can hang on a lock one of them held)
+    request.addfinalizer(wandb.teardown)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     script = ".agents/skills/track-experiments/check_run.py"

@@ -136,7 +136,8 @@ class Run:
         t = self.config.train
         state = ckpt.training_state(self.model, self.optimizer, self.mesh)
         meta = {"samples_consumed": step * t.global_batch_size, "config": run_dict(self.config),
-                "dataset": self.loader.dataset.identity}  # what convert's tokenizer and a resume are checked against
+                "dataset": self.loader.dataset.identity,  # what convert's tokenizer and a resume are checked against
+                "data_path": _flat({"data": {"path": self.config.data.path}})["data.path"]}  # real paths (a blend's too)
         try:
             ckpt.save_checkpoint(self.out_dir, step, state, meta, self.config.model.to_hf(), t.keep_checkpoints)
         except (Exception, CheckpointException) as e:
@@ -598,7 +599,9 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
     meta = read_json(checkpoint / "meta.json", f"move {checkpoint} away to resume from the checkpoint before it")
     old, new = _flat(meta.get("config", {})), _flat(json.loads(json.dumps(run_dict(config))))
     recorded = meta.get("dataset") or {}
-    if "path" in recorded:  # the path as resolved when the run started, not in today's working directory
+    if "data_path" in meta:  # the path(s) as resolved when the run started, not in today's working directory
+        old["data.path"] = meta["data_path"]
+    elif "path" in recorded and not isinstance(old.get("data.path"), list):
         old["data.path"] = recorded["path"]
     if dataset is not None and recorded.get("path") == dataset.identity["path"] and recorded != dataset.identity:
         raise UserError(f"cannot resume from {checkpoint}: the dataset at {recorded['path']} changed since it was "
