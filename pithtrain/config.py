@@ -463,6 +463,25 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
     return [f"warning: {text}" for cond, text in found if cond]
 
 
+def check_model_common(model) -> None:
+    """What every family's config must hold besides its own `validate`: token ids inside the vocabulary
+    (or None), a positive finite initialisation scale."""
+    vocab = model.vocab_size
+    for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = getattr(model, name, None)
+        ids = value if isinstance(value, list) else [value]
+        _check(value is None or all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids),
+               f"model.{name}={value!r}: a token id is in [0, vocab_size={vocab}) (or None: unset)")
+    for f in dataclasses.fields(model):  # a size past 2**31 is a typo, and too big to lay out even on the meta device
+        value = getattr(model, f.name)
+        _check(not isinstance(value, int) or value < 2**31, f"model.{f.name}={value}: at most 2**31 - 1")
+    _check(model.num_hidden_layers <= 1024,
+           f"model.num_hidden_layers={model.num_hidden_layers}: at most 1024 (the deepest released MoE models have under 100)")
+    scale = getattr(model, "initializer_range", None)
+    _check(scale is None or (isinstance(scale, (int, float)) and 0 < scale <= 1),
+           f"model.initializer_range={scale!r}: the std of the initial weights must be in (0, 1] (HF's default 0.02)")
+
+
 def validate(config: RunConfig, world_size: int = 1) -> None:
     """Refuse an invalid config before any work starts; each message names the field and the fix."""
     t, o, d, p = config.train, config.optim, config.data, config.parallel
@@ -472,6 +491,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     )
     check_types(config)
     config.model.validate()
+    check_model_common(config.model)
     _check(world_size >= 1, f"--nproc {world_size}: must be at least 1")
     _check(t.steps >= 1, f"train.steps={t.steps}: must be at least 1")
     _check(t.micro_batch_size >= 1, f"train.micro_batch_size={t.micro_batch_size}: must be at least 1")

@@ -10,6 +10,7 @@ import math
 import os
 import subprocess
 import sys
+import types
 import typing
 
 import pytest
@@ -37,6 +38,13 @@ def bad_values(hint) -> dict[str, object]:
     if set(typing.get_args(hint)) == {str, dict, list}:  # data.path: one dataset, or a blend ({path: weight}, Megatron's list)
         return {"wrong type": 3, "empty": "", "huge": LONG, "blank": " ", "empty blend": {}, "negative": {"x": -1.0},
                 "wrong item type": [0.5]}
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in typing.get_args(hint):
+        inner = [a for a in typing.get_args(hint) if a is not type(None)]  # T | None: T's bad values (None is valid)
+        return bad_values(inner[0]) if len(inner) == 1 else {"wrong type": object()}
+    if hint is dict:
+        return {"wrong type": "yarn", "wrong item type": {"type": 3}}
+    if typing.get_origin(hint) is list and typing.get_args(hint) == (int,):  # layer ids (model.mlp_only_layers)
+        return {"wrong type": "1", "wrong item type": ["a"], "negative": [-1], "huge": [10**6]}
     if typing.get_origin(hint) is list:
         return {"wrong type": "lm_head.*", "wrong item type": [1], "empty": [], "huge": ["*"] * 10000}
     raise AssertionError(f"no generator for {hint}: add one")
@@ -141,3 +149,50 @@ def test_the_cli_turns_bad_values_into_one_line(dataset_dir, tmp_path, capsys):
                             env=dict(os.environ, PYTHONPATH=ROOT))
     assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
     one_line_error(result.stderr, "train.micro_batch_size")
+
+
+# (model field, label) -> why the value is valid, for every family (tiny configs of tests/conftest.py)
+VALID_MODEL = {
+    **{(name, "zero"): "0 is documented as off / none" for name in (
+        "first_k_dense_replace", "n_routed_experts", "n_shared_experts", "num_experts", "num_nextn_predict_layers",
+        "bias_update_speed", "n_group", "topk_group", "bos_token_id", "eos_token_id", "pad_token_id")},
+    **{(name, "huge"): "a (useless) value, not an inconsistent one: training runs" for name in (
+        "bias_update_speed", "rms_norm_eps", "rope_theta", "routed_scaling_factor", "swiglu_alpha", "swiglu_limit")},
+}
+
+
+def test_every_model_field_of_every_family_refuses_bad_values_in_one_line(dataset_dir, tmp_path):
+    """The model section, per family: every field of each family's config under the generated values;
+    refused in one line naming model.<field>, or valid by VALID_MODEL. Sizes past any real model
+    (2**31, more than 1e13 parameters, 1024 layers) are refused before a tensor is allocated."""
+    from conftest import tiny_deepseek_config, tiny_deepseek_v3_config, tiny_gpt_oss_config, tiny_qwen3_5_config
+
+    tried = refused = 0
+    unexpected, accepted = [], set()
+    for make in (tiny_config, tiny_deepseek_config, tiny_deepseek_v3_config, tiny_gpt_oss_config, tiny_qwen3_5_config):
+        model = make(dataset_dir).model
+        hints = typing.get_type_hints(type(model))
+        for f in dataclasses.fields(model):
+            for label, value in bad_values(hints[f.name]).items():
+                key = (f.name, label.split()[0] if label.split()[0] in ("zero", "negative", "empty", "huge") else label)
+                config = make(dataset_dir)
+                setattr(config.model, f.name, value)
+                tried += 1
+                try:
+                    validate(config)
+                    check_run(config, tmp_path / "run", create=False)
+                except (UserError, ValueError) as e:
+                    refused += 1
+                    if "\n" in str(e) or f"model.{f.name}" not in str(e) and "size field" not in str(e):
+                        unexpected.append(f"{type(model).__name__} {key}: {str(e)[:200]}")
+                    continue
+                except Exception as e:
+                    unexpected.append(f"{type(model).__name__} {key}: {type(e).__name__}: {str(e)[:200]}")
+                    continue
+                accepted.add(key)
+                if key not in VALID_MODEL:
+                    unexpected.append(f"{type(model).__name__} {key} = {str(value)[:40]!r}: accepted, not in VALID_MODEL")
+    print(f"model fuzz: {tried} (family, field, value) triples tried, {refused} refused in one line")
+    assert not unexpected, "\n".join(unexpected)
+    assert accepted == set(VALID_MODEL), f"VALID_MODEL lists pairs no longer accepted: {set(VALID_MODEL) - accepted}"
+    assert tried >= 500

@@ -145,6 +145,7 @@ class DeepseekV2Config:
             check(1 <= k <= experts, f"model.num_experts_per_tok={k} must be in [1, n_routed_experts={experts}]")
             if self.topk_method != "greedy":
                 groups, kept = self.n_group or 1, self.topk_group or 1
+                check(groups >= 1, f"model.n_group={self.n_group}: must be at least 1 (or 0 / None: one group)")
                 check(experts % groups == 0,
                       f"model.n_group={groups} does not divide n_routed_experts={experts}; choose a divisor")
                 check(1 <= kept <= groups, f"model.topk_group={kept} must be in [1, n_group={groups}]")

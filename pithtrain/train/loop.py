@@ -297,8 +297,12 @@ def build_model(config: RunConfig, mesh: Mesh, dtype: torch.dtype, found: Path |
         model = ChunkPair(*chunks)
     else:
         chunks = None
-        model = config.model.build_model()
-        model.init_weights(t.seed)
+        try:
+            model = config.model.build_model()
+            model.init_weights(t.seed)
+        except (RuntimeError, MemoryError) as e:  # the allocator's own message names the bytes it wanted
+            raise UserError(f"model: building its weights failed ({str(e).splitlines()[0][:160]}); use a smaller model, "
+                            "or spread it over more processes (parallel.pp, parallel.ep)") from None
     if t.init_from and not found:
         _init_from(model, t.init_from)
     if t.compile:  # before FSDP, so that its hooks stay outside the compiled graphs
@@ -463,6 +467,7 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
     loader = open_training_data(d.path, d.seq_len, config.train.global_batch_size, d.seed, d.pack_documents,
                                 0 if d.eval_path else d.eval_samples, config.model.vocab_size)
     _ = loader.dataset.identity  # hashed now: checkpoints record the dataset the run started on
+    check_model_size(config.model)
     check_muon_takes_some(config)
     found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None)
     if found is not None:  # the newest checkpoint whose files pass their checksums
@@ -497,6 +502,24 @@ def check_init_from(config: RunConfig, echo: bool) -> None:
         kept = [k for k in differ if k not in ("architectures", "dtype")]
         print(f"init_from: the weights of {source}" + (f" (the run keeps its own {', '.join(kept)})" if kept else ""),
               flush=True)
+
+
+MAX_PARAMETERS = 10**13  # ten times the largest released MoE: past it, a size field is a typo
+
+
+def check_model_size(model_cfg) -> None:
+    """The model's weights can be laid out (counted on the meta device) and are not absurdly many: a
+    size field off by orders of magnitude fails here in one line, not in an allocation traceback."""
+    sizes = ", ".join(f"{f.name}={getattr(model_cfg, f.name)}" for f in dataclasses.fields(model_cfg)
+                      if isinstance(getattr(model_cfg, f.name), int) and getattr(model_cfg, f.name) > 4096)
+    try:
+        total = model_sizes(model_cfg)[0]
+    except (RuntimeError, ValueError, OverflowError, MemoryError) as e:
+        raise UserError(f"model: its weights cannot be laid out ({str(e).splitlines()[0][:120]}); a size field is too "
+                        f"large ({sizes or 'see the model fields'}); fix it") from None
+    if total > MAX_PARAMETERS:
+        raise UserError(f"model: {total:.3g} parameters, more than {MAX_PARAMETERS:.0e}: a size field is too large "
+                        f"({sizes}); fix it")
 
 
 def check_muon_takes_some(config: RunConfig) -> None:
