@@ -9,6 +9,8 @@ worker, each job building its own device mesh.
 
 import multiprocessing as mp
 import os
+import sys
+import threading
 import time
 import traceback
 
@@ -34,11 +36,27 @@ def _fn_worker(rank, world, port, fn, args, errors, results):
         os._exit(1)
 
 
+def _stop_stray_threads() -> None:
+    """A forked worker inherits every lock that another thread of this process holds at the fork, and
+    can hang on one: stop the threads earlier tests leave running here. tqdm's monitor (started by
+    transformers' and datasets' progress bars) is one; two gloo tests hung on 2026-12-02 with it alive."""
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is not None:
+        tqdm.tqdm.monitor_interval = 0  # no new monitor
+        if tqdm.tqdm.monitor is not None:
+            tqdm.tqdm.monitor.exit()
+            tqdm.tqdm.monitor = None
+    others = [t.name for t in threading.enumerate() if t is not threading.main_thread() and t.is_alive()]
+    if others:  # not fatal, but the first thing to look at if a forked run hangs
+        print(f"dist_util: threads alive at the fork: {others}", file=sys.stderr)
+
+
 def run_fn(world: int, fn, *args, timeout_s: float = 600) -> list:
     """fn(rank, world, *args) on `world` forked gloo workers; returns their results by rank.
     Forked: fn and args need no pickling (results do)."""
     from torch.distributed import TCPStore
 
+    _stop_stray_threads()
     ctx = mp.get_context("fork")
     errors, results = ctx.Queue(), ctx.Queue()
     # the rendezvous store lives here, on a port the OS picked: no free-port race between concurrent runs
