@@ -22,7 +22,7 @@ EXAMPLE = "examples/qwen3_tiny.py"
 def test_init_from_our_export_continues_from_its_loss(tmp_path, dataset_dir, capsys):
     """Train the example, export it to HF (which sets bos/eos ids the example leaves None), and start a
     new run of the unchanged example from the export: its first step's loss is the export's eval loss
-    on that step's batch. A run whose architecture differs is refused naming the field and both values,
+    on that step's batch, on one process and on pp2. A run whose architecture differs is refused naming the field and both values,
     by --dry-run too; eval reads rows of the run's data.seq_len unless --seq-len says otherwise."""
     data = f"data.path={dataset_dir}"
     # another seed than the example's: the new run's own initial weights are not the export's
@@ -37,6 +37,10 @@ def test_init_from_our_export_continues_from_its_loss(tmp_path, dataset_dir, cap
     said = f"init_from: the weights of {tmp_path / 'hf'} (the run keeps its own bos_token_id, eos_token_id)"
     assert said in dry and said in out, dry
     first = read_metrics(tmp_path / "b" / "metrics.jsonl")[0]
+    # a DualPipeV run loads the same weights: each rank's chunks take their layers of the export
+    cli(["train", EXAMPLE, "--out", tmp_path / "pp", "--steps", "1", "--nproc", "2", "--pp", "2", "--set",
+         "train.micro_batch_size=4", *init], capsys)
+    assert read_metrics(tmp_path / "pp" / "metrics.jsonl")[0]["loss"] == pytest.approx(first["loss"], rel=1e-6)
 
     batch = BatchLoader(TokenDataset(dataset_dir), 128, 16, 1234).global_batch(0)  # the example's seq_len, batch, seed
     np.save(tmp_path / "batch.npy", torch.cat([batch["input_ids"], batch["labels"][:, -1:]], 1).numpy())

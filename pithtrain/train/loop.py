@@ -831,4 +831,5 @@ def count_text(n: int) -> str:
 def _init_from(model, path: str) -> None:
     """Copy weights from an HF directory or a PithTrain checkpoint (continued pretraining; check_init_from
     compared the architectures)."""
-    model.load_state_dict(ckpt.load_model(path).state_dict())
+    source, own = ckpt.load_model(path).state_dict(), model.state_dict()
+    model.load_state_dict({name: source[name] for name in own})  # a pipeline rank's chunks: its layers alone
