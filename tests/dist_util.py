@@ -15,7 +15,7 @@ import time
 import traceback
 
 
-def _fn_worker(rank, world, port, fn, args, errors, results):
+def _fn_worker(rank, world, port, fn, args, errors, results, joined):
     try:
         import torch
         import torch.distributed as dist
@@ -25,6 +25,7 @@ def _fn_worker(rank, world, port, fn, args, errors, results):
                           LOCAL_RANK=str(rank))
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        joined.put(rank)
         results.put((rank, fn(rank, world, *args)))
         dist.destroy_process_group()
         results.close()
@@ -51,23 +52,43 @@ def _stop_stray_threads() -> None:
         print(f"dist_util: threads alive at the fork: {others}", file=sys.stderr)
 
 
-def run_fn(world: int, fn, *args, timeout_s: float = 600) -> list:
+def run_fn(world: int, fn, *args, timeout_s: float = 600, join_s: float = 120) -> list:
     """fn(rank, world, *args) on `world` forked gloo workers; returns their results by rank.
-    Forked: fn and args need no pickling (results do)."""
+    Forked: fn and args need no pickling (results do). Workers that have not all joined the process
+    group after `join_s` (nothing run yet: gloo's connection setup stalled, seen with 8 workers on a
+    loaded 2-core machine) are killed and started once more."""
+    for attempt in range(2):
+        out = _run_once(world, fn, args, timeout_s, join_s)
+        if out is not None:
+            return out
+        print(f"dist_util: {world} workers had not joined the process group after {join_s:.0f} s; started again",
+              file=sys.stderr)
+    raise AssertionError(f"distributed run failed: {world} workers did not join the process group, twice")
+
+
+def _run_once(world, fn, args, timeout_s, join_s) -> list | None:
     from torch.distributed import TCPStore
 
     _stop_stray_threads()
     ctx = mp.get_context("fork")
-    errors, results = ctx.Queue(), ctx.Queue()
+    errors, results, joined = ctx.Queue(), ctx.Queue(), ctx.Queue()
     # the rendezvous store lives here, on a port the OS picked: no free-port race between concurrent runs
     store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
     port = store.port
-    procs = [ctx.Process(target=_fn_worker, args=(r, world, port, fn, args, errors, results)) for r in range(world)]
+    procs = [ctx.Process(target=_fn_worker, args=(r, world, port, fn, args, errors, results, joined)) for r in range(world)]
     for proc in procs:
         proc.start()
-    deadline = time.monotonic() + timeout_s
-    done = {}
+    start = time.monotonic()
+    deadline = start + timeout_s
+    done, ready = {}, set()
     while len(done) < world and time.monotonic() < deadline and not any(p.exitcode for p in procs):
+        while not joined.empty():
+            ready.add(joined.get())
+        if len(ready) < world and time.monotonic() - start > join_s and errors.empty():
+            for proc in procs:
+                proc.kill()
+                proc.join()
+            return None
         while not results.empty():
             rank, value = results.get()
             done[rank] = value
