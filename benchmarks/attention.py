@@ -46,12 +46,31 @@ def time_case(fn, inputs, dout, repeats):
     return median_ms(fwd, repeats), median_ms(fwd_bwd, repeats)
 
 
+SDPA_BACKENDS = [("flash", "FLASH_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"), ("efficient", "EFFICIENT_ATTENTION")]
+
+
+def pinned(fn, backend: str, expand_kv: bool = False):
+    """fn with SDPA held to one backend (torch.nn.attention.sdpa_kernel); expand_kv: k and v repeated
+    to the query heads first (for a backend without GQA; the repeat is timed too)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def call(q, k, v, *rest):
+        if expand_kv:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            return fn(q, k, v, *rest)
+    return call
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--docs", type=int, default=0, help="documents packed per row (0: one)")
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--sdpa-backends", action="store_true", help="Qwen3's plain causal case only: also time "
+                        "each SDPA backend alone (flash, cuDNN, efficient), to find the fastest on this GPU")
     args = parser.parse_args()
     s, figures = args.seq, {}
     for name, hq, hkv, d, sink, window in CASES:
@@ -68,20 +87,27 @@ def main():
             def run(path):
                 return lambda q, k, v, *z: path(q, k, v, d**-0.5, z[0] if z else None, window, doc_ids)
 
-            row = {}
-            for label, fn in (("flash", run(attention.attention)), ("sdpa", run(attention.attention_reference))):
+            row, paths = {}, [("flash", run(attention.attention)), ("sdpa", run(attention.attention_reference))]
+            if args.sdpa_backends and name == "qwen3_full" and not args.docs:
+                paths += [(f"sdpa_{label}", pinned(run(attention.attention_reference), backend))
+                          for label, backend in SDPA_BACKENDS]
+                paths += [("sdpa_cudnn_mha", pinned(run(attention.attention_reference), "CUDNN_ATTENTION", True))]
+            for label, fn in paths:
                 try:
                     f, fb = time_case(fn, inputs, dout, args.repeats)
                 except torch.OutOfMemoryError:
                     print(f"{name} B={b} {label}: out of memory")
                     continue
+                except RuntimeError as e:  # a pinned SDPA backend that does not take this shape
+                    print(f"{name} B={b} {label}: {str(e).splitlines()[0][:120]}")
+                    continue
                 tf, tfb = flops / f / 1e9, 3.5 * flops / fb / 1e9
                 row[label] = {"fwd_ms": round(f, 3), "fwd_bwd_ms": round(fb, 3), "fwd_tflops": round(tf, 1),
                               "fwd_bwd_tflops": round(tfb, 1)}
-                print(f"{name:18s} B={b} S={s} docs={args.docs} {label:5s}  fwd {f:7.3f} ms {tf:6.1f} TFLOP/s   "
+                print(f"{name:18s} B={b} S={s} docs={args.docs} {label:14s}  fwd {f:7.3f} ms {tf:6.1f} TFLOP/s   "
                       f"fwd+bwd {fb:7.3f} ms {tfb:6.1f} TFLOP/s   (bwd/fwd {(fb - f) / f:.2f})", flush=True)
                 torch.cuda.empty_cache()
-            if len(row) == 2:
+            if "flash" in row and "sdpa" in row:
                 print(f"{'':18s} flash speed-up: fwd {row['sdpa']['fwd_ms'] / row['flash']['fwd_ms']:.2f}x, "
                       f"fwd+bwd {row['sdpa']['fwd_bwd_ms'] / row['flash']['fwd_bwd_ms']:.2f}x")
             figures[f"{name}_b{b}"] = row
