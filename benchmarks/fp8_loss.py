@@ -47,6 +47,7 @@ def main():
     parser.add_argument("--plot", help="write a PNG of both curves here")
     parser.add_argument("--curves", help="write both curves (JSON) here")
     parser.add_argument("--fp8", default="rowwise", choices=["rowwise", "rowwise_bf16_wgrad"], help="the recipe against bf16")
+    parser.add_argument("--fp8-head", action="store_true", help="train.fp8_head: the LM head in FP8 too")
     args = parser.parse_args()
     cfg = model_config()
     print(f"active parameters: {active_params(cfg) / 1e6:.0f}M", flush=True)
@@ -60,7 +61,7 @@ def main():
                             optim=OptimConfig(lr=1e-3, warmup_steps=50, schedule="cosine"),
                             train=TrainConfig(steps=args.steps, global_batch_size=16, micro_batch_size=8, seed=0,
                                               lb_coef=1e-2, tensorboard=False, checkpoint_every=-1, log_every=50,
-                                              compile=True, fp8=fp8))
+                                              compile=True, fp8=fp8, fp8_head=args.fp8_head and fp8 != "off"))
             history = train(run, f"{tmp}/{fp8}", echo=True)
             curves[fp8] = [m["loss"] for m in history]
             curves[fp8 + "_tokens_per_s"] = sorted(m["tokens_per_s"] for m in history[2:])[len(history[2:]) // 2]
@@ -75,12 +76,12 @@ def main():
     record({"benchmark": "fp8_loss", "family": "qwen3", "active_params": active_params(cfg), "steps": args.steps,
             "seq": 1024, "global_batch": 16, "loss_bf16_last100": mean_bf16, "loss_fp8_last100": mean_fp8,
             "relative_gap": gap, "worst_step_gap": worst, "tokens_per_s_bf16": curves["off_tokens_per_s"],
-            "tokens_per_s_fp8": curves[args.fp8 + "_tokens_per_s"], "fp8": args.fp8})
+            "tokens_per_s_fp8": curves[args.fp8 + "_tokens_per_s"], "fp8": args.fp8, "fp8_head": args.fp8_head})
     if args.curves:
         Path(args.curves).write_text(json.dumps({"bf16": bf16, f"fp8_{args.fp8}": fp8}))
     if args.plot:
         title = f"Qwen3-MoE {active_params(cfg) / 1e6:.0f}M active, stdlib corpus: last-100 gap {gap:+.2%}"
-        plot_losses(args.plot, {"bf16": bf16, f"FP8 {args.fp8}": fp8}, title)
+        plot_losses(args.plot, {"bf16": bf16, f"FP8 {args.fp8}" + (" + FP8 head" if args.fp8_head else ""): fp8}, title)
 
 
 def plot_losses(path: str, curves: dict, title: str) -> None:

@@ -110,7 +110,7 @@ def flops_per_token(cfg, seq: int) -> float:
 
 def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile: bool = False, accum: int = 1,
                   profile_step: int = 0, trace: str | None = None, fp8: str = "off",
-                  optim: str = "adamw", recompute: str = "off") -> tuple[list[dict], tuple | None]:
+                  optim: str = "adamw", recompute: str = "off", fp8_head: bool = False) -> tuple[list[dict], tuple | None]:
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from pithtrain.train import loop
 
@@ -128,7 +128,8 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
                     optim=OptimConfig(name=optim, lr=1e-4, warmup_steps=0, schedule="constant"),
                     train=TrainConfig(steps=steps, global_batch_size=batch * accum, micro_batch_size=batch, lb_coef=1e-3,
                                       tensorboard=False, checkpoint_every=-1, log_every=1, compile=compile,
-                                      profile_step=profile_step, fp8=fp8, recompute=recompute))
+                                      profile_step=profile_step, fp8=fp8, recompute=recompute,
+                                      fp8_head=fp8_head))
     with tempfile.TemporaryDirectory() as out:
         try:
             history = loop.train(run, out, echo=True)
@@ -212,6 +213,8 @@ def main():
     parser.add_argument("--recompute", default="off", choices=["off", "selective", "full"], help="train.recompute")
     parser.add_argument("--fp8", default="off", choices=["off", "rowwise", "rowwise_bf16_wgrad"], help="train.fp8 (MFU stays model FLOPs "
                         "over the bf16 matmul peak, so FP8 and bf16 runs compare directly)")
+    parser.add_argument("--fp8-head", action="store_true", help="train.fp8_head: the LM head's forward and input "
+                        "gradient in FP8 too (with --fp8)")
     parser.add_argument("--optim", default="adamw", choices=["adamw", "muon"], help="optim.name; the optimizer step's "
                         "share of the step time is reported either way")
     parser.add_argument("--attention", default="flash", choices=["flash", "sdpa"], help="GPT-OSS attention: the "
@@ -245,14 +248,15 @@ def main():
     with tempfile.TemporaryDirectory() as data:
         write_dataset(data, [tokens], cfg.vocab_size, eos_id=None)
         ours, stages = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile, args.accum,
-                                     args.profile_step, args.trace, args.fp8, args.optim, args.recompute)
+                                     args.profile_step, args.trace, args.fp8, args.optim, args.recompute,
+                                     args.fp8_head)
     import gc
 
     gc.collect()
     torch.cuda.empty_cache()
     warm = [m for m in ours[2:] if m["step"] != args.profile_step] or ours
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "fused_wgrad": args.fused_wgrad, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "fused_wgrad": args.fused_wgrad, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30,

@@ -149,6 +149,9 @@ class TrainConfig:
     # cores (compute capability 8.9+); on the CPU only with fp8_emulate (plain PyTorch, slow).
     fp8: str = "off"
     fp8_emulate: bool = False  # FP8 numerics in plain PyTorch on the CPU (tests; slow)
+    # the LM head's forward and input-gradient GEMMs in FP8 too (its weight gradient stays bf16);
+    # needs train.fp8. Off by default: docs/performance.md "FP8" has its loss check and speed
+    fp8_head: bool = False
 
 
 @dataclass
@@ -526,6 +529,8 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
            "data.eval_path (a tokenized held-out dataset) or data.eval_samples=0")
     _check(0 <= t.profile_step <= t.steps, f"train.profile_step={t.profile_step}: there is no such step of "
            f"train.steps={t.steps}; choose a step in 1..{t.steps}, or 0 (off)")
+    _check(not t.fp8_head or t.fp8 != "off", "train.fp8_head=true needs FP8 GEMMs: set train.fp8=rowwise_bf16_wgrad "
+           "(or rowwise), or train.fp8_head=false")
     _check(not t.fp8_emulate or t.fp8 != "off", "train.fp8_emulate=true has no effect with train.fp8=off; set "
            "train.fp8=rowwise (or rowwise_bf16_wgrad), or train.fp8_emulate=false")
     _check(t.eval_every == 0 or d.eval_path or d.eval_samples,

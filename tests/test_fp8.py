@@ -129,6 +129,43 @@ def test_fp8_expert_gemm_gradients_and_deferred_weight_pass():
 
 
 @pytest.mark.fast
+def test_fp8_head():
+    """train.fp8_head (grouped_gemm.head_logits): logits and the input gradient are the recipe's FP8
+    GEMMs (float64 of the rounded operands, 1e-5); the weight gradient the plain product, returned
+    for an fp32 computation (1e-5) and added into an fp32 master's .grad by the GEMM for bf16
+    activations (bf16's tolerance); the weight's FP8 layouts come from the tensor's own cache; an
+    enabled model's head and the pipeline's take it, its eval (no grad) does not."""
+    gen = torch.Generator().manual_seed(11)
+    w = nn.Parameter(torch.randn(48, 32, generator=gen) * 0.1)  # [vocab, hidden]
+    x = torch.randn(2, 5, 32, generator=gen).requires_grad_()
+    dy = torch.randn(2, 5, 48, generator=gen)
+    logits = grouped_gemm.head_logits(x, w, fp8_head=True)
+    logits.backward(dy)
+    x2, dy2 = x.detach().reshape(10, 32), dy.reshape(10, 48)
+    want = {"y": quantized64(x2) @ quantized64(w.detach()).t(),
+            "dx": quantized64(dy2) @ quantized64(w.detach().t().contiguous()).t(), "dw": dy2.double().t() @ x2.double()}
+    for got, ref in ((logits.reshape(10, 48), want["y"]), (x.grad.reshape(10, 32), want["dx"]), (w.grad, want["dw"])):
+        assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    plain = x2.double() @ w.detach().double().t()
+    assert 1e-4 < (logits.reshape(10, 48).double() - plain).norm() / plain.norm() < 0.06  # FP8, not the bf16 GEMM
+    cache = fp8.cached_param(w)
+    assert fp8.cached_param(w) is cache and w._fp8_cache["weight"] is cache
+    w.grad = torch.ones_like(w)  # bf16 activations: the weight gradient accumulates into the fp32 .grad
+    xb = x.detach().bfloat16().requires_grad_()
+    grouped_gemm.head_logits(xb, w, fp8_head=True).backward(dy.bfloat16())
+    ref = 1 + dy2.bfloat16().double().t() @ x2.bfloat16().double()
+    assert w.grad.dtype == torch.float32 and torch.allclose(w.grad.double(), ref, rtol=1e-2, atol=1e-2)
+    assert xb.grad.dtype == torch.bfloat16
+    with torch.no_grad():  # eval: the plain GEMM
+        assert torch.equal(grouped_gemm.head_logits(x, w, fp8_head=True), torch.nn.functional.linear(x, w))
+    model = tiny_config("x").model.build_model()
+    fp8.enable_fp8(model, compiled=False, recipe="rowwise", head=True)
+    assert model.head_fp8 is True
+    fp8.enable_fp8(model, compiled=False, recipe="rowwise")
+    assert model.head_fp8 is False
+
+
+@pytest.mark.fast
 def test_weight_cache_is_reused_and_invalidated():
     layer = fp8.Linear(16, 16, bias=False)
     first = fp8.cached_weight(layer, "weight", True)
@@ -149,8 +186,9 @@ def test_weight_cache_is_reused_and_invalidated():
 
 
 def fp8_config(dataset_dir, **kw):
+    """FP8 training with the LM head in FP8 too (train.fp8_head)."""
     cfg = tiny_config(dataset_dir, **kw)
-    cfg.train.fp8, cfg.train.fp8_emulate = "rowwise", True
+    cfg.train.fp8, cfg.train.fp8_emulate, cfg.train.fp8_head = "rowwise", True, True
     return cfg
 
 
@@ -215,6 +253,9 @@ def test_bad_fp8_input_is_refused(dataset_dir):
         validate(cfg)
     cfg.train.fp8_emulate = True
     validate(cfg)
+    cfg.train.fp8, cfg.train.fp8_emulate, cfg.train.fp8_head = "off", False, True
+    with pytest.raises(ConfigError, match=r"train.fp8_head=true needs FP8 GEMMs: set train.fp8=rowwise_bf16_wgrad"):
+        validate(cfg)
 
 
 @pytest.mark.fast

@@ -541,6 +541,8 @@ class DeepseekV2Model(nn.Module):
     """A contiguous run of layers; the full model by default. `layer_ids`/`embed`/`head` select
     a pipeline chunk; layers keep their global ids as names so checkpoints do not depend on it."""
 
+    head_fp8 = False  # the LM head in FP8 (train.fp8_head; set by ops/fp8.enable_fp8)
+
     def __init__(self, cfg: DeepseekV2Config, layer_ids=None, embed: bool = True, head: bool = True):
         super().__init__()
         self.cfg = cfg
@@ -601,13 +603,13 @@ class DeepseekV2Model(nn.Module):
             x = run_layer(layer, x, attn, engine)
         if self.norm is None:
             return x if mtp_embedded is None else (x, mtp_embedded)
-        logits = head_logits(self.norm(x), self.head_weight())
+        logits = head_logits(self.norm(x), self.head_weight(), self.head_fp8)
         if self.mtp is None or mtp_embedded is None:
             return logits
         out = []
         for k, layer in enumerate(self.mtp.values()):
             x = run_layer(layer, torch.cat([mtp_embedded[:, :, k].to(x.dtype), x], -1), attn, engine)
-            out.append(head_logits(layer.shared_head(x), self.head_weight()))
+            out.append(head_logits(layer.shared_head(x), self.head_weight(), self.head_fp8))
         return logits, torch.stack(out, 2)
 
     @torch.no_grad()

@@ -248,6 +248,8 @@ class Qwen3MoeModel(nn.Module):
     """A contiguous run of layers; the full model by default. `layer_ids`/`embed`/`head` select
     a pipeline chunk; layers keep their global ids as names so checkpoints do not depend on it."""
 
+    head_fp8 = False  # the LM head in FP8 (train.fp8_head; set by ops/fp8.enable_fp8)
+
     def __init__(self, cfg: Qwen3MoeConfig, layer_ids=None, embed: bool = True, head: bool = True):
         super().__init__()
         self.cfg = cfg
@@ -293,7 +295,7 @@ class Qwen3MoeModel(nn.Module):
         for layer in self.layers.values():
             x = run_layer(layer, x, attn, engine)
         if self.norm is not None:
-            x = head_logits(self.norm(x), self.head_weight())
+            x = head_logits(self.norm(x), self.head_weight(), self.head_fp8)
         return x
 
     @torch.no_grad()

@@ -489,8 +489,17 @@ def cached_weight(module: nn.Module, name: str, contraction_last: bool) -> FP8We
     """The FP8 layouts of module.<name>, remade only when the parameter changed (its version counter,
     identity and storage). contraction_last: the forward contracts the last dimension (nn.Linear's
     [out, in]); otherwise the one before it (the experts' [E, K, M])."""
-    param = getattr(module, name)
-    cache = module.__dict__.setdefault("_fp8_cache", {})
+    return _cached(module.__dict__.setdefault("_fp8_cache", {}), name, getattr(module, name), contraction_last)
+
+
+@torch.no_grad()
+def cached_param(param: torch.Tensor) -> FP8Weight:
+    """cached_weight for a bare [out, in] weight kept on the tensor itself: the LM head's, which the
+    model reads through head_weight() (a tied head shares the embedding's tensor and its cache)."""
+    return _cached(param.__dict__.setdefault("_fp8_cache", {}), "weight", param, True)
+
+
+def _cached(cache: dict, name: str, param: torch.Tensor, contraction_last: bool) -> FP8Weight:
     hit = cache.get(name)
     key = (id(param), param._version, param.data_ptr())
     if hit is not None and hit.key == key:
@@ -577,14 +586,17 @@ def refresh_fp8_weights(module: nn.Module) -> None:
             m.fp8_weight = cached_weight(m, "weight", True)
 
 
-def enable_fp8(model: nn.Module, compiled: bool, recipe: str = "rowwise") -> None:
+def enable_fp8(model: nn.Module, compiled: bool, recipe: str = "rowwise", head: bool = False) -> None:
     """Switch the model's FP8-capable modules (ops/fp8.Linear and the `Experts` of each family, which
-    declare `fp8`) to FP8. With compiled stage 1s (train.compile), each layer's stage 1 first
+    declare `fp8`) to FP8, and with `head` (train.fp8_head) the LM head of the models (which declare
+    `head_fp8`). With compiled stage 1s (train.compile), each layer's stage 1 first
     refreshes its Linears' FP8 layouts in eager code. Call before FSDP wraps the stages, so that its
     all-gather runs before the refresh."""
     for m in model.modules():
         if isinstance(m, Linear) or "fp8" in type(m).__dict__:
             m.fp8 = recipe
+        if "head_fp8" in type(m).__dict__:
+            m.head_fp8 = head
     if compiled:
         for layer in all_layers(model).values():
             layer.stage1 = _refreshing(layer, layer.stage1)

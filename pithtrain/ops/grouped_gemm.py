@@ -105,11 +105,16 @@ class _HeadLinear(torch.autograd.Function):
         return dx, None, None
 
 
-def head_logits(x: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def head_logits(x: torch.Tensor, param: torch.Tensor, fp8_head: bool = False) -> torch.Tensor:
     """F.linear(x, param) for the LM head. Under autocast with an fp32 master weight (not an FSDP
     compute copy, which is already bf16) the weight is cast once per update (its version counter;
-    autocast casts it again every micro-batch) and its gradient accumulated by the GEMM itself."""
+    autocast casts it again every micro-batch) and its gradient accumulated by the GEMM itself.
+    fp8_head (train.fp8_head): the forward and input-gradient GEMMs in FP8 (_FP8HeadLinear)."""
     dtype = autocast_dtype(x)
+    if (fp8_head and param.requires_grad and torch.is_grad_enabled() and not isinstance(param, DTensor)
+            and x.shape[-1] % 16 == 0 and param.shape[0] % 16 == 0):  # _scaled_mm's contraction sizes
+        w = fp8.cached_param(param)
+        return _FP8HeadLinear.apply(x, param, *w.fwd, *w.bwd, dtype)
     if (dtype == param.dtype or param.dtype != torch.float32 or isinstance(param, DTensor)
             or not (param.requires_grad and torch.is_grad_enabled())):
         return F.linear(x, param)
@@ -119,6 +124,37 @@ def head_logits(x: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         hit = (key, param.detach().to(dtype))
         param._head_cast = hit  # on the parameter: a tied head shares the embedding's weight
     return _HeadLinear.apply(x, param, hit[1])
+
+
+class _FP8HeadLinear(torch.autograd.Function):
+    """logits = x @ w^T with x (per token) and w (per vocabulary row) in FP8, and dx = dy @ w with dy
+    (per token) and w (per hidden column) in FP8: ops/fp8.py's recipe; the weight gradient
+    dy^T @ x in the compute dtype from the saved x, into an fp32 master's .grad by the GEMM itself
+    (mm_into_grad), else returned (an FSDP compute copy). The logits leave in the compute dtype."""
+
+    @staticmethod
+    def forward(ctx, x, param, wf_q, wf_s, wb_q, wb_s, dtype):
+        x2 = x.reshape(-1, x.shape[-1])
+        logits = fp8.scaled_mm(*fp8.quantize(x2), wf_q, wf_s, dtype)
+        ctx.save_for_backward(x2.to(dtype), wb_q, wb_s)
+        ctx.param, ctx.x_shape, ctx.x_dtype = param, x.shape, x.dtype
+        return logits.view(*x.shape[:-1], logits.shape[-1])
+
+    @staticmethod
+    def backward(ctx, dy):
+        xc, wb_q, wb_s = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = fp8.scaled_mm(*fp8.quantize(dy2), wb_q, wb_s, xc.dtype).view(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            param, dy2 = ctx.param, dy2.to(xc.dtype)
+            if param.dtype == torch.float32 and param.is_leaf and xc.dtype != torch.float32:
+                with torch.no_grad():
+                    mm_into_grad(param, dy2.t(), xc)
+            else:
+                dw = (dy2.t() @ xc).to(param.dtype)
+        return dx, dw, None, None, None, None, None
 
 
 def grouped_weight_grad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor,

@@ -379,10 +379,10 @@ def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, terms, note, mtp_ids=None
 
     def heads(_positions):  # x stays out of the hook's arguments (FSDP would cast it); the hook still
         # needs one argument on GPUs (it moves args to the device): the integer positions
-        logits = head_logits(chunk.norm(hidden[0]), chunk.head_weight())
+        logits = head_logits(chunk.norm(hidden[0]), chunk.head_weight(), chunk.head_fp8)
         if mtp is None:
             return logits
-        return logits, torch.stack([head_logits(layer.shared_head(h), chunk.head_weight())
+        return logits, torch.stack([head_logits(layer.shared_head(h), chunk.head_weight(), chunk.head_fp8)
                                     for layer, h in zip(mtp.values(), hidden[1:])], 2)
 
     return as_root(heads, pos)

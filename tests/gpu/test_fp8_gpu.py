@@ -174,3 +174,23 @@ def test_weight_cache_refreshes_in_place_on_cuda():
             assert torch.equal(s.cpu(), ref_s)
             same_fp8(q.cpu(), ref_q)
         del mod._fp8_cache
+
+
+def test_fp8_head_matches_reference():
+    """train.fp8_head on CUDA (Triton quantization, torch._scaled_mm, the weight gradient added into the
+    fp32 .grad by cuBLAS) against the CPU emulation on the same bf16 activations: logits and the input
+    gradient 1e-2 of the largest value (bf16 outputs), the weight gradient 1e-2."""
+    gen = torch.Generator().manual_seed(21)
+    w_cpu = torch.nn.Parameter(torch.randn(4096, 256, generator=gen) * 0.05)  # [vocab, hidden]
+    w_gpu = torch.nn.Parameter(w_cpu.detach().cuda())
+    x = torch.randn(2, 300, 256, generator=gen).to(BF16)
+    dy = (torch.randn(2, 300, 4096, generator=gen) * 1e-3).to(BF16)
+    outs = {}
+    for name, w, dev in (("cpu", w_cpu, "cpu"), ("gpu", w_gpu, "cuda")):
+        xi = x.to(dev).requires_grad_()
+        y = grouped_gemm.head_logits(xi, w, fp8_head=True)
+        y.backward(dy.to(dev))
+        outs[name] = (y.cpu(), xi.grad.cpu(), w.grad.cpu())
+    for got, want in zip(outs["gpu"], outs["cpu"]):
+        assert rel(got, want) < 1e-2
+    assert outs["gpu"][2].dtype == torch.float32
