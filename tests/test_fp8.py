@@ -129,12 +129,13 @@ def test_fp8_expert_gemm_gradients_and_deferred_weight_pass():
 
 
 @pytest.mark.fast
-def test_fp8_head():
+def test_fp8_head(monkeypatch):
     """train.fp8_head (grouped_gemm.head_logits): logits and the input gradient are the recipe's FP8
     GEMMs (float64 of the rounded operands, 1e-5); the weight gradient the plain product, returned
     for an fp32 computation (1e-5) and added into an fp32 master's .grad by the GEMM for bf16
     activations (bf16's tolerance); the weight's FP8 layouts come from the tensor's own cache; an
     enabled model's head and the pipeline's take it, its eval (no grad) does not."""
+    monkeypatch.setattr(grouped_gemm, "HEAD_DGRAD_ROWS", 4)  # the input gradient by blocks of 4, 4, 2 rows
     gen = torch.Generator().manual_seed(11)
     w = nn.Parameter(torch.randn(48, 32, generator=gen) * 0.1)  # [vocab, hidden]
     x = torch.randn(2, 5, 32, generator=gen).requires_grad_()
