@@ -4,9 +4,12 @@ activations) and dense projections by recipe (bf16, row-wise `torch._scaled_mm`,
 block-wise `F.scaled_mm`), and the weight cache's quantization into both layouts (the old
 per-layout path with a transposed fp32 copy vs the one-pass kernel; `--wquant`: only that).
 `--sweep` times the grouped kernel's tile configurations (with --wquant: the weight kernel's).
+`--head`: only the LM head and its loss (train.fp8_head against bf16: logits, cross-entropy, backward;
+and the quantization of the head's [tokens x vocabulary] gradient alone, in GB/s).
 
     PYTHONPATH=. python benchmarks/fp8.py [--tokens 16384 --experts 128 --topk 8 --hidden 2048 --inter 768] [--sweep]
     PYTHONPATH=. python benchmarks/fp8.py --wquant [--sweep]
+    PYTHONPATH=. python benchmarks/fp8.py --head [--tokens 16384 --hidden 2048 --vocab 151936]
 """
 
 from __future__ import annotations
@@ -161,13 +164,46 @@ def weight_quant(shapes, sweep: bool):
     return out
 
 
+def head(tokens: int, hidden: int, vocab: int) -> dict:
+    """One micro-batch's LM head and loss, forward and backward, as the training step runs it (autocast
+    bf16, fp32 master weight, the Triton cross-entropy): bf16 vs train.fp8_head."""
+    from pithtrain.ops.grouped_gemm import head_logits
+    from pithtrain.ops.kernels import cross_entropy_sum
+
+    w = torch.nn.Parameter(torch.randn(vocab, hidden, device="cuda") * 0.02)
+    x = torch.randn(tokens, hidden, device="cuda", dtype=BF16, requires_grad=True)
+    labels = torch.randint(0, vocab, (tokens,), device="cuda")
+    out, flops = {}, 3 * 2 * tokens * hidden * vocab
+
+    def step(fp8_head):
+        with torch.autocast("cuda", BF16):
+            loss = cross_entropy_sum(head_logits(x, w, fp8_head), labels)
+        loss.backward()
+
+    for name, on in (("bf16", False), ("fp8_head", True)):
+        ms = median_ms(lambda: step(on), 10)
+        out[f"head_{name}_ms"], out[f"head_{name}_gemm_tflops"] = round(ms, 3), round(tflops(flops, ms), 1)
+        print(f"head [{tokens} x {hidden}] x [{hidden} x {vocab}] + loss, fwd+bwd, {name:9s} {ms:8.3f} ms "
+              f"({tflops(flops, ms):5.0f} TFLOP/s of GEMM work)", flush=True)
+    g = torch.randn(tokens // 4, vocab, device="cuda", dtype=BF16)
+    ms = median_ms(lambda: fp8.quantize(g), 20)
+    out["head_grad_quant_gbs"] = round(g.numel() * 3 / (ms * 1e-3) / 1e9)
+    print(f"quantize [{tokens // 4} x {vocab}] bf16: {ms:.3f} ms, {out['head_grad_quant_gbs']} GB/s", flush=True)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("tokens", 16384), ("experts", 128), ("topk", 8), ("hidden", 2048), ("inter", 768)):
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--sweep", action="store_true")
     parser.add_argument("--wquant", action="store_true", help="only the weight quantization into both layouts")
+    parser.add_argument("--head", action="store_true", help="only the LM head and loss, bf16 vs train.fp8_head")
+    parser.add_argument("--vocab", type=int, default=151936)
     args = parser.parse_args()
+    if args.head:
+        return record({"benchmark": "fp8_head", "tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab,
+                       **head(args.tokens, args.hidden, args.vocab)})
     w_shapes = [(128, 2048, 1536), (128, 768, 2048), (4096, 2048)]  # Qwen3 experts' gate_up and down, a dense one
     if args.wquant:
         return record({"benchmark": "fp8_weight_quant", **weight_quant(w_shapes, args.sweep)})

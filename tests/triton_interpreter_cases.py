@@ -132,6 +132,26 @@ def test_triton_weight_quantization_in_both_layouts(interpreter, monkeypatch, tr
         assert torch.equal(got_q.to(fp8.FP8).view(torch.uint8), ref_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_row_quantization_narrow_and_wide(interpreter, dtype):
+    """fp8's activation quantization (q into fp32, as above) vs quantize_reference, exactly: whole rows
+    a program (_quant_rows_kernel), and a row a program over column blocks (_quant_wide_rows_kernel,
+    the LM head's gradient), a partial last block and an all-zero row included."""
+    torch.manual_seed(5)
+    x = (torch.randn(9, 150) * torch.rand(9, 1) * 5).to(dtype)
+    x[4] = 0
+    ref_q, ref_s = fp8.quantize_reference(x)
+    for kernel, grid, args in ((fp8._quant_rows_kernel, (3,), dict(BLOCK_R=4, BLOCK_C=256)),
+                               (fp8._quant_wide_rows_kernel, (9,), dict(BLOCK_C=32))):
+        q, s = torch.empty(9, 150), torch.empty(9)
+        if kernel is fp8._quant_rows_kernel:
+            kernel[grid](x, q, s, 9, 150, **args)
+        else:
+            kernel[grid](x, q, s, 150, **args)
+        assert torch.equal(s, ref_s)
+        assert torch.equal(q.to(fp8.FP8).view(torch.uint8), ref_q.view(torch.uint8))
+
+
 @pytest.mark.parametrize("shape, halves", [((37, 300), 1), ((3, 20, 300), 1), ((3, 20, 600), 2), ((0, 5, 8), 2)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_triton_muon_passes(interpreter, shape, halves, out_dtype):

@@ -136,6 +136,25 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, rows, cols, BLOCK_R: tl.constexpr, B
 
 
 @_Kernel
+def _quant_wide_rows_kernel(x_ptr, q_ptr, s_ptr, cols, BLOCK_C: tl.constexpr):
+    """_quant_rows_kernel for one row wider than a program holds (the LM head's gradient: a row per
+    token over the vocabulary): its amax over blocks of BLOCK_C, then the blocks again (from L2)."""
+    row = tl.program_id(0).to(tl.int64) * cols
+    c = tl.arange(0, BLOCK_C)
+    amax = tl.zeros([BLOCK_C], tl.float32)
+    for start in range(0, cols, BLOCK_C):
+        x = tl.load(x_ptr + row + start + c, mask=start + c < cols, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    s = tl.math.div_rn(tl.maximum(tl.max(amax, 0), 1e-12), 448.0)
+    inv = tl.math.div_rn(1.0, s)
+    for start in range(0, cols, BLOCK_C):
+        mask = start + c < cols
+        x = tl.load(x_ptr + row + start + c, mask=mask, other=0.0).to(tl.float32)
+        tl.store(q_ptr + row + start + c, tl.clamp(x * inv, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + tl.program_id(0), s)
+
+
+@_Kernel
 def _segment_colmax_kernel(x_ptr, counts_ptr, amax_ptr, cols, num_seg, splits,
                            SEG_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
     """amax[g, c] = max |x[r, c]| over the rows r of segment g; `splits` programs share a segment
@@ -312,12 +331,17 @@ def _groups_p2(n: int) -> int:
     return max(16, _pow2(n))
 
 
+WIDE_ROW = 16384  # wider rows: a program a row, looping over its columns (_quant_wide_rows_kernel)
+
+
 @torch.library.custom_op("pithtrain::fp8_quantize", mutates_args=())
 def _quantize_cuda(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = x.shape
     q = torch.empty(rows, cols, dtype=FP8, device=x.device)
     s = torch.empty(rows, dtype=torch.float32, device=x.device)
-    if rows:
+    if rows and cols > WIDE_ROW:
+        _quant_wide_rows_kernel[(rows,)](x, q, s, cols, BLOCK_C=4096, num_warps=8)
+    elif rows:
         block_c = _pow2(cols)
         block_r = max(1, min(16, 8192 // block_c))  # measured faster than 16k values a program (benchmarks/fp8.py)
         _quant_rows_kernel[(_cdiv(rows, block_r),)](x, q, s, rows, cols, BLOCK_R=block_r, BLOCK_C=block_c,

@@ -187,7 +187,7 @@ def test_fp8_head_matches_reference():
     dy = (torch.randn(2, 300, 4096, generator=gen) * 1e-3).to(BF16)
     outs = {}
     for name, w, dev in (("cpu", w_cpu, "cpu"), ("gpu", w_gpu, "cuda")):
-        xi = x.to(dev).requires_grad_()
+        xi = x.clone().to(dev).requires_grad_()  # a leaf of its own per device
         y = grouped_gemm.head_logits(xi, w, fp8_head=True)
         y.backward(dy.to(dev))
         outs[name] = (y.cpu(), xi.grad.cpu(), w.grad.cpu())
