@@ -23,6 +23,7 @@ rm -rf .peers
 mkdir -p .peers/torchtitan .peers/site .peers/wheels
 # only the package (tests/ and assets/ hold blobs a partial mirror may lack)
 git --git-dir="$GIT_DIR" archive "$COMMIT" torchtitan 2>/dev/null | tar -x -C .peers/torchtitan
+find .peers/torchtitan -type l -delete   # links (into .ci/, not extracted; an AGENTS.md): none is code
 echo "$COMMIT" > .peers/torchtitan/COMMIT
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: -d .peers/wheels "${PACKAGES[@]}"
 for wheel in .peers/wheels/*.whl; do
