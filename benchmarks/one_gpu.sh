@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites for the open GPU issues (14 FP8, 17 Muon,
-# 18 speed), in the order to run them; each appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS
+# 18 speed; runs 16-17: issue 32's torchtitan peer, one device call each, carrying .peers), in the order to run
+# them; each appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS
 # and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git). About 30 minutes in all (more than one machine lease gives):
 # split it over calls with FIRST and LAST (1-based run numbers): bash benchmarks/one_gpu.sh [FIRST [LAST]]
 set -uo pipefail
@@ -22,6 +23,8 @@ runs=(
     "$T --layers 8 --steps 5 --batch 4 --accum 8 --optim muon"                      # 17: 131k tokens a step
     "$T --layers 8 --steps 5 --batch 4 --accum 16 --optim muon"                     # 17: 262k tokens a step
     "python -m pytest -q tests/gpu"
+    "python benchmarks/peers/torchtitan.py --family qwen3 --layers 4 --seq 4096 --batch 2 --accum 4 --steps 6"         # 32: same-run peer vs torchtitan (needs .peers: get_torchtitan.sh; carry .peers)
+    "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 4 --seq 4096 --batch 2 --accum 4 --steps 6"   # 32: its DeepSeek-V3 at Moonlight width
 )
 first=${1:-1} last=${2:-${#runs[@]}}
 if ! [[ $first =~ ^[0-9]+$ && $last =~ ^[0-9]+$ ]] || (( first < 1 || last > ${#runs[@]} || first > last )); then
@@ -30,5 +33,5 @@ if ! [[ $first =~ ^[0-9]+$ && $last =~ ^[0-9]+$ ]] || (( first < 1 || last > ${#
 fi
 for i in $(seq "$first" "$last"); do
     echo "=== run $i: ${runs[$((i - 1))]}"
-    ${runs[$((i - 1))]} 2>&1 | grep -E "^(pithtrain:|[0-9]+ passed|FAILED|.*(failed|error))"
+    ${runs[$((i - 1))]} 2>&1 | grep -E "^(pithtrain:|peer_torchtitan:|[0-9]+ passed|FAILED|.*(failed|error))"
 done
