@@ -52,11 +52,13 @@ def _stop_stray_threads() -> None:
         print(f"dist_util: threads alive at the fork: {others}", file=sys.stderr)
 
 
-def run_fn(world: int, fn, *args, timeout_s: float = 600, join_s: float = 120) -> list:
+def run_fn(world: int, fn, *args, timeout_s: float = 600, join_s: float = 45) -> list:
     """fn(rank, world, *args) on `world` forked gloo workers; returns their results by rank.
     Forked: fn and args need no pickling (results do). Workers that have not all joined the process
-    group after `join_s` (nothing run yet: gloo's connection setup stalled, seen with 8 workers on a
-    loaded 2-core machine) are killed and started once more."""
+    group after `join_s` (nothing run yet: gloo's connection setup stalled, seen with 4 and 8 workers
+    on a loaded 2-core machine) are killed and started once more. A normal join takes 0.1-0.2 s
+    (4 and 8 workers, an idle 2-core machine, 2026-12-02): 45 s is a wide margin, and a stall costs
+    45 s, not the run's whole timeout."""
     for attempt in range(2):
         out = _run_once(world, fn, args, timeout_s, join_s)
         if out is not None:
