@@ -159,11 +159,20 @@ def test_fp8_head(monkeypatch):
     assert xb.grad.dtype == torch.bfloat16
     with torch.no_grad():  # eval: the plain GEMM
         assert torch.equal(grouped_gemm.head_logits(x, w, fp8_head=True), torch.nn.functional.linear(x, w))
+    from pithtrain.parallel.pipeline import ChunkPair, build_chunks
+
     model = tiny_config("x").model.build_model()
     fp8.enable_fp8(model, compiled=False, recipe="rowwise", head=True)
     assert model.head_fp8 is True
     fp8.enable_fp8(model, compiled=False, recipe="rowwise")
     assert model.head_fp8 is False
+    chunks = build_chunks(tiny_config("x").model, 2, 0, seed=0)  # rank 0 of pp2 holds the head chunk
+    pair = ChunkPair(*chunks)
+    fp8.enable_fp8(pair, compiled=False, recipe="rowwise", head=True)  # the pair does not hold its chunks as modules:
+    assert [c.head_fp8 for c in chunks] == [False, False]  # the loop enables each chunk (loop.build)
+    for chunk in chunks:
+        fp8.enable_fp8(chunk, compiled=False, recipe="rowwise", head=True)
+    assert [c.head_fp8 for c in chunks] == [True, True] and chunks[1].lm_head is not None
 
 
 @pytest.mark.fast
