@@ -406,6 +406,12 @@ def main(argv=None):
         print("torchtitan:", json.dumps(result), flush=True)
         return
 
+    if not args.skip_torchtitan:  # before any run: the pinned source must be importable
+        import importlib.util
+
+        if importlib.util.find_spec("torchtitan") is None and not (ROOT / ".peers" / "torchtitan" / "torchtitan").is_dir():
+            sys.exit("error: torchtitan is not importable and .peers/torchtitan is missing; run `bash "
+                     "benchmarks/peers/get_torchtitan.sh` once (carry .peers to the GPU machine), or pass --skip-torchtitan")
     shape = {"family": args.family, "ours_family": OURS_FAMILY[args.family], "layers": args.layers, "seq": args.seq,
              "batch": args.batch, "accum": args.accum, "steps": args.steps, "compile": args.compile, "ac": args.ac,
              "attn_backend": args.attn_backend, "loss": args.loss, "tiny": args.tiny}
