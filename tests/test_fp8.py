@@ -169,7 +169,7 @@ def test_fp8_head(monkeypatch):
     chunks = build_chunks(tiny_config("x").model, 2, 0, seed=0)  # rank 0 of pp2 holds the head chunk
     pair = ChunkPair(*chunks)
     fp8.enable_fp8(pair, compiled=False, recipe="rowwise", head=True)  # the pair does not hold its chunks as modules:
-    assert [c.head_fp8 for c in chunks] == [False, False]  # the loop enables each chunk (loop.build)
+    assert [c.head_fp8 for c in chunks] == [False, False]  # the loop enables each chunk (loop.build_model)
     for chunk in chunks:
         fp8.enable_fp8(chunk, compiled=False, recipe="rowwise", head=True)
     assert [c.head_fp8 for c in chunks] == [True, True] and chunks[1].lm_head is not None

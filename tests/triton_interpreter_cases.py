@@ -141,13 +141,10 @@ def test_triton_row_quantization_narrow_and_wide(interpreter, dtype):
     x = (torch.randn(9, 150) * torch.rand(9, 1) * 5).to(dtype)
     x[4] = 0
     ref_q, ref_s = fp8.quantize_reference(x)
-    for kernel, grid, args in ((fp8._quant_rows_kernel, (3,), dict(BLOCK_R=4, BLOCK_C=256)),
-                               (fp8._quant_wide_rows_kernel, (9,), dict(BLOCK_C=32))):
+    for kernel, grid, sizes, tiles in ((fp8._quant_rows_kernel, (3,), (9, 150), dict(BLOCK_R=4, BLOCK_C=256)),
+                                       (fp8._quant_wide_rows_kernel, (9,), (150,), dict(BLOCK_C=32))):
         q, s = torch.empty(9, 150), torch.empty(9)
-        if kernel is fp8._quant_rows_kernel:
-            kernel[grid](x, q, s, 9, 150, **args)
-        else:
-            kernel[grid](x, q, s, 150, **args)
+        kernel[grid](x, q, s, *sizes, **tiles)
         assert torch.equal(s, ref_s)
         assert torch.equal(q.to(fp8.FP8).view(torch.uint8), ref_q.view(torch.uint8))
 

@@ -99,10 +99,21 @@ class _HeadLinear(torch.autograd.Function):
         xc, w = ctx.saved_tensors
         dy = dy.to(w.dtype)
         dx = (dy @ w).to(ctx.x_dtype) if ctx.needs_input_grad[0] else None
+        dw = None
         if ctx.needs_input_grad[1]:
-            with torch.no_grad():
-                mm_into_grad(ctx.param, dy.reshape(-1, dy.shape[-1]).t(), xc.reshape(-1, xc.shape[-1]))
-        return dx, None, None
+            dw = head_weight_grad(ctx.param, dy.reshape(-1, dy.shape[-1]), xc.reshape(-1, xc.shape[-1]))
+        return dx, dw, None
+
+
+def head_weight_grad(param: torch.Tensor, dy2: torch.Tensor, xc: torch.Tensor) -> torch.Tensor | None:
+    """The head's weight gradient dy^T @ x (both 2-D, the compute dtype): added into an fp32 master's
+    .grad by the GEMM itself (mm_into_grad; None returned), else returned for autograd (an FSDP
+    compute copy, or fp32 math)."""
+    if param.dtype == torch.float32 and param.is_leaf and xc.dtype != torch.float32:
+        with torch.no_grad():
+            mm_into_grad(param, dy2.t(), xc)
+        return None
+    return (dy2.t() @ xc).to(param.dtype)
 
 
 def head_logits(x: torch.Tensor, param: torch.Tensor, fp8_head: bool = False) -> torch.Tensor:
@@ -111,12 +122,11 @@ def head_logits(x: torch.Tensor, param: torch.Tensor, fp8_head: bool = False) ->
     autocast casts it again every micro-batch) and its gradient accumulated by the GEMM itself.
     fp8_head (train.fp8_head): the forward and input-gradient GEMMs in FP8 (_FP8HeadLinear)."""
     dtype = autocast_dtype(x)
-    if (fp8_head and param.requires_grad and torch.is_grad_enabled() and not isinstance(param, DTensor)
-            and x.shape[-1] % 16 == 0 and param.shape[0] % 16 == 0):  # _scaled_mm's contraction sizes
+    trains = param.requires_grad and torch.is_grad_enabled() and not isinstance(param, DTensor)
+    if fp8_head and trains and x.shape[-1] % 16 == 0 and param.shape[0] % 16 == 0:  # _scaled_mm's contractions
         w = fp8.cached_param(param)
         return _FP8HeadLinear.apply(x, param, *w.fwd, *w.bwd, dtype)
-    if (dtype == param.dtype or param.dtype != torch.float32 or isinstance(param, DTensor)
-            or not (param.requires_grad and torch.is_grad_enabled())):
+    if not trains or dtype == param.dtype or param.dtype != torch.float32:
         return F.linear(x, param)
     key = (id(param), param._version, param.data_ptr(), dtype)
     hit = getattr(param, "_head_cast", None)
@@ -132,8 +142,8 @@ HEAD_DGRAD_ROWS = 4096  # tokens per FP8 input-gradient GEMM of the head: 0.6 GB
 class _FP8HeadLinear(torch.autograd.Function):
     """logits = x @ w^T with x (per token) and w (per vocabulary row) in FP8, and dx = dy @ w with dy
     (per token) and w (per hidden column) in FP8: ops/fp8.py's recipe; the weight gradient
-    dy^T @ x in the compute dtype from the saved x, into an fp32 master's .grad by the GEMM itself
-    (mm_into_grad), else returned (an FSDP compute copy). The logits leave in the compute dtype."""
+    dy^T @ x in the compute dtype from the saved x (head_weight_grad, as the bf16 head's). The logits
+    leave in the compute dtype."""
 
     @staticmethod
     def forward(ctx, x, param, wf_q, wf_s, wb_q, wb_s, dtype):
@@ -152,12 +162,7 @@ class _FP8HeadLinear(torch.autograd.Function):
             dx = torch.cat([fp8.scaled_mm(*fp8.quantize(block), wb_q, wb_s, xc.dtype)
                             for block in dy2.split(HEAD_DGRAD_ROWS)]).view(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            param, dy2 = ctx.param, dy2.to(xc.dtype)
-            if param.dtype == torch.float32 and param.is_leaf and xc.dtype != torch.float32:
-                with torch.no_grad():
-                    mm_into_grad(param, dy2.t(), xc)
-            else:
-                dw = (dy2.t() @ xc).to(param.dtype)
+            dw = head_weight_grad(ctx.param, dy2.to(xc.dtype), xc)
         return dx, dw, None, None, None, None, None
 
 

@@ -307,8 +307,9 @@ def build_model(config: RunConfig, mesh: Mesh, dtype: torch.dtype, found: Path |
         _init_from(model, t.init_from)
     if t.compile:  # before FSDP, so that its hooks stay outside the compiled graphs
         compile_stages(model)
-    for part in chunks or (model,) if t.fp8 != "off" else ():  # before FSDP too: its all-gather runs
-        enable_fp8(part, compiled=t.compile, recipe=t.fp8, head=t.fp8_head)  # before the FP8 weight refresh
+    if t.fp8 != "off":  # before FSDP too: its all-gather runs before the FP8 weight refresh
+        for part in chunks or (model,):  # each chunk itself: a ChunkPair does not hold its chunks as modules
+            enable_fp8(part, compiled=t.compile, recipe=t.fp8, head=t.fp8_head)
     recompute_stages(model, t.recompute)  # around the compiled stages, inside FSDP's hooks
     keep_local_experts(model, mesh.ep_rank, mesh.ep)
     model.to(mesh.device)  # fp32 master weights; bf16 compute from autocast (one process) or FSDP's policy
