@@ -377,21 +377,26 @@ def test_checkpoints_reshard_across_meshes(runs, dataset_dir):
             assert torch.allclose(o_got[name][key], ref, rtol=1e-4, atol=1e-5 * float(ref.abs().max())), (name, key)
 
 
-@pytest.mark.parametrize("ref, name, rel", [("fp8_ref", "fp8_dp2", FP8_MESH_REL), ("fp8_ref", "fp8_ep2", FP8_MESH_REL),
-                                             ("fp8_deep_ref", "fp8_pp2ep2", FP8_MESH_REL)])
-def test_fp8_meshes_equal_one_process(runs, ref, name, rel):
-    """FP8 emulated, to FP8's tolerance. The scales are per token row, per weight row/column and per
-    expert segment, but fp32 summation order (threads, FSDP's reduce-scatter) differs between meshes
-    and a 1e-7 difference can flip an e4m3 rounding (dp2 measured 1e-5 to 3e-4 from run to run).
-    Under EP the expert weight gradient's scales also span the rows of every data rank's micro-batch
-    in that expert's GEMM (one process: one micro-batch). Adam carries the differences on."""
+@pytest.mark.parametrize("ref, name, first, rel", [("fp8_ref", "fp8_dp2", FP8_MESH_REL, FP8_MESH_REL),
+                                                    ("fp8_ref", "fp8_ep2", FP8_MESH_REL, FP8_MESH_REL),
+                                                    ("fp8_deep_ref", "fp8_pp2ep2", 1e-6, 1e-2)])
+def test_fp8_meshes_equal_one_process(runs, ref, name, first, rel):
+    """FP8 emulated, to FP8's tolerance: `first` for step 1 (before any update), `rel` after. The scales
+    are per token row, per weight row/column and per expert segment, but fp32 summation order
+    (threads, FSDP's reduce-scatter) differs between meshes and a 1e-7 difference can flip an e4m3
+    rounding (dp2 measured 1e-5 to 3e-4 from run to run). Under EP the expert weight gradient's scales
+    also span the rows of every data rank's micro-batch in that expert's GEMM (one process: one
+    micro-batch). Adam carries a flip on: with the FP8 head (pp2 x ep2), step 1 agrees to 1e-7 (loss
+    and grad norm, 19 runs) and the loss at step 3 was off by up to 2.4e-3 here and 4.8e-3 in CI, so
+    step 1 is the tight check there (the bf16 head's step-1 loss differs by 6.8e-5)."""
     bf = runs.ref("ref" if ref == "fp8_ref" else "deep_ref")
     assert runs.ref(ref)[-1]["loss"] != bf[-1]["loss"]  # FP8 really ran
     got = runs.metrics(name)
     assert [m["step"] for m in got] == [m["step"] for m in runs.ref(ref)]
     for a, b in zip(runs.ref(ref), got):
-        assert b["loss"] == pytest.approx(a["loss"], rel=rel), (a["step"], "loss")
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=25 * rel), (a["step"], "grad_norm")
+        step1 = a["step"] == 1
+        assert b["loss"] == pytest.approx(a["loss"], rel=first if step1 else rel), (a["step"], "loss")
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=first if step1 else 25 * rel), (a["step"], "grad_norm")
 
 
 @pytest.mark.parametrize("name, ref", [("q35_ep2", "q35_ref"), ("q35_dp2ep2", "q35_ref"), ("q35_pp2ep2", "q35_deep_ref"),
