@@ -5,6 +5,8 @@
 Per op: forward, and forward + backward, median milliseconds over the repeats (CUDA events, after
 warm-up, which includes the Triton compiles), and the peak memory the forward + backward allocates.
 Shapes are those of one micro-batch of 4096 tokens of Qwen3-30B-A3B and GPT-OSS-20B sized layers.
+`weighted_combine` (stages 4-5 fused) is timed against what it replaced: the unpermute kernel into
+[T, k, H] and the compiled weighted sum. One benchmarks/results.jsonl line with every op's figures.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 
 from pithtrain.ops import core, kernels  # noqa: E402
+from results import record  # noqa: E402
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -77,12 +80,17 @@ def cases():
     bias = torch.randn(32, 2880, device=dev, dtype=bf16)
     labels = torch.randint(0, 151936, (8192,), device=dev)
     labels_oss = torch.randint(0, 201088, (8192,), device=dev)
+    weights = torch.rand(tokens, 8, device=dev)
+    weighted_sum = torch.compile(lambda combined, w: (combined * w.to(combined.dtype).unsqueeze(-1)).sum(1), fullgraph=True)
     yield ("swiglu", "[32768, 1536] bf16", core.swiglu, kernels.swiglu, [gate_up])
     yield ("clamped_swiglu", "[16384, 5760] bf16", lambda t: kernels.clamped_swiglu_reference(t, 1.702, 7.0),
            lambda t: kernels.clamped_swiglu(t, 1.702, 7.0), [gate_up_oss])
     yield ("permute", "4096x2048 -> 32768 rows", kernels.permute_reference, kernels.permute, [x, order // 8])
     yield ("unpermute", "32768 x 2048 bf16", lambda y: kernels.unpermute_reference(y, order, tokens * 8),
            lambda y: kernels.unpermute(y, order, tokens * 8), [rows])
+    yield ("weighted_combine", "32768 x 2048 bf16 -> 4096", lambda y, w: weighted_sum(
+        kernels.unpermute(y, order, tokens * 8).view(tokens, 8, 2048), w),
+           lambda y, w: kernels.weighted_combine(y, order, w), [rows, weights])
     yield ("expert_bias_add", "[16384, 2880] bf16, E=32", kernels.expert_bias_add_reference, kernels.expert_bias_add,
            [rows_oss, bias, counts])
     yield ("cross_entropy_sum", "[8192, 151936] bf16", core.cross_entropy_sum, kernels.cross_entropy_sum,
@@ -101,6 +109,7 @@ def main():
     head = f"{'op':<18} {'shape':<26} {'ref fwd':>8} {'tri fwd':>8} {'x':>5} {'ref f+b':>8} {'tri f+b':>8} {'x':>5}" \
            f" {'ref MiB':>8} {'tri MiB':>8}"
     print(head + "\n" + "-" * len(head))
+    figures = []
     for name, shape, ref, fast, inputs in cases():
         ref_fwd, ref_fb = forward_backward(ref, inputs)
         fast_fwd, fast_fb = forward_backward(fast, inputs)
@@ -108,6 +117,9 @@ def main():
         mem = [peak_mib(f) for f in (ref_fb, fast_fb)]
         print(f"{name:<18} {shape:<26} {t[0]:8.3f} {t[1]:8.3f} {t[0] / t[1]:5.2f} {t[2]:8.3f} {t[3]:8.3f}"
               f" {t[2] / t[3]:5.2f} {mem[0]:8.0f} {mem[1]:8.0f}")
+        figures.append({"op": name, "shape": shape, "ref_fwd_ms": round(t[0], 4), "fwd_ms": round(t[1], 4),
+                        "ref_fwd_bwd_ms": round(t[2], 4), "fwd_bwd_ms": round(t[3], 4),
+                        "ref_peak_mib": round(mem[0]), "peak_mib": round(mem[1])})
     # the dispatch plan has no backward; its reference syncs with the host (nonzero) twice
     for tokens, ep in ((4096, 8), (16384, 64)):
         ids = torch.rand(tokens, 256, device="cuda").topk(8, dim=1).indices
@@ -115,6 +127,8 @@ def main():
         fast_t = median_ms(lambda: kernels.dispatch_plan(ids, 256 // ep, ep), args.repeats)
         shape = f"T={tokens} k=8 E=256 ep={ep}"
         print(f"{'dispatch_plan':<18} {shape:<26} {ref_t:8.3f} {fast_t:8.3f} {ref_t / fast_t:5.2f}")
+        figures.append({"op": "dispatch_plan", "shape": shape, "ref_fwd_ms": round(ref_t, 4), "fwd_ms": round(fast_t, 4)})
+    record({"benchmark": "kernels", "repeats": args.repeats, "ops": figures})
 
 
 if __name__ == "__main__":

@@ -6,10 +6,10 @@ A MoE decoder layer is cut at the expert-parallel communication boundaries:
   stage 2  dispatch: each token to the ranks holding its experts           (engine, communication)
   stage 3  expert computation on tokens grouped by local expert            (model, compute)
   stage 4  combine: one row per (token, chosen expert) back home           (engine, communication)
-  stage 5  weighted sum of expert outputs + shared output + residual       (model, compute)
+  stage 5  weighted sum of those rows + shared output + residual           (model, compute)
 
 A model layer provides `stage1(x, attn) -> Stage1Out`, `stage3(tokens, counts, weight_queue)
--> tokens` and `stage5(s1, combined) -> x`. With a `weight_queue` (ops/grouped_gemm.py), the
+-> tokens` and `stage5(s1, combined: Combined) -> x`. With a `weight_queue` (ops/grouped_gemm.py), the
 expert weight gradients are deferred to it (zero-bubble W passes run by the pipeline schedule). Dense layers (no routed experts) return `routing=None` from stage 1
 and their output in `residual`. `run_layer` below is the plain sequential composition; the
 pipeline engine interleaves the same calls of two micro-batches.
@@ -53,6 +53,14 @@ class Stage1Out:
     aux: dict[str, torch.Tensor] | None = None
 
 
+class Combined(NamedTuple):
+    """Stage 4's output, stage 5's input: the expert output rows [T*k, H] as they arrived, and the
+    (token, slot) pair each one is (`index`: a permutation of T*k, pair t*k + j). Stage 5 places and
+    weights them in one pass (ops/kernels.weighted_combine), without a [T, k, H] copy in between."""
+    rows: torch.Tensor
+    index: torch.Tensor
+
+
 # Registered as pytrees so that FSDP2 sees the tensors inside a stage's output and gathers the
 # layer's weights before ANY gradient reaches them (the load-balance loss reads `scores`
 # without passing through stage 5).
@@ -67,7 +75,7 @@ class DecoderLayer(Protocol):
 
     def stage3(self, tokens: torch.Tensor, counts: torch.Tensor, weight_queue=None) -> torch.Tensor: ...
 
-    def stage5(self, s1: Stage1Out, combined: torch.Tensor) -> torch.Tensor: ...
+    def stage5(self, s1: Stage1Out, combined: Combined) -> torch.Tensor: ...
 
 
 NVTX = os.environ.get("PITHTRAIN_NVTX") == "1"  # NVTX ranges for Nsight tools (the capture-nsys-profile skill)

@@ -9,6 +9,7 @@ import torch.distributed as dist
 from dist_util import run_fn
 from pithtrain.protocol import RoutingInfo
 import pithtrain.parallel.expert as expert_module
+from pithtrain.ops.kernels import unpermute_reference
 from pithtrain.parallel.expert import AllToAllDispatch, LocalDispatch
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
@@ -26,6 +27,11 @@ def routings(rank: int):
         "no_tokens": torch.zeros(0, K, dtype=torch.long),
     }
     return {name: (ids, torch.randn(t if name != "no_tokens" else 0, H, generator=gen, dtype=torch.float64)) for name, ids in cases.items()}
+
+
+def placed(combined, num_tokens):
+    """Stage 4's rows at their (token, slot) places [T, K, H] (stage 5 weights them there)."""
+    return unpermute_reference(combined.rows, combined.index, num_tokens * K).view(num_tokens, K, H)
 
 
 def expert_fn(tokens, counts, offset):
@@ -47,11 +53,11 @@ def check(rank, world):
         routing = RoutingInfo(ids, torch.rand(len(ids), K, dtype=torch.float64), torch.rand(len(ids), E), E)
         tokens, counts, handle = dispatcher.dispatch(x, routing)
         assert counts.shape == (local_experts,) and int(counts.sum()) == tokens.shape[0], name
-        out = dispatcher.combine(expert_fn(tokens, counts, rank * local_experts), handle)
+        out = placed(dispatcher.combine(expert_fn(tokens, counts, rank * local_experts), handle), len(ids))
         # the same computation on this rank alone, through the one-rank permutation
         x_ref = x.detach().clone().requires_grad_()
         t_ref, c_ref, h_ref = LocalDispatch().dispatch(x_ref, routing)
-        ref = LocalDispatch().combine(expert_fn(t_ref, c_ref, 0), h_ref)
+        ref = placed(LocalDispatch().combine(expert_fn(t_ref, c_ref, 0), h_ref), len(ids))
         assert torch.allclose(out, ref), name
         grad = torch.randn_like(ref)
         if ref.numel():

@@ -140,12 +140,31 @@ def test_permute_and_unpermute_are_local_dispatch_and_combine():
     x = torch.randn(t, h)
     routing = RoutingInfo(ids, torch.rand(t, k), torch.rand(t, e), e)
     dispatcher = LocalDispatch()
-    tokens, counts, handle = dispatcher.dispatch(x, routing)
-    order = handle[0]
+    tokens, counts, order = dispatcher.dispatch(x, routing)
     assert counts[2] == 0 and counts[5] == 0
     assert torch.equal(kernels.permute(x, order // k), tokens)
     y = torch.randn_like(tokens)
-    assert torch.equal(kernels.unpermute(y, order, t * k).view(t, k, h), dispatcher.combine(y, handle))
+    rows, index = dispatcher.combine(y, order)
+    assert rows is y and index is order
+
+
+@pytest.mark.fast
+def test_weighted_combine_reference_against_loops():
+    """Stage 5's sum over each token's k rows, placed by `index` and weighted, and its gradients
+    (rows and weights), against float64 loops; weights are cast to the rows' dtype first."""
+    torch.manual_seed(5)
+    t, k, h = 7, 3, 5
+    index = torch.randperm(t * k)
+    rows, weights, dout = torch.randn(t * k, h), torch.rand(t, k, dtype=torch.float64), torch.randn(t, h)
+    out, (drows, dw) = grads(kernels.weighted_combine, [rows, index, weights], dout)
+    ref, ref_drows, ref_dw = torch.zeros(t, h, dtype=torch.float64), torch.zeros(t * k, h, dtype=torch.float64), torch.zeros(t, k)
+    for i, pair in enumerate(index.tolist()):
+        tok, slot = divmod(pair, k)
+        ref[tok] += float(weights[tok, slot].float()) * rows[i].double()
+        ref_drows[i] = float(weights[tok, slot].float()) * dout[tok].double()
+        ref_dw[tok, slot] = float(rows[i].double() @ dout[tok].double())
+    assert out.dtype == rows.dtype and dw.dtype == weights.dtype
+    assert rel_err(out, ref) < 1e-6 and rel_err(drows, ref_drows) < 1e-6 and rel_err(dw, ref_dw) < 1e-6
 
 
 @pytest.mark.fast

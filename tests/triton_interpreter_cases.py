@@ -60,6 +60,20 @@ def test_triton_permute_kernels(interpreter, dtype):
                  lambda y: kernels.unpermute_reference(y, index.unique(), 12), [dy[:4]], dy[:12], 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t, k, h", [(19, 4, 600), (5, 1, 8), (0, 2, 8)])  # h above the column block; T = 0
+def test_triton_weighted_combine(interpreter, dtype, t, k, h):
+    """Stages 4-5 fused (rows placed by index and weighted, forward and backward) against the reference."""
+    torch.manual_seed(t)
+    index = torch.randperm(t * k)
+    rows, weights, dout = torch.randn(t * k, h).to(dtype), torch.rand(t, k).to(dtype), torch.randn(t, h).to(dtype)
+    out, (drows, dw) = grads(lambda y, w: kernels._WeightedCombine.apply(y, index, w), [rows, weights], dout)
+    ref, (ref_drows, ref_dw) = grads(lambda y, w: kernels.weighted_combine_reference(y, index, w), [rows, weights], dout)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: fp32 sums in the kernel, bf16 products in the reference
+    for got, want in [(out, ref), (drows, ref_drows), (dw, ref_dw)]:  # dw: a dot over h, to the scale of dw
+        assert got.dtype == want.dtype and got.shape == want.shape and rel_err(got, want) <= tol
+
+
 @pytest.mark.parametrize("tokens, topk, experts, ep, empty", [
     (100, 8, 64, 16, ()),  # 32 tokens per block: several blocks
     (300, 4, 16, 8, (4, 5)),  # rank 2 receives nothing
@@ -182,6 +196,8 @@ def test_triton_ops_are_sound_custom_ops_and_compile(interpreter, monkeypatch):
         (ops.segment_sum, (x, torch.tensor([1, 0, 2, 4, 3]), ends)), (ops.dispatch_plan, (ids, 2, 4)),
         (ops.expert_bias_add, (x, torch.randn(3, 16), ends)), (ops.expert_bias_grad, (x, ends, torch.float32)),
         (ops.cross_entropy_fwd, (x, labels)), (ops.cross_entropy_bwd, (x, labels, torch.randn(5), torch.ones(1))),
+        (ops.weighted_combine, (x[:4], torch.tensor([2, 0, 3, 1]), torch.rand(2, 2))),
+        (ops.weighted_combine_bwd, (x[:4], torch.tensor([2, 0, 3, 1]), torch.rand(2, 2), torch.randn(2, 16))),
     ]:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
@@ -190,14 +206,14 @@ def test_triton_ops_are_sound_custom_ops_and_compile(interpreter, monkeypatch):
     ids = routed_ids(t, k, e, empty=(3,))
     counts, order = torch.bincount(ids.flatten(), minlength=e), torch.argsort(ids.flatten(), stable=True)
 
-    def layer(x, w, bias, logits):
+    def layer(x, w, bias, logits, weights):
         h = kernels.expert_bias_add(kernels.permute(x, order // k) @ w, bias, counts)
         act = kernels.swiglu(h) + kernels.clamped_swiglu(h, 1.702, 2.0)
-        out = kernels.unpermute(act, order, t * k).view(t, k, -1).sum(1)
+        out = kernels.unpermute(act, order, t * k).view(t, k, -1).sum(1) + kernels.weighted_combine(act, order, weights)
         plan = kernels.dispatch_plan(ids, e // 4, 4)
         return out.square().sum() + kernels.cross_entropy_sum(logits, labels.repeat(4)[:t]) + plan.send_counts.sum()
 
-    inputs = [torch.randn(t, 8), torch.randn(8, 12), torch.randn(e, 12), torch.randn(t, 40)]
+    inputs = [torch.randn(t, 8), torch.randn(8, 12), torch.randn(e, 12), torch.randn(t, 40), torch.rand(t, k)]
     eager, eager_grads = grads(layer, inputs, torch.tensor(1.0))
     compiled, compiled_grads = grads(torch.compile(layer, fullgraph=True, backend="aot_eager"), inputs,
                                      torch.tensor(1.0))

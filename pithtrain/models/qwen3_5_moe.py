@@ -36,7 +36,7 @@ from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
 from pithtrain.ops.delta_rule import causal_conv1d, doc_cu_seqlens, gated_delta_rule, gated_delta_rule_recurrent, l2norm
-from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
+from pithtrain.ops.kernels import swiglu, weighted_combine  # Triton on GPUs, the references elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention, gather_sequence, gathered_doc_ids, zigzag_split
@@ -358,8 +358,8 @@ class DecoderLayer(nn.Module):
         return self.mlp.experts(tokens, counts, weight_queue)
 
     def stage5(self, s1: Stage1Out, combined):
-        weights = s1.routing.topk_weights.to(combined.dtype)
-        moe_out = (combined * weights.unsqueeze(-1)).sum(1) + s1.shared.to(combined.dtype)
+        moe_out = weighted_combine(combined.rows, combined.index, s1.routing.topk_weights)
+        moe_out = moe_out + s1.shared.to(moe_out.dtype)
         return s1.residual + moe_out.view_as(s1.residual).to(s1.residual.dtype)
 
 

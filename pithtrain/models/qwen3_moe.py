@@ -21,7 +21,7 @@ from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.ops import attention as flash  # Triton flash attention for packed documents (CUDA)
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
-from pithtrain.ops.kernels import swiglu  # Triton on GPUs, the ops.core reference elsewhere
+from pithtrain.ops.kernels import swiglu, weighted_combine  # Triton on GPUs, the references elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention
@@ -232,8 +232,7 @@ class DecoderLayer(nn.Module):
         return self.mlp.experts(tokens, counts, weight_queue)
 
     def stage5(self, s1: Stage1Out, combined):
-        weights = s1.routing.topk_weights.to(combined.dtype)
-        moe_out = (combined * weights.unsqueeze(-1)).sum(1)
+        moe_out = weighted_combine(combined.rows, combined.index, s1.routing.topk_weights)
         return s1.residual + moe_out.view_as(s1.residual).to(s1.residual.dtype)
 
 

@@ -8,6 +8,7 @@ installed), otherwise the reference, which is the code the models and dispatcher
                                           g = min(gate, limit)
   permute(x, index)                       x[index]: token rows into the expert-grouped layout
   unpermute(y, index, num_rows)           zeros(num_rows, H).index_copy(0, index, y): back again
+  weighted_combine(rows, index, weights)  unpermute to [T, k, H], then the sum weighted by weights [T, k]
   dispatch_plan(topk_ids, experts_per_rank, ep)
                                           AllToAllDispatch's send plan, with no host synchronisation
   expert_bias_add(x, bias, counts)        x + bias[expert of each row], rows grouped by expert
@@ -327,6 +328,99 @@ def unpermute(y: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tens
     """Row i of y [N, H] goes to row index[i] of a [num_rows, H] result (zeros elsewhere); `index`
     must not repeat. With index = order this is LocalDispatch.combine (before its view to [T, k, H])."""
     return _Unpermute.apply(y, index, num_rows) if use_triton(y) else unpermute_reference(y, index, num_rows)
+
+
+def weighted_combine_reference(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    num_tokens, topk = weights.shape
+    combined = unpermute_reference(rows, index, num_tokens * topk).view(num_tokens, topk, rows.shape[1])
+    return (combined * weights.unsqueeze(-1)).sum(1)
+
+
+@_Kernel
+def _weighted_combine_kernel(rows_ptr, source_ptr, w_ptr, out_ptr, hidden, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over slots j of w[t, j] * rows[source[t*TOPK + j]], in fp32, j in order."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for j in tl.static_range(TOPK):
+        row = tl.load(source_ptr + t * TOPK + j).to(tl.int64)
+        w = tl.load(w_ptr + t * TOPK + j).to(tl.float32)
+        acc += w * tl.load(rows_ptr + row * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
+    tl.store(out_ptr + t * hidden + c, acc.to(out_ptr.dtype.element_ty), mask=c < hidden)
+
+
+@_Kernel
+def _weighted_combine_bwd_kernel(rows_ptr, index_ptr, w_ptr, dout_ptr, drows_ptr, dw_ptr, hidden,
+                                 TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Row i is (token, slot) pair p = index[i]: drows[i] = w[p] * dout[p // TOPK] and
+    dw[p] = <rows[i], dout[p // TOPK]> (fp32, over column blocks in order)."""
+    i = tl.program_id(0).to(tl.int64)
+    p = tl.load(index_ptr + i).to(tl.int64)
+    w = tl.load(w_ptr + p).to(tl.float32)
+    dot = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for start in range(0, hidden, BLOCK_H):
+        c = start + tl.arange(0, BLOCK_H)
+        g = tl.load(dout_ptr + (p // TOPK) * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
+        y = tl.load(rows_ptr + i * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
+        tl.store(drows_ptr + i * hidden + c, (w * g).to(drows_ptr.dtype.element_ty), mask=c < hidden)
+        dot += y * g
+    tl.store(dw_ptr + p, tl.sum(dot, axis=0))
+
+
+@torch.library.custom_op("pithtrain::weighted_combine", mutates_args=())
+def _weighted_combine_fwd(rows: torch.Tensor, source: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    out = rows.new_empty(weights.shape[0], rows.shape[1])
+    if out.numel():
+        block_h = min(1024, _pow2(rows.shape[1]))
+        _weighted_combine_kernel[(weights.shape[0], _cdiv(rows.shape[1], block_h))](
+            rows, source, weights, out, rows.shape[1], TOPK=weights.shape[1], BLOCK_H=block_h)
+    return out
+
+
+@_weighted_combine_fwd.register_fake
+def _(rows, source, weights):
+    return rows.new_empty(weights.shape[0], rows.shape[1])
+
+
+@torch.library.custom_op("pithtrain::weighted_combine_bwd", mutates_args=())
+def _weighted_combine_bwd(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                          dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    drows = torch.empty_like(rows)
+    dw = torch.zeros(weights.shape, dtype=torch.float32, device=weights.device)  # 0 for an absent pair
+    if rows.numel():
+        _weighted_combine_bwd_kernel[(rows.shape[0],)](rows, index, weights, dout, drows, dw, rows.shape[1],
+                                                       TOPK=weights.shape[1], BLOCK_H=min(1024, _pow2(rows.shape[1])))
+    return drows, dw
+
+
+@_weighted_combine_bwd.register_fake
+def _(rows, index, weights, dout):
+    return torch.empty_like(rows), weights.new_empty(weights.shape, dtype=torch.float32)
+
+
+class _WeightedCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows, index, weights):
+        ctx.save_for_backward(rows, index, weights)
+        # the row holding each (token, slot) pair: every pair comes back exactly once (both dispatchers)
+        source = torch.empty_like(index).scatter_(0, index, torch.arange(index.shape[0], device=index.device))
+        return _weighted_combine_fwd(rows.contiguous(), source, weights.contiguous())
+
+    @staticmethod
+    def backward(ctx, dout):
+        rows, index, weights = ctx.saved_tensors
+        drows, dw = _weighted_combine_bwd(rows.contiguous(), index, weights.contiguous(), dout.contiguous())
+        return drows, None, dw.to(weights.dtype)
+
+
+def weighted_combine(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Stages 4 and 5 fused: row i of `rows` [T*k, H] is the expert output of (token, slot) pair
+    index[i] (a permutation of T*k); returns sum_j weights[t, j] * (pair (t, j)'s row) [T, H], without
+    the [T, k, H] layout in between (forward and backward). weights [T, k] are cast to rows' dtype first."""
+    weights = weights.to(rows.dtype)
+    if use_triton(rows):
+        return _WeightedCombine.apply(rows, index, weights)
+    return weighted_combine_reference(rows, index, weights)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from pithtrain.protocol import RoutingInfo, named_range
+from pithtrain.protocol import Combined, RoutingInfo, named_range
 from pithtrain.ops.core import count_ids
 from pithtrain.ops.kernels import dispatch_plan, permute, unpermute  # Triton row moves on GPUs
 
@@ -25,13 +25,11 @@ class LocalDispatch:
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
         counts = count_ids(flat, routing.num_experts)
         tokens = permute(x, order // topk)
-        return tokens, counts, (order, x.shape[0], topk)
+        return tokens, counts, order
 
-    def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
-        """Inverse permutation: returns [T, k, H] in the router's (token, slot) order."""
-        order, num_tokens, topk = handle
-        out = unpermute(expert_out, order, expert_out.shape[0])
-        return out.view(num_tokens, topk, expert_out.shape[-1])  # explicit width: T may be 0
+    def combine(self, expert_out: torch.Tensor, handle) -> Combined:
+        """The expert-grouped rows stay where they are: row i is (token, slot) pair order[i]."""
+        return Combined(expert_out, handle)
 
 
 class ExpertEngine:
@@ -130,7 +128,6 @@ class _Plan(NamedTuple):
     slot_meta: torch.Tensor  # [rows, k] local expert id of each slot on the destination, -1 elsewhere
     home_index: torch.Tensor  # [pairs] where each returning (token, slot) pair lands in [T*k]
     counts: "_Counts"
-    num_tokens: int
     topk: int
 
 
@@ -196,7 +193,7 @@ class AllToAllDispatch:
     def dispatch(self, x: torch.Tensor, routing: RoutingInfo):
         return self.dispatch_finish(self.dispatch_start(x, routing))
 
-    def combine(self, expert_out: torch.Tensor, handle) -> torch.Tensor:
+    def combine(self, expert_out: torch.Tensor, handle) -> Combined:
         return self.combine_finish(self.combine_start(expert_out, handle))
 
     # Each stage is split in a start half (everything up to issuing the all-to-all) and a finish
@@ -212,7 +209,7 @@ class AllToAllDispatch:
         stream = self.side_stream(ids.device) if async_op and ids.is_cuda else None
         with named_range("pithtrain::dispatch"):  # the exchange of the split sizes
             counts = _Counts(plan.send_counts, self.group, stream)
-        return _Plan(plan.send_token, plan.slot_meta, plan.home_index, counts, *ids.shape)
+        return _Plan(plan.send_token, plan.slot_meta, plan.home_index, counts, ids.shape[1])
 
     def dispatch_start(self, x: torch.Tensor, routing: RoutingInfo, async_op: bool = False, plan=None):
         plan = self.plan(routing, async_op) if plan is None else plan
@@ -225,10 +222,10 @@ class AllToAllDispatch:
         meta = torch.empty((sum(recv_rows), plan.topk), dtype=plan.slot_meta.dtype, device=plan.slot_meta.device)
         with named_range("pithtrain::dispatch"):
             meta_work = dist.all_to_all_single(meta, send_meta, recv_rows, send_rows, group=self.group, async_op=True)
-        return rows, (meta, meta_work), (recv_pairs, send_pairs, plan.home_index, plan.num_tokens, plan.topk)
+        return rows, (meta, meta_work), (recv_pairs, send_pairs, plan.home_index)
 
     def dispatch_finish(self, pending):
-        rows, (meta, meta_work), (recv_pairs, send_pairs, home_index, num_tokens, topk) = pending
+        rows, (meta, meta_work), (recv_pairs, send_pairs, home_index) = pending
         rows = rows.wait()
         meta_work.wait()
         # expand to one row per (received token, local expert), grouped by local expert
@@ -238,16 +235,15 @@ class AllToAllDispatch:
         order = torch.argsort(experts, stable=True)
         tokens = permute(rows, row_idx[order])
         local_counts = count_ids(experts, self.local_experts)
-        return tokens, local_counts, (order, recv_pairs, send_pairs, home_index, num_tokens, topk)
+        return tokens, local_counts, (order, recv_pairs, send_pairs, home_index)
 
     def combine_start(self, expert_out: torch.Tensor, handle, async_op: bool = False):
-        order, recv_pairs, send_pairs, home_index, num_tokens, topk = handle
+        order, recv_pairs, send_pairs, home_index = handle
         by_source = unpermute(expert_out, order, expert_out.shape[0])  # undo expert grouping
         back = Exchange(by_source, send_pairs, recv_pairs, self.group, async_op, "pithtrain::combine")
-        return back, (home_index, num_tokens, topk)
+        return back, home_index
 
-    def combine_finish(self, pending) -> torch.Tensor:
-        back, (home_index, num_tokens, topk) = pending
+    def combine_finish(self, pending) -> Combined:
+        back, home_index = pending
         back = back.wait()
-        out = unpermute(back, home_index, num_tokens * topk)  # every (token, slot) pair comes back once
-        return out.view(num_tokens, topk, back.shape[1])  # explicit width: T may be 0
+        return Combined(back, home_index)  # every (token, slot) pair comes back once

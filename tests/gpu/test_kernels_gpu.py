@@ -132,33 +132,36 @@ def test_cross_entropy_backward_is_bit_identical_run_to_run():
 
 @pytest.mark.parametrize("dtype", [FP32, BF16])
 def test_local_dispatch_round_trip_on_cuda_matches_the_cpu(dtype):
-    """LocalDispatch uses the Triton permute/unpermute on CUDA: dispatch -> per-row weights ->
-    combine gives the CPU (index_select/index_copy) result, values and input gradient; bf16 in
-    one rounding (the kernel sums a row's copies in fp32)."""
+    """LocalDispatch uses the Triton permute on CUDA, stage 5 the fused weighted combine: dispatch ->
+    per-row scale -> combine -> weighted sum gives the CPU (index_select/index_copy, then the sum)
+    result, values and gradients of the input and the weights; bf16 within its rounding (the
+    kernels sum in fp32)."""
     from pithtrain.protocol import RoutingInfo
     from pithtrain.parallel.expert import LocalDispatch
 
-    tokens, topk, experts, hidden = 1000, 4, 16, 256
+    tokens, topk, experts, hidden = 1000, 4, 16, 2304  # hidden above the kernels' column block
     ids = routed_ids(tokens, topk, experts, empty=(3, 7))
     x = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
+    weights = torch.rand(tokens, topk, device="cuda")
     scale = torch.rand(tokens * topk, 1, device="cuda", dtype=dtype) + 0.5
-    grad_out = torch.randn(tokens, topk, hidden, device="cuda", dtype=dtype)
+    grad_out = torch.randn(tokens, hidden, device="cuda", dtype=dtype)
 
     def run(device):
-        xi = x.detach().to(device).clone().requires_grad_()  # a fresh leaf per run
-        routing = RoutingInfo(ids.to(device), None, None, experts)
+        xi = x.detach().to(device).clone().requires_grad_()  # fresh leaves per run
+        wi = weights.detach().to(device).clone().requires_grad_()
+        routing = RoutingInfo(ids.to(device), wi, None, experts)
         dispatch = LocalDispatch()
         rows, counts, handle = dispatch.dispatch(xi, routing)
-        out = dispatch.combine(rows * scale.to(device), handle)
+        out = kernels.weighted_combine(*dispatch.combine(rows * scale.to(device), handle), wi)
         out.backward(grad_out.to(device))
-        return out.detach().float().cpu().clone(), xi.grad.float().cpu().clone(), counts.cpu()
+        return [t.detach().float().cpu().clone() for t in (out, xi.grad, wi.grad)] + [counts.cpu()]
 
-    out, dx, counts = run("cuda")
-    ref_out, ref_dx, ref_counts = run("cpu")
+    *got, counts = run("cuda")
+    *ref, ref_counts = run("cpu")
     assert torch.equal(counts, ref_counts) and counts[3] == 0 and counts[7] == 0
-    assert torch.equal(out, ref_out)  # row moves and one product: exact
     tol = 1e-6 if dtype == FP32 else 1e-2
-    assert rel_err(dx, ref_dx) < tol
+    for name, a, b in zip(("out", "dx", "dweights"), got, ref):
+        assert rel_err(a, b) < tol, name
 
 
 @pytest.mark.parametrize("shape", [(128, 2048, 1536), (3, 1001)])

@@ -245,7 +245,7 @@ def print_stages(times: dict, unit: str) -> None:
         return
     total = sum(times.values())
     print(f"{unit} time by layer stage (ms; share of all {unit} time):")
-    names = {1: "attention, router", 2: "dispatch", 3: "experts", 4: "combine", 5: "weighted sum"}
+    names = {1: "attention, router", 2: "dispatch", 3: "experts", 4: "combine", 5: "weighted combine"}
     for n in range(1, 6):
         f, b = times.get(f"stage {n} forward", 0.0), times.get(f"stage {n} backward", 0.0)
         print(f"  stage {n} {names[n]:17s} forward {f / 1e3:9.2f}  backward {b / 1e3:9.2f}  ({100 * (f + b) / max(total, 1):4.1f}%)")
