@@ -72,6 +72,10 @@ def _run_once(world, fn, args, timeout_s, join_s) -> list | None:
     from torch.distributed import TCPStore
 
     _stop_stray_threads()
+    # imported once here, not in every worker: building a model on the meta device imports torch._dynamo
+    # (torch._refs' wrappers), 1.2 s alone and 7 s in each of 8 workers started together on 2 cores
+    import torch._dynamo  # noqa: F401
+
     ctx = mp.get_context("fork")
     errors, results, joined = ctx.Queue(), ctx.Queue(), ctx.Queue()
     # the rendezvous store lives here, on a port the OS picked: no free-port race between concurrent runs
