@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from cli_util import run_script
 from conftest import tiny_config, write_run_file
 
 DIVERGENCE = ".agents/skills/debug-divergence/debug_divergence.py"
@@ -115,9 +116,10 @@ def test_debug_memory_on_a_real_cpu_step(tmp_path, dataset_dir):
     """Step 2 of a tiny run recorded on the CPU (profiler allocation events): the tables name the
     layer stages and call sites; the peak is the profiler's own running total's maximum; PASS within
     a margin wide enough for the CPU (fp32, tiny tensors), FAIL with a margin of zero. One process's
-    combine (stage 4) allocates nothing: stage 5 reads the expert-grouped rows where they are."""
+    combine (stage 4) allocates nothing: stage 5 reads the expert-grouped rows where they are. The script's
+    main() runs here (it imports torch: 4 s a process); its training run is a process of its own."""
     config = write_run_file(tmp_path / "run.py", dataset_dir)
-    out = run(MEMORY, config, "--step", 2, "--margin", 5, "--work", tmp_path / "w")
+    out = run_script(MEMORY, config, "--step", 2, "--margin", 5, "--work", tmp_path / "w")
     said = out.stdout
     assert out.returncode == 0 and said.strip().splitlines()[-1].startswith("PASS: peak"), said + out.stderr
     stages = said.split("by layer stage")[1].split("by call site")[0]
@@ -129,9 +131,9 @@ def test_debug_memory_on_a_real_cpu_step(tmp_path, dataset_dir):
     totals = [e["args"]["Total Allocated"] for e in events if e.get("name") == "[memory]" and e["args"]["Device Type"] == 0]
     peak = float(said.split("\npeak ")[1].split(" GiB")[0])
     assert peak == pytest.approx(max(totals) / 2**30, abs=1e-4), (peak, max(totals))
-    tight = run(MEMORY, config, "--snapshot", record, "--margin", 0)
+    tight = run_script(MEMORY, config, "--snapshot", record, "--margin", 0)
     assert tight.returncode == 1 and tight.stdout.strip().splitlines()[-1].startswith("FAIL: peak"), tight.stdout + tight.stderr
-    bad = run(MEMORY, config, "--nproc", 3, "--ep", 2)
+    bad = run_script(MEMORY, config, "--nproc", 3, "--ep", 2)
     assert bad.returncode == 1 and bad.stdout.startswith("FAIL:") and "ep" in bad.stdout, bad.stdout
 
 
