@@ -89,7 +89,7 @@ PID = 4242
 MAIN, AUTOGRAD = (PID << 24) | 1, (PID << 24) | 2  # nsys's globalTid: the pid above bit 24, the tid below
 
 
-def _nsys_sqlite(path, stage5=True):
+def _nsys_sqlite(path, stage5=True, stage4=True):
     """An export with nsys's schema (the columns the analysis reads, named as nsys names them) and
     known times in microseconds: host ranges and launches on two threads, kernels on two streams."""
     import sqlite3
@@ -119,6 +119,8 @@ def _nsys_sqlite(path, stage5=True):
               (820, 880, "pithtrain::stage1")]  # while the autograd thread launches in its wgrad range
     if stage5:
         ranges.append((400, 500, "pithtrain::stage5"))
+    if not stage4:  # one expert rank: the combine launches nothing, its range holds no kernel
+        ranges = [r for r in ranges if r[2] not in ("pithtrain::stage4", "pithtrain::combine")]
     db.executemany("INSERT INTO NVTX_EVENTS (start, end, eventType, text, globalTid) VALUES (?, ?, 59, ?, ?)",
                    [(a * us, b * us, name, MAIN) for a, b, name in ranges])
     # a registered string (textId), on the autograd thread; a mark (eventType 34) is not a range
@@ -171,13 +173,16 @@ def test_analyze_nsys_profile_attributes_time_overlap_and_gaps(tmp_path):
 
 @pytest.mark.fast
 def test_analyze_nsys_profile_fails_clearly(tmp_path):
-    """A stage without GPU time, an overlap under the bar, a capture without our ranges, no file."""
+    """A stage without GPU time, an overlap under the bar, a capture without our ranges, no file; an
+    empty stage 4 (one expert rank: the combine moves nothing) passes."""
     def analyze(*args):
         return subprocess.run([sys.executable, ANALYZE, *map(str, args)], capture_output=True, text=True)
 
     no_stage5 = analyze(_nsys_sqlite(tmp_path / "a.sqlite", stage5=False))
     assert no_stage5.returncode == 1, no_stage5.stdout
     assert no_stage5.stdout.strip().splitlines()[-1] == f"FAIL: process {PID}: no GPU time in stage 5", no_stage5.stdout
+    no_stage4 = analyze(_nsys_sqlite(tmp_path / "c.sqlite", stage4=False), "--min-overlap", "0")
+    assert no_stage4.returncode == 0 and no_stage4.stdout.strip().splitlines()[-1] == "PASS", no_stage4.stdout
     low = analyze(_nsys_sqlite(tmp_path / "b.sqlite"), "--min-overlap", "0.5")
     assert low.returncode == 1 and low.stdout.strip().endswith(f"FAIL: process {PID}: NCCL overlap 37.5% < 50%"), low.stdout
     import sqlite3

@@ -401,9 +401,10 @@ def _(rows, index, weights, dout):
 class _WeightedCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, index, weights):
-        ctx.save_for_backward(rows, index, weights)
         # the row holding each (token, slot) pair: every pair comes back exactly once (both dispatchers)
-        source = torch.empty_like(index).scatter_(0, index, torch.arange(index.shape[0], device=index.device))
+        index = index.contiguous()
+        source = torch.empty_like(index).scatter_(0, index, torch.arange(index.shape[0], dtype=index.dtype, device=index.device))
+        ctx.save_for_backward(rows, index, weights)
         return _weighted_combine_fwd(rows.contiguous(), source, weights.contiguous())
 
     @staticmethod
@@ -415,7 +416,7 @@ class _WeightedCombine(torch.autograd.Function):
 
 def weighted_combine(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Stages 4 and 5 fused: row i of `rows` [T*k, H] is the expert output of (token, slot) pair
-    index[i] (a permutation of T*k); returns sum_j weights[t, j] * (pair (t, j)'s row) [T, H], without
+    index[i] (int64, a permutation of T*k); returns sum_j weights[t, j] * (pair (t, j)'s row) [T, H], without
     the [T, k, H] layout in between (forward and backward). weights [T, k] are cast to rows' dtype first."""
     weights = weights.to(rows.dtype)
     if use_triton(rows):

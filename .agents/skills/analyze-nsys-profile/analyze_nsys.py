@@ -9,9 +9,9 @@ end, deviceId, streamId, correlationId, globalPid, demangledName -> StringIds), 
 ranges, eventType 59: start, end, text or textId -> StringIds, globalTid). Times are nanoseconds.
 A kernel belongs to the innermost `pithtrain::` range open on the thread that launched it when it
 was launched (protocol.named_range opens them under PITHTRAIN_NVTX=1). Each process (a rank,
-one GPU) is reported on its own. PASS when every process shows GPU time in the five layer stages
-(counting dispatch/combine inside stages 2 and 4) and the optimizer, and its NCCL overlap is at
-least --min-overlap.
+one GPU) is reported on its own. PASS when every process shows GPU time in layer stages 1, 2, 3 and 5
+(dispatch counted inside stage 2; stage 4, the combine, is empty with one expert rank) and the
+optimizer, and its NCCL overlap is at least --min-overlap.
 """
 
 import argparse
@@ -194,7 +194,8 @@ def main():
     for pid in sorted({row[2] for row in activity}):
         r = analyse([row for row in activity if row[2] == pid], launches, ranges, args.gap_us)
         report(pid, r, args.gap_us)
-        missing = [key for key in [f"stage {n}" for n in range(1, 6)] + ["optimizer"] if not r["by_stage"].get(key)]
+        # stage 4 may be empty: with one expert rank the combine moves nothing (stage 5 reads the rows in place)
+        missing = [key for key in ["stage 1", "stage 2", "stage 3", "stage 5", "optimizer"] if not r["by_stage"].get(key)]
         if missing:
             failures.append(f"process {pid}: no GPU time in {', '.join(missing)}")
         if r["overlap"] < args.min_overlap:
