@@ -15,12 +15,13 @@ import time
 import traceback
 
 
-def _fn_worker(rank, world, port, fn, args, errors, results, joined):
+def _fn_worker(rank, world, ports, fn, args, errors, results, joined):
     try:
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(1)
+        port = ports.get(timeout=60)  # the store starts after the fork (see _run_once)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                           LOCAL_RANK=str(rank))
         store = dist.TCPStore("127.0.0.1", port, world, is_master=False)
@@ -77,13 +78,17 @@ def _run_once(world, fn, args, timeout_s, join_s) -> list | None:
     import torch._dynamo  # noqa: F401
 
     ctx = mp.get_context("fork")
-    errors, results, joined = ctx.Queue(), ctx.Queue(), ctx.Queue()
-    # the rendezvous store lives here, on a port the OS picked: no free-port race between concurrent runs
-    store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-    port = store.port
-    procs = [ctx.Process(target=_fn_worker, args=(r, world, port, fn, args, errors, results, joined)) for r in range(world)]
+    errors, results, joined, ports = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
+    procs = [ctx.Process(target=_fn_worker, args=(r, world, ports, fn, args, errors, results, joined)) for r in range(world)]
     for proc in procs:
         proc.start()
+    # the rendezvous store lives here, on a port the OS picked (no free-port race between concurrent runs),
+    # and starts only after the fork: its server thread, forked while it held a lock, could hang a worker
+    store = TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
+    for _ in range(world):
+        ports.put(store.port)
+    ports.close()
+    ports.join_thread()  # its feeder thread ends here, not alive at the next fork
     start = time.monotonic()
     deadline = start + timeout_s
     done, ready = {}, set()
