@@ -227,8 +227,10 @@ def _move_rows_kernel(src_ptr, index_ptr, out_ptr, rows, hidden,
 
 
 @_Kernel
-def _segment_sum_kernel(src_ptr, perm_ptr, ends_ptr, out_ptr, hidden, BLOCK_H: tl.constexpr):
-    """out[t] = sum of src[perm[j]] over j in [ends[t-1], ends[t]), in fp32 and in that order."""
+def _segment_sum_kernel(src_ptr, perm_ptr, ends_ptr, w_ptr, out_ptr, hidden, WEIGHTED: tl.constexpr,
+                        BLOCK_H: tl.constexpr):
+    """out[t] = sum of src[perm[j]] (times w[j] when WEIGHTED) over j in [ends[t-1], ends[t]), in fp32
+    and in that order."""
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     start = tl.load(ends_ptr + t - 1, mask=t > 0, other=0)
@@ -236,7 +238,10 @@ def _segment_sum_kernel(src_ptr, perm_ptr, ends_ptr, out_ptr, hidden, BLOCK_H: t
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for j in range(start, end):
         row = tl.load(perm_ptr + j).to(tl.int64)
-        acc += tl.load(src_ptr + row * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
+        x = tl.load(src_ptr + row * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            x *= tl.load(w_ptr + j).to(tl.float32)
+        acc += x
     tl.store(out_ptr + t.to(tl.int64) * hidden + c, acc.to(out_ptr.dtype.element_ty), mask=c < hidden)
 
 
@@ -274,17 +279,19 @@ def _(src, index, num_rows):
 
 
 @torch.library.custom_op("pithtrain::segment_sum", mutates_args=())
-def _segment_sum(src: torch.Tensor, perm: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+def _segment_sum(src: torch.Tensor, perm: torch.Tensor, ends: torch.Tensor,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
     out = src.new_empty(ends.shape[0], src.shape[1])
     if out.numel():
         block_h = min(1024, _pow2(src.shape[1]))
-        _segment_sum_kernel[(ends.shape[0], _cdiv(src.shape[1], block_h))](src, perm, ends, out, src.shape[1],
-                                                                          BLOCK_H=block_h)
+        _segment_sum_kernel[(ends.shape[0], _cdiv(src.shape[1], block_h))](
+            src, perm, ends, perm if weights is None else weights, out, src.shape[1], WEIGHTED=weights is not None,
+            BLOCK_H=block_h)
     return out
 
 
 @_segment_sum.register_fake
-def _(src, perm, ends):
+def _(src, perm, ends, weights=None):
     return src.new_empty(ends.shape[0], src.shape[1])
 
 
@@ -337,19 +344,6 @@ def weighted_combine_reference(rows: torch.Tensor, index: torch.Tensor, weights:
 
 
 @_Kernel
-def _weighted_combine_kernel(rows_ptr, source_ptr, w_ptr, out_ptr, hidden, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """out[t] = sum over slots j of w[t, j] * rows[source[t*TOPK + j]], in fp32, j in order."""
-    t = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in tl.static_range(TOPK):
-        row = tl.load(source_ptr + t * TOPK + j).to(tl.int64)
-        w = tl.load(w_ptr + t * TOPK + j).to(tl.float32)
-        acc += w * tl.load(rows_ptr + row * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
-    tl.store(out_ptr + t * hidden + c, acc.to(out_ptr.dtype.element_ty), mask=c < hidden)
-
-
-@_Kernel
 def _weighted_combine_bwd_kernel(rows_ptr, index_ptr, w_ptr, dout_ptr, drows_ptr, dw_ptr, hidden,
                                  TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
     """Row i is (token, slot) pair p = index[i]: drows[i] = w[p] * dout[p // TOPK] and
@@ -365,21 +359,6 @@ def _weighted_combine_bwd_kernel(rows_ptr, index_ptr, w_ptr, dout_ptr, drows_ptr
         tl.store(drows_ptr + i * hidden + c, (w * g).to(drows_ptr.dtype.element_ty), mask=c < hidden)
         dot += y * g
     tl.store(dw_ptr + p, tl.sum(dot, axis=0))
-
-
-@torch.library.custom_op("pithtrain::weighted_combine", mutates_args=())
-def _weighted_combine_fwd(rows: torch.Tensor, source: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    out = rows.new_empty(weights.shape[0], rows.shape[1])
-    if out.numel():
-        block_h = min(1024, _pow2(rows.shape[1]))
-        _weighted_combine_kernel[(weights.shape[0], _cdiv(rows.shape[1], block_h))](
-            rows, source, weights, out, rows.shape[1], TOPK=weights.shape[1], BLOCK_H=block_h)
-    return out
-
-
-@_weighted_combine_fwd.register_fake
-def _(rows, source, weights):
-    return rows.new_empty(weights.shape[0], rows.shape[1])
 
 
 @torch.library.custom_op("pithtrain::weighted_combine_bwd", mutates_args=())
@@ -401,11 +380,14 @@ def _(rows, index, weights, dout):
 class _WeightedCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, rows, index, weights):
-        # the row holding each (token, slot) pair: every pair comes back exactly once (both dispatchers)
+        # the row holding each (token, slot) pair: every pair comes back exactly once (both dispatchers);
+        # then token t's k pairs are one segment of the weighted segment sum (permute's backward's kernel)
         index = index.contiguous()
         source = torch.empty_like(index).scatter_(0, index, torch.arange(index.shape[0], dtype=index.dtype, device=index.device))
+        num_tokens, topk = weights.shape
+        ends = torch.arange(1, num_tokens + 1, dtype=torch.int32, device=index.device) * topk
         ctx.save_for_backward(rows, index, weights)
-        return _weighted_combine_fwd(rows.contiguous(), source, weights.contiguous())
+        return _segment_sum(rows.contiguous(), source, ends, weights.contiguous())
 
     @staticmethod
     def backward(ctx, dout):
