@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The one-H200 runs that docs/performance.md's target table cites, in the order to run them: runs 1-6 are
-# issue 32's open figures (the fused weighted combine checked and timed; Qwen3 9 layers bf16, and FP8 with the
-# FP8 head in the same call; the torchtitan peer at micro-batch 4, carrying .peers), the rest the standing
-# figures of the target table (FP8, Muon, the three widths). Each appends its line to benchmarks/results.jsonl
+# The one-H200 runs that docs/performance.md's target table cites, in the order to run them: runs 1-2 are
+# issue 32's open figures (the torchtitan peer at micro-batch 4 at the deepest both fit, carrying .peers), then
+# 3-4 its standing ones (Qwen3 9 layers bf16, and FP8 with the FP8 head in the same call), then the rest of the
+# target table (kernels, FP8, Muon, the three widths). Each appends its line to benchmarks/results.jsonl
 # (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git). More than one
 # machine lease in all: split it over calls with FIRST and LAST (1-based run numbers):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
@@ -10,12 +10,12 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
-    "python -m pytest -q tests/gpu/test_kernels_gpu.py"                             # 32: the weighted combine on CUDA
-    "python benchmarks/kernels.py --repeats 20"                                      # 32: weighted_combine vs unpermute + sum
+    "python benchmarks/peers/torchtitan.py --family qwen3 --layers 8 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 420 --ours-reserve 180"   # 32: the deepest at micro-batch 4 (4 layers: 65.9 / 70.8 GiB); 7 if 8 does not fit one side
+    "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 8 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 420 --ours-reserve 180"
     "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32: >= 60% MFU; same call as the next
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head"   # 32: >= 1.15x the run before
-    "python benchmarks/peers/torchtitan.py --family qwen3 --layers 4 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 285 --ours-reserve 135"   # 32: micro-batch 4; raise --layers to the deepest both fit
-    "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 4 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 285 --ours-reserve 135"
+    "python -m pytest -q tests/gpu/test_kernels_gpu.py"                             # the Triton kernels on CUDA
+    "python benchmarks/kernels.py --repeats 20"
     "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 18: the deepest Qwen3 width that fits
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14: FP8 at the same depth
     "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8"             # 18: the deepest (estimate-memory --max-layers: 126.7 GiB)

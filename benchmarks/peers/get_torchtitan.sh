@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Lays out .peers/ (gitignored) for benchmarks/peers/torchtitan.py, on the CPU machine (the GPU machine has no network):
 #   .peers/torchtitan/   torchtitan's `torchtitan` package at the pinned commit (+ COMMIT, the hash)
-#   .peers/site/         the packages its model path imports that the GPU image lacks, unzipped from wheels: pure Python,
-#                        and torchao (its FP8 path, --fp8; its float8 training is Python and Triton, the wheel's
-#                        optional C++ kernels are not on that path)
+#   .peers/site/         the pure-Python packages its model path imports that the GPU image lacks, unzipped from wheels
 # torchtitan comes from a local bare mirror of github.com/pytorch/torchtitan (the search tool's fetch of
 # "github:pytorch/torchtitan" puts one at the default path; or set TORCHTITAN_GIT). Then carry ".peers" to the GPU:
 #   PYTHONPATH=.:.peers/torchtitan:.peers/site python benchmarks/peers/torchtitan.py ...
@@ -11,10 +9,8 @@
 set -euo pipefail
 COMMIT=43e52fd017ce8689cb0b34c62a35daac9910c6c1   # torchtitan main, 2026-06-08: the newest that runs on torch 2.11
 GIT_DIR=${TORCHTITAN_GIT:-/work/.mirror/pytorch+torchtitan/repo}
-# pinned versions: what the package index served on 2026-12-02; spmd_types as torchtitan's pyproject pins it;
-# torchao 0.17.0 (2026-03), the release for torch 2.11 (the GPU image), before the pinned torchtitan commit
-PACKAGES=(tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 typing_extensions==4.16.0 spmd_types==0.2.1
-          torchao==0.17.0)
+# pinned versions: what the package index served on 2026-12-02; spmd_types as torchtitan's pyproject pins it
+PACKAGES=(tyro==1.0.17 docstring_parser==0.18.0 typeguard==4.6.1 typing_extensions==4.16.0 spmd_types==0.2.1)
 PYTHON=${PYTHON:-python3}
 
 cd "$(dirname "$0")/../.."
@@ -29,9 +25,7 @@ mkdir -p .peers/torchtitan .peers/site .peers/wheels
 git --git-dir="$GIT_DIR" archive "$COMMIT" torchtitan 2>/dev/null | tar -x -C .peers/torchtitan
 find .peers/torchtitan -type l -delete   # links (into .ci/, not extracted; an AGENTS.md): none is code
 echo "$COMMIT" > .peers/torchtitan/COMMIT
-"$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .peers/wheels "${PACKAGES[@]}"
+"$PYTHON" -m pip download -q --no-deps --only-binary=:all: -d .peers/wheels "${PACKAGES[@]}"
 for wheel in .peers/wheels/*.whl; do
     "$PYTHON" -m zipfile -e "$wheel" .peers/site
 done

@@ -45,6 +45,12 @@ falls back to "cuda"), so the process group is gloo. --tiny passes on torch 2.13
 torch._grouped_mm's backward itself fails ("Invalid strides/sizes"; its CUDA kernel is another), so there the check
 needs that op's backward replaced (done only outside the repository, to check everything else on torch 2.11).
 
+FP8 against FP8 is not possible on one GPU at this commit. torchao 0.17.0 (the release for torch 2.11) imports and
+runs torchtitan's converters there (Float8LinearConverter, with lm_head and router.gate left in bf16 as ours leaves
+them, and Float8GroupedExpertsConverter), but the FP8 grouped experts swap in its TorchAOTokenDispatcher, which
+raises "TorchAOTokenDispatcher requires expert parallelism (ep_mesh must be set)": its padded token groups need EP > 1
+(tried at 475acf1, which had a --fp8 flag for it; results.jsonl records the error). Two GPUs with EP 2 would run it.
+
 At 4 layers both models have exactly ours' parameter count (Qwen3 3,114,814,464; Moonlight 2,508,607,488; counted
 on the meta device); torchtitan keeps gate and up projections apart where ours fuses them.
 
@@ -102,10 +108,6 @@ def parse_args(argv=None):
                         "ChunkedCELoss (its recipes' choice; fails on torch 2.11: see the docstring)")
     p.add_argument("--attn-backend", default="sdpa", choices=["sdpa", "flex"],
                    help="torchtitan's attention (sdpa: causal; flex: its block-causal mask over one document a row)")
-    p.add_argument("--fp8", action="store_true", help="FP8 on both sides (GPU only): torchtitan's Float8LinearConverter "
-                   "(torchao rowwise; the router gate and the LM head left in bf16, as its DeepSeek-V3 recipes "
-                   "filter them, there named router.gate and output) and Float8GroupedExpertsConverter (torchao's rowwise FP8 grouped GEMMs); ours "
-                   "train.fp8=rowwise_bf16_wgrad (the same GEMMs; the head stays bf16 too). Needs torchao in .peers")
     p.add_argument("--tiny", action="store_true", help="CPU check of the torchtitan side: 2 layers, seq 64 (Qwen3: "
                    "its debugmodel_moe flavor, hidden 256, 64 experts top-8, vocab 2048; DeepSeek-V3: Moonlight's "
                    "structure at hidden 256, 4 heads, 8 experts top-2, vocab 2048); compile off unless "
@@ -124,9 +126,6 @@ def parse_args(argv=None):
     if args.tiny:
         args.layers, args.seq, args.compile = 2, 64, args.compile_tiny
         args.skip_ours = True
-    if args.fp8 and args.tiny:
-        p.error("--fp8 needs FP8 tensor cores (a GPU of compute capability 8.9+): torchtitan's FP8 converters refuse "
-                "the CPU; run --tiny without --fp8")
     if args.steps < 3:
         p.error("--steps must be at least 3 (two warm-up steps, then the timed ones)")
     return args
@@ -272,13 +271,6 @@ def titan_side(args) -> dict:
 
         spec = model_registry("16B", attn_backend=args.attn_backend)
     model_cfg = titan_model_config(args.family, args.layers, args.tiny, args.attn_backend)
-    if args.fp8:  # as its model_registry(converters=...) does: each converter rewrites the config before the build
-        from torchtitan.components.quantization import Float8GroupedExpertsConverter, Float8LinearConverter
-
-        for converter in (Float8LinearConverter.Config(filter_fqns=["lm_head", "router.gate"],
-                                                       model_compile_enabled=args.compile),
-                          Float8GroupedExpertsConverter.Config(model_compile_enabled=args.compile)):
-            converter.build().convert(model_cfg)
     recipe = RECIPE[args.family]
     training = TrainingConfig(local_batch_size=args.batch, global_batch_size=args.batch * args.accum,
                               seq_len=args.seq, steps=recipe["steps"])
@@ -291,12 +283,7 @@ def titan_side(args) -> dict:
            "flavor": spec.flavor if not args.tiny else "tiny", "attn_backend": args.attn_backend, "ac": args.ac,
            "compile": args.compile, "optimizer": {"name": "AdamW", "lr": recipe["lr"], "implementation": "fused"},
            "loss": "ChunkedCELoss" if args.loss == "chunked" else "CrossEntropyLoss",
-           "mixed_precision": "fully_shard bf16 params / fp32 reduce (1-rank mesh)",
-           "fp8": "torchao rowwise: Float8Linear (not lm_head, router.gate) + Float8GroupedExperts" if args.fp8 else "off"}
-    if args.fp8:
-        import torchao
-
-        out["torchao"] = torchao.__version__
+           "mixed_precision": "fully_shard bf16 params / fp32 reduce (1-rank mesh)"}
     if cuda:
         torch.cuda.set_device(0)
         try:
@@ -408,8 +395,6 @@ def ours_command(args, json_path: str) -> list[str]:
            "--recompute", {"none": "off", "selective": "selective", "full": "full"}[args.ac]]
     if args.compile:
         cmd.append("--compile")
-    if args.fp8:
-        cmd += ["--fp8", "rowwise_bf16_wgrad"]
     return cmd
 
 
@@ -433,12 +418,9 @@ def main(argv=None):
         if importlib.util.find_spec("torchtitan") is None and not (ROOT / ".peers" / "torchtitan" / "torchtitan").is_dir():
             sys.exit("error: torchtitan is not importable and .peers/torchtitan is missing; run `bash "
                      "benchmarks/peers/get_torchtitan.sh` once (carry .peers to the GPU machine), or pass --skip-torchtitan")
-        if args.fp8 and importlib.util.find_spec("torchao") is None and not (ROOT / ".peers" / "site" / "torchao").is_dir():
-            sys.exit("error: --fp8: torchao is not importable and .peers/site/torchao is missing; run `bash "
-                     "benchmarks/peers/get_torchtitan.sh` again (it brings torchao 0.17.0), or leave out --fp8")
     shape = {"family": args.family, "ours_family": OURS_FAMILY[args.family], "layers": args.layers, "seq": args.seq,
              "batch": args.batch, "accum": args.accum, "steps": args.steps, "compile": args.compile, "ac": args.ac,
-             "attn_backend": args.attn_backend, "loss": args.loss, "tiny": args.tiny, "fp8": args.fp8}
+             "attn_backend": args.attn_backend, "loss": args.loss, "tiny": args.tiny}
     line = {"benchmark": "peer_torchtitan", "torchtitan_commit": TORCHTITAN_COMMIT, **shape}
     began = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -447,7 +429,7 @@ def main(argv=None):
             cmd = [sys.executable, __file__, "--side", "torchtitan", "--out", titan_json, "--family", args.family,
                    "--layers", str(args.layers), "--seq", str(args.seq), "--batch", str(args.batch),
                    "--accum", str(args.accum), "--steps", str(args.steps), "--ac", args.ac,
-                   "--attn-backend", args.attn_backend, "--loss", args.loss] + (["--fp8"] if args.fp8 else [])
+                   "--attn-backend", args.attn_backend, "--loss", args.loss]
             if args.tiny:
                 cmd += ["--tiny"] + (["--compile-tiny"] if args.compile else [])
             elif not args.compile:
