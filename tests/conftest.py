@@ -32,6 +32,20 @@ def markov_docs(rng, vocab: int, n_docs: int, length=(20, 120)):
     return docs
 
 
+@pytest.fixture
+def capture_only_compile(monkeypatch):
+    """torch.compile with the aot_eager_decomp_partition backend: Dynamo's capture (fullgraph: a graph break
+    raises; its guards, so a recompilation shows), inductor's decompositions and forward/backward partition
+    (the graphs inductor would get), run by eager kernels. What it leaves out is inductor's C++ code
+    generation for the CPU: 20-70 s per family on a cold cache (CI's), and not the code a GPU runs. (Plain
+    aot_eager fails on the hybrid family: its traced softplus backward views a tensor whose runtime strides
+    differ from the traced ones; the decompositions avoid that op.) test_compile.py's first test keeps
+    inductor, end to end."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager_decomp_partition"))
+
+
 @pytest.fixture(scope="session")
 def dataset_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("data") / "markov"

@@ -1,5 +1,6 @@
 """torch.compile(fullgraph=True) of stages 1 and 5: same numbers as eager, no graph break (fullgraph
-raises on one), no recompilation after the first step."""
+raises on one), no recompilation after the first step. The first test runs inductor; the others Dynamo and
+AOT autograd alone (conftest's capture_only_compile), where the family-specific graphs are captured."""
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ def test_compiled_stages_match_eager_without_recompiling(tmp_path, dataset_dir):
 
 
 @pytest.mark.parametrize("family", ["deepseek_v2", "gpt_oss"])
-def test_other_families_compile_without_graph_breaks(tmp_path, dataset_dir, family):
+def test_other_families_compile_without_graph_breaks(tmp_path, dataset_dir, family, capture_only_compile):
     """MLA (DeepSeek-V2) and sink attention through SDPA (GPT-OSS) trace in one graph per stage."""
     from torch._dynamo.utils import counters
 
@@ -43,7 +44,7 @@ def test_other_families_compile_without_graph_breaks(tmp_path, dataset_dir, fami
             assert b[key] == pytest.approx(a[key], rel=1e-4), key
 
 
-def test_fp8_compiles_reads_the_cache_and_matches_eager(tmp_path, dataset_dir):
+def test_fp8_compiles_reads_the_cache_and_matches_eager(tmp_path, dataset_dir, capture_only_compile):
     """FP8 (emulated) under compile: one graph per stage, no recompilation across optimizer steps (the
     cached FP8 layouts are refreshed in place), and the eager FP8 numbers, which proves the compiled
     graph reads fresh layouts each step (a stale cache would drift from step 2 on)."""

@@ -188,7 +188,7 @@ def test_muon_takes_the_hybrid_matrices():
         assert f"layers.0.{name}" not in taken, name
 
 
-def test_compiles_without_graph_breaks_and_matches_eager(tmp_path, dataset_dir):
+def test_compiles_without_graph_breaks_and_matches_eager(tmp_path, dataset_dir, capture_only_compile):
     """Both layer kinds' stage 1 (the chunked delta rule, the gated attention) and stage 5 trace in one
     graph each; the compiled run equals the eager one."""
     from torch._dynamo.utils import counters

@@ -70,7 +70,7 @@ def test_recompute_leaves_the_gradients_unchanged(family, queue):
             assert (got[name] - g).abs().max() <= 1e-6 * g.abs().max().clamp_min(1e-12), (mode, name)
 
 
-def test_recompute_under_compile_gives_the_eager_gradients():
+def test_recompute_under_compile_gives_the_eager_gradients(capture_only_compile):
     """The checkpoint wraps the compiled stage 1 (fullgraph, no graph break): the gradients of the
     compiled run with recompute equal the compiled run without it, and eager to rounding."""
     from torch._dynamo.utils import counters
