@@ -30,24 +30,28 @@ def load_module():
     return module
 
 
-@pytest.mark.parametrize("mesh, expect", [
-    # dp=2 x ep=2: 16 = micro 4 x 4 data ranks
-    (["--ep", "2", "--set", "train.micro_batch_size=4"],
-     ["mesh: pp=1 dp=2 cp=1 ep=2 (world 4)", "EP groups: [0, 1] [2, 3]", "all_to_all_single (EP)"]),
+def test_preflight_passes(tmp_path):
     # DualPipeV needs 2*pp = 4 micro-batches per data rank: 16 / (micro 2 x 2 data ranks) = 4
-    (["--pp", "2", "--ep", "2", "--set", "train.micro_batch_size=2"],
-     ["mesh: pp=2 dp=1 cp=1 ep=2 (world 4)", "EP groups: [0, 1] [2, 3]", "pipeline stages of rank 0: [0, 2]",
-      "x 4 micro-batches", "send/recv (pp neighbours)"]),
-])
-def test_preflight_passes(mesh, expect, tmp_path):
     out = tmp_path / "run"
-    result, _ = preflight("--nproc", "4", *mesh, "--out", str(out))
+    result, _ = preflight("--nproc", "4", "--pp", "2", "--ep", "2", "--set", "train.micro_batch_size=2",
+                          "--out", str(out))
     text = result.stdout
     assert result.returncode == 0 and text.strip().splitlines()[-1] == "PASS", text + result.stderr
-    for line in expect:
+    for line in ["mesh: pp=2 dp=1 cp=1 ep=2 (world 4)", "EP groups: [0, 1] [2, 3]", "pipeline stages of rank 0: [0, 2]",
+                 "x 4 micro-batches", "all_reduce (world)", "all_to_all_single (EP)", "send/recv (pp neighbours)"]:
         assert line in text, text
     assert text.count(" cpu  torch ") == 4, text  # one line per rank: host, device
     assert not (out / ".preflight").exists()  # the shared-directory probe cleans up after itself
+
+
+@pytest.mark.fast
+def test_preflight_plans_a_data_parallel_mesh():
+    """The plan rank 0 prints, for dp=2 x ep=2 (the collectives are the launch above's): 16 = micro 4 x 4 data ranks."""
+    module = load_module()
+    args = module.build_parser().parse_args(["train", CONFIG, "--ep", "2", "--set", "train.micro_batch_size=4"])
+    assert module.plan(module.train_config(args), 4).splitlines() == [
+        "mesh: pp=1 dp=2 cp=1 ep=2 (world 4)", "EP groups: [0, 1] [2, 3]", "pipeline stages of rank 0: [0]",
+        "batch: 16 = micro 4 x data ranks 4 x 1 micro-batches"]
 
 
 def test_preflight_fails_fast_on_impossible_mesh():

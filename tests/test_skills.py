@@ -260,13 +260,12 @@ def test_resume_and_reshard_continues_the_curve_on_another_mesh(tmp_path, datase
 
     script = ".agents/skills/resume-and-reshard/reshard_resume.py"
     run = write_run_file(tmp_path / "run.py", dataset_dir)
-    common = [sys.executable, script, str(run), "--steps", "4", "--stop-after", "2", "--set", "train.dtype=fp32"]
-    ok = subprocess.run(common + ["--a", "--nproc 2 --ep 2", "--b", "--nproc 1", "--ref", "--nproc 1",
-                                  "--work", str(tmp_path / "ok")], capture_output=True, text=True)
+    common = [str(run), "--steps", "4", "--stop-after", "2", "--set", "train.dtype=fp32"]
+    ok = run_script(script, *common, "--a", "--nproc 2 --ep 2", "--b", "--nproc 1", "--ref", "--nproc 1",
+                    "--work", tmp_path / "ok")
     assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS"), ok.stdout + ok.stderr
     assert "resumed from" in ok.stdout and ok.stdout.count("step    ") == 4
-    bad = subprocess.run(common + ["--a", "--nproc 1", "--b", "--nproc 1 --set optim.lr=1e-2", "--work", str(tmp_path / "bad")],
-                         capture_output=True, text=True)
+    bad = run_script(script, *common, "--a", "--nproc 1", "--b", "--nproc 1 --set optim.lr=1e-2", "--work", tmp_path / "bad")
     assert bad.returncode == 1 and bad.stdout.strip().endswith("FAIL"), bad.stdout + bad.stderr
     over = [line for line in bad.stdout.splitlines() if line.endswith("<-- over tolerance")]
     assert over and over[0].startswith("step    4      loss"), bad.stdout  # lr 1e-2 from the update of step 3 on

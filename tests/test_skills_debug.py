@@ -1,7 +1,6 @@
 """The debugging skills (debug-divergence, debug-memory) on real tiny CPU runs, and the norm log they read."""
 
 import json
-import subprocess
 import sys
 
 import pytest
@@ -11,10 +10,6 @@ from conftest import tiny_config, write_run_file
 
 DIVERGENCE = ".agents/skills/debug-divergence/debug_divergence.py"
 MEMORY = ".agents/skills/debug-memory/debug_memory.py"
-
-
-def run(script, *args):
-    return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True)
 
 
 @pytest.mark.fast
@@ -48,7 +43,7 @@ def test_debug_divergence_finds_the_first_bad_step_and_tensor_of_a_real_blow_up(
     step, the first non-finite tensor (the NaN appears in backward), and that fp32 -> bf16 does not
     cure it; FAIL."""
     config = write_run_file(tmp_path / "run.py", dataset_dir)
-    out = run(DIVERGENCE, config, "--steps", 4, "--set", "optim.lr=1e5", "--set", "optim.warmup_steps=0",
+    out = run_script(DIVERGENCE, config, "--steps", 4, "--set", "optim.lr=1e5", "--set", "optim.warmup_steps=0",
               "--set", "optim.grad_clip=0", "--factors", "dtype,triton", "--work", tmp_path / "w")
     said = out.stdout
     assert out.returncode == 1, said + out.stderr
@@ -57,7 +52,7 @@ def test_debug_divergence_finds_the_first_bad_step_and_tensor_of_a_real_blow_up(
     assert "factor triton: does not apply" in said
     assert said.strip().splitlines()[-1].startswith("FAIL: divergence at step 2; no single factor removes it"), said
     # the same run, its metrics read back: a non-finite step is the one after the last logged
-    again = run(DIVERGENCE, config, "--run", tmp_path / "w" / "run", "--steps", 4, "--set", "optim.lr=1e5",
+    again = run_script(DIVERGENCE, config, "--run", tmp_path / "w" / "run", "--steps", 4, "--set", "optim.lr=1e5",
                 "--set", "optim.warmup_steps=0", "--set", "optim.grad_clip=0", "--factors", "triton",
                 "--work", tmp_path / "w2")
     assert "first bad step: 2 (the run stopped after step 1 of 4" in again.stdout, again.stdout + again.stderr
@@ -81,14 +76,14 @@ def test_debug_divergence_bisect_names_the_factor_that_changes_the_run(tmp_path,
     """No divergence; --bisect: fp32 -> bf16 really changes the metrics beyond 1e-5 on the CPU: the
     script names the dtype and FAILs; without --bisect the healthy run PASSes."""
     config = write_run_file(tmp_path / "run.py", dataset_dir)
-    out = run(DIVERGENCE, config, "--steps", 2, "--factors", "mesh,dtype", "--bisect", "--work", tmp_path / "w")
+    out = run_script(DIVERGENCE, config, "--steps", 2, "--factors", "mesh,dtype", "--bisect", "--work", tmp_path / "w")
     said = out.stdout
     assert out.returncode == 1, said + out.stderr
     lines = said.splitlines()
     assert "factor mesh: does not apply (one process already)" in lines, said
     assert any(line.startswith("dtype    fp32 -> bf16") and line.rstrip().endswith("NO") for line in lines), said
     assert lines[-1] == "FAIL: no step diverged; the metrics change beyond --rtol with: dtype (fp32 -> bf16)", said
-    healthy = run(DIVERGENCE, config, "--run", tmp_path / "w" / "run", "--steps", 2)
+    healthy = run_script(DIVERGENCE, config, "--run", tmp_path / "w" / "run", "--steps", 2)
     assert healthy.returncode == 0 and healthy.stdout.strip().splitlines()[-1].startswith("PASS: no step diverged")
 
 
