@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites, in the order to run them: runs 1-2 are
 # issue 32's open figures (the torchtitan peer at micro-batch 4 at the deepest both fit, carrying .peers), then
-# 3-4 its standing ones (Qwen3 9 layers bf16, and FP8 with the FP8 head in the same call), then the rest of the
-# target table (kernels, FP8, Muon, the three widths). Each appends its line to benchmarks/results.jsonl
+# 3-5 Qwen3 9 layers in bf16, FP8 with the FP8 head and FP8 alone (one call), then the rest of the target table
+# (kernels, FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl
 # (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git). More than one
 # machine lease in all: split it over calls with FIRST and LAST (1-based run numbers):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
@@ -12,12 +12,10 @@ T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformer
 runs=(
     "python benchmarks/peers/torchtitan.py --family qwen3 --layers 8 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 420 --ours-reserve 180"   # 32: the deepest at micro-batch 4 (4 layers: 65.9 / 70.8 GiB); 7 if 8 does not fit one side
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 8 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 420 --ours-reserve 180"
-    "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32: >= 60% MFU; same call as the next
+    "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU, the deepest Qwen3 width; same call as the next two
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head"   # 32: >= 1.15x the run before
-    "python -m pytest -q tests/gpu/test_kernels_gpu.py"                             # the Triton kernels on CUDA
-    "python benchmarks/kernels.py --repeats 20"
-    "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 18: the deepest Qwen3 width that fits
-    "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14: FP8 at the same depth
+    "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14: FP8 alone at the same depth
+    "python benchmarks/kernels.py --repeats 20"                                      # the Triton kernels against their references
     "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8"             # 18: the deepest (estimate-memory --max-layers: 126.7 GiB)
     "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (130.0 GiB estimated); compiles ~2 min
     "$T --layers 8 --steps 5 --batch 4 --accum 8"                                   # 18 and 14: Qwen3 width, 8 layers

@@ -44,7 +44,7 @@ def test_debug_divergence_finds_the_first_bad_step_and_tensor_of_a_real_blow_up(
     cure it; FAIL."""
     config = write_run_file(tmp_path / "run.py", dataset_dir)
     out = run_script(DIVERGENCE, config, "--steps", 4, "--set", "optim.lr=1e5", "--set", "optim.warmup_steps=0",
-              "--set", "optim.grad_clip=0", "--factors", "dtype,triton", "--work", tmp_path / "w")
+                     "--set", "optim.grad_clip=0", "--factors", "dtype,triton", "--work", tmp_path / "w")
     said = out.stdout
     assert out.returncode == 1, said + out.stderr
     assert "first bad step: 2 (the run stopped: non-finite loss or grad norm)" in said, said
@@ -53,8 +53,8 @@ def test_debug_divergence_finds_the_first_bad_step_and_tensor_of_a_real_blow_up(
     assert said.strip().splitlines()[-1].startswith("FAIL: divergence at step 2; no single factor removes it"), said
     # the same run, its metrics read back: a non-finite step is the one after the last logged
     again = run_script(DIVERGENCE, config, "--run", tmp_path / "w" / "run", "--steps", 4, "--set", "optim.lr=1e5",
-                "--set", "optim.warmup_steps=0", "--set", "optim.grad_clip=0", "--factors", "triton",
-                "--work", tmp_path / "w2")
+                       "--set", "optim.warmup_steps=0", "--set", "optim.grad_clip=0", "--factors", "triton",
+                       "--work", tmp_path / "w2")
     assert "first bad step: 2 (the run stopped after step 1 of 4" in again.stdout, again.stdout + again.stderr
     assert "first tensor non-finite: embed_tokens (backward)" in again.stdout
 
