@@ -6,7 +6,9 @@ Per op: forward, and forward + backward, median milliseconds over the repeats (C
 warm-up, which includes the Triton compiles), and the peak memory the forward + backward allocates.
 Shapes are those of one micro-batch of 4096 tokens of Qwen3-30B-A3B and GPT-OSS-20B sized layers.
 `weighted_combine` (stages 4-5 fused) is timed against what it replaced: the unpermute kernel into
-[T, k, H] and the compiled weighted sum. One benchmarks/results.jsonl line with every op's figures.
+[T, k, H] and the compiled weighted sum; `swiglu_fp8` (fp8.glu_quantized: the activation and its FP8 copy
+in one kernel) against the SwiGLU kernel, then fp8.quantize. One benchmarks/results.jsonl line with every
+op's figures.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, installed or not
 
-from pithtrain.ops import core, kernels  # noqa: E402
+from pithtrain.ops import core, fp8, kernels  # noqa: E402
 from results import record  # noqa: E402
 
 
@@ -85,6 +87,12 @@ def cases():
     yield ("swiglu", "[32768, 1536] bf16", core.swiglu, kernels.swiglu, [gate_up])
     yield ("clamped_swiglu", "[16384, 5760] bf16", lambda t: kernels.clamped_swiglu_reference(t, 1.702, 7.0),
            lambda t: kernels.clamped_swiglu(t, 1.702, 7.0), [gate_up_oss])
+    def swiglu_then_quantize(t):  # what fp8.glu_quantized replaced: two kernels, the second reading the first's output
+        a = kernels.swiglu(t)
+        fp8.quantize(a.detach())
+        return a
+
+    yield ("swiglu_fp8", "[32768, 1536] bf16 -> FP8", swiglu_then_quantize, lambda t: fp8.glu_quantized(t)[0], [gate_up])
     yield ("permute", "4096x2048 -> 32768 rows", kernels.permute_reference, kernels.permute, [x, order // 8])
     yield ("unpermute", "32768 x 2048 bf16", lambda y: kernels.unpermute_reference(y, order, tokens * 8),
            lambda y: kernels.unpermute(y, order, tokens * 8), [rows])

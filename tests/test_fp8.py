@@ -293,3 +293,38 @@ def test_bf16_weight_gradient_recipe():
     want = torch.stack([xe[:10].double().t() @ dye[:10].double(), torch.zeros(32, 48, dtype=torch.float64),
                         xe[10:].double().t() @ dye[10:].double()])
     assert torch.allclose(experts.w.grad.double(), want.detach(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.fast
+def test_fp8_activation_feeds_its_own_quantization(monkeypatch):
+    """activation_mm on FP8 experts: the down GEMM takes the activation's FP8 copy from the activation
+    (fp8.glu_quantized) instead of quantizing it again (one quantization in the forward, not two);
+    the output and h's gradient match float64 math of the recipe (SwiGLU and GPT-OSS's clamped one),
+    with the activation recomputed for the backward too."""
+    from pithtrain.ops import core, kernels
+
+    gen = torch.Generator().manual_seed(12)
+    counts = torch.tensor([7, 0, 13])
+    h0, dy = torch.randn(20, 2 * 24, generator=gen) * 2, torch.randn(20, 16, generator=gen)
+    calls = []
+    quantize = fp8.quantize
+    monkeypatch.setattr(fp8, "quantize", lambda x: calls.append(x.shape) or quantize(x))
+    for clamp, act64 in ((None, core.swiglu), ((1.702, 1.5), lambda t: kernels.clamped_swiglu_reference(t, 1.702, 1.5))):
+        for recompute in (False, True):
+            experts = nn.Module()
+            experts.fp8, experts.recompute_act = "rowwise_bf16_wgrad", recompute
+            experts.down = nn.Parameter(torch.randn(3, 24, 16, generator=gen) * 0.2)
+            h = h0.clone().requires_grad_()
+            calls.clear()
+            y = grouped_gemm.activation_mm(h, experts, counts, torch.float32, clamp=clamp)
+            assert [c for c in calls if c[0] == 20] == [(20, 24)]  # in glu_quantized; not again in the GEMM
+            y.backward(dy)
+            h64 = h0.double().requires_grad_()
+            a64 = act64(h64)
+            want_y = torch.cat([quantized64(a64.detach()[r].float()) @ quantized64(experts.down.detach()[e].t().contiguous()).t()
+                                for e, r in ((0, slice(0, 7)), (2, slice(7, 20)))])
+            assert torch.allclose(y.double(), want_y, rtol=1e-5, atol=1e-5)
+            da = torch.cat([quantized64(dy[r]) @ quantized64(experts.down.detach()[e]).t()
+                            for e, r in ((0, slice(0, 7)), (2, slice(7, 20)))])
+            a64.backward(da)
+            assert torch.allclose(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)

@@ -184,16 +184,16 @@ def test_selective_really_frees_the_activation(mode, monkeypatch):
     import gc
     import weakref
 
-    from pithtrain.models import qwen3_moe
+    from pithtrain.ops import kernels
 
     outputs = []
 
-    def recorded_swiglu(gate_up, original=qwen3_moe.swiglu):
+    def recorded_swiglu(gate_up, original=kernels.swiglu):
         out = original(gate_up)
         outputs.append(weakref.ref(out))
         return out
 
-    monkeypatch.setattr(qwen3_moe, "swiglu", recorded_swiglu)
+    monkeypatch.setattr(kernels, "swiglu", recorded_swiglu)  # what grouped_gemm.activation_mm calls
     model = _model("qwen3", mode)
     ids, pos, gen = _batch(model.cfg)
     queue = DeferredWeightGrads(accumulate_grad)

@@ -163,6 +163,32 @@ def test_triton_row_quantization_narrow_and_wide(interpreter, dtype):
         assert torch.equal(q.to(fp8.FP8).view(torch.uint8), ref_q.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_glu_quantized(interpreter, dtype):
+    """fp8._glu_quant_kernel: the activation exactly as kernels._glu_fwd makes it, and its row-wise FP8
+    exactly as quantize_reference makes it from the stored values (q into fp32, as above); plain and
+    clamped, a partial row block and rows padded to the column block. Through fp8.glu_quantized's
+    autograd function: h's gradient is kernels._GLU's."""
+    torch.manual_seed(11)
+    rows, inter = 7, 24
+    x = (torch.randn(rows, 2 * inter) * 3).to(dtype)
+    x[2] = 0  # an all-zero row: the scale floor
+    dy = torch.randn(rows, inter, dtype=dtype)
+    for clamped, alpha, limit in ((False, 1.0, 0.0), (True, 1.702, 2.5)):
+        out, q, s = torch.empty(rows, inter, dtype=dtype), torch.empty(rows, inter), torch.empty(rows)
+        fp8._glu_quant_kernel[(2,)](x, out, q, s, rows, inter, alpha, limit, CLAMPED=clamped, BLOCK_R=4, BLOCK_C=32)
+        assert torch.equal(out, kernels._glu_fwd(x, alpha, limit, clamped))
+        ref_q, ref_s = fp8.quantize_reference(out)
+        assert torch.equal(s, ref_s) and s[2] == 1e-12 / 448
+        assert torch.equal(q.to(fp8.FP8).view(torch.uint8), ref_q.view(torch.uint8))
+        a, _, s2 = fp8._GLUQuantized.apply(x.requires_grad_(), alpha, limit, clamped)
+        assert torch.equal(a, out) and torch.equal(s2, ref_s)
+        (dx,) = torch.autograd.grad(a, x, dy)
+        (want,) = torch.autograd.grad(kernels._GLU.apply(x, alpha, limit, clamped), x, dy)
+        assert torch.equal(dx, want)
+        x = x.detach()
+
+
 @pytest.mark.parametrize("shape, halves", [((37, 300), 1), ((3, 20, 300), 1), ((3, 20, 600), 2), ((0, 5, 8), 2)])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_triton_muon_passes(interpreter, shape, halves, out_dtype):
@@ -231,11 +257,15 @@ def _wgrad_reference(grad, x, dy, counts, assign):
 # float16, not bfloat16: the interpreter's tl.dot multiplies bf16 bit patterns (Triton 3.9); bf16 is tests/gpu's
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("assign", [False, True])
-@pytest.mark.parametrize("tma", [False, True])  # pointer loads; tensor descriptors (the Hopper path)
+@pytest.mark.parametrize("tma", [False, True, "persistent"])  # pointer loads; tensor descriptors (the Hopper path)
 def test_triton_weight_grad_into(interpreter, dtype, assign, tma):
     """Segments not multiples of the row block, an empty expert (first and in the middle), K and M not
     multiples of the tile; a strided dy (a column slice). With descriptors bounded to each expert's rows,
-    the rows past a segment read as zeros."""
+    the rows past a segment read as zeros; on the persistent grid (4 programs, more tiles than that),
+    whose descriptors span all rows, the last partial step masks the next expert's."""
+    cfg = dict(BK=16, BM=8, BN=16)
+    if tma == "persistent":
+        cfg, tma = dict(cfg, PERSISTENT=1), True
     torch.manual_seed(9)
     counts = torch.tensor([0, 21, 5, 0, 40, 16])
     rows, k_dim, m_dim = int(counts.sum()), 37, 22
@@ -245,12 +275,12 @@ def test_triton_weight_grad_into(interpreter, dtype, assign, tma):
     x, dy = torch.randn(rows, k_dim).to(dtype), torch.randn(rows, m_dim + pad).to(dtype)[:, pad:]
     grad = torch.randn(len(counts), k_dim, m_dim)
     before = grad.clone()
-    out = kernels.wgrad_into(grad, x, dy, counts, assign, cfg=dict(BK=16, BM=8, BN=16), tma=tma)
+    out = kernels.wgrad_into(grad, x, dy, counts, assign, cfg=cfg, tma=tma)
     assert out is grad
     ref = _wgrad_reference(before, x, dy, counts, assign)
     assert (grad.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert (grad[0] == 0).all() if assign else torch.equal(grad[3], before[3])
-    again = kernels.wgrad_into(before.clone(), x, dy, counts, assign, cfg=dict(BK=16, BM=8, BN=16), tma=tma)
+    again = kernels.wgrad_into(before.clone(), x, dy, counts, assign, cfg=cfg, tma=tma)
     assert torch.equal(again, grad)  # no atomics: bit-identical
 
 

@@ -316,7 +316,7 @@ class Experts(nn.Module):
     def forward(self, tokens, counts, weight_queue=None):
         dtype = autocast_dtype(tokens)  # under autocast the grouped GEMM is not cast for us
         h = kernels.expert_bias_add(expert_mm(tokens, self, "gate_up", counts, dtype, weight_queue), self.gate_up_bias, counts)
-        out = activation_mm(lambda g: kernels.clamped_swiglu(g, self.alpha, self.limit), h, self, counts, dtype, weight_queue)
+        out = activation_mm(h, self, counts, dtype, weight_queue, clamp=(self.alpha, self.limit))
         return kernels.expert_bias_add(out, self.down_bias, counts)
 
 

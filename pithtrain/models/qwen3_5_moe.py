@@ -36,7 +36,7 @@ from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
 from pithtrain.ops.delta_rule import causal_conv1d, doc_cu_seqlens, gated_delta_rule, gated_delta_rule_recurrent, l2norm
-from pithtrain.ops.kernels import swiglu, weighted_combine  # Triton on GPUs, the references elsewhere
+from pithtrain.ops.kernels import weighted_combine  # Triton on GPUs, the reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention, gather_sequence, gathered_doc_ids, zigzag_split
@@ -305,7 +305,7 @@ class Experts(nn.Module):
     def forward(self, tokens, counts, weight_queue=None):
         dtype = autocast_dtype(tokens)  # under autocast the grouped GEMM is not cast for us
         h = expert_mm(tokens, self, "gate_up", counts, dtype, weight_queue)
-        return activation_mm(swiglu, h, self, counts, dtype, weight_queue)
+        return activation_mm(h, self, counts, dtype, weight_queue)
 
 
 class Router(nn.Module):

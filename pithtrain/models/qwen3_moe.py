@@ -21,7 +21,7 @@ from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.ops import attention as flash  # Triton flash attention for packed documents (CUDA)
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
-from pithtrain.ops.kernels import swiglu, weighted_combine  # Triton on GPUs, the references elsewhere
+from pithtrain.ops.kernels import weighted_combine  # Triton on GPUs, the reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention
@@ -194,7 +194,7 @@ class Experts(nn.Module):
     def forward(self, tokens, counts, weight_queue=None):
         dtype = autocast_dtype(tokens)  # under autocast the grouped GEMM is not cast for us
         h = expert_mm(tokens, self, "gate_up", counts, dtype, weight_queue)
-        return activation_mm(swiglu, h, self, counts, dtype, weight_queue)
+        return activation_mm(h, self, counts, dtype, weight_queue)
 
 
 class Router(nn.Module):

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.ops.kernels import _cdiv, _Kernel, _pow2, use_triton
+from pithtrain.ops import kernels
+from pithtrain.ops.kernels import _cdiv, _glu_bwd, _Kernel, _pow2, use_triton
 from pithtrain.protocol import all_layers
 
 FP8 = torch.float8_e4m3fn
@@ -132,6 +133,34 @@ def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, rows, cols, BLOCK_R: tl.constexpr, B
     inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)  # exact, once a row; products after
     q = tl.clamp(x * inv[:, None], -448.0, 448.0)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + r, s, mask=r < rows)
+
+
+@_Kernel
+def _glu_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, rows, inter, alpha, limit,
+                      CLAMPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """The experts' (clamped) SwiGLU of BLOCK_R whole rows of gate_up [N, 2I] (kernels._glu_fwd_kernel's
+    math) and the row-wise FP8 of the stored result (_quant_rows_kernel's, bit for bit): the down
+    projection's FP8 input without a second read of the activation."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_C)
+    mask = (r < rows)[:, None] & (c < inter)[None, :]
+    gate_at = x_ptr + r.to(tl.int64)[:, None] * (2 * inter) + c[None, :]
+    g = tl.load(gate_at, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gate_at + inter, mask=mask, other=0.0).to(tl.float32)
+    if CLAMPED:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        a = (u + 1.0) * (g * tl.sigmoid(alpha * g))
+    else:
+        a = g * tl.sigmoid(g) * u
+    a = tl.where(mask, a, 0.0).to(out_ptr.dtype.element_ty)  # padding lanes stay out of the row maxima
+    offs = r.to(tl.int64)[:, None] * inter + c[None, :]
+    tl.store(out_ptr + offs, a, mask=mask)
+    x = a.to(tl.float32)  # what quantize() would read back
+    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 1), 1e-12), tl.full([BLOCK_R], 448.0, tl.float32))
+    inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)
+    tl.store(q_ptr + offs, tl.clamp(x * inv[:, None], -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + r, s, mask=r < rows)
 
 
@@ -382,6 +411,27 @@ def _(x, counts):
     return x.new_empty(x.shape[1], width, dtype=FP8), x.new_empty(counts.shape[0], x.shape[1], dtype=torch.float32)
 
 
+@torch.library.custom_op("pithtrain::fp8_glu_quantize", mutates_args=())
+def _glu_quantize_cuda(x: torch.Tensor, alpha: float, limit: float, clamped: bool) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, inter = x.shape[0], x.shape[1] // 2
+    out = x.new_empty(rows, inter)
+    q = torch.empty(rows, inter, dtype=FP8, device=x.device)
+    s = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows and inter:
+        block_c = _pow2(inter)
+        block_r = max(1, min(16, 4096 // block_c))
+        _glu_quant_kernel[(_cdiv(rows, block_r),)](x, out, q, s, rows, inter, alpha, limit, CLAMPED=clamped,
+                                                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8 if block_c >= 4096 else 4)
+    return out, q, s
+
+
+@_glu_quantize_cuda.register_fake
+def _(x, alpha, limit, clamped):
+    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    return out, out.new_empty(out.shape, dtype=FP8), out.new_empty(out.shape[0], dtype=torch.float32)
+
+
 _AMAX_CONFIG = dict(BR=128, BC=128, num_warps=8)  # both: benchmarks/fp8.py --wquant --sweep
 _QUANT_BOTH_CONFIG = dict(BR=64, BC=128, num_warps=4, TRANS=False)  # a tl.trans store was slow for activations
 
@@ -436,8 +486,39 @@ def _grouped_wgrad_cuda(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, s
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row-wise FP8 of a 2-D tensor: (q, s)."""
-    return _quantize_cuda(x.contiguous()) if use_triton(x) else quantize_reference(x)
+    """Row-wise FP8 of a 2-D tensor: (q, s). In a compiled graph the plain-PyTorch one, which inductor
+    fuses into the kernel that produces x (the norm before a projection; in the backward, dy's
+    producer), so no separate pass reads x again; the custom op would be a wall between them."""
+    if use_triton(x) and not torch.compiler.is_compiling():
+        return _quantize_cuda(x.contiguous())
+    return quantize_reference(x)
+
+
+class _GLUQuantized(torch.autograd.Function):
+    """kernels._GLU with the activation's FP8 copy as two more outputs (not differentiable)."""
+
+    @staticmethod
+    def forward(ctx, gate_up, alpha: float, limit: float, clamped: bool):
+        x = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+        out, q, s = _glu_quantize_cuda(x, alpha, limit, clamped)
+        ctx.save_for_backward(x)
+        ctx.args = (alpha, limit, clamped)
+        ctx.mark_non_differentiable(q, s)
+        return out, q, s
+
+    @staticmethod
+    def backward(ctx, grad, _grad_q, _grad_s):
+        (x,) = ctx.saved_tensors
+        return _glu_bwd(x, grad.reshape(x.shape[0], x.shape[1] // 2).contiguous(), *ctx.args), None, None, None
+
+
+def glu_quantized(gate_up: torch.Tensor, alpha: float = 1.0, limit: float = 0.0, clamped: bool = False):
+    """The experts' SwiGLU on gate_up [N, 2I] (with `clamped`, GPT-OSS's, kernels.clamped_swiglu) and
+    its row-wise FP8 copy: (a [N, I], q, s) with (q, s) = quantize(a). On CUDA one kernel makes both."""
+    if use_triton(gate_up) and gate_up.dim() == 2:
+        return _GLUQuantized.apply(gate_up, float(alpha), float(limit), clamped)
+    a = kernels.clamped_swiglu(gate_up, alpha, limit) if clamped else kernels.swiglu(gate_up)
+    return (a, *quantize(a.detach().reshape(-1, a.shape[-1])))
 
 
 def _quantize_nd(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

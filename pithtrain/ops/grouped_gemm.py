@@ -238,13 +238,15 @@ class _FP8GroupedMM(torch.autograd.Function):
     product cast and added by autograd cost 48 ms a step at 4 Qwen3-width layers, 2 x 4 micro-batches)."""
 
     @staticmethod
-    def forward(ctx, x, weight, counts, w_fwd_q, w_fwd_s, w_bwd_q, w_bwd_s, out_dtype, queue, module, name, fp8_wgrad):
-        xq, xs = fp8.quantize(x)
+    def forward(ctx, x, xq, xs, weight, counts, w_fwd_q, w_fwd_s, w_bwd_q, w_bwd_s, out_dtype, queue, module, name,
+                fp8_wgrad):
+        if xq is None:
+            xq, xs = fp8.quantize(x)
         y = fp8.grouped_mm(xq, xs, w_fwd_q, w_fwd_s, counts, out_dtype)
         xtq = xts = x_hp = None
-        if ctx.needs_input_grad[1] and fp8_wgrad:
+        if ctx.needs_input_grad[3] and fp8_wgrad:
             xtq, xts = fp8.quantize_t(x, counts)
-        elif ctx.needs_input_grad[1]:
+        elif ctx.needs_input_grad[3]:
             x_hp = x.to(out_dtype)
         ctx.save_for_backward(xtq, xts, x_hp, counts, w_bwd_q, w_bwd_s)
         ctx.queue, ctx.module, ctx.name, ctx.x_dtype = queue, module, name, x.dtype
@@ -258,7 +260,7 @@ class _FP8GroupedMM(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             dyq, dys = fp8.quantize(dy)
             dx = fp8.grouped_mm(dyq, dys, w_bwd_q, w_bwd_s, counts, dy.dtype).to(ctx.x_dtype)
-        if ctx.needs_input_grad[1]:  # the weight gradient goes into .grad by hand, as in the bf16 path
+        if ctx.needs_input_grad[3]:  # the weight gradient goes into .grad by hand, as in the bf16 path
             queue, module, name, groups = ctx.queue, ctx.module, ctx.name, w_bwd_q.shape[0]
             if x_hp is None:
                 dytq, dyts = fp8.quantize_t(dy, counts)
@@ -278,14 +280,16 @@ class _FP8GroupedMM(torch.autograd.Function):
                 weight_pass()
             else:
                 queue.work.append(weight_pass)
-        return dx, None, None, None, None, None, None, None, None, None, None, None
+        return dx, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
-def fp8_expert_mm(x, module, name: str, counts, out_dtype, queue=None):
+def fp8_expert_mm(x, module, name: str, counts, out_dtype, queue=None, quantized=None):
     """x @ module.<name> per expert in FP8 (the experts' [E, K, M] weights), the weight's FP8 layouts
-    from the per-version cache; with a queue, the weight gradient is deferred to it."""
+    from the per-version cache; with a queue, the weight gradient is deferred to it. `quantized`:
+    fp8.quantize(x) already made (by x's producer), else made here."""
     w = fp8.cached_weight(module, name, contraction_last=False)
-    return _FP8GroupedMM.apply(x.contiguous(), getattr(module, name), counts, *w.fwd, *w.bwd, out_dtype,
+    xq, xs = quantized or (None, None)
+    return _FP8GroupedMM.apply(x.contiguous(), xq, xs, getattr(module, name), counts, *w.fwd, *w.bwd, out_dtype,
                                queue, module, name, getattr(module, "fp8", "rowwise") != "rowwise_bf16_wgrad")
 
 
@@ -307,11 +311,12 @@ def compute_weight(module, name: str, dtype) -> torch.Tensor:
     return cast
 
 
-def expert_mm(x, module, name: str, counts, dtype, queue: DeferredWeightGrads | None = None):
+def expert_mm(x, module, name: str, counts, dtype, queue: DeferredWeightGrads | None = None, quantized=None):
     """x @ module.<name> per expert, in `dtype`; with a queue, the weight gradient is deferred.
-    Experts switched to FP8 (`module.fp8`, train.fp8) run the FP8 grouped GEMMs (fp8_expert_mm)."""
+    Experts switched to FP8 (`module.fp8`, train.fp8) run the FP8 grouped GEMMs (fp8_expert_mm),
+    on `quantized` (x's row-wise FP8 (q, s), made by x's producer) where given."""
     if getattr(module, "fp8", False):
-        return fp8_expert_mm(x, module, name, counts, dtype, queue)
+        return fp8_expert_mm(x, module, name, counts, dtype, queue, quantized)
     w = compute_weight(module, name, dtype)
     if queue is None and (w is getattr(module, name) or not w.requires_grad):
         return grouped_mm(x.to(dtype), w, counts)  # no cast in between (fp32, or FSDP's bf16 copy)
@@ -323,15 +328,26 @@ def expert_mm(x, module, name: str, counts, dtype, queue: DeferredWeightGrads | 
     return _GroupedMMDeferredW.apply(x, w.detach(), counts, queue, module, name)
 
 
-def activation_mm(act, h, module, counts, dtype, queue: DeferredWeightGrads | None = None):
-    """expert_mm(act(h), module, "down", ...): the experts' activation and down projection. With
-    `module.recompute_act` (train.recompute=selective), act(h), the down GEMM's input (top-k x I
-    per token), is not kept for the backward but recomputed from h, which the activation's own
-    backward keeps anyway: an elementwise kernel instead of a stored tensor. The recomputed
-    tensor also feeds the deferred weight gradient (the W pass)."""
-    a = act(h)
+def _activation(h, clamp):
+    return kernels.swiglu(h) if clamp is None else kernels.clamped_swiglu(h, *clamp)
+
+
+def activation_mm(h, module, counts, dtype, queue: DeferredWeightGrads | None = None, clamp=None):
+    """expert_mm(act(h), module, "down", ...): the experts' activation and down projection. act is
+    SwiGLU on h [N, 2I] (gate then up), with `clamp` = (alpha, limit) GPT-OSS's clamped one.
+    FP8 experts (`module.fp8`) get the activation's row-wise FP8 copy from the activation's own
+    kernel (fp8.glu_quantized), so no quantize pass reads act(h) again. With `module.recompute_act`
+    (train.recompute=selective), act(h), the down GEMM's input (top-k x I per token), is not kept
+    for the backward but recomputed from h, which the activation's own backward keeps anyway: an
+    elementwise kernel instead of a stored tensor. The recomputed tensor also feeds the deferred
+    weight gradient (the W pass)."""
+    quantized = None
+    if getattr(module, "fp8", False):
+        a, *quantized = fp8.glu_quantized(h, *(clamp or (1.0, 0.0)), clamped=clamp is not None)
+    else:
+        a = _activation(h, clamp)
     if not getattr(module, "recompute_act", False) or not torch.is_grad_enabled():
-        return expert_mm(a, module, "down", counts, dtype, queue)
+        return expert_mm(a, module, "down", counts, dtype, queue, quantized)
 
     # The hooks live as long as the saved tensors: they must not hold `a` (a closure over it kept
     # the whole activation alive on GPUs), only what identifies it.
@@ -343,8 +359,8 @@ def activation_mm(act, h, module, counts, dtype, queue: DeferredWeightGrads | No
     def unpack(saved):
         if isinstance(saved, tuple):
             with torch.no_grad():
-                return act(h)
+                return _activation(h, clamp)
         return saved
 
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        return expert_mm(a, module, "down", counts, dtype, queue)
+        return expert_mm(a, module, "down", counts, dtype, queue, quantized)

@@ -194,3 +194,57 @@ def test_fp8_head_matches_reference():
     for got, want in zip(outs["gpu"], outs["cpu"]):
         assert rel(got, want) < 1e-2
     assert outs["gpu"][2].dtype == torch.float32
+
+
+@pytest.mark.parametrize("inter, clamp", [(768, None), (2880, (1.702, 7.0))])
+def test_activation_quantization_in_the_activation_kernel(inter, clamp):
+    """fp8.glu_quantized on CUDA (one kernel: the activation and its row-wise FP8) against the separate
+    kernels it replaces (kernels.swiglu / clamped_swiglu, then fp8.quantize): the activation and the
+    scales bit for bit, the FP8 values up to rounding ties, h's gradient exactly."""
+    from pithtrain.ops import kernels
+
+    gen = torch.Generator().manual_seed(inter)
+    h = (torch.randn(3000, 2 * inter, generator=gen) * 3).to(BF16).cuda().requires_grad_()
+    dy = torch.randn(3000, inter, generator=gen).to(BF16).cuda()
+    a, q, s = fp8.glu_quantized(h, *(clamp or (1.0, 0.0)), clamped=clamp is not None)
+    want = kernels.swiglu(h) if clamp is None else kernels.clamped_swiglu(h, *clamp)
+    wq, ws = fp8.quantize(want.detach())
+    assert torch.equal(a, want) and torch.equal(s, ws)
+    same_fp8(q.cpu(), wq.cpu(), want.detach().cpu(), (1.0 / ws).unsqueeze(1).cpu())
+    assert torch.equal(torch.autograd.grad(a, h, dy)[0], torch.autograd.grad(want, h, dy)[0])
+
+
+def test_compiled_quantization_fuses_into_the_norm():
+    """In a compiled graph fp8.quantize is the plain-PyTorch one (inductor fuses it into the norm before
+    the projection, and into dy's producer in the backward): the compiled RMSNorm + FP8 Linear matches
+    the eager one (the Triton quantization kernel) in output and every gradient, and its graph has no
+    quantization custom op left."""
+    from torch._inductor.utils import run_and_get_code
+
+    gen = torch.Generator().manual_seed(3)
+    lin = random_fp8_linear(512, 768, gen, 0.05).cuda()
+    lin.fp8 = "rowwise_bf16_wgrad"
+    norm_w = (1 + 0.1 * torch.randn(512, generator=gen)).cuda().requires_grad_()
+    x = torch.randn(4, 256, 512, generator=gen).cuda()
+    dy = torch.randn(4, 256, 768, generator=gen).to(BF16).cuda()
+
+    def block(t):
+        with torch.autocast("cuda", BF16):
+            normed = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_w
+            return lin(normed)
+
+    def run(fn):
+        xi = x.clone().requires_grad_()
+        y = fn(xi)
+        y.backward(dy)
+        grads = (xi.grad, lin.weight.grad.clone(), lin.bias.grad.clone(), norm_w.grad.clone())
+        lin.weight.grad = lin.bias.grad = norm_w.grad = None
+        return (y, *grads)
+
+    eager = run(block)
+    fp8.refresh_fp8_weights(lin)
+    compiled_block = torch.compile(block, fullgraph=True)
+    compiled, code = run_and_get_code(run, compiled_block)
+    for a, b in zip(compiled, eager):
+        assert rel(a, b) < 1e-2
+    assert not any("fp8_quantize" in c for c in code), "a quantization custom op left in the compiled graph"
