@@ -216,9 +216,11 @@ def test_activation_quantization_in_the_activation_kernel(inter, clamp):
 
 def test_compiled_quantization_fuses_into_the_norm():
     """In a compiled graph fp8.quantize is the plain-PyTorch one (inductor fuses it into the norm before
-    the projection, and into dy's producer in the backward): the compiled RMSNorm + FP8 Linear matches
-    the eager one (the Triton quantization kernel) in output and every gradient, and its graph has no
-    quantization custom op left."""
+    the projection, and into dy's producer in the backward): the compiled RMSNorm + FP8 Linear is as
+    close to the bf16 layer as the eager one (the Triton quantization kernel) in output and every
+    gradient (within 1.25x its error, which is e4m3's), and its graph has no quantization custom op
+    left. Not bit for bit: inductor's norm differs from eager's in the last fp32 bits, which moves
+    the few values near an e4m3 rounding boundary by a step (measured: 1.5e-2 of the largest output)."""
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator().manual_seed(3)
@@ -241,10 +243,13 @@ def test_compiled_quantization_fuses_into_the_norm():
         lin.weight.grad = lin.bias.grad = norm_w.grad = None
         return (y, *grads)
 
+    lin.fp8 = False
+    bf16 = run(block)
+    lin.fp8 = "rowwise_bf16_wgrad"
     eager = run(block)
     fp8.refresh_fp8_weights(lin)
     compiled_block = torch.compile(block, fullgraph=True)
     compiled, code = run_and_get_code(run, compiled_block)
-    for a, b in zip(compiled, eager):
-        assert rel(a, b) < 1e-2
+    for name, got, want, ref in zip(("y", "dx", "dw", "db", "dnorm"), compiled, eager, bf16):
+        assert rel(got, ref) <= 1.25 * rel(want, ref) + 2e-3, (name, rel(got, ref), rel(want, ref))
     assert not any("fp8_quantize" in c for c in code), "a quantization custom op left in the compiled graph"
