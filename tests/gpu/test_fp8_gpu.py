@@ -218,9 +218,10 @@ def test_compiled_quantization_fuses_into_the_norm():
     """In a compiled graph fp8.quantize is the plain-PyTorch one (inductor fuses it into the norm before
     the projection, and into dy's producer in the backward): the compiled RMSNorm + FP8 Linear is as
     close to the bf16 layer as the eager one (the Triton quantization kernel) in output and every
-    gradient (within 1.25x its error, which is e4m3's), and its graph has no quantization custom op
-    left. Not bit for bit: inductor's norm differs from eager's in the last fp32 bits, which moves
-    the few values near an e4m3 rounding boundary by a step (measured: 1.5e-2 of the largest output)."""
+    gradient (within 1.25x its error, which is e4m3's, plus one bf16 step of the largest value), and
+    its graph has no quantization custom op left. Not bit for bit: inductor's norm differs from
+    eager's in the last fp32 bits, which moves the few values near an e4m3 or bf16 rounding boundary
+    by a step (measured: 1.5e-2 of the largest output against eager; dw, bf16 on both, 2^-9 apart)."""
     from torch._inductor.utils import run_and_get_code
 
     gen = torch.Generator().manual_seed(3)
@@ -251,5 +252,5 @@ def test_compiled_quantization_fuses_into_the_norm():
     compiled_block = torch.compile(block, fullgraph=True)
     compiled, code = run_and_get_code(run, compiled_block)
     for name, got, want, ref in zip(("y", "dx", "dw", "db", "dnorm"), compiled, eager, bf16):
-        assert rel(got, ref) <= 1.25 * rel(want, ref) + 2e-3, (name, rel(got, ref), rel(want, ref))
+        assert rel(got, ref) <= 1.25 * rel(want, ref) + 2 ** -8, (name, rel(got, ref), rel(want, ref))
     assert not any("fp8_quantize" in c for c in code), "a quantization custom op left in the compiled graph"
