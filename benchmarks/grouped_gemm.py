@@ -9,8 +9,7 @@ training does it, balanced and skewed routing: torch._grouped_mm + kernels.add_i
 kernels.wgrad_into (the add in the GEMM's epilogue; grouped_gemm.FUSED_WGRAD): as training runs it (tensor-
 descriptor (TMA) loads, the add a bulk reduce in L2), with the epilogue's load-add-store instead, and with
 plain pointer loads. Records a line in benchmarks/results.jsonl. `--sweep` also times tiles of the fused
-kernel (both routings, both shapes, `--rounds` passes over the tiles), the persistent grid's among them,
-and records the best over both (`sweep_best_both`, for train_throughput.py --wgrad-config).
+kernel (both routings, both shapes, `--rounds` passes over the tiles) and records the best over both (`sweep_best_both`, for train_throughput.py --wgrad-config).
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --wgrad [--sweep]
 """
@@ -31,13 +30,6 @@ SWEEP = [dict(BK=bk, BM=bm, BN=bn, num_warps=w, num_stages=st)
                                    (256, 64, 64, 4, 3), (64, 256, 64, 4, 3), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
                                    (64, 64, 64, 4, 4), (64, 64, 128, 4, 3), (128, 128, 32, 4, 3), (128, 128, 32, 4, 5),
                                    (128, 128, 32, 8, 4), (128, 256, 32, 8, 4))]
-# the persistent grid (kernels._wgrad_into_persistent_kernel): PERSISTENT programs per SM, FLATTEN Triton's
-# loop flattening (the next tile's loads issued in the current tile's epilogue)
-SWEEP += [dict(BK=128, BM=bm, BN=bn, num_warps=w, num_stages=st, PERSISTENT=p, FLATTEN=f)
-          for bm, bn, w, st, p, f in ((128, 64, 4, 3, 1, False), (128, 64, 4, 3, 2, False), (128, 64, 4, 4, 1, False),
-                                      (128, 64, 8, 3, 1, False), (128, 64, 8, 4, 1, False), (128, 32, 4, 4, 2, False),
-                                      (128, 64, 4, 3, 1, True), (128, 64, 8, 3, 1, True), (256, 64, 8, 3, 1, False),
-                                      (128, 64, 4, 2, 2, False))]
 
 
 def skewed_counts(rows: int, experts: int) -> torch.Tensor:

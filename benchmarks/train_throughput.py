@@ -222,7 +222,7 @@ def main():
     parser.add_argument("--fused-wgrad", default="on", choices=["on", "off"], help="grouped_gemm.FUSED_WGRAD: the "
                         "experts' weight gradient added into the fp32 .grad in the GEMM (on) or by a pass after it")
     parser.add_argument("--wgrad-config", type=json.loads, help="kernels.WGRAD_INTO_CONFIG for this run, as JSON "
-                        "(the tiles of benchmarks/grouped_gemm.py --wgrad --sweep; PERSISTENT: programs per SM)")
+                        "(the tiles of benchmarks/grouped_gemm.py --wgrad --sweep)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     from pithtrain.ops import attention, grouped_gemm, kernels

@@ -798,44 +798,11 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
         tl.store(grad_ptr + offs, acc, mask=mask)
 
 
-@_Kernel
-def _wgrad_into_persistent_kernel(x_desc, dy_desc, g_desc, ends_ptr, k_dim, m_dim, experts, ASSIGN: tl.constexpr,
-                                  REDUCE: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, PROGRAMS: tl.constexpr,
-                                  FLATTEN: tl.constexpr):
-    """_wgrad_into_kernel (TMA and REDUCE) on a persistent grid: PROGRAMS programs take the (expert, K
-    block, M block) tiles in turn, so one tile's bulk reduce-add leaves while the next tile's loads
-    start. The descriptors are made once on the host over all rows: an expert's full BN-row steps
-    run unmasked, its last partial one zeroes the next expert's rows, and rows past the last arrive
-    as zeros from the copy engine."""
-    m_tiles = tl.cdiv(m_dim, BM)
-    per_expert = tl.cdiv(k_dim, BK) * m_tiles
-    for tile in tl.range(tl.program_id(0), experts * per_expert, PROGRAMS, flatten=FLATTEN):
-        e = tile // per_expert
-        k0 = tile % per_expert // m_tiles * BK
-        m0 = tile % m_tiles * BM
-        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-        end = tl.load(ends_ptr + e)
-        full = start + (end - start) // BN * BN
-        acc = tl.zeros([BK, BM], dtype=tl.float32)
-        for r0 in range(start, full, BN):
-            acc = tl.dot(x_desc.load([r0, k0]).T, dy_desc.load([r0, m0]), acc)
-        if full < end:
-            ours = (full + tl.arange(0, BN) < end)[:, None]
-            x = tl.where(ours, x_desc.load([full, k0]), 0.0)
-            acc = tl.dot(x.T, tl.where(ours, dy_desc.load([full, m0]), 0.0), acc)
-        if ASSIGN:
-            g_desc.store([e, k0, m0], tl.reshape(acc, [1, BK, BM]))
-        elif REDUCE:
-            g_desc.atomic_add([e, k0, m0], tl.reshape(acc, [1, BK, BM]))
-        else:  # the interpreter's (it has no bulk reduce): the same sums
-            g_desc.store([e, k0, m0], g_desc.load([e, k0, m0]) + tl.reshape(acc, [1, BK, BM]))
-
-
 # Tiles of grad (BK x BM) and rows a step (BN); benchmarks/grouped_gemm.py --wgrad --sweep measures others.
 # TMA against pointer loads at Qwen3's expert widths, 131,072 rows (micro-batch 4), H200: gate_up 2.26 -> 2.11 ms
 # balanced, 2.46 -> 2.23 skewed; down 1.17 -> 1.13 and 1.22 -> 1.22 (docs/performance.md, Kernels). With the
-# bulk-reduce epilogue, an interleaved sweep (Qwen3 and GPT-OSS widths, both routings) puts BN=32 / 4 stages 2-7%
-# ahead on seven of eight cases, 4% behind on Qwen3 gate_up balanced; not yet confirmed in training (same section).
+# bulk-reduce epilogue, interleaved sweeps put BN=32 / 4 stages 1-7% ahead of these tiles, but not in training:
+# Qwen3 9 layers 75,718 against 76,034 tok/s (docs/performance.md, Kernels), so the tiles stay.
 WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=64, num_warps=4, num_stages=3)
 
 
@@ -875,29 +842,10 @@ def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: to
 
         triton.set_allocator(_scratch)
     experts, k_dim, m_dim = grad.shape
-    if grad.numel() and cfg.get("PERSISTENT"):  # tensor descriptors, made on the host
-        return _wgrad_into_persistent(grad, x, dy, counts, assign, reduce, cfg)
     if grad.numel():
         grid = (_cdiv(k_dim, cfg["BK"]) * _cdiv(m_dim, cfg["BM"]), experts)
         _wgrad_into_kernel[grid](x, dy, counts.cumsum(0).to(x.device, torch.int32), grad, k_dim, m_dim, x.stride(0),
                                  dy.stride(0), ASSIGN=assign, TMA=tma, REDUCE=reduce, **cfg)
-    return grad
-
-
-def _wgrad_into_persistent(grad, x, dy, counts, assign: bool, reduce: bool, cfg: dict) -> torch.Tensor:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    experts, k_dim, m_dim = grad.shape
-    bk, bm, bn = cfg["BK"], cfg["BM"], cfg["BN"]
-    sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    programs = min(sms * cfg["PERSISTENT"], experts * _cdiv(k_dim, bk) * _cdiv(m_dim, bm))
-    x_desc = TensorDescriptor(x, list(x.shape), list(x.stride()), [bn, bk])
-    dy_desc = TensorDescriptor(dy, list(dy.shape), list(dy.stride()), [bn, bm])
-    g_desc = TensorDescriptor(grad, [experts, k_dim, m_dim], [k_dim * m_dim, m_dim, 1], [1, bk, bm])
-    launch = {k: v for k, v in cfg.items() if k in ("num_warps", "num_stages")}
-    _wgrad_into_persistent_kernel[(programs,)](x_desc, dy_desc, g_desc, counts.cumsum(0).to(x.device, torch.int32),
-                                               k_dim, m_dim, experts, ASSIGN=assign, REDUCE=reduce, BK=bk, BM=bm, BN=bn,
-                                               PROGRAMS=programs, FLATTEN=cfg.get("FLATTEN", False), **launch)
     return grad
 
 
