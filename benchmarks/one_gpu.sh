@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites, in the order to run them: runs 1-2 are
-# issue 32's open figures (the torchtitan peer at micro-batch 4 at the deepest both fit, carrying .peers), then
+# the torchtitan peer at micro-batch 4 at the deepest both fit (carrying .peers; a device call each), then
 # 3-5 Qwen3 9 layers in bf16, FP8 with the FP8 head and FP8 alone (one call), then the rest of the target table
 # (kernels, FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl
 # (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git). More than one
@@ -10,8 +10,8 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
-    "python benchmarks/peers/torchtitan.py --family qwen3 --layers 8 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 420 --ours-reserve 180"   # 32: the deepest at micro-batch 4 (4 layers: 65.9 / 70.8 GiB); 7 if 8 does not fit one side
-    "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 8 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 420 --ours-reserve 180"
+    "python benchmarks/peers/torchtitan.py --family qwen3 --layers 9 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: the deepest both fit at micro-batch 4 (124.3 / 134.9 GiB)
+    "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: 125.9 / 136.2 GiB
     "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU, the deepest Qwen3 width; same call as the next two
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head"   # 32: >= 1.15x the run before
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14: FP8 alone at the same depth

@@ -801,8 +801,8 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
 # Tiles of grad (BK x BM) and rows a step (BN); benchmarks/grouped_gemm.py --wgrad --sweep measures others.
 # TMA against pointer loads at Qwen3's expert widths, 131,072 rows (micro-batch 4), H200: gate_up 2.26 -> 2.11 ms
 # balanced, 2.46 -> 2.23 skewed; down 1.17 -> 1.13 and 1.22 -> 1.22 (docs/performance.md, Kernels). With the
-# bulk-reduce epilogue, interleaved sweeps put BN=32 / 4 stages 1-7% ahead of these tiles, but not in training:
-# Qwen3 9 layers 75,718 against 76,034 tok/s (docs/performance.md, Kernels), so the tiles stay.
+# bulk-reduce epilogue, interleaved sweeps put BN=32 / 4 stages 1-7% ahead of these tiles; in training (Qwen3 9
+# layers) it cuts stage 3's backward by 13-15 ms a step, within the tokens/s noise (docs/performance.md, Kernels).
 WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=64, num_warps=4, num_stages=3)
 
 
