@@ -28,7 +28,8 @@ train: setup
 
 # two pytest-xdist workers, a test file each at a time (a file's module fixtures, such as
 # tests/test_parallel.py's mesh runs, are built once): 265 s instead of 392 s on 2 cores, as much of the
-# suite waits on one core for Python and torch to start in a subprocess
+# suite waits on one core for Python and torch to start in a subprocess; each worker one intra-op thread
+# (tests/conftest.py): 248 s cold, not 343
 TEST_WORKERS ?= 2
 
 test: setup

@@ -6,6 +6,12 @@ import os
 # pool's start costs more than it saves (tests/test_compile.py and the compiled recompute test: 165 s
 # of CPU cold with the pool, 118 s without, same graphs and kernels)
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# one intra-op thread in each of `make test`'s xdist workers and (OMP_NUM_THREADS) the processes they start:
+# two workers of two threads each oversubscribe 2 cores and OpenMP's idle threads spin (the whole suite
+# cold: 343 s with two threads, 248 s with one). The fast tier, one process, keeps two.
+XDIST = "PYTEST_XDIST_WORKER" in os.environ
+if XDIST:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import numpy as np
 import pytest
@@ -15,7 +21,7 @@ from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig
 from pithtrain.train.data import write_dataset
 
-torch.set_num_threads(2)
+torch.set_num_threads(1 if XDIST else 2)
 
 
 def markov_docs(rng, vocab: int, n_docs: int, length=(20, 120)):
