@@ -27,9 +27,9 @@ train: setup
 	$(PY) examples/quickstart.py
 
 # two pytest-xdist workers, a test file each at a time (a file's module fixtures, such as
-# tests/test_parallel.py's mesh runs, are built once): 265 s instead of 392 s on 2 cores, as much of the
-# suite waits on one core for Python and torch to start in a subprocess; each worker one intra-op thread
-# (tests/conftest.py): 248 s cold, not 343
+# tests/test_parallel.py's mesh runs, are built once), as much of the suite waits on one core for Python
+# and torch to start in a subprocess; each worker runs one intra-op thread (tests/conftest.py). On 2 cores,
+# cold: about 250 s
 TEST_WORKERS ?= 2
 
 test: setup

@@ -9,7 +9,8 @@ training does it, balanced and skewed routing: torch._grouped_mm + kernels.add_i
 kernels.wgrad_into (the add in the GEMM's epilogue; grouped_gemm.FUSED_WGRAD): as training runs it (tensor-
 descriptor (TMA) loads, the add a bulk reduce in L2), with the epilogue's load-add-store instead, and with
 plain pointer loads. Records a line in benchmarks/results.jsonl. `--sweep` also times tiles of the fused
-kernel (both routings, both shapes, `--rounds` passes over the tiles) and records the best over both (`sweep_best_both`, for train_throughput.py --wgrad-config).
+kernel (both routings, both shapes, `--rounds` passes over the tiles) and records the best over both
+(`sweep_best_both`, for train_throughput.py --wgrad-config).
 
     PYTHONPATH=. python benchmarks/grouped_gemm.py --wgrad [--sweep]
 """

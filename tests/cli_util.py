@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from pithtrain.cli import main
 
@@ -17,8 +18,6 @@ ROOT = str(Path(__file__).parent.parent)
 def write_config(path: Path, dataset_dir, lines: str = "", **train) -> str:
     """A run config file of the tests' tiny Qwen3-MoE; `lines` run after CONFIG is defined. As many
     intra-op threads as this test process, so in-process and subprocess runs are bit-identical."""
-    import torch
-
     path.write_text(f"import sys, torch\nsys.path.insert(0, {TESTS!r})\nfrom conftest import tiny_config\n"
                     f"torch.set_num_threads({torch.get_num_threads()})\nCONFIG = tiny_config({str(dataset_dir)!r}, **{train!r})\n"
                     f"CONFIG.parallel.timeout_s = 30\n{lines}")
