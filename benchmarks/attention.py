@@ -9,6 +9,12 @@ causal SDPA. `--docs N` packs N equal documents per row (masks by document on bo
 FLOPs count only the visible (query, key) pairs: forward 4 * B * Hq * D * pairs (two matmuls),
 backward 2.5 times that (five), so a window's TFLOP/s is useful work, not the S x S square.
 Times are medians of CUDA events after warm-up (which includes Triton's compiles and autotuning).
+
+`--mla`: the DeepSeek families' Multi-head Latent Attention shape instead (16 heads, q/k head 192, v head 128,
+plain causal), SDPA with v as it is (what CUDA trains with, models/deepseek_v2.UNPADDED_V) against v padded to
+192 and the output sliced back (what the CPU and masked attention run), both as SDPA picks its backend, then
+cuDNN alone. TFLOP/s count the unpadded work on both sides: forward 2 * B * H * pairs * (192 + 128), backward
+2 * B * H * pairs * (3 * 192 + 2 * 128).
 """
 
 from __future__ import annotations
@@ -63,6 +69,45 @@ def pinned(fn, backend: str, expand_kv: bool = False):
     return call
 
 
+def mla(batches: list[int], s: int, repeats: int) -> dict:
+    """The MLA shape, v unpadded against padded (the module docstring); returns results.jsonl's figures."""
+    from pithtrain.models.deepseek_v2 import mla_attention
+
+    heads, dqk, dv, figures = 16, 192, 128, {}
+
+    def padded(q, k, v):
+        return mla_attention(q, k, v, None, dqk**-0.5, pad_v=True)
+
+    def unpadded(q, k, v):
+        return mla_attention(q, k, v, None, dqk**-0.5, pad_v=False)
+
+    for b in batches:
+        q, k = (torch.randn(b, heads, s, dqk, device="cuda", dtype=BF16, requires_grad=True) for _ in range(2))
+        v = torch.randn(b, heads, s, dv, device="cuda", dtype=BF16, requires_grad=True)
+        dout = torch.randn(b, s, heads * dv, device="cuda", dtype=BF16)
+        pairs = s * (s + 1) // 2
+        fwd_flops, bwd_flops = 2 * b * heads * pairs * (dqk + dv), 2 * b * heads * pairs * (3 * dqk + 2 * dv)
+        row = {}
+        for label, fn in [("unpadded", unpadded), ("padded", padded),
+                          ("unpadded_cudnn", pinned(unpadded, "CUDNN_ATTENTION")),
+                          ("padded_cudnn", pinned(padded, "CUDNN_ATTENTION"))]:
+            try:
+                f, fb = time_case(fn, [q, k, v], dout, repeats)
+            except RuntimeError as e:  # a pinned backend that does not take this shape
+                print(f"mla B={b} {label}: {str(e).splitlines()[0][:120]}")
+                continue
+            tf, tfb = fwd_flops / f / 1e9, (fwd_flops + bwd_flops) / fb / 1e9
+            row[label] = {"fwd_ms": round(f, 3), "fwd_bwd_ms": round(fb, 3), "fwd_tflops": round(tf, 1),
+                          "fwd_bwd_tflops": round(tfb, 1)}
+            print(f"mla B={b} S={s} {label:15s}  fwd {f:7.3f} ms {tf:6.1f} TFLOP/s   fwd+bwd {fb:7.3f} ms {tfb:6.1f} TFLOP/s",
+                  flush=True)
+        if "unpadded" in row and "padded" in row:
+            print(f"mla B={b} unpadded speed-up: fwd {row['padded']['fwd_ms'] / row['unpadded']['fwd_ms']:.2f}x, "
+                  f"fwd+bwd {row['padded']['fwd_bwd_ms'] / row['unpadded']['fwd_bwd_ms']:.2f}x")
+        figures[f"mla_b{b}"] = row
+    return figures
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4])
@@ -71,8 +116,12 @@ def main():
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--sdpa-backends", action="store_true", help="Qwen3's plain causal case only: also time "
                         "each SDPA backend alone (flash, cuDNN, efficient), to find the fastest on this GPU")
+    parser.add_argument("--mla", action="store_true", help="the DeepSeek MLA shape alone: v unpadded against padded")
     args = parser.parse_args()
     s, figures = args.seq, {}
+    if args.mla:
+        record({"benchmark": "attention_mla", "seq": s, **mla(args.batches, s, args.repeats)})
+        return
     for name, hq, hkv, d, sink, window in CASES:
         for b in args.batches:
             q = torch.randn(b, hq, s, d, device="cuda", dtype=BF16, requires_grad=True)

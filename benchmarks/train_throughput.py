@@ -6,7 +6,8 @@ left out of the medians), and the PithTrain/transformers ratio.
     PYTHONPATH=. python benchmarks/train_throughput.py --family qwen3 --layers 4 --seq 4096 --steps 8
     (--family deepseek_v2 | gpt_oss | qwen3_5 | moonlight: the DeepSeek-V2-Lite / GPT-OSS-20B / Qwen3.5-35B-A3B /
      Moonlight-16B-A3B (DeepSeek-V3) widths, --mtp 1: with one multi-token prediction depth; --compile;
-     --attention sdpa: GPT-OSS's attention through SDPA with masks instead of ops/attention.py's kernel)
+     --attention sdpa: GPT-OSS's attention through SDPA with masks instead of ops/attention.py's kernel;
+     --mla-v padded: the DeepSeek families' v head padded to q and k's width, as before 2026-12-04)
 
 Model FLOPs per token = 6 * (active non-embedding parameters) + 6 * hidden * vocab (LM head)
                         + 6 * layers * seq * head_dim * q_heads (causal attention, fwd+bwd)
@@ -223,11 +224,15 @@ def main():
                         "experts' weight gradient added into the fp32 .grad in the GEMM (on) or by a pass after it")
     parser.add_argument("--wgrad-config", type=json.loads, help="kernels.WGRAD_INTO_CONFIG for this run, as JSON "
                         "(the tiles of benchmarks/grouped_gemm.py --wgrad --sweep)")
+    parser.add_argument("--mla-v", default="unpadded", choices=["unpadded", "padded"], help="DeepSeek families: "
+                        "MLA's v head (128) handed to SDPA as it is, or padded to q and k's 192 (deepseek_v2.UNPADDED_V)")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    from pithtrain.models import deepseek_v2
     from pithtrain.ops import attention, grouped_gemm, kernels
 
     attention.ENABLED = args.attention == "flash"
+    deepseek_v2.UNPADDED_V = args.mla_v == "unpadded"
     grouped_gemm.FUSED_WGRAD = args.fused_wgrad == "on"
     if args.wgrad_config:
         kernels.WGRAD_INTO_CONFIG = args.wgrad_config
@@ -260,7 +265,7 @@ def main():
     torch.cuda.empty_cache()
     warm = [m for m in ours[2:] if m["step"] != args.profile_step] or ours
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "fused_wgrad": args.fused_wgrad, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30,

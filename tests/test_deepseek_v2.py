@@ -242,6 +242,36 @@ def test_gradients_fp32_match_fp64():
         assert (narrow[name].double() - g).norm() <= 1e-4 * g.norm() + 1e-12, name
 
 
+def test_mla_attention_unpadded_v_equals_padded_and_softmax():
+    """CUDA hands MLA's narrower v to SDPA as it is (plain causal, deepseek_v2.UNPADDED_V); the CPU and masked
+    attention pad v to q's width and slice the output. Both are the attention of an explicit softmax: float64
+    outputs and the gradients of q, k and v agree to 1e-12 relative, plain causal and with documents' masks."""
+    from pithtrain.models.deepseek_v2 import mla_attention
+    from pithtrain.ops.core import attention_mask
+
+    gen = torch.Generator().manual_seed(3)
+    b, h, s, dqk, dv, scale = 2, 3, 11, 14, 5, 0.3
+    q, k = (torch.randn(b, h, s, dqk, dtype=torch.float64, generator=gen) for _ in range(2))
+    v = torch.randn(b, h, s, dv, dtype=torch.float64, generator=gen)
+    dout = torch.randn(b, s, h * dv, dtype=torch.float64, generator=gen)
+    doc_ids = torch.tensor([[0] * 4 + [1] * 7, [0] * 9 + [1] * 2])
+    for mask in (None, attention_mask(doc_ids, s, "cpu")):
+        allowed = torch.ones(s, s, dtype=torch.bool).tril() if mask is None else mask
+        runs = []
+        for path in ("unpadded", "padded", "softmax"):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            if path == "softmax":
+                scores = (leaves[0] @ leaves[1].mT * scale).masked_fill(~allowed, float("-inf"))
+                out = (scores.softmax(-1) @ leaves[2]).transpose(1, 2).flatten(2)
+            else:
+                out = mla_attention(*leaves, mask, scale, pad_v=path == "padded")
+            runs.append([out, *torch.autograd.grad(out, leaves, dout)])
+        assert runs[0][0].shape == (b, s, h * dv)
+        for got in runs[:2]:
+            for a, ref in zip(got, runs[2]):
+                assert rel(a, ref) < 1e-12
+
+
 @pytest.mark.parametrize("change, field", [
     (dict(num_key_value_heads=1), "num_key_value_heads"),
     (dict(topk_method="group_limited_greedy", n_group=3, topk_group=1), "n_group"),

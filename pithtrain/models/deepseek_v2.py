@@ -41,6 +41,10 @@ from pithtrain.parallel.context import ContextParallel, context_attention_expand
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek and HF use this default, not rms_norm_eps
+# MLA's v head (128) is narrower than q and k's (192). Plain causal attention on CUDA hands v to SDPA as it is
+# (cuDNN takes the two widths): padding v to 192 would cost 20% more attention FLOPs forward, 15% backward, and
+# two copies. False: pad everywhere (the path masks and the CPU take), for an A/B (benchmarks/attention.py --mla).
+UNPADDED_V = True
 
 
 @dataclass
@@ -398,13 +402,19 @@ class Attention(nn.Module):
             weights = (self.kv_b_proj.weight,)
             return self.o_proj(context_attention_expand(q, (latent, k_rope), self.expand_kv, weights, self.scale, attn.cp))
         q, k, v = self.qkv(x, attn.cos, attn.sin)
-        pad = q.shape[-1] - v.shape[-1]
-        if pad <= 0:
-            return self.o_proj(attention(q, k, v, attn.mask, self.scale))
-        # Fused SDPA kernels (flash on GPU, the CPU one too) need one head dim for q, k and v; the
-        # unfused fallback is ~10x slower. Zero columns of v leave the real ones unchanged.
-        out = attention(q, k, F.pad(v, (0, pad)), attn.mask, self.scale)
-        return self.o_proj(out.unflatten(-1, (self.heads, -1))[..., : self.v_dim].flatten(2))
+        pad_v = not (UNPADDED_V and q.is_cuda and attn.mask is None)  # plain causal on CUDA: cuDNN takes v as it is
+        return self.o_proj(mla_attention(q, k, v, attn.mask, self.scale, pad_v))
+
+
+def mla_attention(q, k, v, mask, scale: float, pad_v: bool) -> torch.Tensor:
+    """SDPA for v narrower than q and k ([B, heads, S, v_dim] against [.., qk_dim]); [B, S, heads * v_dim].
+    pad_v: v padded with zero columns to q's width and the output sliced back, the same attention for the fused
+    kernels that need one head dim (flash on GPU, the CPU one; the unfused fallback is ~10x slower)."""
+    pad = q.shape[-1] - v.shape[-1]
+    if pad <= 0 or not pad_v:
+        return attention(q, k, v, mask, scale)
+    out = attention(q, k, F.pad(v, (0, pad)), mask, scale)
+    return out.unflatten(-1, (q.shape[1], -1))[..., : v.shape[-1]].flatten(2)
 
 
 class DenseMLP(nn.Module):

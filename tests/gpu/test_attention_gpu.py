@@ -145,3 +145,45 @@ def test_every_offered_backward_tile_is_deterministic(monkeypatch, kernel, confi
                 again = with_grads(fn, leaves, dout)[1]
                 assert all(map(torch.equal, again, first)), (kernel, cfg, (b, hq, d))
     attention._compiled.pop(getattr(attention, kernel), None)  # the full list again for later tests
+
+
+def test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded():
+    """Plain causal MLA on CUDA gives SDPA v as it is (deepseek_v2.UNPADDED_V): SDPA picks cuDNN for the
+    Moonlight / DeepSeek-V2-Lite shape (16 heads, q and k 192 wide, v 128), and a small DeepSeek-V3's bf16 loss
+    and gradients are as close to its fp32 run as those of the padded path (within twice its error + 2e-3)."""
+    from torch.nn.attention import SDPBackend
+
+    from pithtrain.models import deepseek_v2
+    from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
+
+    q, k = (torch.randn(1, 16, 4096, 192, device="cuda", dtype=BF16) for _ in range(2))
+    v = torch.randn(1, 16, 4096, 128, device="cuda", dtype=BF16)
+    assert torch._fused_sdp_choice(q, k, v, is_causal=True, scale=192**-0.5) == SDPBackend.CUDNN_ATTENTION.value
+
+    cfg = deepseek_v2.DeepseekV3Config(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=64,
+                                       qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8,
+                                       n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1)
+    model = cfg.build_model().cuda()
+    model.init_weights(0)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (2, 1024), generator=gen).cuda()
+    pos = torch.arange(1024, device="cuda").expand(2, 1024)
+
+    def loss_and_grads(unpadded, dtype):
+        deepseek_v2.UNPADDED_V = unpadded
+        try:
+            model.zero_grad()
+            with torch.autocast("cuda", BF16, enabled=dtype == BF16):
+                logits = model(ids, pos, ExpertEngine(LocalDispatch()))
+            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
+            loss.backward()
+            return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        finally:
+            deepseek_v2.UNPADDED_V = True
+
+    (loss, grads), (pad_loss, pad_grads) = loss_and_grads(True, BF16), loss_and_grads(False, BF16)
+    exact_loss, exact_grads = loss_and_grads(False, torch.float32)
+    assert abs(loss - exact_loss) <= 2 * abs(pad_loss - exact_loss) + 1e-3 * abs(exact_loss)
+    for name, exact in exact_grads.items():
+        assert rel_err(grads[name], exact) <= 2 * rel_err(pad_grads[name], exact) + 2e-3, name
