@@ -156,6 +156,46 @@ def test_head_logits_casts_once_and_accumulates_its_weight_gradient_by_hand():
     assert torch.equal(head_logits(plain, weight), torch.nn.functional.linear(plain, weight))  # fp32: untouched
 
 
+def test_embedding_adds_its_rows_into_grad_by_hand():
+    """grouped_gemm.Embedding over an fp32 weight under bf16 autocast: the lookup as nn.Embedding's; three
+    micro-batches' gradients (repeated ids, a tied head's GEMM gradient between them, a second lookup per step as
+    MTP makes) summed into .grad against a float64 index_add; its backward hands autograd no dense gradient; no
+    autocast (fp32 math), a bf16 weight, no grad, padding_idx: nn.Embedding's own path."""
+    from pithtrain.ops.grouped_gemm import Embedding, _EmbeddingRows, head_logits
+
+    torch.manual_seed(22)
+    emb = Embedding(40, 12)
+    ref = torch.zeros(40, 12, dtype=torch.float64)
+    for step in range(3):
+        ids = torch.randint(0, 8 if step == 0 else 40, (2, 9))  # step 0: many repeats of few ids
+        mtp_ids = torch.randint(0, 40, (2, 9, 2))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out, mtp = emb(ids), emb(mtp_ids)
+        assert out.grad_fn.name().startswith(_EmbeddingRows.__name__)
+        assert torch.equal(out, torch.nn.functional.embedding(ids, emb.weight.detach()))
+        dy, dmtp = torch.randn(2, 9, 12), torch.randn(2, 9, 2, 12)
+        loss = (out * dy).sum() + (mtp * dmtp).sum()
+        if step == 1:  # the head tied to the embedding adds its own part into the same .grad
+            h, dlog = torch.randn(2, 9, 12), torch.randn(2, 9, 40)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss + (head_logits(h, emb.weight).float() * dlog).sum()
+            # the head's part as its bf16 GEMM rounds it on the CPU (tested on its own above)
+            ref += (dlog.bfloat16().reshape(-1, 40).t() @ h.bfloat16().reshape(-1, 12)).double()
+        loss.backward()
+        ref.index_add_(0, ids.flatten(), dy.double().reshape(-1, 12))
+        ref.index_add_(0, mtp_ids.flatten(), dmtp.double().reshape(-1, 12))
+        assert emb.weight.grad.dtype == torch.float32
+        torch.testing.assert_close(emb.weight.grad.double(), ref, rtol=1e-5, atol=1e-4)
+    _, grad_w = _EmbeddingRows.backward(type("Ctx", (), {"saved_tensors": (ids,), "weight": emb.weight})(), dy)
+    assert grad_w is None
+    assert emb(ids).grad_fn.name() == "EmbeddingBackward0"  # fp32 math
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.no_grad():
+            assert emb(ids).grad_fn is None
+        for other in (Embedding(40, 12).bfloat16(), Embedding(40, 12, padding_idx=0)):
+            assert other(ids).grad_fn.name() == "EmbeddingBackward0"
+
+
 def test_local_dispatch_round_trip():
     torch.manual_seed(0)
     t, h, e, k = 13, 6, 5, 3

@@ -38,7 +38,7 @@ from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_d
 from pithtrain.ops.delta_rule import causal_conv1d, doc_cu_seqlens, gated_delta_rule, gated_delta_rule_recurrent, l2norm
 from pithtrain.ops.kernels import weighted_combine  # Triton on GPUs, the reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
-from pithtrain.ops.grouped_gemm import activation_mm, expert_mm, head_logits
+from pithtrain.ops.grouped_gemm import Embedding, activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention, gather_sequence, gathered_doc_ids, zigzag_split
 
 LAYER_TYPES = ("linear_attention", "full_attention")
@@ -373,7 +373,7 @@ class Qwen3_5MoeModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         layer_ids = range(cfg.num_hidden_layers) if layer_ids is None else layer_ids
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layer_ids})
         self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head and not cfg.tie_word_embeddings else None

@@ -23,7 +23,7 @@ from pithtrain.ops import attention as flash  # Triton flash attention for packe
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import weighted_combine  # Triton on GPUs, the reference elsewhere
 from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
-from pithtrain.ops.grouped_gemm import activation_mm, expert_mm, head_logits
+from pithtrain.ops.grouped_gemm import Embedding, activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention
 
 
@@ -253,7 +253,7 @@ class Qwen3MoeModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         layer_ids = range(cfg.num_hidden_layers) if layer_ids is None else layer_ids
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         # With tied embeddings the head reads embed_tokens.weight (a pipeline puts both on one rank).

@@ -38,3 +38,33 @@ def test_one_training_step_matches_cpu(tmp_path, dataset_dir):
         assert c["loss"] == pytest.approx(a["loss"], rel=1e-4)
         assert c["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
     assert gpu[0]["peak_mem_bytes"] > 0
+
+
+def test_embedding_rows_into_grad_match_nn_embedding_and_repeat():
+    """grouped_gemm.Embedding on CUDA at a Qwen3-sized table under bf16 autocast: two micro-batches' gradients
+    added into .grad by index_put_ (sorted) equal nn.Embedding's dense gradient to fp32 rounding, and bit for
+    bit run to run."""
+    from pithtrain.ops.grouped_gemm import Embedding
+
+    torch.manual_seed(0)
+    ids = [torch.randint(0, 151936, (4, 4096), device="cuda") for _ in range(2)]
+    ids[1][:, ::2] = 7  # a token repeated 8192 times
+    dys = [torch.randn(4, 4096, 2048, device="cuda") for _ in range(2)]
+
+    def grad(module):
+        module.weight.grad = None
+        for i, dy in zip(ids, dys):
+            with torch.autocast("cuda", torch.bfloat16):  # the training's case: an fp32 master, bf16 compute
+                out = module(i)
+            (out * dy).sum().backward()
+        return module.weight.grad
+
+    ours = Embedding(151936, 2048).cuda()
+    plain = torch.nn.Embedding(151936, 2048).cuda()
+    plain.weight.data.copy_(ours.weight.data)
+    first, again, ref = grad(ours).clone(), grad(ours), grad(plain)
+    with torch.autocast("cuda", torch.bfloat16):
+        assert ours(ids[0]).grad_fn.name().startswith("_EmbeddingRows")
+    assert ours(ids[0]).grad_fn.name() == "EmbeddingBackward0"  # outside autocast: nn.Embedding's path
+    assert torch.equal(first, again)
+    torch.testing.assert_close(first, ref, rtol=1e-5, atol=1e-3)
