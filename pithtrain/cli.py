@@ -151,6 +151,9 @@ def _train_here(args, config, out: Path, launched: bool, stop) -> int:
     if mesh is not None:
         import torch.distributed as dist
 
+        # every rank past its last collective before any tears down: a gloo peer that closes its pairs while
+        # another still completes an exchange makes that one abort (seen once in ~100 CPU launches)
+        dist.barrier()
         dist.destroy_process_group()
     return 128 + (stop.signum or signal.SIGTERM) if stop.stopped_at else 0
 
