@@ -71,6 +71,8 @@ def pinned(fn, backend: str, expand_kv: bool = False):
 
 def mla(batches: list[int], s: int, repeats: int) -> dict:
     """The MLA shape, v unpadded against padded (the module docstring); returns results.jsonl's figures."""
+    from torch.nn.attention import SDPBackend
+
     from pithtrain.models.deepseek_v2 import mla_attention
 
     heads, dqk, dv, figures = 16, 192, 128, {}
@@ -87,7 +89,11 @@ def mla(batches: list[int], s: int, repeats: int) -> dict:
         dout = torch.randn(b, s, heads * dv, device="cuda", dtype=BF16)
         pairs = s * (s + 1) // 2
         fwd_flops, bwd_flops = 2 * b * heads * pairs * (dqk + dv), 2 * b * heads * pairs * (3 * dqk + 2 * dv)
-        row = {}
+        # the backend SDPA picks for each (with gradients): cuDNN's sm90 rules take q/k 192 with v 128, not 192 with 192
+        padded_v = torch.nn.functional.pad(v, (0, dqk - dv))
+        row = {"backend": {name: SDPBackend(torch._fused_sdp_choice(q, k, vv, is_causal=True, scale=dqk**-0.5)).name
+                           for name, vv in (("unpadded", v), ("padded", padded_v))}}
+        print(f"mla B={b} SDPA picks: {row['backend']}", flush=True)
         for label, fn in [("unpadded", unpadded), ("padded", padded),
                           ("unpadded_cudnn", pinned(unpadded, "CUDNN_ATTENTION")),
                           ("padded_cudnn", pinned(padded, "CUDNN_ATTENTION"))]:
@@ -101,7 +107,7 @@ def mla(batches: list[int], s: int, repeats: int) -> dict:
                           "fwd_bwd_tflops": round(tfb, 1)}
             print(f"mla B={b} S={s} {label:15s}  fwd {f:7.3f} ms {tf:6.1f} TFLOP/s   fwd+bwd {fb:7.3f} ms {tfb:6.1f} TFLOP/s",
                   flush=True)
-        if "unpadded" in row and "padded" in row:
+        if "fwd_ms" in row.get("unpadded", {}) and "fwd_ms" in row.get("padded", {}):
             print(f"mla B={b} unpadded speed-up: fwd {row['padded']['fwd_ms'] / row['unpadded']['fwd_ms']:.2f}x, "
                   f"fwd+bwd {row['padded']['fwd_bwd_ms'] / row['unpadded']['fwd_bwd_ms']:.2f}x")
         figures[f"mla_b{b}"] = row

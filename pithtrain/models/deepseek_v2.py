@@ -41,9 +41,10 @@ from pithtrain.parallel.context import ContextParallel, context_attention_expand
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek and HF use this default, not rms_norm_eps
-# MLA's v head (128) is narrower than q and k's (192). Plain causal attention on CUDA hands v to SDPA as it is
-# (cuDNN takes the two widths): padding v to 192 would cost 20% more attention FLOPs forward, 15% backward, and
-# two copies. False: pad everywhere (the path masks and the CPU take), for an A/B (benchmarks/attention.py --mla).
+# MLA's v head (128) is narrower than q and k's (192). Plain causal attention on CUDA hands v to SDPA as it is,
+# which runs cuDNN; v padded to 192 gets FlashAttention-2 (cuDNN's sm90 backward takes q/k 192 only with v 128)
+# on 20% more attention FLOPs forward, 15% backward, plus two copies. False: pad everywhere (as masks and the
+# CPU do), for an A/B (benchmarks/attention.py --mla, train_throughput.py --mla-v padded).
 UNPADDED_V = True
 
 
