@@ -43,8 +43,9 @@ TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek and HF use this default, not rms_norm_eps
 # MLA's v head (128) is narrower than q and k's (192). Plain causal attention on CUDA hands v to SDPA as it is,
 # which runs cuDNN; v padded to 192 gets FlashAttention-2 (cuDNN's sm90 backward takes q/k 192 only with v 128)
-# on 20% more attention FLOPs forward, 15% backward, plus two copies. False: pad everywhere (as masks and the
-# CPU do), for an A/B (benchmarks/attention.py --mla, train_throughput.py --mla-v padded).
+# on 20% more attention FLOPs forward, 15% backward, plus two copies. The CPU pads (its fused kernel needs one
+# head dim), and so do packed documents' masks on CUDA (unmeasured unpadded). False: pad everywhere, for an A/B
+# (benchmarks/attention.py --mla, train_throughput.py --mla-v padded).
 UNPADDED_V = True
 
 
