@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The one-H200 runs that docs/performance.md's target table cites, in the order to run them: runs 1-6 are what
-# changed since the last GPU measurement (2026-12-04: MLA's v unpadded on CUDA, the embedding's gradient rows into
-# .grad, the BN=32 weight-gradient tiles' check; one call), 7-8 the DeepSeek-V3-width peer and its profile
-# (carrying .peers; a call), then the torchtitan peer at micro-batch 4 at the deepest both fit, Qwen3 9 layers in
-# bf16, FP8 with the FP8 head and FP8 alone (one call), then the rest of the target table (kernels, FP8, Muon, the
-# three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl
+# The one-H200 runs that docs/performance.md's target table cites, in the order to run them: runs 1-8 are what
+# changed since the last GPU measurement (2026-12-04: MLA's v unpadded on CUDA, so cuDNN instead of FA2; the
+# embedding's gradient rows into .grad; the BN=32 weight-gradient tiles' check): 1-3 in one call carrying .peers
+# (the DeepSeek-V3-width peer), 4-7 in one or two, 8 the profile; then the torchtitan peer at micro-batch 4 at the
+# deepest both fit, Qwen3 9 layers in bf16, FP8 with the FP8 head and FP8 alone (one call), then the rest of the
+# target table (kernels, FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl
 # (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git). More than one
 # machine lease in all: split it over calls with FIRST and LAST (1-based run numbers):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
@@ -13,20 +13,18 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segmen
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
     "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64"   # the new GPU checks, BN=32 tiles included
-    "python benchmarks/attention.py --mla --batches 2 4 --repeats 10"                # 32: MLA v unpadded against padded, cuDNN
-    "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8"             # 32 and 18: MLA unpadded + embedding rows (was 63,060 tok/s, line 105)
-    "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8 --mla-v padded"   # the same call's A/B
-    "$T --family moonlight --layers 10 --steps 5 --batch 4 --accum 8"               # 32: DeepSeek-V3 width, stage_ms to find the gap to 1.3x
-    "$T --family moonlight --layers 10 --steps 5 --batch 4 --accum 8 --mla-v padded"
-    "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: 1.19x at 3d10b5e (line 111)
+    "python benchmarks/attention.py --mla --batches 2 4 --repeats 10"                # 32: MLA v unpadded (cuDNN) against padded (FA2?)
+    "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
+    "$T --family moonlight --layers 10 --steps 5 --batch 4 --accum 8"               # 32: DeepSeek-V3 width, stage_ms; same call as the next
+    "$T --family moonlight --layers 10 --steps 5 --batch 4 --accum 8 --mla-v padded"   # the A/B in training
+    "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8"             # 32 and 18: the deepest; was 63,060 tok/s (line 105)
+    "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8 --mla-v padded"
     "$T --family moonlight --layers 4 --steps 4 --batch 4 --accum 4 --profile-step 4 --trace /tmp/moonlight.json"   # then: profile_step.py --trace /tmp/moonlight.json --stage-kernels 12
     "python benchmarks/peers/torchtitan.py --family qwen3 --layers 9 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: the deepest both fit at micro-batch 4 (124.3 / 134.9 GiB)
-    "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: 125.9 / 136.2 GiB
     "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU, the deepest Qwen3 width; same call as the next two
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head"   # 32: >= 1.15x the run before
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14: FP8 alone at the same depth
     "python benchmarks/kernels.py --repeats 20"                                      # the Triton kernels against their references
-    "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8"             # 18: the deepest (estimate-memory --max-layers: 126.7 GiB)
     "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (130.0 GiB estimated); compiles ~2 min
     "$T --layers 8 --steps 5 --batch 4 --accum 8"                                   # 18 and 14: Qwen3 width, 8 layers
     "$T --layers 8 --steps 5 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14
