@@ -156,8 +156,8 @@ def test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded():
     from pithtrain.models import deepseek_v2
     from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 
-    q, k = (torch.randn(1, 16, 4096, 192, device="cuda", dtype=BF16) for _ in range(2))
-    v = torch.randn(1, 16, 4096, 128, device="cuda", dtype=BF16)
+    q, k = (torch.randn(1, 16, 4096, 192, device="cuda", dtype=BF16, requires_grad=True) for _ in range(2))
+    v = torch.randn(1, 16, 4096, 128, device="cuda", dtype=BF16, requires_grad=True)  # training: the backward's rules too
     assert torch._fused_sdp_choice(q, k, v, is_causal=True, scale=192**-0.5) == SDPBackend.CUDNN_ATTENTION.value
 
     cfg = deepseek_v2.DeepseekV3Config(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
