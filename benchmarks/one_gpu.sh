@@ -3,7 +3,8 @@
 # changed since the last GPU measurement (2026-12-04: MLA's v unpadded on CUDA, so cuDNN instead of FA2; the
 # embedding's gradient rows into .grad; the BN=32 weight-gradient tiles' check): 1-3 in one call carrying .peers
 # (the DeepSeek-V3-width peer), 4-7 in one or two, 8 the profile; then the torchtitan peer at micro-batch 4 at the
-# deepest both fit, Qwen3 9 layers in bf16, FP8 with the FP8 head and FP8 alone (one call), then the rest of the
+# deepest both fit, Qwen3 9 layers in bf16, FP8 with the FP8 head and FP8 alone, and the first two again with the
+# weight gradients on a side stream (10-14, one or two calls), then the rest of the
 # target table (kernels, FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl
 # (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git). More than one
 # machine lease in all: split it over calls with FIRST and LAST (1-based run numbers):
@@ -12,7 +13,7 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
-    "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64"   # the new GPU checks, BN=32 tiles included
+    "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_gpu_basics.py::test_weight_gradients_on_a_side_stream_equal_the_plain_ones tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64"   # the new GPU checks, BN=32 tiles included
     "python benchmarks/attention.py --mla --batches 2 4 --repeats 10"                # 32: MLA v unpadded (cuDNN) against padded (FA2?)
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
     "$T --family moonlight --layers 10 --steps 5 --batch 4 --accum 8"               # 32: DeepSeek-V3 width, stage_ms; same call as the next
@@ -24,6 +25,8 @@ runs=(
     "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU, the deepest Qwen3 width; same call as the next two
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head"   # 32: >= 1.15x the run before
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14: FP8 alone at the same depth
+    "$T --layers 9 --steps 6 --batch 4 --accum 8 --wgrad-stream on"                 # 32: the experts' weight gradients on a side stream (A/B with the bf16 run above)
+    "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --wgrad-stream on"
     "python benchmarks/kernels.py --repeats 20"                                      # the Triton kernels against their references
     "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (130.0 GiB estimated); compiles ~2 min
     "$T --layers 8 --steps 5 --batch 4 --accum 8"                                   # 18 and 14: Qwen3 width, 8 layers

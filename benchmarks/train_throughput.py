@@ -222,6 +222,8 @@ def main():
                         "Triton kernel of ops/attention.py, or SDPA with the sink as an extra key and explicit masks")
     parser.add_argument("--fused-wgrad", default="on", choices=["on", "off"], help="grouped_gemm.FUSED_WGRAD: the "
                         "experts' weight gradient added into the fp32 .grad in the GEMM (on) or by a pass after it")
+    parser.add_argument("--wgrad-stream", default="off", choices=["on", "off"], help="grouped_gemm.WGRAD_STREAM: "
+                        "the experts' weight gradients on a second CUDA stream, overlapping the rest of the backward")
     parser.add_argument("--wgrad-config", type=json.loads, help="kernels.WGRAD_INTO_CONFIG for this run, as JSON "
                         "(the tiles of benchmarks/grouped_gemm.py --wgrad --sweep)")
     parser.add_argument("--mla-v", default="unpadded", choices=["unpadded", "padded"], help="DeepSeek families: "
@@ -234,6 +236,7 @@ def main():
     attention.ENABLED = args.attention == "flash"
     deepseek_v2.UNPADDED_V = args.mla_v == "unpadded"
     grouped_gemm.FUSED_WGRAD = args.fused_wgrad == "on"
+    grouped_gemm.WGRAD_STREAM = args.wgrad_stream == "on"
     if args.wgrad_config:
         kernels.WGRAD_INTO_CONFIG = args.wgrad_config
     if args.profile_step is None:
@@ -265,7 +268,7 @@ def main():
     torch.cuda.empty_cache()
     warm = [m for m in ours[2:] if m["step"] != args.profile_step] or ours
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "wgrad_stream": args.wgrad_stream, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30,

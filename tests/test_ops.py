@@ -70,7 +70,7 @@ def test_expert_weight_cast_is_cached_per_update_and_gradients_still_accumulate(
 @pytest.mark.parametrize("deferred", [False, True])
 def test_fused_weight_grad_switch_leaves_cpu_gradients_unchanged(monkeypatch, deferred):
     """grouped_gemm.FUSED_WGRAD on: the CPU still takes the reference (grouped_weight_grad + add_into),
-    so two bf16 micro-batches give bit-identical fp32 gradients, and those match float64.
+    so two bf16 micro-batches give bit-identical fp32 gradients, and those match float64; WGRAD_STREAM too.
     (The fused kernel itself, and the dispatch into it: tests/triton_interpreter_cases.py.)"""
     from pithtrain.ops import grouped_gemm
     from pithtrain.ops.grouped_gemm import accumulate_grad
@@ -94,6 +94,9 @@ def test_fused_weight_grad_switch_leaves_cpu_gradients_unchanged(monkeypatch, de
 
     fused = grad(True)
     assert fused.dtype == torch.float32 and torch.equal(fused, grad(False))
+    monkeypatch.setattr(grouped_gemm, "WGRAD_STREAM", True)  # a CUDA side stream: on the CPU, the same pass in place
+    assert torch.equal(grad(True), fused) and not grouped_gemm._weight_streams
+    grouped_gemm.join_weight_stream()  # nothing to join
     split = lambda t: t.bfloat16().double().split(counts.tolist())  # noqa: E731
     ref = sum(torch.stack([xe.T @ de for xe, de in zip(split(x), split(dy))]) for x, dy in zip(xs, dys))
     torch.testing.assert_close(fused.double(), ref, rtol=2e-2, atol=2e-2)

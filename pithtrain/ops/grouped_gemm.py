@@ -23,6 +23,34 @@ from pithtrain.ops.kernels import add_into
 # (kernels.wgrad_into) rather than a bf16 product and an add_into pass: +2.0% tokens/s at Qwen3 width
 # on the H200, neutral at DeepSeek-V2-Lite and GPT-OSS widths (docs/performance.md, Kernels).
 FUSED_WGRAD = True
+# The experts' weight gradients computed at once in the backward (no zero-bubble queue: one process) issued on a
+# second CUDA stream, so their GEMM's fp32 read-add-write of .grad may overlap the kernels queued after it
+# (the rest of the layer's backward) instead of following them. An A/B for the GPU, off until measured
+# (benchmarks/train_throughput.py --wgrad-stream); the loop joins the stream before .grad is read.
+WGRAD_STREAM = False
+_weight_streams: dict = {}  # device -> its side stream
+
+
+def run_weight_pass(weight_pass, *tensors) -> None:
+    """weight_pass() now: with WGRAD_STREAM on a CUDA side stream (after the work queued so far; the `tensors`
+    it reads are kept from reuse until it is done), else where the caller runs."""
+    cuda = [t for t in tensors if t is not None and t.is_cuda]
+    if not (WGRAD_STREAM and cuda):
+        weight_pass()
+        return
+    main = torch.cuda.current_stream(cuda[0].device)
+    side = _weight_streams.setdefault(cuda[0].device, torch.cuda.Stream(cuda[0].device))
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        weight_pass()
+    for t in cuda:
+        t.record_stream(side)
+
+
+def join_weight_stream() -> None:
+    """Each device's current stream waits for the weight gradients issued on its side stream (run_weight_pass)."""
+    for device, side in _weight_streams.items():
+        torch.cuda.current_stream(device).wait_stream(side)
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -264,7 +292,7 @@ class _GroupedMMDeferredW(torch.autograd.Function):
                 add_weight_grad(getattr(module, name), x, dy, counts, num_groups, queue)
 
         if queue is None:
-            weight_pass()
+            run_weight_pass(weight_pass, x, dy, counts)
         else:
             queue.work.append(weight_pass)
         return dx, None, None, None, None, None
@@ -316,7 +344,7 @@ class _FP8GroupedMM(torch.autograd.Function):
                         add_weight_grad(param, x_hp, dy_hp, counts, groups, queue)
 
             if queue is None:  # at once: never a separate fp32 product for autograd to cast and add
-                weight_pass()
+                run_weight_pass(weight_pass, xtq, xts, x_hp, counts, *((dytq, dyts) if x_hp is None else (dy_hp,)))
             else:
                 queue.work.append(weight_pass)
         return dx, None, None, None, None, None, None, None, None, None, None, None, None, None

@@ -68,3 +68,40 @@ def test_embedding_rows_into_grad_match_nn_embedding_and_repeat():
     assert ours(ids[0]).grad_fn.name() == "EmbeddingBackward0"  # outside autocast: nn.Embedding's path
     assert torch.equal(first, again)
     torch.testing.assert_close(first, ref, rtol=1e-5, atol=1e-3)
+
+
+def test_weight_gradients_on_a_side_stream_equal_the_plain_ones():
+    """grouped_gemm.WGRAD_STREAM: the experts' weight gradients issued on a second stream (joined before .grad is
+    read, as the loop does) are the same kernels in the same order: every gradient equal bit for bit to the plain
+    path's over three micro-batches, with the activations freed meanwhile (their memory kept for the stream)."""
+    from pithtrain.models.qwen3_moe import Qwen3MoeConfig
+    from pithtrain.ops import grouped_gemm
+    from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
+
+    cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=16, num_experts_per_tok=4)
+    model = cfg.build_model().cuda()
+    model.init_weights(0)
+    gen = torch.Generator().manual_seed(2)
+    batches = [torch.randint(0, cfg.vocab_size, (2, 513), generator=gen).cuda() for _ in range(3)]
+    pos = torch.arange(512, device="cuda").expand(2, 512)
+
+    def grads(side_stream):
+        grouped_gemm.WGRAD_STREAM = side_stream
+        try:
+            model.zero_grad(set_to_none=True)
+            for ids in batches:
+                with torch.autocast("cuda", torch.bfloat16):
+                    logits = model(ids[:, :-1], pos, ExpertEngine(LocalDispatch()))
+                torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids[:, 1:].flatten()).backward()
+                torch.empty(64 << 20, device="cuda").fill_(1.0)  # reuse of freed blocks must wait for the stream
+            grouped_gemm.join_weight_stream()
+            return {n: p.grad.clone() for n, p in model.named_parameters()}
+        finally:
+            grouped_gemm.WGRAD_STREAM = False
+
+    plain, side = grads(False), grads(True)
+    assert grouped_gemm._weight_streams  # the side stream was used
+    assert any(".experts." in n for n in plain)
+    for name, g in plain.items():
+        assert torch.equal(g, side[name]), name
