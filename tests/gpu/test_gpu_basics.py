@@ -72,8 +72,9 @@ def test_embedding_rows_into_grad_match_nn_embedding_and_repeat():
 
 def test_weight_gradients_on_a_side_stream_equal_the_plain_ones():
     """grouped_gemm.WGRAD_STREAM: the experts' weight gradients issued on a second stream (joined before .grad is
-    read, as the loop does) are the same kernels in the same order: every gradient equal bit for bit to the plain
-    path's over three micro-batches, with the activations freed meanwhile (their memory kept for the stream)."""
+    read, as the loop does) are the same kernels in the same order: over three micro-batches, with the activations
+    freed and their blocks reused meanwhile (kept for the stream), every gradient equals the plain path's bit for
+    bit where the plain path repeats itself run to run, and within twice its run-to-run difference elsewhere."""
     from pithtrain.models.qwen3_moe import Qwen3MoeConfig
     from pithtrain.ops import grouped_gemm
     from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
@@ -100,8 +101,12 @@ def test_weight_gradients_on_a_side_stream_equal_the_plain_ones():
         finally:
             grouped_gemm.WGRAD_STREAM = False
 
-    plain, side = grads(False), grads(True)
+    plain, again, side = grads(False), grads(False), grads(True)
     assert grouped_gemm._weight_streams  # the side stream was used
     assert any(".experts." in n for n in plain)
-    for name, g in plain.items():
-        assert torch.equal(g, side[name]), name
+    for name, g in plain.items():  # bit for bit where the plain path repeats itself (attention's backward may not)
+        if torch.equal(g, again[name]):
+            assert torch.equal(g, side[name]), name
+        else:
+            assert (side[name] - g).norm() <= 2 * (again[name] - g).norm() + 1e-6 * g.norm(), name
+    assert torch.equal(plain["layers.1.mlp.experts.gate_up"], side["layers.1.mlp.experts.gate_up"])  # the last layer's
