@@ -11,7 +11,7 @@ backward 2.5 times that (five), so a window's TFLOP/s is useful work, not the S 
 Times are medians of CUDA events after warm-up (which includes Triton's compiles and autotuning).
 
 `--mla`: the DeepSeek families' Multi-head Latent Attention shape instead (16 heads, q/k head 192, v head 128,
-plain causal), SDPA with v as it is (what CUDA trains with, models/deepseek_v2.UNPADDED_V) against v padded to
+plain causal, or with `--docs N` the models' documents mask), SDPA with v as it is (what CUDA trains with, models/deepseek_v2.UNPADDED_V) against v padded to
 192 and the output sliced back (what the CPU and masked attention run), both as SDPA picks its backend, then
 cuDNN alone. TFLOP/s count the unpadded work on both sides: forward 2 * B * H * pairs * (192 + 128), backward
 2 * B * H * pairs * (3 * 192 + 2 * 128).
@@ -69,29 +69,34 @@ def pinned(fn, backend: str, expand_kv: bool = False):
     return call
 
 
-def mla(batches: list[int], s: int, repeats: int) -> dict:
-    """The MLA shape, v unpadded against padded (the module docstring); returns results.jsonl's figures."""
+def mla(batches: list[int], s: int, repeats: int, docs: int) -> dict:
+    """The MLA shape, v unpadded against padded (the module docstring), with `docs` packed documents a row as
+    the models mask them (0: plain causal); returns results.jsonl's figures."""
     from torch.nn.attention import SDPBackend
 
     from pithtrain.models.deepseek_v2 import mla_attention
+    from pithtrain.ops.core import attention_mask
 
-    heads, dqk, dv, figures = 16, 192, 128, {}
+    heads, dqk, dv, figures, mask = 16, 192, 128, {}, None
 
     def padded(q, k, v):
-        return mla_attention(q, k, v, None, dqk**-0.5, pad_v=True)
+        return mla_attention(q, k, v, mask, dqk**-0.5, pad_v=True)
 
     def unpadded(q, k, v):
-        return mla_attention(q, k, v, None, dqk**-0.5, pad_v=False)
+        return mla_attention(q, k, v, mask, dqk**-0.5, pad_v=False)
 
     for b in batches:
+        if docs:
+            mask = attention_mask((torch.arange(s, device="cuda") * docs // s).expand(b, s), s, "cuda")
         q, k = (torch.randn(b, heads, s, dqk, device="cuda", dtype=BF16, requires_grad=True) for _ in range(2))
         v = torch.randn(b, heads, s, dv, device="cuda", dtype=BF16, requires_grad=True)
         dout = torch.randn(b, s, heads * dv, device="cuda", dtype=BF16)
-        pairs = s * (s + 1) // 2
+        pairs = docs * (s // docs) * (s // docs + 1) // 2 if docs else s * (s + 1) // 2
         fwd_flops, bwd_flops = 2 * b * heads * pairs * (dqk + dv), 2 * b * heads * pairs * (3 * dqk + 2 * dv)
         # the backend SDPA picks for each (with gradients): cuDNN's sm90 rules take q/k 192 with v 128, not 192 with 192
         padded_v = torch.nn.functional.pad(v, (0, dqk - dv))
-        row = {"backend": {name: SDPBackend(torch._fused_sdp_choice(q, k, vv, is_causal=True, scale=dqk**-0.5)).name
+        choice = dict(attn_mask=mask) if docs else dict(is_causal=True)
+        row = {"backend": {name: SDPBackend(torch._fused_sdp_choice(q, k, vv, scale=dqk**-0.5, **choice)).name
                            for name, vv in (("unpadded", v), ("padded", padded_v))}}
         print(f"mla B={b} SDPA picks: {row['backend']}", flush=True)
         for label, fn in [("unpadded", unpadded), ("padded", padded),
@@ -126,7 +131,7 @@ def main():
     args = parser.parse_args()
     s, figures = args.seq, {}
     if args.mla:
-        record({"benchmark": "attention_mla", "seq": s, **mla(args.batches, s, args.repeats)})
+        record({"benchmark": "attention_mla", "seq": s, "docs": args.docs, **mla(args.batches, s, args.repeats, args.docs)})
         return
     for name, hq, hkv, d, sink, window in CASES:
         for b in args.batches:

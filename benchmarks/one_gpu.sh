@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# The one-H200 runs that docs/performance.md's target table cites, in the order to run them: runs 1-8 are what
+# The one-H200 runs that docs/performance.md's target table cites, in the order to run them. Runs 1-9 are what
 # changed since the last GPU measurement (2026-12-04: MLA's v unpadded on CUDA, so cuDNN instead of FA2; the
 # embedding's gradient rows into .grad; the BN=32 weight-gradient tiles' check): 1-3 in one call carrying .peers
-# (the DeepSeek-V3-width peer), 4-7 in one or two, 8 the profile; then the torchtitan peer at micro-batch 4 at the
-# deepest both fit, Qwen3 9 layers in bf16, FP8 with the FP8 head and FP8 alone, and the first two again with the
-# weight gradients on a side stream (10-14, one or two calls), then the rest of the
-# target table (kernels, FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl
+# (the DeepSeek-V3-width peer), 4-7 in one or two, 8 the profile, 9 MLA with documents. Then the torchtitan peer at
+# micro-batch 4 at the deepest both fit (10), Qwen3 9 layers in bf16, FP8 with the FP8 head and FP8 alone, and the
+# first two again with the weight gradients on a side stream (11-15, one or two calls), then the rest of the target
+# table (kernels, FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl
 # (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git). More than one
 # machine lease in all: split it over calls with FIRST and LAST (1-based run numbers):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
@@ -21,6 +21,7 @@ runs=(
     "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8"             # 32 and 18: the deepest; was 63,060 tok/s (line 105)
     "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8 --mla-v padded"
     "$T --family moonlight --layers 4 --steps 4 --batch 4 --accum 4 --profile-step 4 --trace /tmp/moonlight.json"   # then: profile_step.py --trace /tmp/moonlight.json --stage-kernels 12
+    "python benchmarks/attention.py --mla --docs 8 --batches 4 --repeats 10"        # packed documents: is unpadded v with the mask faster too (models pad it today)?
     "python benchmarks/peers/torchtitan.py --family qwen3 --layers 9 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: the deepest both fit at micro-batch 4 (124.3 / 134.9 GiB)
     "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU, the deepest Qwen3 width; same call as the next two
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head"   # 32: >= 1.15x the run before
