@@ -184,7 +184,7 @@ class _EmbeddingRows(torch.autograd.Function):
         weight = ctx.weight
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
-        weight.grad.index_put_((ids.reshape(-1),), dy.reshape(-1, dy.shape[-1]).to(weight.dtype), accumulate=True)
+        weight.grad.index_put_((ids.reshape(-1).long(),), dy.reshape(-1, dy.shape[-1]).to(weight.dtype), accumulate=True)
         return None, None
 
 
