@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites, in the order to run them. Runs 1-9 are what
 # changed since the last GPU measurement (2026-12-04: MLA's v unpadded on CUDA, so cuDNN instead of FA2; the
-# embedding's gradient rows into .grad; the BN=32 weight-gradient tiles' check): 1-3 in one call carrying .peers
-# (the DeepSeek-V3-width peer), 4-7 in one or two, 8 the profile, 9 MLA with documents. Then the torchtitan peer at
-# micro-batch 4 at the deepest both fit (10), Qwen3 9 layers in bf16, FP8 with the FP8 head and FP8 alone, and the
-# first two again with the weight gradients on a side stream (11-15, one or two calls), then the rest of the target
-# table (kernels, FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl
-# (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git). More than one
-# machine lease in all: split it over calls with FIRST and LAST (1-based run numbers):
+# embedding's gradient rows into .grad; the BN=32 weight-gradient tiles' check): 1-4 in one call carrying .peers
+# (the DeepSeek-V3-width peer, both sides profiled one step more, and the two profiles' kernel categories), 5-8 in
+# one call (Moonlight and DeepSeek-V2-Lite widths, MLA unpadded and padded), 9 MLA with documents. Then the
+# torchtitan peer at micro-batch 4 at the deepest Qwen3 both fit (10), Qwen3 9 layers in bf16, FP8 with the FP8 head
+# and FP8 alone, and the first two again with the weight gradients on a side stream (11-15, one or two calls), then
+# the rest of the target table (kernels, FP8, Muon, the three widths, the GPU tests). Each appends its line to
+# benchmarks/results.jsonl (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
+# More than one machine lease in all: split it over calls with FIRST and LAST (1-based run numbers):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -15,12 +16,12 @@ T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformer
 runs=(
     "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_gpu_basics.py::test_weight_gradients_on_a_side_stream_equal_the_plain_ones tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64"   # the new GPU checks, BN=32 tiles included
     "python benchmarks/attention.py --mla --batches 2 4 --repeats 10"                # 32: MLA v unpadded (cuDNN) against padded (FA2?)
-    "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
+    "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
+    "python .agents/skills/capture-profile/profile_step.py --trace /tmp/dsv3/torchtitan.json --trace /tmp/dsv3/pithtrain.json"   # where each side's step goes, by kernel category
     "$T --family moonlight --layers 10 --steps 5 --batch 4 --accum 8"               # 32: DeepSeek-V3 width, stage_ms; same call as the next
     "$T --family moonlight --layers 10 --steps 5 --batch 4 --accum 8 --mla-v padded"   # the A/B in training
     "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8"             # 32 and 18: the deepest; was 63,060 tok/s (line 105)
     "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8 --mla-v padded"
-    "$T --family moonlight --layers 4 --steps 4 --batch 4 --accum 4 --profile-step 4 --trace /tmp/moonlight.json"   # then: profile_step.py --trace /tmp/moonlight.json --stage-kernels 12
     "python benchmarks/attention.py --mla --docs 8 --batches 4 --repeats 10"        # packed documents: is unpadded v with the mask faster too (models pad it today)?
     "python benchmarks/peers/torchtitan.py --family qwen3 --layers 9 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: the deepest both fit at micro-batch 4 (124.3 / 134.9 GiB)
     "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU, the deepest Qwen3 width; same call as the next two
@@ -50,6 +51,11 @@ if ! [[ $first =~ ^[0-9]+$ && $last =~ ^[0-9]+$ ]] || (( first < 1 || last > ${#
     exit 2
 fi
 for i in $(seq "$first" "$last"); do
-    echo "=== run $i: ${runs[$((i - 1))]}"
-    ${runs[$((i - 1))]} 2>&1 | grep -E "^(pithtrain:|peer_torchtitan:|mla B=|[0-9]+ passed|FAILED|.*(failed|error))"
+    cmd=${runs[$((i - 1))]}
+    echo "=== run $i: $cmd"
+    if [[ $cmd == *profile_step.py* ]]; then  # a report: its tables whole
+        $cmd 2>&1 | grep -vE "^ +[0-9.]+ ms +(cpu_op|user_annotation|cuda_runtime|python_function|cuda_driver) "
+    else
+        $cmd 2>&1 | grep -E "^(pithtrain:|peer_torchtitan:|mla B=|[0-9]+ passed|FAILED|.*(failed|error))"
+    fi
 done

@@ -5,7 +5,8 @@ models and one-GPU recipe, then PithTrain at exactly the same shape, in one call
     PYTHONPATH=.:.peers/torchtitan:.peers/site python benchmarks/peers/torchtitan.py --family qwen3 \\
         --layers 4 --seq 4096 --batch 2 --accum 4 --steps 6
     (--family deepseek_v3: torchtitan's DeepSeek-V3 at our Moonlight-16B-A3B width, against ours `--family moonlight`;
-     --tiny: a 2-layer CPU check of the torchtitan side alone, nothing recorded; --ac full|selective; --no-compile)
+     --tiny: a 2-layer CPU check of the torchtitan side alone, nothing recorded; --ac full|selective; --no-compile;
+     --trace DIR: one more step on each side, profiled, Chrome traces in DIR for capture-profile's profile_step.py)
 
 torchtitan is pinned at TORCHTITAN_COMMIT (below; .peers/torchtitan/COMMIT says which one get_torchtitan.sh extracted):
 the newest commit of its main whose Qwen3, DeepSeek-V3, parallelize, compile, FSDP, loss and optimizer modules import
@@ -65,6 +66,7 @@ torch.cuda.max_memory_allocated; torchtitan's MFU uses ours' model FLOPs per tok
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -113,6 +115,9 @@ def parse_args(argv=None):
                    "structure at hidden 256, 4 heads, 8 experts top-2, vocab 2048); compile off unless "
                    "--compile-tiny; ours not run, nothing recorded")
     p.add_argument("--compile-tiny", action="store_true", help="with --tiny: compile as on the GPU")
+    p.add_argument("--trace", help="a folder: each side profiles one more step after the timed ones (left out of the "
+                   "medians) and writes its Chrome trace there, torchtitan.json and pithtrain.json, for "
+                   ".agents/skills/capture-profile/profile_step.py --trace (kernel time by category, both sides)")
     p.add_argument("--skip-ours", action="store_true")
     p.add_argument("--skip-torchtitan", action="store_true")
     p.add_argument("--timeout", type=int, default=570, help="seconds for both sides together (default: within a "
@@ -324,7 +329,8 @@ def titan_side(args) -> dict:
         gen = torch.Generator().manual_seed(0)
         vocab = model_cfg.vocab_size
         times, peaks, losses = [], [], []
-        for step in range(1, args.steps + 1):
+        for step in range(1, args.steps + 1 + bool(args.trace)):  # with --trace one more step, profiled
+            profiled = step > args.steps
             microbatches = []
             for _ in range(args.accum):
                 tokens = torch.randint(0, vocab, (args.batch, args.seq + 1), generator=gen)
@@ -333,12 +339,18 @@ def titan_side(args) -> dict:
             if cuda:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
+            profiler = torch.profiler.profile() if profiled else contextlib.nullcontext()
             t0 = time.perf_counter()
-            loss, grad_norm = titan_train_step(model, loss_fn, optimizers, lr_schedulers, microbatches, device,
-                                               training.max_norm, need_masks)
-            if cuda:
-                torch.cuda.synchronize()
+            with profiler:
+                loss, grad_norm = titan_train_step(model, loss_fn, optimizers, lr_schedulers, microbatches, device,
+                                                   training.max_norm, need_masks)
+                if cuda:
+                    torch.cuda.synchronize()
             dt = time.perf_counter() - t0
+            if profiled:
+                profiler.export_chrome_trace(str(Path(args.trace) / "torchtitan.json"))
+                print(f"torchtitan step {step} profiled: {Path(args.trace) / 'torchtitan.json'}", flush=True)
+                continue
             times.append(dt)
             peaks.append(torch.cuda.max_memory_allocated() if cuda else 0)
             losses.append(float(loss))
@@ -389,9 +401,12 @@ def error_text(tail: list[str], rc: int) -> str:
 
 
 def ours_command(args, json_path: str) -> list[str]:
+    # with --trace one more step, profiled (train_throughput leaves it out of its medians)
+    steps, profile = (args.steps + 1, ["--profile-step", str(args.steps + 1), "--trace",
+                                       str(Path(args.trace) / "pithtrain.json")]) if args.trace else (args.steps, ["--profile-step", "0"])
     cmd = [sys.executable, "benchmarks/train_throughput.py", "--family", OURS_FAMILY[args.family],
            "--layers", str(args.layers), "--seq", str(args.seq), "--batch", str(args.batch), "--accum", str(args.accum),
-           "--steps", str(args.steps), "--skip-transformers", "--profile-step", "0", "--json", json_path,
+           "--steps", str(steps), "--skip-transformers", *profile, "--json", json_path,
            "--recompute", {"none": "off", "selective": "selective", "full": "full"}[args.ac]]
     if args.compile:
         cmd.append("--compile")
@@ -418,6 +433,9 @@ def main(argv=None):
         if importlib.util.find_spec("torchtitan") is None and not (ROOT / ".peers" / "torchtitan" / "torchtitan").is_dir():
             sys.exit("error: torchtitan is not importable and .peers/torchtitan is missing; run `bash "
                      "benchmarks/peers/get_torchtitan.sh` once (carry .peers to the GPU machine), or pass --skip-torchtitan")
+    if args.trace:
+        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        args.trace = str(Path(args.trace).resolve())  # the sides run with other working directories' PYTHONPATHs
     shape = {"family": args.family, "ours_family": OURS_FAMILY[args.family], "layers": args.layers, "seq": args.seq,
              "batch": args.batch, "accum": args.accum, "steps": args.steps, "compile": args.compile, "ac": args.ac,
              "attn_backend": args.attn_backend, "loss": args.loss, "tiny": args.tiny}
@@ -429,7 +447,7 @@ def main(argv=None):
             cmd = [sys.executable, __file__, "--side", "torchtitan", "--out", titan_json, "--family", args.family,
                    "--layers", str(args.layers), "--seq", str(args.seq), "--batch", str(args.batch),
                    "--accum", str(args.accum), "--steps", str(args.steps), "--ac", args.ac,
-                   "--attn-backend", args.attn_backend, "--loss", args.loss]
+                   "--attn-backend", args.attn_backend, "--loss", args.loss] + (["--trace", args.trace] if args.trace else [])
             if args.tiny:
                 cmd += ["--tiny"] + (["--compile-tiny"] if args.compile else [])
             elif not args.compile:
