@@ -5,9 +5,9 @@
 # (the DeepSeek-V3-width peer, both sides profiled one step more, and the two profiles' kernel categories), 5-8 in
 # one call (Moonlight and DeepSeek-V2-Lite widths, MLA unpadded and padded), 9 MLA with documents. Then the
 # torchtitan peer at micro-batch 4 at the deepest Qwen3 both fit (10), Qwen3 9 layers in bf16, FP8 with the FP8 head
-# and FP8 alone, and the first two again with the weight gradients on a side stream (11-15, one or two calls), then
-# the rest of the target table (kernels, FP8, Muon, the three widths, the GPU tests). Each appends its line to
-# benchmarks/results.jsonl (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
+# and FP8 alone, the first two again with the weight gradients on a side stream, and the `rowwise` recipe (11-16,
+# two calls), then the rest of the target table (kernels, FP8, Muon, the three widths, the GPU tests). Each appends
+# its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
 # More than one machine lease in all: split it over calls with FIRST and LAST (1-based run numbers):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
 set -uo pipefail
@@ -29,6 +29,7 @@ runs=(
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14: FP8 alone at the same depth
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --wgrad-stream on"                 # 32: the experts' weight gradients on a side stream (A/B with the bf16 run above)
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --wgrad-stream on"
+    "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise --fp8-head"          # 32: every GEMM's weight gradient in FP8 too (0.92x at 2d14d3e, before the fixes since)
     "python benchmarks/kernels.py --repeats 20"                                      # the Triton kernels against their references
     "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (130.0 GiB estimated); compiles ~2 min
     "$T --layers 8 --steps 5 --batch 4 --accum 8"                                   # 18 and 14: Qwen3 width, 8 layers
