@@ -434,7 +434,10 @@ def main(argv=None):
             sys.exit("error: torchtitan is not importable and .peers/torchtitan is missing; run `bash "
                      "benchmarks/peers/get_torchtitan.sh` once (carry .peers to the GPU machine), or pass --skip-torchtitan")
     if args.trace:
-        Path(args.trace).mkdir(parents=True, exist_ok=True)
+        try:
+            Path(args.trace).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            sys.exit(f"error: --trace {args.trace}: {e.strerror}; name a folder this process can write")
         args.trace = str(Path(args.trace).resolve())  # the sides run with other working directories' PYTHONPATHs
     shape = {"family": args.family, "ours_family": OURS_FAMILY[args.family], "layers": args.layers, "seq": args.seq,
              "batch": args.batch, "accum": args.accum, "steps": args.steps, "compile": args.compile, "ac": args.ac,

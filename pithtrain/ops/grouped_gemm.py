@@ -38,9 +38,11 @@ def run_weight_pass(weight_pass, *tensors) -> None:
     if not (WGRAD_STREAM and cuda):
         weight_pass()
         return
-    main = torch.cuda.current_stream(cuda[0].device)
-    side = _weight_streams.setdefault(cuda[0].device, torch.cuda.Stream(cuda[0].device))
-    side.wait_stream(main)
+    device = cuda[0].device
+    if device not in _weight_streams:  # made once: a stream per call would be a driver call per weight pass
+        _weight_streams[device] = torch.cuda.Stream(device)
+    side = _weight_streams[device]
+    side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
         weight_pass()
     for t in cuda:
@@ -329,6 +331,7 @@ class _FP8GroupedMM(torch.autograd.Function):
             dx = fp8.grouped_mm(dyq, dys, w_bwd_q, w_bwd_s, counts, dy.dtype).to(ctx.x_dtype)
         if ctx.needs_input_grad[3]:  # the weight gradient goes into .grad by hand, as in the bf16 path
             queue, module, name, groups = ctx.queue, ctx.module, ctx.name, w_bwd_q.shape[0]
+            dytq = dyts = dy_hp = None
             if x_hp is None:
                 dytq, dyts = fp8.quantize_t(dy, counts)
             else:
@@ -344,7 +347,7 @@ class _FP8GroupedMM(torch.autograd.Function):
                         add_weight_grad(param, x_hp, dy_hp, counts, groups, queue)
 
             if queue is None:  # at once: never a separate fp32 product for autograd to cast and add
-                run_weight_pass(weight_pass, xtq, xts, x_hp, counts, *((dytq, dyts) if x_hp is None else (dy_hp,)))
+                run_weight_pass(weight_pass, xtq, xts, x_hp, dytq, dyts, dy_hp, counts)
             else:
                 queue.work.append(weight_pass)
         return dx, None, None, None, None, None, None, None, None, None, None, None, None, None

@@ -34,6 +34,18 @@ def float64_with_grads(q, k, v, scale, sinks, window, doc_ids, dout):
     return torch.cat(outs, 2).flatten(2), [t.grad for t in leaves]
 
 
+def model_loss_and_grads(model, ids, pos, bf16: bool, **kwargs):
+    """A model's next-token loss (under bf16 autocast, or fp32) and its parameters' gradients, as floats."""
+    from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
+
+    model.zero_grad()
+    with torch.autocast("cuda", BF16, enabled=bf16):
+        logits = model(ids, pos, ExpertEngine(LocalDispatch()), **kwargs)
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
+    loss.backward()
+    return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def with_grads(fn, leaves, dout):
     leaves = [t.detach().requires_grad_() for t in leaves]
     out = fn(*leaves)
@@ -88,7 +100,6 @@ def test_qwen3_packed_documents_use_the_flash_kernel_and_match_sdpa():
     """Qwen3 with packed documents runs the flash kernel on CUDA (SDPA's masked kernel is 1.8x slower):
     its bf16 loss and gradients are within twice the SDPA path's own error against an fp32 run."""
     from pithtrain.models.qwen3_moe import Qwen3MoeConfig
-    from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 
     cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2)
@@ -103,21 +114,12 @@ def test_qwen3_packed_documents_use_the_flash_kernel_and_match_sdpa():
     def loss_and_grads(enabled):
         attention.ENABLED = enabled
         try:
-            model.zero_grad()
-            with torch.autocast("cuda", BF16):
-                logits = model(ids, pos, ExpertEngine(LocalDispatch()), doc_ids=doc_ids)
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
-            loss.backward()
-            return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+            return model_loss_and_grads(model, ids, pos, True, doc_ids=doc_ids)
         finally:
             attention.ENABLED = True
 
     def fp32_reference():  # no autocast: fp32 runs the SDPA path with the documents' mask
-        model.zero_grad()
-        logits = model(ids, pos, ExpertEngine(LocalDispatch()), doc_ids=doc_ids)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
-        loss.backward()
-        return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return model_loss_and_grads(model, ids, pos, False, doc_ids=doc_ids)
 
     (loss, grads), (sdpa_loss, sdpa_grads), (exact_loss, exact_grads) = loss_and_grads(True), loss_and_grads(False), fp32_reference()
     assert abs(loss - exact_loss) <= 2 * abs(sdpa_loss - exact_loss) + 1e-3 * abs(exact_loss)
@@ -154,7 +156,6 @@ def test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded():
     from torch.nn.attention import SDPBackend
 
     from pithtrain.models import deepseek_v2
-    from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 
     q, k = (torch.randn(1, 16, 4096, 192, device="cuda", dtype=BF16, requires_grad=True) for _ in range(2))
     v = torch.randn(1, 16, 4096, 128, device="cuda", dtype=BF16, requires_grad=True)  # training: the backward's rules too
@@ -173,12 +174,7 @@ def test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded():
     def loss_and_grads(unpadded, dtype):
         deepseek_v2.UNPADDED_V = unpadded
         try:
-            model.zero_grad()
-            with torch.autocast("cuda", BF16, enabled=dtype == BF16):
-                logits = model(ids, pos, ExpertEngine(LocalDispatch()))
-            loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.roll(-1, 1).flatten())
-            loss.backward()
-            return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+            return model_loss_and_grads(model, ids, pos, dtype == BF16)
         finally:
             deepseek_v2.UNPADDED_V = True
 
