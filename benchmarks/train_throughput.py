@@ -7,7 +7,8 @@ left out of the medians), and the PithTrain/transformers ratio.
     (--family deepseek_v2 | gpt_oss | qwen3_5 | moonlight: the DeepSeek-V2-Lite / GPT-OSS-20B / Qwen3.5-35B-A3B /
      Moonlight-16B-A3B (DeepSeek-V3) widths, --mtp 1: with one multi-token prediction depth; --compile;
      --attention sdpa: GPT-OSS's attention through SDPA with masks instead of ops/attention.py's kernel;
-     --mla-v padded: the DeepSeek families' v head padded to q and k's width, as before 2026-12-04)
+     --mla-v padded: the DeepSeek families' v head padded to q and k's width, as before 2026-12-04;
+     --ab SWITCH: odd steps with the switch as set, even steps flipped, both medians and their ratio in one line)
 
 Model FLOPs per token = 6 * (active non-embedding parameters) + 6 * hidden * vocab (LM head)
                         + 6 * layers * seq * head_dim * q_heads (causal attention, fwd+bwd)
@@ -111,11 +112,18 @@ def flops_per_token(cfg, seq: int) -> float:
 
 def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile: bool = False, accum: int = 1,
                   profile_step: int = 0, trace: str | None = None, fp8: str = "off",
-                  optim: str = "adamw", recompute: str = "off", fp8_head: bool = False) -> tuple[list[dict], tuple | None]:
+                  optim: str = "adamw", recompute: str = "off", fp8_head: bool = False,
+                  arms=None) -> tuple[list[dict], tuple | None]:
+    """`arms`: two functions, one called before each odd step (1, 3, ...), the other before each even one."""
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from pithtrain.train import loop
 
     optimizer_times, untimed = [], loop.optimizer_step  # the optimizer step of each step, between two syncs
+    plain_step = loop.train_step
+
+    def step_in_arm(run, step, stop):  # step: 0-based
+        arms[step % 2]()
+        return plain_step(run, step, stop)
 
     def timed_optimizer_step(optimizer, params):
         torch.cuda.synchronize()
@@ -125,6 +133,8 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
         optimizer_times.append(time.perf_counter() - t0)
 
     loop.optimizer_step = timed_optimizer_step
+    if arms:
+        loop.train_step = step_in_arm
     run = RunConfig(model=cfg, data=DataConfig(path=data_dir, seq_len=seq),
                     optim=OptimConfig(name=optim, lr=1e-4, warmup_steps=0, schedule="constant"),
                     train=TrainConfig(steps=steps, global_batch_size=batch * accum, micro_batch_size=batch, lb_coef=1e-3,
@@ -135,7 +145,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
         try:
             history = loop.train(run, out, echo=True)
         finally:
-            loop.optimizer_step = untimed
+            loop.optimizer_step, loop.train_step = untimed, plain_step
         for m, t in zip(history, optimizer_times):
             m["optimizer_s"] = t
         stages = None
@@ -149,6 +159,23 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
 
                 shutil.copy(f"{out}/profile/rank0.json", trace)
         return history, stages
+
+
+def ab_arms(args, parser):
+    """--ab: (what arm A runs, what arm B runs, the two setters). A is the switch as this run's flags set it,
+    B flipped; for wgrad-config, A the kernel's default tiles and B --wgrad-config's."""
+    from pithtrain.models import deepseek_v2
+    from pithtrain.ops import fp8, grouped_gemm, kernels
+
+    if args.ab == "wgrad-config":
+        if not args.wgrad_config:
+            parser.error("--ab wgrad-config: arm B runs the tiles of --wgrad-config; give it as JSON")
+        module, name, values = kernels, "WGRAD_INTO_CONFIG", (kernels.WGRAD_INTO_CONFIG, args.wgrad_config)
+    else:
+        module, name = {"fused-proj": (fp8, "FUSED_PROJECTIONS"), "wgrad-stream": (grouped_gemm, "WGRAD_STREAM"),
+                        "fused-wgrad": (grouped_gemm, "FUSED_WGRAD"), "mla-v": (deepseek_v2, "UNPADDED_V")}[args.ab]
+        values = (getattr(module, name), not getattr(module, name))
+    return (*values, [lambda v=v: setattr(module, name, v) for v in values])
 
 
 def _profile_tool():
@@ -228,19 +255,32 @@ def main():
                         "(the tiles of benchmarks/grouped_gemm.py --wgrad --sweep)")
     parser.add_argument("--mla-v", default="unpadded", choices=["unpadded", "padded"], help="DeepSeek families: "
                         "MLA's v head (128) handed to SDPA as it is, or padded to q and k's 192 (deepseek_v2.UNPADDED_V)")
+    parser.add_argument("--fused-proj", default="on", choices=["on", "off"], help="fp8.FUSED_PROJECTIONS: q, k and "
+                        "v (and the like) from one GEMM over their stacked weights, or one GEMM each")
+    parser.add_argument("--ab", choices=["fused-proj", "wgrad-stream", "fused-wgrad", "mla-v", "wgrad-config"],
+                        help="A/B in one run: odd steps with this switch as the flags set it (A), even steps flipped "
+                        "(B; wgrad-config: A the default tiles, B --wgrad-config's); each arm's median after its first "
+                        "two steps and B/A in one line. Same process, model and data: drift and call-to-call noise "
+                        "cancel. Needs --steps >= 6; no profiled step unless --profile-step")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     from pithtrain.models import deepseek_v2
-    from pithtrain.ops import attention, grouped_gemm, kernels
+    from pithtrain.ops import attention, fp8, grouped_gemm, kernels
 
     attention.ENABLED = args.attention == "flash"
     deepseek_v2.UNPADDED_V = args.mla_v == "unpadded"
     grouped_gemm.FUSED_WGRAD = args.fused_wgrad == "on"
     grouped_gemm.WGRAD_STREAM = args.wgrad_stream == "on"
-    if args.wgrad_config:
+    fp8.FUSED_PROJECTIONS = args.fused_proj == "on"
+    arms = None
+    if args.ab:
+        if args.steps < 6:
+            parser.error(f"--ab needs --steps >= 6 (got {args.steps}): each arm's first two steps are warm-up")
+        arm_a, arm_b, arms = ab_arms(args, parser)
+    elif args.wgrad_config:
         kernels.WGRAD_INTO_CONFIG = args.wgrad_config
     if args.profile_step is None:
-        args.profile_step = args.steps
+        args.profile_step = 0 if args.ab else args.steps
     hf_batch = args.hf_batch or args.batch
     if (args.batch * args.accum) % hf_batch:
         parser.error(f"--hf-batch {hf_batch} must divide --batch x --accum = {args.batch * args.accum}")
@@ -261,19 +301,28 @@ def main():
         write_dataset(data, [tokens], cfg.vocab_size, eos_id=None)
         ours, stages = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile, args.accum,
                                      args.profile_step, args.trace, args.fp8, args.optim, args.recompute,
-                                     args.fp8_head)
+                                     args.fp8_head, arms)
+    if arms:
+        arms[0]()  # the switches as arm A (the line's other fields describe arm A)
     import gc
 
     gc.collect()
     torch.cuda.empty_cache()
-    warm = [m for m in ours[2:] if m["step"] != args.profile_step] or ours
+    runs_a = ours[0::2] if args.ab else ours  # with --ab: arm A's steps (odd), then B's (even)
+    warm = [m for m in runs_a[2:] if m["step"] != args.profile_step] or runs_a
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "wgrad_stream": args.wgrad_stream, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "wgrad_stream": args.wgrad_stream, "fused_proj": args.fused_proj, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
-              "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in ours) / 2**30,
+              "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in runs_a) / 2**30,
               "optimizer_s": statistics.median(m["optimizer_s"] for m in warm),
               "optimizer_share": statistics.median(m["optimizer_s"] / m["step_time_s"] for m in warm)}
+    if args.ab:
+        warm_b = [m for m in ours[1::2][2:] if m["step"] != args.profile_step] or ours[1::2]
+        tps_b = statistics.median(m["tokens_per_s"] for m in warm_b)
+        result.update(ab=args.ab, ab_a=arm_a, ab_b=arm_b, ab_b_tokens_per_s=tps_b, ab_b_mfu=tps_b * fpt / 1e12 / peak,
+                      ab_b_peak_mem_gib=max(m["peak_mem_bytes"] for m in ours[1::2]) / 2**30, ab_ratio=tps_b / tps,
+                      ab_steps=[[m["step"], "AB"[(m["step"] - 1) % 2], round(m["tokens_per_s"])] for m in ours])
     if stages is not None:  # one profiled step, milliseconds of GPU kernel time per layer stage
         result["stage_ms"] = {k: round(v / 1e3, 3) for k, v in sorted(stages[0].items())}
     print("pithtrain:", json.dumps(result), flush=True)  # kept even if the transformers loop fails

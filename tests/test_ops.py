@@ -234,3 +234,44 @@ def test_rms_norm_and_masks():
     allowed = attention_mask(doc.expand(2, 6), 6, "cpu")
     ref = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ kv.repeat_interleave(2, 1)).transpose(1, 2).flatten(2)
     assert torch.allclose(full, ref, atol=1e-6)
+
+
+def test_projections_stack_weights_into_one_product(monkeypatch):
+    """ops/fp8.projections: q, k and v (unequal widths, with biases) from one F.linear whose outputs and input,
+    weight and bias gradients equal three nn.Linear calls' in float64 (to 1e-12); one product under bf16 autocast
+    too, its outputs as autocast's; FUSED_PROJECTIONS off, mixed biases or an FP8 module: each Linear on its own."""
+    from pithtrain.ops import fp8
+
+    torch.manual_seed(23)
+    calls = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda *a: calls.append(a[1].shape) or linear(*a))
+    mods = [fp8.Linear(24, n, bias=True).double() for n in (32, 8, 8)]
+    twins = [fp8.Linear(24, n, bias=True).double() for n in (32, 8, 8)]
+    for m, t in zip(mods, twins):
+        t.load_state_dict(m.state_dict())
+    x = torch.randn(3, 5, 24, dtype=torch.float64, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    outs = fp8.projections(x, *mods)
+    assert calls == [(48, 24)]  # one product over the stacked weights
+    wants = [t(x2) for t in twins]
+    dys = [torch.randn_like(w) for w in wants]
+    sum((o * d).sum() for o, d in zip(outs, dys)).backward()
+    sum((w * d).sum() for w, d in zip(wants, dys)).backward()
+    for got, want in [*zip(outs, wants), (x.grad, x2.grad)] + [
+            (getattr(m, n).grad, getattr(t, n).grad) for m, t in zip(mods, twins) for n in ("weight", "bias")]:
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    calls.clear()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = fp8.projections(x.float(), *(m.float() for m in mods))
+        wants = [m(x.float()) for m in mods]
+    assert len(calls) == 4 and all(o.dtype == torch.bfloat16 for o in outs)
+    for got, want in zip(outs, wants):
+        torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)
+    mixed = [mods[0], fp8.Linear(24, 8, bias=False).double()]
+    monkeypatch.setattr(mods[1], "fp8", "rowwise")
+    for flag, group in [(False, mods), (True, mixed), (True, mods)]:
+        monkeypatch.setattr(fp8, "FUSED_PROJECTIONS", flag)
+        monkeypatch.setattr(fp8.Linear, "forward", lambda self, x: ("own", self))
+        assert fp8.projections(x, *group) == tuple(("own", m) for m in group)  # each module's own forward

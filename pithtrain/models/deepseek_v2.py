@@ -35,7 +35,7 @@ from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, l
 from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import weighted_combine  # Triton on GPUs, the reference elsewhere
-from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
+from pithtrain.ops.fp8 import Linear, projections  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import Embedding, activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention_expand
 
@@ -367,18 +367,18 @@ class Attention(nn.Module):
         self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, self.heads * (self.nope + self.v_dim), bias=False)
         self.o_proj = Linear(self.heads * self.v_dim, hidden, bias=bias)
 
-    def project_q(self, x):
-        if self.q_lora_rank is None:
-            return self.q_proj(x)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-
     def q_and_latent(self, x, cos, sin):
         """q [B, heads, S, nope + rope], the normed KV latent [B, S, kv_lora_rank] and the rope key
         shared by all heads [B, 1, S, rope]; rope parts rotated, in rotate-half layout."""
         b, s, _ = x.shape
-        q = self.project_q(x).view(b, s, self.heads, self.nope + self.rope).transpose(1, 2)
+        if self.q_lora_rank is None:
+            q, compressed = projections(x, self.q_proj, self.kv_a_proj_with_mqa)
+        else:
+            q_latent, compressed = projections(x, self.q_a_proj, self.kv_a_proj_with_mqa)
+            q = self.q_b_proj(self.q_a_layernorm(q_latent))
+        q = q.reshape(b, s, self.heads, self.nope + self.rope).transpose(1, 2)
         q_nope, q_rope = q.split([self.nope, self.rope], dim=-1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        latent, k_rope = compressed.split([self.kv_lora_rank, self.rope], dim=-1)
         if self.interleaved:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
@@ -427,7 +427,8 @@ class DenseMLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = projections(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -652,7 +653,8 @@ class DeepseekV2Model(nn.Module):
         for layer in self.layers.values():
             a = layer.self_attn
             h = layer.input_layernorm(x)
-            q = a.project_q(h).view(b, s, heads, nope + rope).transpose(1, 2)
+            q = a.q_proj(h) if cfg.q_lora_rank is None else a.q_b_proj(a.q_a_layernorm(a.q_a_proj(h)))
+            q = q.view(b, s, heads, nope + rope).transpose(1, 2)
             compressed = a.kv_a_proj_with_mqa(h)
             latent, k_rope = compressed[..., : cfg.kv_lora_rank], compressed[..., cfg.kv_lora_rank :]
             kv = a.kv_b_proj(a.kv_a_layernorm(latent)).view(b, s, heads, nope + cfg.v_head_dim).transpose(1, 2)
@@ -666,7 +668,8 @@ class DeepseekV2Model(nn.Module):
             x = x + a.o_proj(out)
             h = layer.post_attention_layernorm(x)
             if not layer.is_moe:
-                x = x + layer.mlp(h)
+                m = layer.mlp  # spelled out: the model's DenseMLP stacks gate and up in one GEMM
+                x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
                 continue
             flat = h.reshape(-1, cfg.hidden_size)
             gate = layer.mlp.gate
@@ -679,7 +682,8 @@ class DeepseekV2Model(nn.Module):
                     g, u = (flat[tok] @ ex.gate_up[e]).chunk(2, -1)
                     moe.index_add_(0, tok, ((F.silu(g) * u) @ ex.down[e]) * w[tok, slot, None].to(flat.dtype))
             if layer.mlp.shared_experts is not None:
-                moe = moe + layer.mlp.shared_experts(flat)
+                m = layer.mlp.shared_experts
+                moe = moe + m.down_proj(F.silu(m.gate_proj(flat)) * m.up_proj(flat))
             x = x + moe.view_as(x)
         return x if final_hidden else head_logits(self.norm(x), self.head_weight())
 

@@ -37,7 +37,7 @@ from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, l
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
 from pithtrain.ops.delta_rule import causal_conv1d, doc_cu_seqlens, gated_delta_rule, gated_delta_rule_recurrent, l2norm
 from pithtrain.ops.kernels import weighted_combine  # Triton on GPUs, the reference elsewhere
-from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
+from pithtrain.ops.fp8 import Linear, projections  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import Embedding, activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention, gather_sequence, gathered_doc_ids, zigzag_split
 
@@ -221,10 +221,11 @@ class GatedAttention(nn.Module):
 
     def qkv_gate(self, x, cos, sin):
         b, s, _ = x.shape
-        q, gate = self.q_proj(x).view(b, s, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q_gate, k, v = projections(x, self.q_proj, self.k_proj, self.v_proj)
+        q, gate = q_gate.view(b, s, self.heads, 2 * self.head_dim).chunk(2, dim=-1)
         q = self.q_norm(q).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        k = self.k_norm(k.view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         return rotate(q, cos, sin), rotate(k, cos, sin), v, gate.reshape(b, s, -1)
 
     def forward(self, x, attn: AttnInputs):
@@ -266,7 +267,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, attn: AttnInputs):
         b, s, _ = x.shape
-        qkv, beta_in, a = self.in_proj_qkv(x), self.in_proj_b(x), self.in_proj_a(x)
+        qkv, z, beta_in, a = projections(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
         doc_ids = attn.doc_ids
         if attn.cp is not None:  # the recurrence needs every earlier token: run it over the whole sequence
             both = gather_sequence(torch.cat([qkv, beta_in.to(qkv.dtype), a.to(qkv.dtype)], -1), attn.cp)
@@ -277,7 +278,7 @@ class GatedDeltaNet(nn.Module):
         out = gated_delta_rule(q, k, v, g, torch.sigmoid(beta_in.float()), doc_ids, cu_seqlens=attn.cu_seqlens)
         if attn.cp is not None:
             out = zigzag_split(out, attn.cp.cp, attn.cp.rank)
-        z = self.in_proj_z(x).view(b, s, self.v_heads, self.v_dim)
+        z = z.reshape(b, s, self.v_heads, self.v_dim)
         return self.out_proj(self.norm(out, z).reshape(b, s, self.value_size))
 
 
@@ -289,7 +290,8 @@ class DenseMLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = projections(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -458,7 +460,8 @@ class Qwen3_5MoeModel(nn.Module):
             probs = torch.softmax(flat @ layer.mlp.gate.weight.T, -1)
             w, ids = probs.topk(cfg.num_experts_per_tok, -1)
             w = w / w.sum(-1, keepdim=True)
-            moe = torch.sigmoid(flat @ layer.mlp.shared_expert_gate.weight.T) * layer.mlp.shared_expert(flat)
+            m = layer.mlp.shared_expert  # spelled out: the model's DenseMLP stacks gate and up in one GEMM
+            moe = torch.sigmoid(flat @ layer.mlp.shared_expert_gate.weight.T) * m.down_proj(F.silu(m.gate_proj(flat)) * m.up_proj(flat))
             ex = layer.mlp.experts
             for e in range(cfg.num_experts):
                 tok, slot = (ids == e).nonzero(as_tuple=True)

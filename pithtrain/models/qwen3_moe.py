@@ -22,7 +22,7 @@ from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, l
 from pithtrain.ops import attention as flash  # Triton flash attention for packed documents (CUDA)
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
 from pithtrain.ops.kernels import weighted_combine  # Triton on GPUs, the reference elsewhere
-from pithtrain.ops.fp8 import Linear  # nn.Linear, with its GEMMs in FP8 under train.fp8
+from pithtrain.ops.fp8 import Linear, projections  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import Embedding, activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention
 
@@ -156,9 +156,10 @@ class Attention(nn.Module):
 
     def qkv(self, x, cos, sin):
         b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k, v = projections(x, self.q_proj, self.k_proj, self.v_proj)
+        q = self.q_norm(q.view(b, s, self.heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(k.view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, attn: AttnInputs):
@@ -178,7 +179,8 @@ class DenseMLP(nn.Module):
         self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = projections(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Experts(nn.Module):
@@ -322,7 +324,8 @@ class Qwen3MoeModel(nn.Module):
             x = x + a.o_proj(out)
             h = layer.post_attention_layernorm(x)
             if not layer.is_moe:
-                x = x + layer.mlp(h)
+                m = layer.mlp  # spelled out: the model's DenseMLP stacks gate and up in one GEMM
+                x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
                 continue
             flat = h.reshape(-1, cfg.hidden_size)
             probs = torch.softmax(flat @ layer.mlp.gate.weight.T, -1)

@@ -683,6 +683,24 @@ class Linear(nn.Linear):
                                 self.fp8 != "rowwise_bf16_wgrad")
 
 
+# One GEMM for projections of the same input (q, k, v; DeepSeek's q and KV latent; Qwen3.5's delta-rule inputs).
+# The narrow ones (k and v: 512 wide at Qwen3's width) use the tensor cores poorly alone, above all in their
+# weight gradient (M = 512 outputs: few tiles), and the input gradient becomes one product, not three and two
+# adds. Off: one GEMM each (the A/B of benchmarks/train_throughput.py --ab fused-proj).
+FUSED_PROJECTIONS = True
+
+
+def projections(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """(linear(x) for each of `linears`), from one product with their weights (and biases) stacked: the same
+    dot products. Each in turn under FP8 (its cached FP8 weight; stacked weights would share scales)."""
+    biased = [m.bias is not None for m in linears]
+    if not FUSED_PROJECTIONS or any(getattr(m, "fp8", False) for m in linears) or len(set(biased)) > 1:
+        return tuple(m(x) for m in linears)
+    bias = torch.cat([m.bias for m in linears]) if biased[0] else None
+    out = F.linear(x, torch.cat([m.weight for m in linears]), bias)
+    return out.split([m.out_features for m in linears], dim=-1)
+
+
 def refresh_fp8_weights(module: nn.Module) -> None:
     """Make (or reuse) the FP8 layouts of every FP8 Linear under `module`: called in eager code
     right before a compiled stage runs (after FSDP has gathered the weights)."""
