@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The one-H200 runs that docs/performance.md's target table cites, in the order to run them. Runs 1-9 are what
-# changed since the last GPU measurement (2026-12-04: MLA's v unpadded on CUDA, so cuDNN instead of FA2; the
-# embedding's gradient rows into .grad; the BN=32 weight-gradient tiles' check): 1-4 in one call carrying .peers
-# (the DeepSeek-V3-width peer, both sides profiled one step more, and the two profiles' kernel categories), 5-8 in
-# one call (Moonlight and DeepSeek-V2-Lite widths, MLA unpadded and padded), 9 MLA with documents. Then the
-# torchtitan peer at micro-batch 4 at the deepest Qwen3 both fit (10), Qwen3 9 layers in bf16, FP8 with the FP8 head
-# and FP8 alone, the first two again with the weight gradients on a side stream, and the `rowwise` recipe (11-16,
-# two calls), then the rest of the target table (kernels, FP8, Muon, the three widths, the GPU tests). Each appends
-# its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
+# The one-H200 runs that docs/performance.md's target table cites, in the order to run them. Runs 1-14 are what
+# changed since the last GPU measurement (2026-12-04): 1-4 in one call carrying .peers (the new GPU checks, MLA's v
+# unpadded against padded in SDPA, the DeepSeek-V3-width peer with both sides profiled one step more, the two
+# profiles' kernel categories); 5-6 MLA unpadded/padded in training at the DeepSeek widths (`--ab`: both arms in one
+# run); 7 MLA with documents; 8 the Qwen3 peer at its deepest; 9-10 Qwen3 9 layers bf16 and FP8 + FP8 head in one
+# call (60% MFU, 1.15x); 11-14 the A/Bs at 9 layers (stacked projections, the weight-gradient side stream, BN=32
+# tiles, the stream under FP8); 15-16 FP8 alone and the `rowwise` recipe. Then the rest of the target table (kernels,
+# FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS
+# and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
 # More than one machine lease in all: split it over calls with FIRST and LAST (1-based run numbers):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
 set -uo pipefail
@@ -18,17 +18,17 @@ runs=(
     "python benchmarks/attention.py --mla --batches 2 4 --repeats 10"                # 32: MLA v unpadded (cuDNN) against padded (FA2?)
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
     "python .agents/skills/capture-profile/profile_step.py --trace /tmp/dsv3/torchtitan.json --trace /tmp/dsv3/pithtrain.json"   # where each side's step goes, by kernel category
-    "$T --family moonlight --layers 10 --steps 5 --batch 4 --accum 8"               # 32: DeepSeek-V3 width, stage_ms; same call as the next
-    "$T --family moonlight --layers 10 --steps 5 --batch 4 --accum 8 --mla-v padded"   # the A/B in training
-    "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8"             # 32 and 18: the deepest; was 63,060 tok/s (line 105)
-    "$T --family deepseek_v2 --layers 10 --steps 5 --batch 4 --accum 8 --mla-v padded"
+    "$T --family moonlight --layers 10 --steps 10 --batch 4 --accum 8 --ab mla-v"     # 32: DeepSeek-V3 width; A: v unpadded (cuDNN), B: padded, in one run
+    "$T --family deepseek_v2 --layers 10 --steps 10 --batch 4 --accum 8 --ab mla-v"   # 32 and 18: the deepest; was 63,060 tok/s (line 105)
     "python benchmarks/attention.py --mla --docs 8 --batches 4 --repeats 10"        # packed documents: is unpadded v with the mask faster too (models pad it today)?
     "python benchmarks/peers/torchtitan.py --family qwen3 --layers 9 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: the deepest both fit at micro-batch 4 (124.3 / 134.9 GiB)
-    "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU, the deepest Qwen3 width; same call as the next two
+    "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU, the deepest Qwen3 width, stage_ms; same call as the next
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head"   # 32: >= 1.15x the run before
+    "$T --layers 9 --steps 10 --batch 4 --accum 8 --ab fused-proj"                  # 32: A: q/k/v (and gate/up) from one GEMM, B: one GEMM each
+    "$T --layers 9 --steps 10 --batch 4 --accum 8 --ab wgrad-stream"                # 32: A: one stream, B: the experts' weight gradients on a side stream
+    "$T --layers 9 --steps 10 --batch 4 --accum 8 --ab wgrad-config --wgrad-config {\"BK\":128,\"BM\":128,\"BN\":32,\"num_warps\":4,\"num_stages\":4}"   # 32: B: the BN=32 tiles (run 1 checks them)
+    "$T --layers 9 --steps 10 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab wgrad-stream"   # 32: the side stream under FP8
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14: FP8 alone at the same depth
-    "$T --layers 9 --steps 6 --batch 4 --accum 8 --wgrad-stream on"                 # 32: the experts' weight gradients on a side stream (A/B with the bf16 run above)
-    "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --wgrad-stream on"
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise --fp8-head"          # 32: every GEMM's weight gradient in FP8 too (0.92x at 2d14d3e, before the fixes since)
     "python benchmarks/kernels.py --repeats 20"                                      # the Triton kernels against their references
     "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (130.0 GiB estimated); compiles ~2 min
