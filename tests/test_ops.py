@@ -102,6 +102,52 @@ def test_fused_weight_grad_switch_leaves_cpu_gradients_unchanged(monkeypatch, de
     torch.testing.assert_close(fused.double(), ref, rtol=2e-2, atol=2e-2)
 
 
+def test_weight_stream_lags_at_most_wgrad_stream_lag_passes(monkeypatch):
+    """run_weight_pass's bookkeeping with stand-in CUDA streams (the GPU run: tests/gpu/test_gpu_basics.py): each
+    pass runs on the side stream after the work queued so far, its inputs are kept for that stream, the main stream
+    waits for the oldest pass once more than WGRAD_STREAM_LAG are outstanding, and the join clears the rest."""
+    from pithtrain.ops import grouped_gemm
+
+    log = []
+
+    class Stream:
+        def __init__(self, name):
+            self.name, self.events = name, 0
+
+        def wait_stream(self, other):
+            log.append((self.name, "waits for stream", other.name))
+
+        def record_event(self):
+            self.events += 1
+            return self.events
+
+        def wait_event(self, event):
+            log.append((self.name, "waits for pass", event))
+
+    class Tensor:  # a CUDA tensor, as far as run_weight_pass looks
+        is_cuda, device = True, "cuda:0"
+
+        def record_stream(self, stream):
+            log.append(("input", "kept for", stream.name))
+
+    main = Stream("main")
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("side"))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(grouped_gemm, "_weight_streams", {})
+    monkeypatch.setattr(grouped_gemm, "WGRAD_STREAM", True)
+    for i in range(4):
+        grouped_gemm.run_weight_pass(lambda i=i: log.append(("pass", i)), Tensor(), None)
+    grouped_gemm.join_weight_stream()
+    assert log == [("side", "waits for stream", "main"), ("pass", 0), ("input", "kept for", "side"),
+                   ("side", "waits for stream", "main"), ("pass", 1), ("input", "kept for", "side"),
+                   ("side", "waits for stream", "main"), ("pass", 2), ("input", "kept for", "side"),
+                   ("main", "waits for pass", 1),
+                   ("side", "waits for stream", "main"), ("pass", 3), ("input", "kept for", "side"),
+                   ("main", "waits for pass", 2),
+                   ("main", "waits for stream", "side")]
+    assert not grouped_gemm._weight_streams["cuda:0"][1]
+
 def test_expert_weight_gradient_without_an_input_gradient():
     """bf16 compute over an fp32 weight, input not requiring grad: the weight still gets its gradient."""
     torch.manual_seed(5)

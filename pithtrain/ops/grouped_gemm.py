@@ -9,6 +9,8 @@ the token embedding (`Embedding`), whose gradient rows are added into .grad wher
 
 from __future__ import annotations
 
+import collections
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -28,7 +30,10 @@ FUSED_WGRAD = True
 # (the rest of the layer's backward) instead of following them. An A/B for the GPU, off until measured
 # (benchmarks/train_throughput.py --wgrad-stream); the loop joins the stream before .grad is read.
 WGRAD_STREAM = False
-_weight_streams: dict = {}  # device -> its side stream
+# How many weight passes the side stream may run behind the main one: the main stream waits for older ones, so
+# the activations they hold (record_stream) stay bounded (about a layer's) at the memory peak of a deep model.
+WGRAD_STREAM_LAG = 2
+_weight_streams: dict = {}  # device -> (its side stream, events of the passes issued on it not yet waited for)
 
 
 def run_weight_pass(weight_pass, *tensors) -> None:
@@ -40,19 +45,24 @@ def run_weight_pass(weight_pass, *tensors) -> None:
         return
     device = cuda[0].device
     if device not in _weight_streams:  # made once: a stream per call would be a driver call per weight pass
-        _weight_streams[device] = torch.cuda.Stream(device)
-    side = _weight_streams[device]
-    side.wait_stream(torch.cuda.current_stream(device))
+        _weight_streams[device] = (torch.cuda.Stream(device), collections.deque())
+    side, pending = _weight_streams[device]
+    main = torch.cuda.current_stream(device)
+    side.wait_stream(main)
     with torch.cuda.stream(side):
         weight_pass()
+    pending.append(side.record_event())
     for t in cuda:
         t.record_stream(side)
+    while len(pending) > WGRAD_STREAM_LAG:
+        main.wait_event(pending.popleft())
 
 
 def join_weight_stream() -> None:
     """Each device's current stream waits for the weight gradients issued on its side stream (run_weight_pass)."""
-    for device, side in _weight_streams.items():
+    for device, (side, pending) in _weight_streams.items():
         torch.cuda.current_stream(device).wait_stream(side)
+        pending.clear()
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -103,6 +103,12 @@ def test_weight_gradients_on_a_side_stream_equal_the_plain_ones():
 
     plain, again, side = grads(False), grads(False), grads(True)
     assert grouped_gemm._weight_streams  # the side stream was used
+    assert all(not pending for _, pending in grouped_gemm._weight_streams.values())  # joined: nothing left to wait for
+    lag, grouped_gemm.WGRAD_STREAM_LAG = grouped_gemm.WGRAD_STREAM_LAG, 0
+    try:  # the main stream waiting after every pass: the same gradients
+        assert all(torch.equal(g, side[n]) for n, g in grads(True).items())
+    finally:
+        grouped_gemm.WGRAD_STREAM_LAG = lag
     assert any(".experts." in n for n in plain)
     for name, g in plain.items():  # bit for bit where the plain path repeats itself (attention's backward may not)
         if torch.equal(g, again[name]):
