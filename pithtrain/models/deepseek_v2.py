@@ -371,8 +371,8 @@ class Attention(nn.Module):
         """q [B, heads, S, nope + rope], the normed KV latent [B, S, kv_lora_rank] and the rope key
         shared by all heads [B, 1, S, rope]; rope parts rotated, in rotate-half layout."""
         b, s, _ = x.shape
-        if self.q_lora_rank is None:
-            q, compressed = projections(x, self.q_proj, self.kv_a_proj_with_mqa)
+        if self.q_lora_rank is None:  # not stacked: the latent's norm keeps its input, which would keep q's part too
+            q, compressed = self.q_proj(x), self.kv_a_proj_with_mqa(x)
         else:
             q_latent, compressed = projections(x, self.q_a_proj, self.kv_a_proj_with_mqa)
             q = self.q_b_proj(self.q_a_layernorm(q_latent))

@@ -283,8 +283,8 @@ class Attention(nn.Module):
 
     def qkv(self, x, cos, sin):
         b, s, _ = x.shape
-        q, k, v = projections(x, self.q_proj, self.k_proj, self.v_proj)
-        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = projections(x, self.k_proj, self.v_proj)  # not q: the attention keeps v, which would keep q's part too
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v

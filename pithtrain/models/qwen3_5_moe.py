@@ -267,7 +267,8 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x, attn: AttnInputs):
         b, s, _ = x.shape
-        qkv, z, beta_in, a = projections(x, self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a)
+        qkv, beta_in, a = projections(x, self.in_proj_qkv, self.in_proj_b, self.in_proj_a)  # not z: kept for the
+        # norm's backward, it would keep the whole product alive (the conv and the gates keep their own copies)
         doc_ids = attn.doc_ids
         if attn.cp is not None:  # the recurrence needs every earlier token: run it over the whole sequence
             both = gather_sequence(torch.cat([qkv, beta_in.to(qkv.dtype), a.to(qkv.dtype)], -1), attn.cp)
@@ -278,7 +279,7 @@ class GatedDeltaNet(nn.Module):
         out = gated_delta_rule(q, k, v, g, torch.sigmoid(beta_in.float()), doc_ids, cu_seqlens=attn.cu_seqlens)
         if attn.cp is not None:
             out = zigzag_split(out, attn.cp.cp, attn.cp.rank)
-        z = z.reshape(b, s, self.v_heads, self.v_dim)
+        z = self.in_proj_z(x).view(b, s, self.v_heads, self.v_dim)
         return self.out_proj(self.norm(out, z).reshape(b, s, self.value_size))
 
 

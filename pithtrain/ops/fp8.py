@@ -683,10 +683,11 @@ class Linear(nn.Linear):
                                 self.fp8 != "rowwise_bf16_wgrad")
 
 
-# One GEMM for projections of the same input (q, k, v; DeepSeek's q and KV latent; Qwen3.5's delta-rule inputs).
+# One GEMM for projections of the same input (q, k, v; DeepSeek-V3's q and KV latents; Qwen3.5's delta-rule inputs).
 # The narrow ones (k and v: 512 wide at Qwen3's width) use the tensor cores poorly alone, above all in their
 # weight gradient (M = 512 outputs: few tiles), and the input gradient becomes one product, not three and two
-# adds. Off: one GEMM each (the A/B of benchmarks/train_throughput.py --ab fused-proj).
+# adds. A part kept for the backward keeps the whole product alive, so callers stack only where every wide part
+# is kept anyway. Off: one GEMM each (the A/B of benchmarks/train_throughput.py --ab fused-proj).
 FUSED_PROJECTIONS = True
 
 
