@@ -18,15 +18,15 @@ runs=(
     "python benchmarks/attention.py --mla --batches 2 4 --repeats 10"                # 32: MLA v unpadded (cuDNN) against padded (FA2?)
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
     "python .agents/skills/capture-profile/profile_step.py --trace /tmp/dsv3/torchtitan.json --trace /tmp/dsv3/pithtrain.json"   # where each side's step goes, by kernel category
-    "$T --family moonlight --layers 10 --steps 10 --batch 4 --accum 8 --ab mla-v"     # 32: DeepSeek-V3 width; A: v unpadded (cuDNN), B: padded, in one run
-    "$T --family deepseek_v2 --layers 10 --steps 10 --batch 4 --accum 8 --ab mla-v"   # 32 and 18: the deepest; was 63,060 tok/s (line 105)
+    "$T --family moonlight --layers 10 --steps 12 --batch 4 --accum 8 --ab mla-v"     # 32: DeepSeek-V3 width; A: v unpadded (cuDNN), B: padded, in one run
+    "$T --family deepseek_v2 --layers 10 --steps 12 --batch 4 --accum 8 --ab mla-v"   # 32 and 18: the deepest; was 63,060 tok/s (line 105)
     "python benchmarks/attention.py --mla --docs 8 --batches 4 --repeats 10"        # packed documents: is unpadded v with the mask faster too (models pad it today)?
     "python benchmarks/peers/torchtitan.py --family qwen3 --layers 9 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: the deepest both fit at micro-batch 4 (124.3 / 134.9 GiB)
     "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU, the deepest Qwen3 width, stage_ms; same call as the next
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head"   # 32: >= 1.15x the run before
-    "$T --layers 9 --steps 10 --batch 4 --accum 8 --ab fused-proj"                  # 32: A: q/k/v (and gate/up) from one GEMM, B: one GEMM each
-    "$T --layers 9 --steps 10 --batch 4 --accum 8 --ab wgrad-stream"                # 32: A: one stream, B: the experts' weight gradients on a side stream
-    "$T --layers 9 --steps 10 --batch 4 --accum 8 --ab wgrad-config --wgrad-config {\"BK\":128,\"BM\":128,\"BN\":32,\"num_warps\":4,\"num_stages\":4}"   # 32: B: the BN=32 tiles (run 1 checks them)
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab fused-proj"                  # 32: A: q/k/v (and gate/up) from one GEMM, B: one GEMM each
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab wgrad-stream"                # 32: A: one stream, B: the experts' weight gradients on a side stream
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab wgrad-config --wgrad-config {\"BK\":128,\"BM\":128,\"BN\":32,\"num_warps\":4,\"num_stages\":4}"   # 32: B: the BN=32 tiles (run 1 checks them)
     "$T --layers 9 --steps 10 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab wgrad-stream"   # 32: the side stream under FP8
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14: FP8 alone at the same depth
     "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise --fp8-head"          # 32: every GEMM's weight gradient in FP8 too (0.92x at 2d14d3e, before the fixes since)

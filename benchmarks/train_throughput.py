@@ -114,16 +114,28 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
                   profile_step: int = 0, trace: str | None = None, fp8: str = "off",
                   optim: str = "adamw", recompute: str = "off", fp8_head: bool = False,
                   arms=None) -> tuple[list[dict], tuple | None]:
-    """`arms`: two functions, one called before each odd step (1, 3, ...), the other before each even one."""
+    """`arms`: two functions, one called before each odd step (1, 3, ...), the other before each even one;
+    without a profile_step, the last step of each arm is profiled (stages: {"A": stage ms, "B": ...})."""
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from pithtrain.train import loop
 
     optimizer_times, untimed = [], loop.optimizer_step  # the optimizer step of each step, between two syncs
     plain_step = loop.train_step
 
+    arm_traces = {}  # arm -> Chrome trace events of its profiled step
+
     def step_in_arm(run, step, stop):  # step: 0-based
         arms[step % 2]()
-        return plain_step(run, step, stop)
+        if profile_step or step + 2 < steps:
+            return plain_step(run, step, stop)
+        profiler = loop.start_profiler(run.mesh.device)
+        try:
+            return plain_step(run, step, stop)
+        finally:
+            profiler.stop()
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                profiler.export_chrome_trace(f.name)
+                arm_traces["AB"[step % 2]] = json.load(open(f.name))["traceEvents"]
 
     def timed_optimizer_step(optimizer, params):
         torch.cuda.synchronize()
@@ -149,6 +161,13 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
         for m, t in zip(history, optimizer_times):
             m["optimizer_s"] = t
         stages = None
+        if arm_traces:
+            profile, stages = _profile_tool(), {}
+            for arm, events in sorted(arm_traces.items()):
+                times = profile.stage_times(events)
+                print(f"arm {arm}, its last step:", flush=True)
+                profile.print_stages(*times)
+                stages[arm] = times[0]
         if profile_step:
             profile = _profile_tool()
             events = json.loads(open(f"{out}/profile/rank0.json").read())["traceEvents"]
@@ -265,7 +284,8 @@ def main():
                         help="A/B in one run: odd steps with this switch as the flags set it (A), even steps flipped "
                         "(B; wgrad-config: A the default tiles, B --wgrad-config's); each arm's median after its first "
                         "two steps and B/A in one line. Same process, model and data: drift and call-to-call noise "
-                        "cancel. Needs --steps >= 6; no profiled step unless --profile-step")
+                        "cancel. Without --profile-step the last step of each arm is profiled (ab_stage_ms) and left "
+                        "out of the medians: --steps 12 gives each arm three")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     from pithtrain.models import deepseek_v2
@@ -284,7 +304,7 @@ def main():
     elif args.wgrad_config:
         kernels.WGRAD_INTO_CONFIG = args.wgrad_config
     if args.profile_step is None:
-        args.profile_step = 0 if args.ab else args.steps
+        args.profile_step = 0 if args.ab else args.steps  # --ab: the last step of each arm (pithtrain_run)
     hf_batch = args.hf_batch or args.batch
     if (args.batch * args.accum) % hf_batch:
         parser.error(f"--hf-batch {hf_batch} must divide --batch x --accum = {args.batch * args.accum}")
@@ -313,7 +333,8 @@ def main():
     gc.collect()
     torch.cuda.empty_cache()
     runs_a = ours[0::2] if args.ab else ours  # with --ab: arm A's steps (odd), then B's (even)
-    warm = [m for m in runs_a[2:] if m["step"] != args.profile_step] or runs_a
+    profiled = {args.profile_step} if args.profile_step or not args.ab else {args.steps - 1, args.steps}
+    warm = [m for m in runs_a[2:] if m["step"] not in profiled] or runs_a
     tps = statistics.median(m["tokens_per_s"] for m in warm)
     result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "wgrad_stream": args.wgrad_stream, "fused_proj": args.fused_proj, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
@@ -322,12 +343,14 @@ def main():
               "optimizer_s": statistics.median(m["optimizer_s"] for m in warm),
               "optimizer_share": statistics.median(m["optimizer_s"] / m["step_time_s"] for m in warm)}
     if args.ab:
-        warm_b = [m for m in ours[1::2][2:] if m["step"] != args.profile_step] or ours[1::2]
+        warm_b = [m for m in ours[1::2][2:] if m["step"] not in profiled] or ours[1::2]
         tps_b = statistics.median(m["tokens_per_s"] for m in warm_b)
         result.update(ab=args.ab, ab_a=arm_a, ab_b=arm_b, ab_b_tokens_per_s=tps_b, ab_b_mfu=tps_b * fpt / 1e12 / peak,
                       ab_b_peak_mem_gib=max(m["peak_mem_bytes"] for m in ours[1::2]) / 2**30, ab_ratio=tps_b / tps,
                       ab_steps=[[m["step"], "AB"[(m["step"] - 1) % 2], round(m["tokens_per_s"])] for m in ours])
-    if stages is not None:  # one profiled step, milliseconds of GPU kernel time per layer stage
+    if isinstance(stages, dict):  # --ab: the last step of each arm profiled
+        result["ab_stage_ms"] = {arm: {k: round(v / 1e3, 3) for k, v in sorted(times.items())} for arm, times in stages.items()}
+    elif stages is not None:  # one profiled step, milliseconds of GPU kernel time per layer stage
         result["stage_ms"] = {k: round(v / 1e3, 3) for k, v in sorted(stages[0].items())}
     print("pithtrain:", json.dumps(result), flush=True)  # kept even if the transformers loop fails
     if not args.skip_transformers:
