@@ -3,9 +3,10 @@
 # changed since the last GPU measurement (2026-12-04): 1-4 in one call carrying .peers (the new GPU checks, MLA's v
 # unpadded against padded in SDPA, the DeepSeek-V3-width peer with both sides profiled one step more, the two
 # profiles' kernel categories); 5-6 MLA unpadded/padded in training at the DeepSeek widths (`--ab`: both arms in one
-# run); 7 MLA with documents; 8 the Qwen3 peer at its deepest; 9-10 Qwen3 9 layers bf16 and FP8 + FP8 head in one
-# call (60% MFU, 1.15x); 11-14 the A/Bs at 9 layers (stacked projections, the weight-gradient side stream, BN=32
-# tiles, the stream under FP8); 15-16 FP8 alone and the `rowwise` recipe. Then the rest of the target table (kernels,
+# run); 7 MLA with documents; 8 the Qwen3 peer at its deepest; 9 Qwen3 9 layers bf16 (60% MFU, stage_ms), 10 bf16
+# against FP8 + FP8 head alternating in one run (1.15x); 11-14 the A/Bs at 9 layers (stacked projections, the
+# weight-gradient side stream, BN=32 tiles, the stream under FP8); 15-16 FP8 alone and the `rowwise` recipe, each
+# against bf16 in its run. Then the rest of the target table (kernels,
 # FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS
 # and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
 # More than one machine lease in all: split it over calls with FIRST and LAST (1-based run numbers):
@@ -23,13 +24,13 @@ runs=(
     "python benchmarks/attention.py --mla --docs 8 --batches 4 --repeats 10"        # packed documents: is unpadded v with the mask faster too (models pad it today)?
     "python benchmarks/peers/torchtitan.py --family qwen3 --layers 9 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: the deepest both fit at micro-batch 4 (124.3 / 134.9 GiB)
     "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU, the deepest Qwen3 width, stage_ms; same call as the next
-    "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head"   # 32: >= 1.15x the run before
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x; A bf16, B FP8 + FP8 head, in one run
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab fused-proj"                  # 32: A: q/k/v (and gate/up) from one GEMM, B: one GEMM each
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab wgrad-stream"                # 32: A: one stream, B: the experts' weight gradients on a side stream
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab wgrad-config --wgrad-config {\"BK\":128,\"BM\":128,\"BN\":32,\"num_warps\":4,\"num_stages\":4}"   # 32: B: the BN=32 tiles (run 1 checks them)
-    "$T --layers 9 --steps 10 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab wgrad-stream"   # 32: the side stream under FP8
-    "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14: FP8 alone at the same depth
-    "$T --layers 9 --steps 6 --batch 4 --accum 8 --fp8 rowwise --fp8-head"          # 32: every GEMM's weight gradient in FP8 too (0.92x at 2d14d3e, before the fixes since)
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab wgrad-stream"   # 32: the side stream under FP8
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --ab fp8"   # 14: FP8 alone against bf16 at the same depth
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise --fp8-head --ab fp8"   # 32: every GEMM's weight gradient in FP8 too (0.92x at 2d14d3e, before the fixes since)
     "python benchmarks/kernels.py --repeats 20"                                      # the Triton kernels against their references
     "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (130.0 GiB estimated); compiles ~2 min
     "$T --layers 8 --steps 5 --batch 4 --accum 8"                                   # 18 and 14: Qwen3 width, 8 layers

@@ -114,7 +114,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
                   profile_step: int = 0, trace: str | None = None, fp8: str = "off",
                   optim: str = "adamw", recompute: str = "off", fp8_head: bool = False,
                   arms=None) -> tuple[list[dict], tuple | None]:
-    """`arms`: two functions, one called before each odd step (1, 3, ...), the other before each even one;
+    """`arms`: two functions of the loop's Run, one called before each odd step (1, 3, ...), the other before each even one;
     without a profile_step, the last step of each arm is profiled (stages: {"A": stage ms, "B": ...})."""
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from pithtrain.train import loop
@@ -125,7 +125,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
     arm_traces = {}  # arm -> Chrome trace events of its profiled step
 
     def step_in_arm(run, step, stop):  # step: 0-based
-        arms[step % 2]()
+        arms[step % 2](run)
         if profile_step or step + 2 < steps:
             return plain_step(run, step, stop)
         profiler = loop.start_profiler(run.mesh.device)
@@ -181,10 +181,17 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
 
 
 def ab_arms(args, parser):
-    """--ab: (what arm A runs, what arm B runs, the two setters). A is the switch as this run's flags set it,
-    B flipped; for wgrad-config, A the kernel's default tiles and B --wgrad-config's."""
+    """--ab: (what arm A runs, what arm B runs, the two setters, each given the loop's Run). A is the switch as
+    this run's flags set it, B flipped; for wgrad-config, A the kernel's default tiles and B --wgrad-config's;
+    for fp8, A bf16 and B the --fp8 recipe (with --fp8-head as given)."""
     from pithtrain.models import deepseek_v2
     from pithtrain.ops import fp8, grouped_gemm, kernels
+
+    if args.ab == "fp8":
+        if args.fp8 == "off":
+            parser.error("--ab fp8: arm B runs the --fp8 recipe; give one (e.g. --fp8 rowwise_bf16_wgrad)")
+        return "off", {"fp8": args.fp8, "fp8_head": args.fp8_head}, [
+            lambda run: fp8_arm(run.model, False, False), lambda run: fp8_arm(run.model, args.fp8, args.fp8_head)]
 
     if args.ab == "mla-v" and args.family not in ("deepseek_v2", "moonlight"):
         parser.error("--ab mla-v: MLA is the DeepSeek families' (--family deepseek_v2 or moonlight)")
@@ -198,7 +205,25 @@ def ab_arms(args, parser):
         module, name = {"fused-proj": (fp8, "FUSED_PROJECTIONS"), "wgrad-stream": (grouped_gemm, "WGRAD_STREAM"),
                         "fused-wgrad": (grouped_gemm, "FUSED_WGRAD"), "mla-v": (deepseek_v2, "UNPADDED_V")}[args.ab]
         values = (getattr(module, name), not getattr(module, name))
-    return (*values, [lambda v=v: setattr(module, name, v) for v in values])
+    return (*values, [lambda run, v=v: setattr(module, name, v) for v in values])
+
+
+def fp8_arm(model, recipe, head: bool) -> None:
+    """Switch a model set up with train.fp8 (ops/fp8.enable_fp8) to bf16 (recipe False) or back, dropping every
+    cached cast of the weights (bf16 copies, FP8 layouts): the other arm's would hold memory at the peak, and each
+    is remade after every update anyway."""
+    from pithtrain.ops import fp8
+
+    for m in model.modules():
+        if isinstance(m, fp8.Linear) or "fp8" in type(m).__dict__:
+            m.fp8 = recipe
+        if "head_fp8" in type(m).__dict__:
+            m.head_fp8 = head
+        for cache in ("_cast_cache", "_fp8_cache"):
+            m.__dict__.pop(cache, None)
+    for p in model.parameters():
+        for cache in ("_fp8_cache", "_head_cast"):
+            p.__dict__.pop(cache, None)
 
 
 def _profile_tool():
@@ -280,9 +305,10 @@ def main():
                         "MLA's v head (128) handed to SDPA as it is, or padded to q and k's 192 (deepseek_v2.UNPADDED_V)")
     parser.add_argument("--fused-proj", default="on", choices=["on", "off"], help="fp8.FUSED_PROJECTIONS: q, k and "
                         "v (and the like) from one GEMM over their stacked weights, or one GEMM each")
-    parser.add_argument("--ab", choices=["fused-proj", "wgrad-stream", "fused-wgrad", "mla-v", "wgrad-config"],
+    parser.add_argument("--ab", choices=["fp8", "fused-proj", "wgrad-stream", "fused-wgrad", "mla-v", "wgrad-config"],
                         help="A/B in one run: odd steps with this switch as the flags set it (A), even steps flipped "
-                        "(B; wgrad-config: A the default tiles, B --wgrad-config's); each arm's median after its first "
+                        "(B; wgrad-config: A the default tiles, B --wgrad-config's; fp8: A bf16, B --fp8 [--fp8-head]); "
+                        "each arm's median after its first "
                         "two steps and B/A in one line. Same process, model and data: drift and call-to-call noise "
                         "cancel. Without --profile-step the last step of each arm is profiled (ab_stage_ms) and left "
                         "out of the medians: --steps 12 gives each arm three")
@@ -326,8 +352,8 @@ def main():
         ours, stages = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile, args.accum,
                                      args.profile_step, args.trace, args.fp8, args.optim, args.recompute,
                                      args.fp8_head, arms)
-    if arms:
-        arms[0]()  # the switches as arm A (the line's other fields describe arm A)
+    if arms and args.ab != "fp8":
+        arms[0](None)  # the switches as arm A (the line's other fields describe arm A)
     import gc
 
     gc.collect()
