@@ -89,7 +89,7 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, dataset_dir, 
 
 @pytest.mark.fast
 def test_non_finite_loss_stops_with_a_clear_error(tmp_path, dataset_dir, monkeypatch):
-    monkeypatch.setattr(loop, "cross_entropy_sum", lambda logits, labels: logits.sum() * float("nan"))
+    monkeypatch.setattr(loop, "cross_entropy_sum", lambda logits, labels, **_: logits.sum() * float("nan"))
     with pytest.raises(FloatingPointError, match="non-finite loss"):
         loop.train(tiny_config(dataset_dir, steps=2), tmp_path, echo=False)
     assert ckpt.list_checkpoints(tmp_path) == []

@@ -124,6 +124,21 @@ def test_triton_cross_entropy(interpreter, dtype):
     labels3 = torch.full((2, 3), -100)
     loss, (grad,) = grads(lambda z: kernels._CrossEntropySum.apply(z, labels3), [logits3], torch.tensor(1.0))
     assert loss == 0 and (grad == 0).all() and grad.shape == logits3.shape
+    # grad_in_place: the same loss and gradient, written over the logits when their rows are dense; strided
+    # logits go through a copy, and theirs stay as they were
+    labels3[0, 1], labels3[1, 2] = 7, 49
+    for strided in (False, True):
+        leaf = (wide if strided else logits3).detach().clone().requires_grad_()
+        head = leaf * 1  # what the LM head hands the loss: a non-leaf tensor
+        head = head[:2, :150].reshape(2, 3, 50) if strided else head  # rows 9100 apart
+        want_loss, (want,) = grads(lambda z: kernels._CrossEntropySum.apply(z, labels3), [head], torch.tensor(0.7))
+        before, seen = head.detach().clone(), []
+        head.register_hook(lambda g: seen.append(g.data_ptr()))
+        loss = kernels._CrossEntropySum.apply(head, labels3, True)
+        (loss * 0.7).backward()
+        grad = leaf.grad[:2, :150].reshape(2, 3, 50) if strided else leaf.grad
+        assert torch.equal(loss, want_loss) and torch.equal(grad, want) and (want != 0).any()
+        assert (seen == [head.data_ptr()]) != strided and torch.equal(head, before) == strided
 
 
 @pytest.mark.parametrize("trans, amax_tile, tile", [(True, 128, 64), (False, 32, 16)])

@@ -13,6 +13,7 @@ installed), otherwise the reference, which is the code the models and dispatcher
                                           AllToAllDispatch's send plan, with no host synchronisation
   expert_bias_add(x, bias, counts)        x + bias[expert of each row], rows grouped by expert
   cross_entropy_sum(logits, labels)       sum of token cross-entropies over labels != -100, fp32 math
+                                          (grad_in_place: the gradient written over the logits)
   add_into(dst, src)                      dst += src for an fp32 dst and a bf16 src (gradient accumulation)
   wgrad_into(grad, x, dy, counts, assign) grad[e] += x_e^T dy_e, the add in the GEMM's epilogue
   muon_momentum(grad, buf, mu, out, halves)   Muon's momentum + Nesterov + cast into the NS batch, one pass
@@ -695,26 +696,46 @@ def _(logits, labels, lse, grad):
     return logits.new_empty(logits.shape)
 
 
+@torch.library.custom_op("pithtrain::cross_entropy_bwd_in_place", mutates_args=("logits",))
+def _ce_bwd_in_place(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor) -> None:
+    """_ce_bwd writing d logits over the logits (each program reads its chunk, then writes it)."""
+    rows, vocab = logits.shape
+    if logits.numel():
+        block_v = min(2048, _pow2(vocab))
+        _ce_bwd_kernel[(rows, _cdiv(vocab, block_v))](logits, labels, lse, grad, logits, vocab, logits.stride(0),
+                                                      BLOCK_V=block_v, num_warps=8)
+
+
 class _CrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels):
+    def forward(ctx, logits, labels, grad_in_place=False):
         x = logits.flatten(0, -2)
-        x = x if x.stride(-1) == 1 else x.contiguous()
+        dense = x.stride(-1) == 1 and (not grad_in_place or x.stride(0) == x.shape[-1])  # in place: d logits' layout
+        x = x if dense else x.contiguous()
         y = labels.flatten().contiguous()
         losses, lse = _ce_fwd(x, y)
         ctx.save_for_backward(x, y, lse)
-        ctx.shape = logits.shape
+        ctx.shape, ctx.in_place = logits.shape, grad_in_place
         return losses.sum()  # a fixed-shape reduction: deterministic
 
     @staticmethod
     def backward(ctx, grad):
         x, y, lse = ctx.saved_tensors
-        return _ce_bwd(x, y, lse, grad.float().reshape(1)).view(ctx.shape), None
+        if not ctx.in_place:
+            return _ce_bwd(x, y, lse, grad.float().reshape(1)).view(ctx.shape), None, None
+        _ce_bwd_in_place(x, y, lse, grad.float().reshape(1))
+        return x.view(ctx.shape), None, None
 
 
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of next-token cross-entropy over labels != -100, in fp32 (logits [.., V] bf16 or fp32)."""
-    return _CrossEntropySum.apply(logits, labels) if use_triton(logits) else core.cross_entropy_sum(logits, labels)
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, grad_in_place: bool = False) -> torch.Tensor:
+    """Sum of next-token cross-entropy over labels != -100, in fp32 (logits [.., V] bf16 or fp32).
+    grad_in_place (Triton path): the backward writes d logits over the logits' own memory rather than a
+    new tensor of their size, for a caller that never reads the logits after the backward (the training
+    loop: at the LM head the step's memory peak is logits plus their gradient, 5 GB each at 16k tokens
+    of Qwen3's vocabulary)."""
+    if use_triton(logits):
+        return _CrossEntropySum.apply(logits, labels, grad_in_place)
+    return core.cross_entropy_sum(logits, labels)
 
 
 # ---------------------------------------------------------------------------------------------------

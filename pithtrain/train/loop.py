@@ -73,9 +73,10 @@ def forward_loss(model, micro: dict, engine: ExpertEngine, device, dtype) -> tup
 def head_losses(out, micro: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(main cross-entropy sum, MTP cross-entropy sum or None) of a head's output: logits, or
     (logits, MTP logits [B, S, D, V]) with MTP."""
-    if not isinstance(out, tuple):
-        return cross_entropy_sum(out, micro["labels"]), None
-    return cross_entropy_sum(out[0], micro["labels"]), cross_entropy_sum(out[1], micro["mtp_labels"])
+    if not isinstance(out, tuple):  # the logits are not read after the backward: their gradient goes over them
+        return cross_entropy_sum(out, micro["labels"], grad_in_place=True), None
+    return (cross_entropy_sum(out[0], micro["labels"], grad_in_place=True),
+            cross_entropy_sum(out[1], micro["mtp_labels"], grad_in_place=True))
 
 
 def prepare_micro(micro: dict, mesh: Mesh) -> dict:
