@@ -167,12 +167,13 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
                 times = profile.stage_times(events)
                 print(f"arm {arm}, its last step:", flush=True)
                 profile.print_stages(*times)
-                stages[arm] = times[0]
+                stages[arm] = {**times[0], "gpu idle": gpu_idle_us(profile, events)}
         if profile_step:
             profile = _profile_tool()
             events = json.loads(open(f"{out}/profile/rank0.json").read())["traceEvents"]
             stages = profile.stage_times(events)
             profile.print_stages(*stages)
+            stages[0]["gpu idle"] = gpu_idle_us(profile, events)
             if trace:
                 import shutil
 
@@ -225,6 +226,12 @@ def fp8_arm(model, recipe, head: bool) -> None:
     for p in model.parameters():
         for cache in ("_fp8_cache", "_head_cast"):
             p.__dict__.pop(cache, None)
+
+
+def gpu_idle_us(profile, events) -> float:
+    """Time between a profiled step's first and last GPU kernel or copy in which none ran (host-bound gaps)."""
+    busy = profile.merged(profile.intervals(events, lambda e: e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")))
+    return (busy[-1][1] - busy[0][0] - sum(b - a for a, b in busy)) if busy else 0.0
 
 
 def _profile_tool():
