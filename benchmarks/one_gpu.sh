@@ -6,7 +6,7 @@
 # run); 7 MLA with documents; 8 the Qwen3 peer at its deepest; 9 Qwen3 9 layers bf16 (60% MFU, stage_ms), 10 bf16
 # against FP8 + FP8 head alternating in one run (1.15x); 11-14 the A/Bs at 9 layers (stacked projections, the
 # weight-gradient side stream, BN=32 tiles, the stream under FP8); 15-16 FP8 alone and the `rowwise` recipe, each
-# against bf16 in its run. Then the rest of the target table (kernels,
+# against bf16 in its run. Judge an A/B line with the ab-test-switch skill (`ab_switch.py --from-results FILE --line N`). Then the rest of the target table (kernels,
 # FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS
 # and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
 # More than one machine lease in all: split it over calls with FIRST and LAST (1-based run numbers):

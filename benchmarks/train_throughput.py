@@ -322,6 +322,8 @@ def main():
                         "out of the medians: --steps 12 gives each arm three")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU: it measures a bf16 GEMM peak and trains on the GPU")
     from pithtrain.models import deepseek_v2
     from pithtrain.ops import attention, fp8, grouped_gemm, kernels
 

@@ -1,0 +1,116 @@
+"""A/B a switch in training on one GPU, both settings alternating step by step in one run, and judge it;
+ends with PASS (B is faster beyond the noise) or FAIL (slower, or within the noise).
+
+  python .agents/skills/ab-test-switch/ab_switch.py SWITCH [--min-gain 0.005] [-- TRAIN_THROUGHPUT_ARGS]
+  python .agents/skills/ab-test-switch/ab_switch.py --from-results FILE [--line N] [--min-gain 0.005]
+
+SWITCH is one of benchmarks/train_throughput.py's --ab choices. The run is `train_throughput.py --seq 4096
+--compile --skip-transformers --steps 12 --ab SWITCH` plus the arguments after `--` (e.g. `--layers 9 --batch 4
+--accum 8`); its line goes where the benchmark writes (PITHTRAIN_RESULTS, else benchmarks/results.jsonl) and is
+judged from there. --from-results judges a line already written (default: the file's last line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
+import runs  # noqa: E402
+
+BENCHMARK = "benchmarks/train_throughput.py"
+
+
+def arm_steps(line: dict) -> dict[str, list[float]]:
+    """Each arm's measured tokens/s: its steps after its first two, less its profiled last one (ab_stage_ms)."""
+    out = {}
+    for arm in "AB":
+        rates = [tps for _, a, tps in line["ab_steps"] if a == arm][2:]
+        out[arm] = rates[:-1] if "ab_stage_ms" in line and len(rates) > 1 else rates
+    return out
+
+
+def judge(line: dict, min_gain: float) -> tuple[bool, str]:
+    """Print both arms and the largest stage changes; (B beats A beyond the noise and min_gain, why)."""
+    steps = arm_steps(line)
+    if not all(steps.values()):
+        return False, "an arm has no measured step (run more steps: --steps 12 gives each three)"
+    spread = {arm: (max(r) - min(r)) / statistics.median(r) for arm, r in steps.items()}
+    ratio = line["ab_b_tokens_per_s"] / line["pithtrain_tokens_per_s"]
+    print(f"switch {line['ab']}: A = {json.dumps(line['ab_a'])}, B = {json.dumps(line['ab_b'])}"
+          f" ({line.get('family', '?')}, {line.get('layers', '?')} layers, commit {line.get('commit', '?')})")
+    for arm, tps, mfu, gib in (("A", line["pithtrain_tokens_per_s"], line.get("pithtrain_mfu"), line.get("pithtrain_peak_mem_gib")),
+                               ("B", line["ab_b_tokens_per_s"], line.get("ab_b_mfu"), line.get("ab_b_peak_mem_gib"))):
+        shown = ", ".join(f"{r:,.0f}" for r in steps[arm])
+        print(f"  arm {arm}: {tps:,.0f} tok/s median of [{shown}] (spread {spread[arm]:.1%})"
+              + (f", MFU {mfu:.1%}" if mfu else "") + (f", peak {gib:.1f} GiB" if gib else ""))
+    stages = line.get("ab_stage_ms")
+    if stages and {"A", "B"} <= set(stages):
+        keys = sorted(set(stages["A"]) | set(stages["B"]), key=lambda k: -abs(stages["B"].get(k, 0) - stages["A"].get(k, 0)))
+        print("  GPU ms of the profiled step, largest changes B - A: " + ", ".join(
+            f"{k} {stages['A'].get(k, 0):.1f} -> {stages['B'].get(k, 0):.1f}" for k in keys[:6]))
+    noise = max(spread.values())
+    gain = ratio - 1
+    if gain >= max(min_gain, noise):
+        return True, f"B is {gain:.1%} faster ({ratio:.3f}x), beyond the step-to-step spread ({noise:.1%})"
+    if gain <= -max(min_gain, noise):
+        return False, f"B is {-gain:.1%} slower ({ratio:.3f}x): keep A"
+    return False, (f"B/A = {ratio:.3f}x, within the noise (spread {noise:.1%}, --min-gain {min_gain:.1%}): "
+                   "no verdict; run more steps or keep A")
+
+
+def read_line(path: Path, number: int | None) -> dict | str:
+    """The results line to judge, or a one-line reason it cannot be read."""
+    if not path.is_file():
+        return f"{path}: no such results file"
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    if not lines:
+        return f"{path} is empty"
+    index = len(lines) if number is None else number
+    if not 1 <= index <= len(lines):
+        return f"--line {index}: {path} has lines 1..{len(lines)}"
+    try:
+        line = json.loads(lines[index - 1])
+    except json.JSONDecodeError as e:
+        return f"{path} line {index} is not JSON ({e.msg})"
+    if not isinstance(line, dict) or "ab" not in line or "ab_steps" not in line:
+        return f"{path} line {index} is not a train_throughput.py --ab run"
+    return line
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    argv = argv[:argv.index("--")] if "--" in argv else argv
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("switch", nargs="?", help="a train_throughput.py --ab choice (fp8 needs --fp8 after --)")
+    parser.add_argument("--from-results", type=Path, help="judge a line already in this results file")
+    parser.add_argument("--line", type=int, help="with --from-results: its line number (1-based; default the last)")
+    parser.add_argument("--min-gain", type=float, default=0.005, help="the smallest B/A - 1 worth a PASS (default 0.005)")
+    args = parser.parse_args(argv)
+    if (args.switch is None) == (args.from_results is None):
+        return runs.verdict(False, "give SWITCH (to run the A/B on this GPU) or --from-results FILE, one of them")
+    if args.from_results is None:
+        results = Path(os.environ.get("PITHTRAIN_RESULTS", BENCHMARK.replace("train_throughput.py", "results.jsonl")))
+        before = len(results.read_text().splitlines()) if results.is_file() else 0
+        cmd = [sys.executable, BENCHMARK, "--seq", "4096", "--compile", "--skip-transformers", "--steps", "12",
+               *extra, "--ab", args.switch]
+        print("$ " + " ".join(cmd), flush=True)
+        if subprocess.run(cmd).returncode != 0:
+            return runs.verdict(False, f"{BENCHMARK} failed (its error is above)")
+        if not results.is_file() or len(results.read_text().splitlines()) <= before:
+            return runs.verdict(False, f"{BENCHMARK} wrote no line to {results}")
+        args.from_results, args.line = results, None
+    line = read_line(args.from_results, args.line)
+    if isinstance(line, str):
+        return runs.verdict(False, line)
+    return runs.verdict(*judge(line, args.min_gain))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
