@@ -322,8 +322,6 @@ def main():
                         "out of the medians: --steps 12 gives each arm three")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("needs a CUDA GPU: it measures a bf16 GEMM peak and trains on the GPU")
     from pithtrain.models import deepseek_v2
     from pithtrain.ops import attention, fp8, grouped_gemm, kernels
 
@@ -344,6 +342,8 @@ def main():
     hf_batch = args.hf_batch or args.batch
     if (args.batch * args.accum) % hf_batch:
         parser.error(f"--hf-batch {hf_batch} must divide --batch x --accum = {args.batch * args.accum}")
+    if not torch.cuda.is_available():  # after every argument check, so a CPU run checks a command line
+        parser.error("needs a CUDA GPU: it measures a bf16 GEMM peak and trains on the GPU")
     from pithtrain.train.data import write_dataset
 
     cfg = family_config(args.family, args.layers)
