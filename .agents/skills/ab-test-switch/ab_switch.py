@@ -1,5 +1,6 @@
 """A/B a switch in training on one GPU, both settings alternating step by step in one run, and judge it;
-ends with PASS (B is faster beyond the noise) or FAIL (slower, or within the noise).
+ends with PASS (B is faster beyond the noise) or FAIL (slower, or within the noise). The noise: twice the
+standard error of B/A - 1 from each arm's step-to-step scatter about its median (about 95% confidence).
 
   python .agents/skills/ab-test-switch/ab_switch.py SWITCH [--min-gain 0.005] [-- TRAIN_THROUGHPUT_ARGS]
   python .agents/skills/ab-test-switch/ab_switch.py --from-results FILE [--line N] [--min-gain 0.005]
@@ -41,6 +42,7 @@ def judge(line: dict, min_gain: float) -> tuple[bool, str]:
     if not all(steps.values()):
         return False, "an arm has no measured step (run more steps: --steps 12 gives each three)"
     spread = {arm: (max(r) - min(r)) / statistics.median(r) for arm, r in steps.items()}
+    scatter = {arm: statistics.fmean((x / statistics.median(r) - 1) ** 2 for x in r) for arm, r in steps.items()}
     ratio = line["ab_b_tokens_per_s"] / line["pithtrain_tokens_per_s"]
     print(f"switch {line['ab']}: A = {json.dumps(line['ab_a'])}, B = {json.dumps(line['ab_b'])}"
           f" ({line.get('family', '?')}, {line.get('layers', '?')} layers, commit {line.get('commit', '?')})")
@@ -54,13 +56,13 @@ def judge(line: dict, min_gain: float) -> tuple[bool, str]:
         keys = sorted(set(stages["A"]) | set(stages["B"]), key=lambda k: -abs(stages["B"].get(k, 0) - stages["A"].get(k, 0)))
         print("  GPU ms of the profiled step, largest changes B - A: " + ", ".join(
             f"{k} {stages['A'].get(k, 0):.1f} -> {stages['B'].get(k, 0):.1f}" for k in keys[:6]))
-    noise = max(spread.values())
+    noise = 2 * sum(scatter[arm] / len(steps[arm]) for arm in "AB") ** 0.5
     gain = ratio - 1
     if gain >= max(min_gain, noise):
-        return True, f"B is {gain:.1%} faster ({ratio:.3f}x), beyond the step-to-step spread ({noise:.1%})"
+        return True, f"B is {gain:.1%} faster ({ratio:.3f}x), beyond the noise ({noise:.1%})"
     if gain <= -max(min_gain, noise):
         return False, f"B is {-gain:.1%} slower ({ratio:.3f}x): keep A"
-    return False, (f"B/A = {ratio:.3f}x, within the noise (spread {noise:.1%}, --min-gain {min_gain:.1%}): "
+    return False, (f"B/A = {ratio:.3f}x, within the noise ({noise:.1%}; --min-gain {min_gain:.1%}): "
                    "no verdict; run more steps or keep A")
 
 
