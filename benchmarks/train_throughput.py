@@ -216,11 +216,8 @@ def fp8_arm(model, recipe, head: bool) -> None:
     hundred MB): compiled stages read them, and new tensors there would recompile them at every switch."""
     from pithtrain.ops import fp8
 
+    fp8.enable_fp8(model, compiled=False, recipe=recipe, head=head)  # the flags; stage 1 keeps its set-up refresh wrapper
     for m in model.modules():
-        if isinstance(m, fp8.Linear) or "fp8" in type(m).__dict__:
-            m.fp8 = recipe
-        if "head_fp8" in type(m).__dict__:
-            m.head_fp8 = head
         for cache in ("_cast_cache",) if isinstance(m, fp8.Linear) else ("_cast_cache", "_fp8_cache"):
             m.__dict__.pop(cache, None)
     for p in model.parameters():

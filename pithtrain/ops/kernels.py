@@ -680,14 +680,18 @@ def _(logits, labels):
     return losses, torch.empty_like(losses)
 
 
-@torch.library.custom_op("pithtrain::cross_entropy_bwd", mutates_args=())
-def _ce_bwd(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+def _launch_ce_bwd(logits, labels, lse, grad, dlogits) -> None:
     rows, vocab = logits.shape
-    dlogits = logits.new_empty(rows, vocab)
-    if dlogits.numel():
+    if logits.numel():
         block_v = min(2048, _pow2(vocab))
         _ce_bwd_kernel[(rows, _cdiv(vocab, block_v))](logits, labels, lse, grad, dlogits, vocab, logits.stride(0),
                                                       BLOCK_V=block_v, num_warps=8)
+
+
+@torch.library.custom_op("pithtrain::cross_entropy_bwd", mutates_args=())
+def _ce_bwd(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    dlogits = logits.new_empty(logits.shape)
+    _launch_ce_bwd(logits, labels, lse, grad, dlogits)
     return dlogits
 
 
@@ -699,11 +703,7 @@ def _(logits, labels, lse, grad):
 @torch.library.custom_op("pithtrain::cross_entropy_bwd_in_place", mutates_args=("logits",))
 def _ce_bwd_in_place(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor) -> None:
     """_ce_bwd writing d logits over the logits (each program reads its chunk, then writes it)."""
-    rows, vocab = logits.shape
-    if logits.numel():
-        block_v = min(2048, _pow2(vocab))
-        _ce_bwd_kernel[(rows, _cdiv(vocab, block_v))](logits, labels, lse, grad, logits, vocab, logits.stride(0),
-                                                      BLOCK_V=block_v, num_warps=8)
+    _launch_ce_bwd(logits, labels, lse, grad, logits)
 
 
 class _CrossEntropySum(torch.autograd.Function):

@@ -46,6 +46,25 @@ def model_loss_and_grads(model, ids, pos, bf16: bool, **kwargs):
     return loss.item(), {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def small_model_and_batch(cfg, seq: int = 1024):
+    """cfg's model on CUDA (weights from seed 0), random token ids [2, seq], their positions, and the generator
+    that drew the ids (seed 1), for more draws."""
+    model = cfg.build_model().cuda()
+    model.init_weights(0)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (2, seq), generator=gen).cuda()
+    return model, ids, torch.arange(seq, device="cuda").expand(2, seq), gen
+
+
+def assert_as_close_to_fp32(got, other, exact):
+    """(loss, grads) of a bf16 path against another bf16 path's and an fp32 run's: the loss and every gradient
+    within twice the other path's error against fp32 (plus 1e-3 of the loss, 2e-3 of a gradient)."""
+    (loss, grads), (other_loss, other_grads), (exact_loss, exact_grads) = got, other, exact
+    assert abs(loss - exact_loss) <= 2 * abs(other_loss - exact_loss) + 1e-3 * abs(exact_loss)
+    for name, exact_grad in exact_grads.items():
+        assert rel_err(grads[name], exact_grad) <= 2 * rel_err(other_grads[name], exact_grad) + 2e-3, name
+
+
 def with_grads(fn, leaves, dout):
     leaves = [t.detach().requires_grad_() for t in leaves]
     out = fn(*leaves)
@@ -103,11 +122,7 @@ def test_qwen3_packed_documents_use_the_flash_kernel_and_match_sdpa():
 
     cfg = Qwen3MoeConfig(vocab_size=512, hidden_size=256, moe_intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2)
-    model = cfg.build_model().cuda()
-    model.init_weights(0)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (2, 1024), generator=gen).cuda()
-    pos = torch.arange(1024, device="cuda").expand(2, 1024)
+    model, ids, pos, gen = small_model_and_batch(cfg)
     doc_ids = (torch.rand(2, 1024, generator=gen) < 8 / 1024).long().cumsum(1).cuda()
     assert model.attn_inputs(pos, doc_ids, BF16).doc_ids is not None  # the flash path is taken
 
@@ -121,10 +136,7 @@ def test_qwen3_packed_documents_use_the_flash_kernel_and_match_sdpa():
     def fp32_reference():  # no autocast: fp32 runs the SDPA path with the documents' mask
         return model_loss_and_grads(model, ids, pos, False, doc_ids=doc_ids)
 
-    (loss, grads), (sdpa_loss, sdpa_grads), (exact_loss, exact_grads) = loss_and_grads(True), loss_and_grads(False), fp32_reference()
-    assert abs(loss - exact_loss) <= 2 * abs(sdpa_loss - exact_loss) + 1e-3 * abs(exact_loss)
-    for name, exact in exact_grads.items():  # the flash path is as close to fp32 as the SDPA path is
-        assert rel_err(grads[name], exact) <= 2 * rel_err(sdpa_grads[name], exact) + 2e-3, name
+    assert_as_close_to_fp32(loss_and_grads(True), loss_and_grads(False), fp32_reference())  # flash vs SDPA
 
 
 @pytest.mark.parametrize("kernel, configs", [("_bwd_dkv_kernel", "DKV_CONFIGS"), ("_bwd_dq_kernel", "DQ_CONFIGS")])
@@ -165,11 +177,7 @@ def test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded():
                                        num_hidden_layers=2, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=64,
                                        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=8,
                                        n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=1, topk_group=1)
-    model = cfg.build_model().cuda()
-    model.init_weights(0)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (2, 1024), generator=gen).cuda()
-    pos = torch.arange(1024, device="cuda").expand(2, 1024)
+    model, ids, pos, _ = small_model_and_batch(cfg)
 
     def loss_and_grads(unpadded, dtype):
         deepseek_v2.UNPADDED_V = unpadded
@@ -178,8 +186,4 @@ def test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded():
         finally:
             deepseek_v2.UNPADDED_V = True
 
-    (loss, grads), (pad_loss, pad_grads) = loss_and_grads(True, BF16), loss_and_grads(False, BF16)
-    exact_loss, exact_grads = loss_and_grads(False, torch.float32)
-    assert abs(loss - exact_loss) <= 2 * abs(pad_loss - exact_loss) + 1e-3 * abs(exact_loss)
-    for name, exact in exact_grads.items():
-        assert rel_err(grads[name], exact) <= 2 * rel_err(pad_grads[name], exact) + 2e-3, name
+    assert_as_close_to_fp32(loss_and_grads(True, BF16), loss_and_grads(False, BF16), loss_and_grads(False, torch.float32))
