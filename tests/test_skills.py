@@ -404,6 +404,7 @@ def test_ab_test_switch_judges_gain_loss_and_noise(tmp_path, monkeypatch):
     for args, reason in [(["--from-results", results], "line 4 is not a train_throughput.py --ab run"),
                          (["--from-results", results, "--line", 9], "--line 9: "),
                          (["--from-results", tmp_path / "none.jsonl"], "no such results file"),
+                         (["--from-results", results, "--min-gain", -0.1], "--min-gain -0.1: must be >= 0"),
                          ([], "give SWITCH")]:
         out = run_script(script, *args)
         assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and reason in out.stdout, (args, out.stdout)

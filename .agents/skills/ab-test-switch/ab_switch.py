@@ -69,7 +69,7 @@ def judge(line: dict, min_gain: float) -> tuple[bool, str]:
 def read_line(path: Path, number: int | None) -> dict | str:
     """The results line to judge, or a one-line reason it cannot be read."""
     if not path.is_file():
-        return f"{path}: no such results file"
+        return f"{path}: no such results file" + (" (a folder)" if path.is_dir() else "")
     lines = [line for line in path.read_text().splitlines() if line.strip()]
     if not lines:
         return f"{path} is empty"
@@ -95,6 +95,8 @@ def main() -> int:
     parser.add_argument("--line", type=int, help="with --from-results: its line number (1-based; default the last)")
     parser.add_argument("--min-gain", type=float, default=0.005, help="the smallest B/A - 1 worth a PASS (default 0.005)")
     args = parser.parse_args(argv)
+    if args.min_gain < 0:
+        return runs.verdict(False, f"--min-gain {args.min_gain}: must be >= 0 (a fraction: 0.005 is 0.5%)")
     if (args.switch is None) == (args.from_results is None):
         return runs.verdict(False, "give SWITCH (to run the A/B on this GPU) or --from-results FILE, one of them")
     if args.from_results is None:
