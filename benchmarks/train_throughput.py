@@ -110,6 +110,16 @@ def flops_per_token(cfg, seq: int) -> float:
     return 6 * active + 3 * attn
 
 
+# The caching allocator's calls that stall the GPU queue, counted a step: a retry (a failed allocation) frees the
+# cached blocks after a device-wide sync; cudaMalloc and cudaFree calls (cudaFree synchronizes). Near the memory
+# limit they can be the steps' idle GPU time.
+ALLOCATOR_COUNTS = ("num_alloc_retries", "num_device_alloc", "num_device_free")
+
+
+def allocator_max(steps: list[dict]) -> dict:
+    return {k.removeprefix("num_"): max(m["allocator"][k] for m in steps) for k in ALLOCATOR_COUNTS}
+
+
 def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile: bool = False, accum: int = 1,
                   profile_step: int = 0, trace: str | None = None, fp8: str = "off",
                   optim: str = "adamw", recompute: str = "off", fp8_head: bool = False,
@@ -120,6 +130,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
     from pithtrain.train import loop
 
     optimizer_times, untimed = [], loop.optimizer_step  # the optimizer step of each step, between two syncs
+    allocator_counts = [[torch.cuda.memory_stats().get(k, 0) for k in ALLOCATOR_COUNTS]]  # cumulative, after each step
     plain_step = loop.train_step
 
     arm_traces = {}  # arm -> Chrome trace events of its profiled step
@@ -143,6 +154,8 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
         untimed(optimizer, params)
         torch.cuda.synchronize()
         optimizer_times.append(time.perf_counter() - t0)
+        stats = torch.cuda.memory_stats()
+        allocator_counts.append([stats.get(k, 0) for k in ALLOCATOR_COUNTS])
 
     loop.optimizer_step = timed_optimizer_step
     if arms:
@@ -158,8 +171,9 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
             history = loop.train(run, out, echo=True)
         finally:
             loop.optimizer_step, loop.train_step = untimed, plain_step
-        for m, t in zip(history, optimizer_times):
+        for m, t, before, after in zip(history, optimizer_times, allocator_counts, allocator_counts[1:]):
             m["optimizer_s"] = t
+            m["allocator"] = {k: b - a for k, a, b in zip(ALLOCATOR_COUNTS, before, after)}
         stages = None
         if arm_traces:
             profile, stages = _profile_tool(), {}
@@ -374,13 +388,14 @@ def main():
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in runs_a) / 2**30,
               "optimizer_s": statistics.median(m["optimizer_s"] for m in warm),
-              "optimizer_share": statistics.median(m["optimizer_s"] / m["step_time_s"] for m in warm)}
+              "optimizer_share": statistics.median(m["optimizer_s"] / m["step_time_s"] for m in warm),
+              "allocator_max_per_step": allocator_max(warm)}
     if args.ab:
         warm_b = [m for m in ours[1::2][2:] if m["step"] not in profiled] or ours[1::2]
         tps_b = statistics.median(m["tokens_per_s"] for m in warm_b)
         result.update(ab=args.ab, ab_a=arm_a, ab_b=arm_b, ab_b_tokens_per_s=tps_b, ab_b_mfu=tps_b * fpt / 1e12 / peak,
                       ab_b_peak_mem_gib=max(m["peak_mem_bytes"] for m in ours[1::2]) / 2**30, ab_ratio=tps_b / tps,
-                      ab_steps=[[m["step"], "AB"[(m["step"] - 1) % 2], round(m["tokens_per_s"])] for m in ours])
+                      ab_b_allocator_max_per_step=allocator_max(warm_b), ab_steps=[[m["step"], "AB"[(m["step"] - 1) % 2], round(m["tokens_per_s"])] for m in ours])
     if isinstance(stages, dict):  # --ab: the last step of each arm profiled
         result["ab_stage_ms"] = {arm: {k: round(v / 1e3, 3) for k, v in sorted(times.items())} for arm, times in stages.items()}
     elif stages is not None:  # one profiled step, milliseconds of GPU kernel time per layer stage

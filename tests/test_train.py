@@ -1,11 +1,12 @@
 """The single-process training loop: loss, accumulation invariance, bit-exact resume, atomic checkpoints,
-non-finite stop, schedules and load-balance losses."""
+non-finite stop, schedules, load-balance losses, and no host sync inside a layer."""
 
 import math
 import os
 import re
 import shutil
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -292,3 +293,43 @@ def test_progress_line_durations_and_tensorboard_tags(tmp_path):
     tags = {tag: value for tag, value, step in scalars}
     assert tags["eval/loss"] == 2.5 and tags["train/loss"] == 2.0 and "train/time" not in tags
     assert read_metrics(tmp_path / "metrics.jsonl")[0]["time"] == 1.7e9
+
+
+class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that make a CUDA host wait for the GPU (.item(), nonzero, masked_select, ...), by the innermost
+    pithtrain function that called them. Each one stalls the GPU's queue on a GPU run."""
+
+    SYNCS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "is_nonzero", "aten.equal")
+
+    def __init__(self):
+        super().__init__()
+        self.sites = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(s in str(func) for s in self.SYNCS):
+            site = [f"{f.filename.rsplit('/', 1)[-1]}:{f.name}" for f in traceback.extract_stack() if "/pithtrain/" in f.filename]
+            self.sites[site[-1]] = self.sites.get(site[-1], 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.fast
+def test_forward_and_backward_never_wait_for_the_device(tmp_path, dataset_dir):
+    """A training step's host syncs are its scalars (the label count on the host batch, the summed losses, the
+    gradient norm) and the CPU optimizer's step counters; none in a layer's forward or backward, in bf16 autocast
+    as on a GPU: a sync there would idle the GPU at every layer of every micro-batch."""
+    from conftest import tiny_deepseek_v3_config
+
+    plain = loop.train_step
+    for make in (tiny_config, tiny_deepseek_v3_config):
+        syncs = _HostSyncs()
+
+        def second_step_watched(run, step, stop):
+            if step == 0:
+                return plain(run, step, stop)
+            with syncs:
+                return plain(run, step, stop)
+
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(loop, "train_step", second_step_watched)
+            loop.train(make(dataset_dir, steps=2, dtype="bf16", checkpoint_every=-1), tmp_path / make.__name__, echo=False)
+        assert set(syncs.sites) == {"loop.py:train_step", "fsdp.py:global_grad_norm", "optim.py:optimizer_step"}, syncs.sites
