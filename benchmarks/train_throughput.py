@@ -1,7 +1,8 @@
 """Training throughput on one GPU: PithTrain vs a plain Hugging Face `transformers` loop, same model,
 data and batch. Prints tokens/s, TFLOP/s per GPU, MFU against a bf16 matmul peak measured in the
 same run, peak memory, GPU time per layer stage (from a profiled step, by default the last; it is
-left out of the medians), and the PithTrain/transformers ratio.
+left out of the medians), the optimizer step's GPU time (CUDA events: no sync added to the step), the
+caching allocator's retries, cudaMalloc and cudaFree calls a step, and the PithTrain/transformers ratio.
 
     PYTHONPATH=. python benchmarks/train_throughput.py --family qwen3 --layers 4 --seq 4096 --steps 8
     (--family deepseek_v2 | gpt_oss | qwen3_5 | moonlight: the DeepSeek-V2-Lite / GPT-OSS-20B / Qwen3.5-35B-A3B /
@@ -129,7 +130,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from pithtrain.train import loop
 
-    optimizer_times, untimed = [], loop.optimizer_step  # the optimizer step of each step, between two syncs
+    optimizer_events, untimed = [], loop.optimizer_step  # GPU time of each step's optimizer step
     allocator_counts = [[torch.cuda.memory_stats().get(k, 0) for k in ALLOCATOR_COUNTS]]  # cumulative, after each step
     plain_step = loop.train_step
 
@@ -148,12 +149,12 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
                 profiler.export_chrome_trace(f.name)
                 arm_traces["AB"[step % 2]] = json.load(open(f.name))["traceEvents"]
 
-    def timed_optimizer_step(optimizer, params):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def timed_optimizer_step(optimizer, params):  # CUDA events: a sync after it would idle the GPU while the host
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # readies the next step
+        start.record()
         untimed(optimizer, params)
-        torch.cuda.synchronize()
-        optimizer_times.append(time.perf_counter() - t0)
+        end.record()
+        optimizer_events.append((start, end))
         stats = torch.cuda.memory_stats()
         allocator_counts.append([stats.get(k, 0) for k in ALLOCATOR_COUNTS])
 
@@ -171,8 +172,9 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
             history = loop.train(run, out, echo=True)
         finally:
             loop.optimizer_step, loop.train_step = untimed, plain_step
-        for m, t, before, after in zip(history, optimizer_times, allocator_counts, allocator_counts[1:]):
-            m["optimizer_s"] = t
+        torch.cuda.synchronize()
+        for m, (start, end), before, after in zip(history, optimizer_events, allocator_counts, allocator_counts[1:]):
+            m["optimizer_s"] = start.elapsed_time(end) / 1e3
             m["allocator"] = {k: b - a for k, a, b in zip(ALLOCATOR_COUNTS, before, after)}
         stages = None
         if arm_traces:
