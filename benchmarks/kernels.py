@@ -7,8 +7,8 @@ warm-up, which includes the Triton compiles), and the peak memory the forward + 
 Shapes are those of one micro-batch of 4096 tokens of Qwen3-30B-A3B and GPT-OSS-20B sized layers.
 `weighted_combine` (stages 4-5 fused) is timed against what it replaced: the unpermute kernel into
 [T, k, H] and the compiled weighted sum; `swiglu_fp8` (fp8.glu_quantized: the activation and its FP8 copy
-in one kernel) against the SwiGLU kernel, then fp8.quantize. One benchmarks/results.jsonl line with every
-op's figures.
+in one kernel) against the SwiGLU kernel, then fp8.quantize; the dispatch's stable sorts with narrow keys
+(`core.stable_argsort_ids`) against int64's. One benchmarks/results.jsonl line with every op's figures.
 """
 
 from __future__ import annotations
@@ -136,6 +136,15 @@ def main():
         shape = f"T={tokens} k=8 E=256 ep={ep}"
         print(f"{'dispatch_plan':<18} {shape:<26} {ref_t:8.3f} {fast_t:8.3f} {ref_t / fast_t:5.2f}")
         figures.append({"op": "dispatch_plan", "shape": shape, "ref_fwd_ms": round(ref_t, 4), "fwd_ms": round(fast_t, 4)})
+    # the stable sorts of a micro-batch's dispatch (expert ids) and permute backward (token ids): int64 keys
+    # against core.stable_argsort_ids' narrow ones (a radix pass per key byte)
+    for what, n, bound in (("expert order", 16384 * 8, 128), ("token order", 16384 * 8, 16384)):
+        ids = torch.randint(0, bound, (n,), device="cuda")
+        ref_t = median_ms(lambda: torch.argsort(ids, stable=True), args.repeats)
+        fast_t = median_ms(lambda: core.stable_argsort_ids(ids, bound), args.repeats)
+        shape = f"{what} N={n} < {bound}"
+        print(f"{'stable_argsort':<18} {shape:<26} {ref_t:8.3f} {fast_t:8.3f} {ref_t / fast_t:5.2f}")
+        figures.append({"op": "stable_argsort_ids", "shape": shape, "ref_fwd_ms": round(ref_t, 4), "fwd_ms": round(fast_t, 4)})
     record({"benchmark": "kernels", "repeats": args.repeats, "ops": figures})
 
 

@@ -58,6 +58,9 @@ def test_triton_permute_kernels(interpreter, dtype):
     check_kernel(kernels._Permute.apply, kernels.permute_reference, [x[:8], index], dy[:7], tol)
     check_kernel(lambda y: kernels._Unpermute.apply(y, index.unique(), 12),
                  lambda y: kernels.unpermute_reference(y, index.unique(), 12), [dy[:4]], dy[:12], 0)
+    # more source rows than uint8 holds: the backward sorts the row ids as int16
+    big, index = torch.randn(300, 8).to(dtype), torch.randint(0, 300, (500,))
+    check_kernel(kernels._Permute.apply, kernels.permute_reference, [big, index], torch.randn(500, 8).to(dtype), tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -308,9 +308,9 @@ class _Permute(torch.autograd.Function):
         (index,) = ctx.saved_tensors
         # Each row of x gets the sum of its copies' gradients: group the copies by source row (a
         # stable sort fixes the summation order) and sum each group in fp32, without atomics.
-        sorted_index, perm = torch.sort(index, stable=True)
-        rows = torch.arange(ctx.num_rows, device=index.device)
-        ends = torch.searchsorted(sorted_index, rows, right=True, out_int32=True)
+        perm = core.stable_argsort_ids(index, ctx.num_rows)
+        ends = torch.searchsorted(index[perm], torch.arange(ctx.num_rows, device=index.device), right=True,
+                                  out_int32=True)
         return _segment_sum(grad.contiguous(), perm, ends), None
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from pithtrain.protocol import Combined, RoutingInfo, named_range
-from pithtrain.ops.core import count_ids
+from pithtrain.ops.core import count_ids, stable_argsort_ids
 from pithtrain.ops.kernels import dispatch_plan, permute, unpermute  # Triton row moves on GPUs
 
 
@@ -22,7 +22,7 @@ class LocalDispatch:
         """x: [T, H]. Returns rows grouped by expert [T*k, H], rows per expert [E], and a handle."""
         topk = routing.topk_ids.shape[1]
         flat = routing.topk_ids.flatten()
-        order = torch.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
+        order = stable_argsort_ids(flat, routing.num_experts)  # (token, slot) pairs sorted by expert
         counts = count_ids(flat, routing.num_experts)
         tokens = permute(x, order // topk)
         return tokens, counts, order
@@ -232,7 +232,7 @@ class AllToAllDispatch:
         # (row, slot) order == source-rank order; the count is known on the host: no sync
         row_idx, slot_idx = torch.nonzero_static(meta >= 0, size=sum(recv_pairs)).unbind(1)
         experts = meta[row_idx, slot_idx]
-        order = torch.argsort(experts, stable=True)
+        order = stable_argsort_ids(experts, self.local_experts)
         tokens = permute(rows, row_idx[order])
         local_counts = count_ids(experts, self.local_experts)
         return tokens, local_counts, (order, recv_pairs, send_pairs, home_index)
