@@ -7,7 +7,8 @@ warm-up, which includes the Triton compiles), and the peak memory the forward + 
 Shapes are those of one micro-batch of 4096 tokens of Qwen3-30B-A3B and GPT-OSS-20B sized layers.
 `weighted_combine` (stages 4-5 fused) is timed against what it replaced: the unpermute kernel into
 [T, k, H] and the compiled weighted sum; `swiglu_fp8` (fp8.glu_quantized: the activation and its FP8 copy
-in one kernel) against the SwiGLU kernel, then fp8.quantize; the dispatch's stable sorts with narrow keys
+in one kernel) against the SwiGLU kernel, then fp8.quantize; `expand` (LocalDispatch's, at 16384 tokens)
+against the Triton gather it replaced; the dispatch's stable sorts with narrow keys
 (`core.stable_argsort_ids`) against int64's. One benchmarks/results.jsonl line with every op's figures.
 """
 
@@ -94,6 +95,10 @@ def cases():
 
     yield ("swiglu_fp8", "[32768, 1536] bf16 -> FP8", swiglu_then_quantize, lambda t: fp8.glu_quantized(t)[0], [gate_up])
     yield ("permute", "4096x2048 -> 32768 rows", kernels.permute_reference, kernels.permute, [x, order // 8])
+    # LocalDispatch's expand against the gather it replaced, at a training micro-batch (its rows outgrow the L2)
+    order16 = torch.argsort(torch.rand(16384, 128, device=dev).topk(8, dim=1).indices.flatten(), stable=True)
+    yield ("expand", "16384x2048 -> 131072 rows", lambda t: kernels.permute(t, order16 // 8),
+           lambda t: kernels.expand(t, order16, 8), [torch.randn(16384, 2048, device=dev, dtype=bf16)])
     yield ("unpermute", "32768 x 2048 bf16", lambda y: kernels.unpermute_reference(y, order, tokens * 8),
            lambda y: kernels.unpermute(y, order, tokens * 8), [rows])
     yield ("weighted_combine", "32768 x 2048 bf16 -> 4096", lambda y, w: weighted_sum(

@@ -43,7 +43,7 @@ def test_triton_glu_kernels(interpreter, dtype, rows, inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_permute_kernels(interpreter, dtype):
+def test_triton_permute_kernels(interpreter, dtype, monkeypatch):
     torch.manual_seed(7)
     t, k, e, h = 23, 4, 9, 600  # h above the column block: several column programs
     ids = routed_ids(t, k, e, empty=(0, 4))
@@ -51,6 +51,13 @@ def test_triton_permute_kernels(interpreter, dtype):
     x, dy = torch.randn(t, h).to(dtype), torch.randn(t * k, h).to(dtype)
     tol = 0 if dtype == torch.float32 else 1e-2  # bf16: fp32 sums of the copies vs the reference's bf16 adds
     check_kernel(kernels._Permute.apply, kernels.permute_reference, [x, order // k], dy, tol)
+    with monkeypatch.context() as m:  # expand (LocalDispatch's permute): the Triton path on CPU tensors
+        m.setattr(kernels, "use_triton", lambda _: True)
+        fresh = torch.randn(t, h).to(dtype)  # not x: a buffer freed above holds x's permutation, which new_empty may reuse
+        for rows, grad in ((fresh, dy), (fresh[:0], dy[:0])):  # and no tokens
+            pairs = torch.argsort(ids[: len(rows)].flatten(), stable=True)
+            check_kernel(lambda y: kernels.expand(y, pairs, k), lambda y: kernels.permute_reference(y, pairs // k),
+                         [rows], grad, 1e-6 if dtype == torch.float32 else 1e-2)  # fp32: the sums' order differs
     check_kernel(lambda y: kernels._Unpermute.apply(y, order, t * k),
                  lambda y: kernels.unpermute_reference(y, order, t * k), [dy], x.repeat_interleave(k, 0), 0)
     # varying copies per row (the expert-parallel receiver), a row never picked, and a larger output
@@ -237,6 +244,7 @@ def test_triton_ops_are_sound_custom_ops_and_compile(interpreter, monkeypatch):
     for op, args in [
         (ops.glu_fwd, (x, 1.702, 2.0, True)), (ops.glu_bwd, (x, torch.randn(5, 8), 1.0, 0.0, False)),
         (ops.gather_rows, (x, torch.tensor([4, 0, 4]))), (ops.scatter_rows, (x, torch.tensor([3, 0, 6, 1, 2]), 7)),
+        (ops.expand_rows, (x, torch.randperm(10))),
         (ops.segment_sum, (x, torch.tensor([1, 0, 2, 4, 3]), ends)), (ops.dispatch_plan, (ids, 2, 4)),
         (ops.expert_bias_add, (x, torch.randn(3, 16), ends)), (ops.expert_bias_grad, (x, ends, torch.float32)),
         (ops.cross_entropy_fwd, (x, labels)), (ops.cross_entropy_bwd, (x, labels, torch.randn(5), torch.ones(1))),
@@ -254,6 +262,7 @@ def test_triton_ops_are_sound_custom_ops_and_compile(interpreter, monkeypatch):
         h = kernels.expert_bias_add(kernels.permute(x, order // k) @ w, bias, counts)
         act = kernels.swiglu(h) + kernels.clamped_swiglu(h, 1.702, 2.0)
         out = kernels.unpermute(act, order, t * k).view(t, k, -1).sum(1) + kernels.weighted_combine(act, order, weights)
+        out = out + (kernels.expand(x, order, k) @ w).square().sum()
         plan = kernels.dispatch_plan(ids, e // 4, 4)
         return out.square().sum() + kernels.cross_entropy_sum(logits, labels.repeat(4)[:t]) + plan.send_counts.sum()
 

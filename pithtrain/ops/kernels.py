@@ -246,6 +246,17 @@ def _segment_sum_kernel(src_ptr, perm_ptr, ends_ptr, w_ptr, out_ptr, hidden, WEI
     tl.store(out_ptr + t.to(tl.int64) * hidden + c, acc.to(out_ptr.dtype.element_ty), mask=c < hidden)
 
 
+@_Kernel
+def _expand_rows_kernel(src_ptr, dest_ptr, out_ptr, hidden, TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[dest[t * TOPK + j]] = src[t] for j < TOPK: each source row read once, stored at its TOPK places."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    vals = tl.load(src_ptr + t * hidden + c, mask=c < hidden)
+    for j in tl.static_range(TOPK):
+        row = tl.load(dest_ptr + t * TOPK + j).to(tl.int64)
+        tl.store(out_ptr + row * hidden + c, vals, mask=c < hidden)
+
+
 def _move_rows(src, index, out, scatter: bool):
     rows, hidden = index.shape[0], src.shape[1]
     if rows and hidden:
@@ -296,6 +307,37 @@ def _(src, perm, ends, weights=None):
     return src.new_empty(ends.shape[0], src.shape[1])
 
 
+@torch.library.custom_op("pithtrain::expand_rows", mutates_args=())
+def _expand_rows(src: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    out = src.new_empty(dest.shape[0], src.shape[1])
+    if out.numel():
+        block_h = min(1024, _pow2(src.shape[1]))
+        _expand_rows_kernel[(src.shape[0], _cdiv(src.shape[1], block_h))](
+            src, dest, out, src.shape[1], TOPK=dest.shape[0] // src.shape[0], BLOCK_H=block_h)
+    return out
+
+
+@_expand_rows.register_fake
+def _(src, dest):
+    return src.new_empty(dest.shape[0], src.shape[1])
+
+
+class _Expand(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dest):
+        ctx.save_for_backward(dest)
+        ctx.num_rows = x.shape[0]
+        return _expand_rows(x.contiguous(), dest)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Row t's gradient sums its copies at dest[t*k : (t+1)*k], in fp32 and in slot order: no sort needed
+        (dest,) = ctx.saved_tensors
+        topk = dest.shape[0] // max(1, ctx.num_rows)
+        ends = torch.arange(1, ctx.num_rows + 1, dtype=torch.int32, device=dest.device) * topk
+        return _segment_sum(grad.contiguous(), dest, ends), None
+
+
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, index):
@@ -332,6 +374,17 @@ def permute(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return _Permute.apply(x, index) if use_triton(x) else permute_reference(x, index)
 
 
+def expand(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
+    """permute(x, order // topk) for `order` a permutation of T*topk (LocalDispatch's: the (token, slot) pairs in
+    expert order), by a kernel that reads each row of x once and stores it at its topk places (order's inverse):
+    a gather reads each row topk times, mostly from memory at a micro-batch's size; the backward sums each
+    row's copies in slot order without sorting."""
+    if not use_triton(x):
+        return permute_reference(x, order // topk)
+    dest = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], dtype=order.dtype, device=order.device))
+    return _Expand.apply(x, dest)
+
+
 def unpermute(y: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Row i of y [N, H] goes to row index[i] of a [num_rows, H] result (zeros elsewhere); `index`
     must not repeat. With index = order this is LocalDispatch.combine (before its view to [T, k, H])."""
@@ -345,31 +398,34 @@ def weighted_combine_reference(rows: torch.Tensor, index: torch.Tensor, weights:
 
 
 @_Kernel
-def _weighted_combine_bwd_kernel(rows_ptr, index_ptr, w_ptr, dout_ptr, drows_ptr, dw_ptr, hidden,
+def _weighted_combine_bwd_kernel(rows_ptr, source_ptr, w_ptr, dout_ptr, drows_ptr, dw_ptr, hidden,
                                  TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
-    """Row i is (token, slot) pair p = index[i]: drows[i] = w[p] * dout[p // TOPK] and
-    dw[p] = <rows[i], dout[p // TOPK]> (fp32, over column blocks in order)."""
-    i = tl.program_id(0).to(tl.int64)
-    p = tl.load(index_ptr + i).to(tl.int64)
-    w = tl.load(w_ptr + p).to(tl.float32)
-    dot = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for start in range(0, hidden, BLOCK_H):
-        c = start + tl.arange(0, BLOCK_H)
-        g = tl.load(dout_ptr + (p // TOPK) * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
-        y = tl.load(rows_ptr + i * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
-        tl.store(drows_ptr + i * hidden + c, (w * g).to(drows_ptr.dtype.element_ty), mask=c < hidden)
-        dot += y * g
-    tl.store(dw_ptr + p, tl.sum(dot, axis=0))
+    """Token t's pair p = t * TOPK + j is row i = source[p]: drows[i] = w[p] * dout[t] and dw[p] = <rows[i],
+    dout[t]> (fp32, over column blocks in order). A program a token: dout's row comes from memory once and
+    from the cache for its other pairs (a program a row read it TOPK times, mostly from memory)."""
+    t = tl.program_id(0).to(tl.int64)
+    for j in tl.static_range(TOPK):
+        p = t * TOPK + j
+        i = tl.load(source_ptr + p).to(tl.int64)
+        w = tl.load(w_ptr + p).to(tl.float32)
+        dot = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_H):
+            c = start + tl.arange(0, BLOCK_H)
+            g = tl.load(dout_ptr + t * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
+            y = tl.load(rows_ptr + i * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
+            tl.store(drows_ptr + i * hidden + c, (w * g).to(drows_ptr.dtype.element_ty), mask=c < hidden)
+            dot += y * g
+        tl.store(dw_ptr + p, tl.sum(dot, axis=0))
 
 
 @torch.library.custom_op("pithtrain::weighted_combine_bwd", mutates_args=())
-def _weighted_combine_bwd(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+def _weighted_combine_bwd(rows: torch.Tensor, source: torch.Tensor, weights: torch.Tensor,
                           dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     drows = torch.empty_like(rows)
-    dw = torch.zeros(weights.shape, dtype=torch.float32, device=weights.device)  # 0 for an absent pair
+    dw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)  # every pair is some row's
     if rows.numel():
-        _weighted_combine_bwd_kernel[(rows.shape[0],)](rows, index, weights, dout, drows, dw, rows.shape[1],
-                                                       TOPK=weights.shape[1], BLOCK_H=min(1024, _pow2(rows.shape[1])))
+        _weighted_combine_bwd_kernel[(weights.shape[0],)](rows, source, weights, dout, drows, dw, rows.shape[1],
+                                                          TOPK=weights.shape[1], BLOCK_H=min(1024, _pow2(rows.shape[1])))
     return drows, dw
 
 
@@ -387,13 +443,13 @@ class _WeightedCombine(torch.autograd.Function):
         source = torch.empty_like(index).scatter_(0, index, torch.arange(index.shape[0], dtype=index.dtype, device=index.device))
         num_tokens, topk = weights.shape
         ends = torch.arange(1, num_tokens + 1, dtype=torch.int32, device=index.device) * topk
-        ctx.save_for_backward(rows, index, weights)
+        ctx.save_for_backward(rows, source, weights)
         return _segment_sum(rows.contiguous(), source, ends, weights.contiguous())
 
     @staticmethod
     def backward(ctx, dout):
-        rows, index, weights = ctx.saved_tensors
-        drows, dw = _weighted_combine_bwd(rows.contiguous(), index, weights.contiguous(), dout.contiguous())
+        rows, source, weights = ctx.saved_tensors
+        drows, dw = _weighted_combine_bwd(rows.contiguous(), source, weights.contiguous(), dout.contiguous())
         return drows, None, dw.to(weights.dtype)
 
 

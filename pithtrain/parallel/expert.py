@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from pithtrain.protocol import Combined, RoutingInfo, named_range
 from pithtrain.ops.core import count_ids, stable_argsort_ids
-from pithtrain.ops.kernels import dispatch_plan, permute, unpermute  # Triton row moves on GPUs
+from pithtrain.ops.kernels import dispatch_plan, expand, permute, unpermute  # Triton row moves on GPUs
 
 
 class LocalDispatch:
@@ -24,8 +24,7 @@ class LocalDispatch:
         flat = routing.topk_ids.flatten()
         order = stable_argsort_ids(flat, routing.num_experts)  # (token, slot) pairs sorted by expert
         counts = count_ids(flat, routing.num_experts)
-        tokens = permute(x, order // topk)
-        return tokens, counts, order
+        return expand(x, order, topk), counts, order
 
     def combine(self, expert_out: torch.Tensor, handle) -> Combined:
         """The expert-grouped rows stay where they are: row i is (token, slot) pair order[i]."""

@@ -63,6 +63,11 @@ def test_permute_unpermute(dtype, hidden):
     dy = torch.randn(t * k, hidden, device="cuda", dtype=dtype)
     assert torch.equal(kernels.permute(x, order // k), kernels.permute_reference(x, order // k))
     check_against_float64(kernels.permute, kernels.permute_reference, [x, order // k], dy, dtype)
+    # LocalDispatch's expand: each row stored at its k places, the backward without a sort
+    fresh = torch.randn_like(x)  # not x: a freed buffer holds x's permutation
+    assert torch.equal(kernels.expand(fresh, order, k), kernels.permute_reference(fresh, order // k))
+    check_against_float64(lambda a: kernels.expand(a, order, k), lambda a: kernels.permute_reference(a, order // k),
+                          [fresh], dy, dtype)
     y, (dy_y,) = grads(lambda a: kernels.unpermute(a, order, t * k), [dy], dy.flip(0))
     ref, (ref_dy,) = grads(lambda a: kernels.unpermute_reference(a, order, t * k), [dy], dy.flip(0))
     assert torch.equal(y, ref) and torch.equal(dy_y, ref_dy)
