@@ -212,8 +212,6 @@ def ab_arms(args, parser):
 
     if args.ab == "mla-v" and args.family not in ("deepseek_v2", "moonlight"):
         parser.error("--ab mla-v: MLA is the DeepSeek families' (--family deepseek_v2 or moonlight)")
-    if args.ab == "fused-proj" and args.fp8 != "off":
-        parser.error("--ab fused-proj: under --fp8 every projection keeps its own GEMM (fp8.projections); A/B it in bf16")
     if args.ab == "wgrad-config":
         if not args.wgrad_config:
             parser.error("--ab wgrad-config: arm B runs the tiles of --wgrad-config; give it as JSON")

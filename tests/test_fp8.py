@@ -97,6 +97,46 @@ def test_fp8_linear_gradients():
 
 
 @pytest.mark.fast
+def test_fp8_projections_stack_as_their_parts(monkeypatch):
+    """fp8.projections over FP8 Linears of one recipe: one FP8 GEMM forward (and, with FP8 weight gradients, one
+    for those), the input gradient one a part; outputs and input, weight and bias gradients equal each Linear
+    alone (the quantization is the parts' own; 1e-5, the products' summation order), both recipes, with and
+    without biases, under bf16 autocast too. Mixed recipes: each Linear alone."""
+    gen = torch.Generator().manual_seed(11)
+    gemms = []
+    plain_mm = fp8.scaled_mm
+    monkeypatch.setattr(fp8, "scaled_mm", lambda a, *rest: gemms.append(a.shape) or plain_mm(a, *rest))
+    for recipe, bias, autocast in [("rowwise", True, False), ("rowwise_bf16_wgrad", False, False),
+                                   ("rowwise_bf16_wgrad", True, True)]:
+        mods = [random_fp8_linear(40, n, gen, 0.1, recipe) for n in (32, 16, 16)]
+        twins = [random_fp8_linear(40, n, gen, 0.1, recipe) for n in (32, 16, 16)]
+        for m, t in zip(mods, twins):
+            if not bias:
+                m.bias = t.bias = None
+            t.load_state_dict(m.state_dict())
+        x = torch.randn(3, 10, 40, generator=gen).requires_grad_()
+        x2 = x.detach().clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            gemms.clear()
+            outs = fp8.projections(x, *mods)
+            assert len(gemms) == 1
+            wants = [t(x2) for t in twins]
+        dys = [torch.randn(w.shape, generator=gen).to(w.dtype) for w in wants]
+        gemms.clear()
+        sum((o * d).sum() for o, d in zip(outs, dys)).backward()
+        assert len(gemms) == 3 + (recipe == "rowwise")
+        sum((w * d).sum() for w, d in zip(wants, dys)).backward()
+        pairs = [*zip(outs, wants), (x.grad, x2.grad)] + [(m.weight.grad, t.weight.grad) for m, t in zip(mods, twins)]
+        pairs += [(m.bias.grad, t.bias.grad) for m, t in zip(mods, twins) if bias]
+        for got, want in pairs:
+            assert got.dtype == want.dtype and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.float(), rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    monkeypatch.setattr(mods[1], "fp8", "rowwise")
+    monkeypatch.setattr(fp8.Linear, "forward", lambda self, x: ("own", self))
+    assert fp8.projections(x, *mods) == tuple(("own", m) for m in mods)
+
+
+@pytest.mark.fast
 def test_fp8_expert_gemm_gradients_and_deferred_weight_pass():
     from pithtrain.ops.grouped_gemm import DeferredWeightGrads, accumulate_grad
 

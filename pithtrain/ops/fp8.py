@@ -627,41 +627,54 @@ def _cached(cache: dict, name: str, param: torch.Tensor, contraction_last: bool)
 
 
 class _FP8Linear(torch.autograd.Function):
-    """y = x W^T (+ b) with W [out, in]; the FP8 weight layouts come in already quantized."""
+    """y = x [W_1; ...; W_n]^T (+ [b_1; ...; b_n]) for the parts W_i [out_i, in] of a stack of Linears of one
+    input (n = 1: one Linear); their FP8 layouts come in already quantized, `parts` = weights, biases (or
+    Nones), then each part's forward q, s and input-gradient q, s. The forward is one FP8 GEMM over the stacked
+    forward layouts (a weight row has its own scale, so the stack is quantized as its parts are); the weight
+    gradient one GEMM; the input gradient one FP8 GEMM a part (each its own dy slice's row scales and its
+    weight's per-column ones, as the parts alone), summed."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, w_fwd_q, w_fwd_s, w_bwd_q, w_bwd_s, out_dtype, fp8_wgrad):
+    def forward(ctx, x, out_dtype, fp8_wgrad, n, *parts):
+        weights, biases, layouts = parts[:n], parts[n:2 * n], parts[2 * n:]
         x2 = x.reshape(-1, x.shape[-1])
         xq, xs = quantize(x2)
-        y = scaled_mm(xq, xs, w_fwd_q, w_fwd_s, out_dtype)
-        if bias is not None:
-            y = y + bias.to(out_dtype)
+        with torch.autocast(x.device.type, enabled=False):  # autocast's cat refuses FP8
+            wq, ws = (layouts[0], layouts[1]) if n == 1 else (torch.cat(layouts[0::4]), torch.cat(layouts[1::4]))
+        y = scaled_mm(xq, xs, wq, ws, out_dtype)
+        if biases[0] is not None:
+            y = y + (biases[0] if n == 1 else torch.cat(biases)).to(out_dtype)
+        wants_dw = any(ctx.needs_input_grad[4:4 + n])
         xtq = xts = x_hp = None
-        if ctx.needs_input_grad[1] and fp8_wgrad:
+        if wants_dw and fp8_wgrad:
             xtq, xts = quantize_t(x2)  # saved: 1 byte a value
-        elif ctx.needs_input_grad[1]:
+        elif wants_dw:
             x_hp = x2.to(out_dtype)  # what autocast's nn.Linear saves
-        ctx.save_for_backward(xtq, xts, x_hp, w_bwd_q, w_bwd_s)
-        ctx.meta = (x.shape, x.dtype, weight.dtype, bias is not None)
+        ctx.save_for_backward(xtq, xts, x_hp, *layouts[2::4], *layouts[3::4])
+        ctx.meta = (x.shape, x.dtype, [w.shape[0] for w in weights], [w.dtype for w in weights], biases[0] is not None)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        xtq, xts, x_hp, w_bwd_q, w_bwd_s = ctx.saved_tensors
-        x_shape, x_dtype, w_dtype, has_bias = ctx.meta
+        xtq, xts, x_hp, *bwd = ctx.saved_tensors
+        x_shape, x_dtype, widths, w_dtypes, has_bias = ctx.meta
+        n = len(widths)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        dx = dw = db = None
+        dys = dy2.split(widths, dim=1) if n > 1 else (dy2,)
+        dx = dws = dbs = None
         if ctx.needs_input_grad[0]:
-            dyq, dys = quantize(dy2)
-            dx = scaled_mm(dyq, dys, w_bwd_q, w_bwd_s, dy.dtype).view(x_shape).to(x_dtype)
-        if ctx.needs_input_grad[1] and x_hp is None:
-            dytq, dyts = quantize_t(dy2)
-            dw = scaled_mm(dytq, dyts[0], xtq, xts[0], torch.float32).to(w_dtype)
-        elif ctx.needs_input_grad[1]:
-            dw = (dy2.to(x_hp.dtype).t() @ x_hp).to(w_dtype)
-        if has_bias and ctx.needs_input_grad[2]:
-            db = dy2.float().sum(0).to(w_dtype)
-        return dx, dw, db, None, None, None, None, None, None
+            each = [scaled_mm(*quantize(d), q, s, dy.dtype).to(x_dtype) for d, q, s in zip(dys, bwd[:n], bwd[n:])]
+            dx = sum(each[1:], each[0]).view(x_shape)  # summed in x's dtype, as autograd sums the parts' alone
+        if any(ctx.needs_input_grad[4:4 + n]):
+            if x_hp is None:
+                dytq, dyts = quantize_t(dy2)
+                dw = scaled_mm(dytq, dyts[0], xtq, xts[0], torch.float32)
+            else:
+                dw = dy2.to(x_hp.dtype).t() @ x_hp
+            dws = [d.to(t) for d, t in zip(dw.split(widths), w_dtypes)]
+        if has_bias and any(ctx.needs_input_grad[4 + n:4 + 2 * n]):
+            dbs = [d.to(t) for d, t in zip(dy2.float().sum(0).split(widths), w_dtypes)]
+        return dx, None, None, None, *(dws or [None] * n), *(dbs or [None] * n), *[None] * (4 * n)
 
 
 class Linear(nn.Linear):
@@ -676,11 +689,19 @@ class Linear(nn.Linear):
     def forward(self, x):
         if not self.fp8:
             return F.linear(x, self.weight, self.bias)
-        kind = x.device.type
-        out_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-        w = self.fp8_weight if torch.compiler.is_compiling() else cached_weight(self, "weight", True)
-        return _FP8Linear.apply(x, self.weight, self.bias, *w.fwd, *w.bwd, out_dtype,
-                                self.fp8 != "rowwise_bf16_wgrad")
+        return _fp8_linears(x, self)
+
+
+def _fp8_linears(x: torch.Tensor, *linears: Linear) -> torch.Tensor:
+    """The FP8 Linears' outputs of x, stacked in one tensor (_FP8Linear)."""
+    kind = x.device.type
+    out_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+    layouts = []
+    for m in linears:
+        w = m.fp8_weight if torch.compiler.is_compiling() else cached_weight(m, "weight", True)
+        layouts += [*w.fwd, *w.bwd]
+    return _FP8Linear.apply(x, out_dtype, linears[0].fp8 != "rowwise_bf16_wgrad", len(linears),
+                            *(m.weight for m in linears), *(m.bias for m in linears), *layouts)
 
 
 # One GEMM for projections of the same input (q, k, v; DeepSeek-V3's q and KV latents; Qwen3.5's delta-rule inputs).
@@ -693,13 +714,16 @@ FUSED_PROJECTIONS = True
 
 def projections(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
     """(linear(x) for each of `linears`), from one product with their weights (and biases) stacked: the same
-    dot products. Each in turn under FP8 (its cached FP8 weight; stacked weights would share scales)."""
+    dot products. FP8 Linears of one recipe stack too (_FP8Linear: their quantization is the parts' own)."""
     biased = [m.bias is not None for m in linears]
-    if not FUSED_PROJECTIONS or any(getattr(m, "fp8", False) for m in linears) or len(set(biased)) > 1:
+    recipes = {getattr(m, "fp8", False) for m in linears}
+    if not FUSED_PROJECTIONS or len(recipes) > 1 or len(set(biased)) > 1:
         return tuple(m(x) for m in linears)
+    widths = [m.out_features for m in linears]
+    if recipes != {False}:
+        return _fp8_linears(x, *linears).split(widths, dim=-1)
     bias = torch.cat([m.bias for m in linears]) if biased[0] else None
-    out = F.linear(x, torch.cat([m.weight for m in linears]), bias)
-    return out.split([m.out_features for m in linears], dim=-1)
+    return F.linear(x, torch.cat([m.weight for m in linears]), bias).split(widths, dim=-1)
 
 
 def refresh_fp8_weights(module: nn.Module) -> None:
