@@ -1,7 +1,8 @@
 """Training throughput on one GPU: PithTrain vs a plain Hugging Face `transformers` loop, same model,
 data and batch. Prints tokens/s, TFLOP/s per GPU, MFU against a bf16 matmul peak measured in the
 same run, peak memory, GPU time per layer stage (from a profiled step, by default the last; it is
-left out of the medians), the optimizer step's GPU time (CUDA events: no sync added to the step), the
+left out of the medians; the line's `profile` keeps its largest kernels by stage, its GPU idle time by the
+host call that ran then, and the host's waits for the GPU), the optimizer step's GPU time (CUDA events: no sync added to the step), the
 caching allocator's retries, cudaMalloc and cudaFree calls a step, and the PithTrain/transformers ratio.
 
     PYTHONPATH=. python benchmarks/train_throughput.py --family qwen3 --layers 4 --seq 4096 --steps 8
@@ -176,7 +177,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
         for m, (start, end), before, after in zip(history, optimizer_events, allocator_counts, allocator_counts[1:]):
             m["optimizer_s"] = start.elapsed_time(end) / 1e3
             m["allocator"] = {k: b - a for k, a, b in zip(ALLOCATOR_COUNTS, before, after)}
-        stages = None
+        stages, digests = None, {}
         if arm_traces:
             profile, stages = _profile_tool(), {}
             for arm, events in sorted(arm_traces.items()):
@@ -184,17 +185,19 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
                 print(f"arm {arm}, its last step:", flush=True)
                 profile.print_stages(*times)
                 stages[arm] = {**times[0], "gpu idle": gpu_idle_us(profile, events)}
+                digests[arm] = profile_digest(profile, events)
         if profile_step:
             profile = _profile_tool()
             events = json.loads(open(f"{out}/profile/rank0.json").read())["traceEvents"]
             stages = profile.stage_times(events)
             profile.print_stages(*stages)
             stages[0]["gpu idle"] = gpu_idle_us(profile, events)
+            digests["step"] = profile_digest(profile, events)
             if trace:
                 import shutil
 
                 shutil.copy(f"{out}/profile/rank0.json", trace)
-        return history, stages
+        return history, stages, digests
 
 
 def ab_arms(args, parser):
@@ -243,6 +246,25 @@ def gpu_idle_us(profile, events) -> float:
     """Time between a profiled step's first and last GPU kernel or copy in which none ran (host-bound gaps)."""
     busy = profile.merged(profile.intervals(events, lambda e: e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")))
     return (busy[-1][1] - busy[0][0] - sum(b - a for a, b in busy)) if busy else 0.0
+
+
+def profile_digest(profile, events, top: int = 5) -> dict:
+    """What a profiled step's line keeps for the next change (capture-profile's analysis, ms): each stage's largest
+    kernels, the GPU's idle gaps of 20 us or more by the host call running when each began, and the host's waits for
+    the GPU by call stack."""
+    threads = profile.host_threads(events)
+    busy = profile.merged(profile.intervals(events, lambda e: e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")))
+    idle = {}
+    for us, stack in profile.idle_gaps(threads, busy):
+        key = stack[-1] if stack else "(between host calls)"
+        idle[key] = idle.get(key, 0.0) + us
+    kernels = {}
+    for key, us in profile.stage_times(events, threads, by_kernel=True)[0].items():
+        if isinstance(key, tuple):  # (stage, kernel); a CPU trace has host ops by stage only
+            kernels.setdefault(key[0], []).append([round(us / 1e3, 2), key[1][:80]])
+    return {"stage_kernels": {stage: sorted(rows, reverse=True)[:top] for stage, rows in sorted(kernels.items())},
+            "idle_by_host_call": [[round(us / 1e3, 2), name] for name, us in sorted(idle.items(), key=lambda kv: -kv[1])[:top]],
+            "host_waits": [[round(us / 1e3, 2), n, stack[-120:]] for us, n, stack in profile.host_syncs(threads)[:top]]}
 
 
 def _profile_tool():
@@ -370,7 +392,7 @@ def main():
     fpt = flops_per_token(cfg, args.seq)
     with tempfile.TemporaryDirectory() as data:
         write_dataset(data, [tokens], cfg.vocab_size, eos_id=None)
-        ours, stages = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile, args.accum,
+        ours, stages, digests = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile, args.accum,
                                      args.profile_step, args.trace, args.fp8, args.optim, args.recompute,
                                      args.fp8_head, arms)
     if arms and args.ab != "fp8":
@@ -400,6 +422,8 @@ def main():
         result["ab_stage_ms"] = {arm: {k: round(v / 1e3, 3) for k, v in sorted(times.items())} for arm, times in stages.items()}
     elif stages is not None:  # one profiled step, milliseconds of GPU kernel time per layer stage
         result["stage_ms"] = {k: round(v / 1e3, 3) for k, v in sorted(stages[0].items())}
+    if digests:  # the profiled step's (or each arm's) largest kernels by stage, idle gaps and host waits
+        result["profile"] = digests
     print("pithtrain:", json.dumps(result), flush=True)  # kept even if the transformers loop fails
     if not args.skip_transformers:
         result["transformers_batch"] = hf_batch

@@ -81,6 +81,10 @@ def test_capture_profile_names_what_the_host_did_while_the_gpu_idled(tmp_path):
     assert "gap 0.09 ms during: step > aten::item > cudaStreamSynchronize" in out, out
     assert "other_thread" not in out.split("GPU idle")[1].split("host waits")[0], out
     assert "0.09 ms      1x  step > aten::item > cudaStreamSynchronize" in out, out
+    # the same analysis as train_throughput.py keeps it in its results line (ms)
+    digest = _load_script("benchmarks/train_throughput.py").profile_digest(_profile_tool(), events)
+    assert digest["idle_by_host_call"] == [[0.09, "cudaStreamSynchronize"], [0.09, "(between host calls)"]], digest
+    assert digest["host_waits"] == [[0.09, 1, "step > aten::item > cudaStreamSynchronize"]], digest
 
 
 def _load_script(path: str):
@@ -133,6 +137,10 @@ def test_capture_profile_attributes_gpu_time_to_layer_stages():
     by_kernel, _ = _profile_tool().stage_times([{"ph": "X", **e} for e in host + kernels], by_kernel=True)
     assert by_kernel == {("stage 1 forward", "k1"): 100, ("stage 3 forward", "k2"): 200, ("stage 3 backward", "k3"): 300,
                          ("stage 3 backward", "k4"): 400, ("optimizer", "k5"): 500, ("other", "k6"): 600}
+    digest = _load_script("benchmarks/train_throughput.py").profile_digest(
+        _profile_tool(), [{"ph": "X", **e} for e in host + kernels], top=1)  # train_throughput.py's results line
+    assert digest["stage_kernels"] == {"optimizer": [[0.5, "k5"]], "other": [[0.6, "k6"]], "stage 1 forward": [[0.1, "k1"]],
+                                       "stage 3 backward": [[0.4, "k4"]], "stage 3 forward": [[0.2, "k2"]]}, digest
 
 
 @pytest.mark.fast
