@@ -7,6 +7,7 @@ installed), otherwise the reference, which is the code the models and dispatcher
   clamped_swiglu(gate_up, alpha, limit)   GPT-OSS: (clamp(up, +-limit) + 1) * g * sigmoid(alpha * g),
                                           g = min(gate, limit)
   permute(x, index)                       x[index]: token rows into the expert-grouped layout
+  expand(x, order, topk)                  permute(x, order // topk), each row read once (LocalDispatch's)
   unpermute(y, index, num_rows)           zeros(num_rows, H).index_copy(0, index, y): back again
   weighted_combine(rows, index, weights)  unpermute to [T, k, H], then the sum weighted by weights [T, k]
   dispatch_plan(topk_ids, experts_per_rank, ep)
@@ -204,7 +205,7 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
 
 
 def permute_reference(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    return x.index_select(0, index)  # LocalDispatch.dispatch with index = order // topk
+    return x.index_select(0, index)  # expand's reference with index = order // topk
 
 
 def unpermute_reference(y: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -369,8 +370,8 @@ class _Unpermute(torch.autograd.Function):
 
 
 def permute(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """x [T, H] -> x[index] [N, H]. With LocalDispatch's `order = argsort(topk_ids.flatten(), stable=True)`,
-    index = order // topk gives the expert-grouped rows. The backward sums each row's copies in fp32."""
+    """x [T, H] -> x[index] [N, H] (an expert-parallel receiver's rows, one to k copies each; LocalDispatch's
+    expert-grouped rows are `expand`). The backward sums each row's copies in fp32."""
     return _Permute.apply(x, index) if use_triton(x) else permute_reference(x, index)
 
 
