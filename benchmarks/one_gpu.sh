@@ -1,39 +1,41 @@
 #!/usr/bin/env bash
-# The one-H200 runs that docs/performance.md's target table cites, in the order to run them. Runs 1-18 are what
-# changed since the last GPU measurement (2026-12-04): 1-4 in one call carrying .peers (the new GPU checks, MLA's v
-# unpadded against padded in SDPA, the DeepSeek-V3-width peer with both sides profiled one step more, the two
-# profiles' kernel categories); 5-6 MLA unpadded/padded in training at the DeepSeek widths (`--ab`: both arms in one
-# run); 7 MLA with documents; 8 the Qwen3 peer at its deepest; 9 Qwen3 9 layers bf16 (60% MFU, stage_ms), 10 bf16
-# against FP8 + FP8 head alternating in one run (1.15x); 11-15 the A/Bs at 9 layers (stacked projections, the
-# weight-gradient side stream, BN=32 tiles, the stream and the stacked projections under FP8); 16-17 FP8 alone and
-# the `rowwise` recipe, each against bf16 in its run; 18 the kernels (expand, the narrow sorts). Judge an A/B line
-# with the ab-test-switch skill (`ab_switch.py --from-results FILE --line N`). Then the rest of the target table
-# (FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS
-# and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
-# More than one machine lease in all: split it over calls with FIRST and LAST (1-based run numbers):
+# The one-H200 runs that docs/performance.md's target table cites, most needed first: a session's device time (30
+# minutes, the machine's start included) holds some eight of them. Runs 1-18 measure what changed since the last GPU
+# measurement (2026-12-04): 1 the new GPU checks; 2 bf16 against FP8 + FP8 head alternating in one run at 9 Qwen3
+# layers (arm A is a 60% MFU reading, B/A the 1.15x); 3-4 the DeepSeek-V3-width peer, both sides profiled one step
+# more, and the two profiles by kernel category (carry .peers); 5 MLA's v unpadded against padded in training at
+# Moonlight width; 6-10 the A/Bs at 9 layers (the weight-gradient side stream, the stacked projections, both under
+# FP8 too, the BN=32 tiles); 11 plain bf16 at 9 layers (the second MFU reading, stage_ms and its profile digest);
+# 12 the kernels (expand, the narrow sorts); 13 MLA's SDPA backends; 14 MLA at DeepSeek-V2-Lite width; 15 the Qwen3
+# peer at its deepest; 16 MLA with documents; 17-18 FP8 alone and the `rowwise` recipe, each against bf16 in its run.
+# Judge an A/B line with the ab-test-switch skill (`ab_switch.py --from-results FILE --line N`). Then the rest of
+# the target table (FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl
+# (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
+# One device call runs at most 10 minutes: split the plan over calls with FIRST and LAST (1-based run numbers),
+# about two 9-layer runs a call (e.g. 1 2, then 3 4 carrying .peers, then 5 6, 7 8, ...):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
     "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_gpu_basics.py::test_weight_gradients_on_a_side_stream_equal_the_plain_ones tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer tests/gpu/test_kernels_gpu.py::test_permute_unpermute tests/gpu/test_kernels_gpu.py::test_local_dispatch_round_trip_on_cuda_matches_the_cpu tests/gpu/test_fp8_gpu.py::test_stacked_projections_compiled_match_the_linears_alone"   # the new GPU checks, BN=32 tiles, expand and the per-token combine backward included
-    "python benchmarks/attention.py --mla --batches 2 4 --repeats 10"                # 32: MLA v unpadded (cuDNN) against padded (FA2?)
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x; A bf16, B FP8 + FP8 head, in one run
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
     "python .agents/skills/capture-profile/profile_step.py --trace /tmp/dsv3/torchtitan.json --trace /tmp/dsv3/pithtrain.json"   # where each side's step goes, by kernel category
     "$T --family moonlight --layers 10 --steps 12 --batch 4 --accum 8 --ab mla-v"     # 32: DeepSeek-V3 width; A: v unpadded (cuDNN), B: padded, in one run
-    "$T --family deepseek_v2 --layers 10 --steps 12 --batch 4 --accum 8 --ab mla-v"   # 32 and 18: the deepest; was 63,060 tok/s (line 105)
-    "python benchmarks/attention.py --mla --docs 8 --batches 4 --repeats 10"        # packed documents: is unpadded v with the mask faster too (models pad it today)?
-    "python benchmarks/peers/torchtitan.py --family qwen3 --layers 9 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: the deepest both fit at micro-batch 4 (124.3 / 134.9 GiB)
-    "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU, the deepest Qwen3 width, stage_ms; same call as the next
-    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x; A bf16, B FP8 + FP8 head, in one run
-    "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab fused-proj"                  # 32: A: q/k/v (and gate/up) from one GEMM, B: one GEMM each
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab wgrad-stream"                # 32: A: one stream, B: the experts' weight gradients on a side stream
-    "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab wgrad-config --wgrad-config {\"BK\":128,\"BM\":128,\"BN\":32,\"num_warps\":4,\"num_stages\":4}"   # 32: B: the BN=32 tiles (run 1 checks them)
-    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab wgrad-stream"   # 32: the side stream under FP8
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab fused-proj"                  # 32: A: q/k/v (and gate/up) from one GEMM, B: one GEMM each
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fused-proj"   # 32: the stacked projections under FP8
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab wgrad-stream"   # 32: the side stream under FP8
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab wgrad-config --wgrad-config {\"BK\":128,\"BM\":128,\"BN\":32,\"num_warps\":4,\"num_stages\":4}"   # 32: B: the BN=32 tiles (run 1 checks them)
+    "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU (the second reading), stage_ms and its profile digest
+    "python benchmarks/kernels.py --repeats 20"                                      # the Triton kernels against their references
+    "python benchmarks/attention.py --mla --batches 2 4 --repeats 10"                # 32: MLA v unpadded (cuDNN) against padded (FA2?)
+    "$T --family deepseek_v2 --layers 10 --steps 12 --batch 4 --accum 8 --ab mla-v"   # 32 and 18: the deepest; was 63,060 tok/s (line 105)
+    "python benchmarks/peers/torchtitan.py --family qwen3 --layers 9 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 300 --ours-reserve 130"   # 32: the deepest both fit at micro-batch 4 (124.3 / 134.9 GiB)
+    "python benchmarks/attention.py --mla --docs 8 --batches 4 --repeats 10"        # packed documents: is unpadded v with the mask faster too (models pad it today)?
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --ab fp8"   # 14: FP8 alone against bf16 at the same depth
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise --fp8-head --ab fp8"   # 32: every GEMM's weight gradient in FP8 too (0.92x at 2d14d3e, before the fixes since)
-    "python benchmarks/kernels.py --repeats 20"                                      # the Triton kernels against their references
     "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (130.0 GiB estimated); compiles ~2 min
     "$T --layers 8 --steps 5 --batch 4 --accum 8"                                   # 18 and 14: Qwen3 width, 8 layers
     "$T --layers 8 --steps 5 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14
