@@ -20,7 +20,8 @@ GIB = 2**30
 ACTIVATION_FACTOR = 0.85  # on layer_activation_bytes
 HEAD_BYTES_PER_LOGIT = 5.0  # per token and vocabulary entry: the head's logits and the loss's chunks. Fitted
 # before the loss's gradient went over the logits (kernels.cross_entropy_sum(grad_in_place)), which should take
-# about 2 of these bytes off the GPU peak: an overestimate until refitted on new H200 peaks (the training runs of one_gpu.sh)
+# about 2 of these bytes off the GPU peak: an overestimate until refitted on new H200 peaks (one_gpu.sh's
+# training runs)
 MULTI_GPU_OVERHEAD = 0.12  # 2 H200s, ep2, three widths: keeps the estimate 4-15% above the measured peaks
 
 
