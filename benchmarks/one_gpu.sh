@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites, most needed first: a session's device time (30
-# minutes, the machine's start included) holds some eight of them. Runs 1-18 measure what changed since the last GPU
+# minutes, the machine's start included) holds some seven of them. Runs 1-15 measure what changed since the last GPU
 # measurement (2026-12-04): 1 the new GPU checks; 2 bf16 against FP8 + FP8 head alternating in one run at 9 Qwen3
 # layers (arm A is a 60% MFU reading, B/A the 1.15x); 3-4 the DeepSeek-V3-width peer, both sides profiled one step
 # more, and the two profiles by kernel category (carry .peers); 5 MLA's v unpadded against padded in training at
-# Moonlight width; 6-10 the A/Bs at 9 layers (the weight-gradient side stream, the stacked projections, both under
-# FP8 too, the BN=32 tiles); 11 plain bf16 at 9 layers (the second MFU reading, stage_ms and its profile digest);
-# 12 the kernels (expand, the narrow sorts); 13 MLA's SDPA backends; 14 MLA at DeepSeek-V2-Lite width; 15 the Qwen3
-# peer at its deepest; 16 MLA with documents; 17-18 FP8 alone and the `rowwise` recipe, each against bf16 in its run.
-# Judge an A/B line with the ab-test-switch skill (`ab_switch.py --from-results FILE --line N`). Then the rest of
-# the target table (FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl
-# (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
+# Moonlight width; 6-7 the switches at 9 layers, several arms to a run (one compile serves them all): the
+# weight-gradient side stream, the stacked projections, the BN=32 tiles, in bf16 and under FP8; 8 plain bf16 at 9
+# layers (the second MFU reading, stage_ms and its profile digest); 9 the kernels (expand, the narrow sorts); 10
+# MLA's SDPA backends; 11 MLA at DeepSeek-V2-Lite width; 12 the Qwen3 peer at its deepest; 13 MLA with documents;
+# 14-15 FP8 alone and the `rowwise` recipe, each against bf16 in its run. Judge an A/B line with the ab-test-switch
+# skill (`ab_switch.py --from-results FILE --line N --arm B|C|D`). Then the rest of the target table (FP8, Muon,
+# the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS and
+# PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
 # One device call runs at most 10 minutes: split the plan over calls with FIRST and LAST (1-based run numbers),
 # about two 9-layer runs a call (e.g. 1 2, then 3 4 carrying .peers, then 5 6, 7 8, ...):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
@@ -23,11 +24,8 @@ runs=(
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
     "python .agents/skills/capture-profile/profile_step.py --trace /tmp/dsv3/torchtitan.json --trace /tmp/dsv3/pithtrain.json"   # where each side's step goes, by kernel category
     "$T --family moonlight --layers 10 --steps 12 --batch 4 --accum 8 --ab mla-v"     # 32: DeepSeek-V3 width; A: v unpadded (cuDNN), B: padded, in one run
-    "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab wgrad-stream"                # 32: A: one stream, B: the experts' weight gradients on a side stream
-    "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab fused-proj"                  # 32: A: q/k/v (and gate/up) from one GEMM, B: one GEMM each
-    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fused-proj"   # 32: the stacked projections under FP8
-    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab wgrad-stream"   # 32: the side stream under FP8
-    "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab wgrad-config --wgrad-config {\"BK\":128,\"BM\":128,\"BN\":32,\"num_warps\":4,\"num_stages\":4}"   # 32: B: the BN=32 tiles (run 1 checks them)
+    "$T --layers 9 --steps 24 --batch 4 --accum 8 --ab wgrad-stream,fused-proj,wgrad-config --wgrad-config {\"BK\":128,\"BM\":128,\"BN\":32,\"num_warps\":4,\"num_stages\":4}"   # 32: arms B-D against A: the side stream, q/k/v as one GEMM each, the BN=32 tiles (run 1 checks them)
+    "$T --layers 9 --steps 18 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab wgrad-stream,fused-proj"   # 32: under FP8 + FP8 head: the side stream, the projections one GEMM each
     "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU (the second reading), stage_ms and its profile digest
     "python benchmarks/kernels.py --repeats 20"                                      # the Triton kernels against their references
     "python benchmarks/attention.py --mla --batches 2 4 --repeats 10"                # 32: MLA v unpadded (cuDNN) against padded (FA2?)

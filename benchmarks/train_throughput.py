@@ -10,7 +10,8 @@ caching allocator's retries, cudaMalloc and cudaFree calls a step, and the PithT
      Moonlight-16B-A3B (DeepSeek-V3) widths, --mtp 1: with one multi-token prediction depth; --compile;
      --attention sdpa: GPT-OSS's attention through SDPA with masks instead of ops/attention.py's kernel;
      --mla-v padded: the DeepSeek families' v head padded to q and k's width, as before 2026-12-04;
-     --ab SWITCH: odd steps with the switch as set, even steps flipped, both medians and their ratio in one line)
+     --ab SWITCH[,SWITCH...]: arm A with the switches as set, then one arm per switch flipped, taking turns step
+     by step; every arm's median and its ratio to A in one line)
 
 Model FLOPs per token = 6 * (active non-embedding parameters) + 6 * hidden * vocab (LM head)
                         + 6 * layers * seq * head_dim * q_heads (causal attention, fwd+bwd)
@@ -126,7 +127,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
                   profile_step: int = 0, trace: str | None = None, fp8: str = "off",
                   optim: str = "adamw", recompute: str = "off", fp8_head: bool = False,
                   arms=None) -> tuple[list[dict], tuple | None]:
-    """`arms`: two functions of the loop's Run, one called before each odd step (1, 3, ...), the other before each even one;
+    """`arms`: functions of the loop's Run, arm i's called before steps i + 1, i + 1 + n, ... (n arms, taking turns);
     without a profile_step, the last step of each arm is profiled (stages: {"A": stage ms, "B": ...})."""
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from pithtrain.train import loop
@@ -138,8 +139,8 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
     arm_traces = {}  # arm -> Chrome trace events of its profiled step
 
     def step_in_arm(run, step, stop):  # step: 0-based
-        arms[step % 2](run)
-        if profile_step or step + 2 < steps:
+        arms[step % len(arms)](run)
+        if profile_step or step + len(arms) < steps:
             return plain_step(run, step, stop)
         profiler = loop.start_profiler(run.mesh.device)
         try:
@@ -148,7 +149,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
             profiler.stop()
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 profiler.export_chrome_trace(f.name)
-                arm_traces["AB"[step % 2]] = json.load(open(f.name))["traceEvents"]
+                arm_traces[ARMS[step % len(arms)]] = json.load(open(f.name))["traceEvents"]
 
     def timed_optimizer_step(optimizer, params):  # CUDA events: a sync after it would idle the GPU while the host
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # readies the next step
@@ -200,30 +201,46 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
         return history, stages, digests
 
 
+ARMS = "ABCDEFG"  # the arms' letters: A as the flags set the switches, then one a flipped switch
+AB_SWITCHES = ("fp8", "fused-proj", "wgrad-stream", "fused-wgrad", "mla-v", "wgrad-config")
+
+
 def ab_arms(args, parser):
-    """--ab: (what arm A runs, what arm B runs, the two setters, each given the loop's Run). A is the switch as
-    this run's flags set it, B flipped; for wgrad-config, A the kernel's default tiles and B --wgrad-config's;
-    for fp8, A bf16 and B the --fp8 recipe (with --fp8-head as given)."""
+    """--ab: ({switch: what arm A runs}, [(switch, what its arm runs)], the arms' setters, each given the loop's Run).
+    Arm A runs every switch as this run's flags set it; each further arm (B, C, ...) flips one switch, the others
+    as in A. wgrad-config: its arm runs --wgrad-config's tiles, A the kernel's default; fp8 (alone): A bf16, B the
+    --fp8 recipe (with --fp8-head as given)."""
     from pithtrain.models import deepseek_v2
     from pithtrain.ops import fp8, grouped_gemm, kernels
 
-    if args.ab == "fp8":
+    switches = args.ab.split(",")
+    unknown = [s for s in switches if s not in AB_SWITCHES]
+    if unknown or len(set(switches)) < len(switches):
+        parser.error(f"--ab {args.ab}: give distinct switches of {', '.join(AB_SWITCHES)}, comma-separated")
+    if "fp8" in switches:
+        if len(switches) > 1:
+            parser.error("--ab fp8 runs alone: it changes the model's mode, not one switch (A/B the rest under --fp8)")
         if args.fp8 == "off":
             parser.error("--ab fp8: arm B runs the --fp8 recipe; give one (e.g. --fp8 rowwise_bf16_wgrad)")
-        return "off", {"fp8": args.fp8, "fp8_head": args.fp8_head}, [
+        return {"fp8": "off"}, [("fp8", {"fp8": args.fp8, "fp8_head": args.fp8_head})], [
             lambda run: fp8_arm(run.model, False, False), lambda run: fp8_arm(run.model, args.fp8, args.fp8_head)]
-
-    if args.ab == "mla-v" and args.family not in ("deepseek_v2", "moonlight"):
+    if "mla-v" in switches and args.family not in ("deepseek_v2", "moonlight"):
         parser.error("--ab mla-v: MLA is the DeepSeek families' (--family deepseek_v2 or moonlight)")
-    if args.ab == "wgrad-config":
-        if not args.wgrad_config:
-            parser.error("--ab wgrad-config: arm B runs the tiles of --wgrad-config; give it as JSON")
-        module, name, values = kernels, "WGRAD_INTO_CONFIG", (kernels.WGRAD_INTO_CONFIG, args.wgrad_config)
-    else:
-        module, name = {"fused-proj": (fp8, "FUSED_PROJECTIONS"), "wgrad-stream": (grouped_gemm, "WGRAD_STREAM"),
-                        "fused-wgrad": (grouped_gemm, "FUSED_WGRAD"), "mla-v": (deepseek_v2, "UNPADDED_V")}[args.ab]
-        values = (getattr(module, name), not getattr(module, name))
-    return (*values, [lambda run, v=v: setattr(module, name, v) for v in values])
+    if "wgrad-config" in switches and not args.wgrad_config:
+        parser.error("--ab wgrad-config: its arm runs the tiles of --wgrad-config; give it as JSON")
+    where = {"fused-proj": (fp8, "FUSED_PROJECTIONS"), "wgrad-stream": (grouped_gemm, "WGRAD_STREAM"),
+             "fused-wgrad": (grouped_gemm, "FUSED_WGRAD"), "mla-v": (deepseek_v2, "UNPADDED_V"),
+             "wgrad-config": (kernels, "WGRAD_INTO_CONFIG")}
+    a_values = {s: getattr(*where[s]) for s in switches}
+    flipped = {s: args.wgrad_config if s == "wgrad-config" else not a_values[s] for s in switches}
+
+    def setter(flip=None):
+        def set_arm(run):
+            for s in switches:
+                setattr(*where[s], flipped[s] if s == flip else a_values[s])
+        return set_arm
+
+    return a_values, [(s, flipped[s]) for s in switches], [setter()] + [setter(s) for s in switches]
 
 
 def fp8_arm(model, recipe, head: bool) -> None:
@@ -346,13 +363,13 @@ def main():
                         "MLA's v head (128) handed to SDPA as it is, or padded to q and k's 192 (deepseek_v2.UNPADDED_V)")
     parser.add_argument("--fused-proj", default="on", choices=["on", "off"], help="fp8.FUSED_PROJECTIONS: q, k and "
                         "v (and the like) from one GEMM over their stacked weights, or one GEMM each")
-    parser.add_argument("--ab", choices=["fp8", "fused-proj", "wgrad-stream", "fused-wgrad", "mla-v", "wgrad-config"],
-                        help="A/B in one run: odd steps with this switch as the flags set it (A), even steps flipped "
-                        "(B; wgrad-config: A the default tiles, B --wgrad-config's; fp8: A bf16, B --fp8 [--fp8-head]); "
-                        "each arm's median after its first "
-                        "two steps and B/A in one line. Same process, model and data: drift and call-to-call noise "
-                        "cancel. Without --profile-step the last step of each arm is profiled (ab_stage_ms) and left "
-                        "out of the medians: --steps 12 gives each arm three")
+    parser.add_argument("--ab", metavar="SWITCH[,SWITCH...]", help=f"A/B in one run ({', '.join(AB_SWITCHES)}): "
+                        "arm A with the switches as the flags set them, then one arm per switch with it flipped "
+                        "(wgrad-config: --wgrad-config's tiles against the default; fp8, alone: A bf16, B --fp8 "
+                        "[--fp8-head]), taking turns step by step; each arm's median after its first two steps and "
+                        "its ratio to A in one line. Same process, model and data: drift and call-to-call noise "
+                        "cancel, and one compile serves every arm. Without --profile-step the last step of each arm "
+                        "is profiled (ab_stage_ms) and left out of the medians: 6 steps an arm give each three")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     from pithtrain.models import deepseek_v2
@@ -365,11 +382,12 @@ def main():
     fp8.FUSED_PROJECTIONS = args.fused_proj == "on"
     arms = None
     if args.ab:
-        if args.steps < 6:
-            parser.error(f"--ab needs --steps >= 6 (got {args.steps}): each arm's first two steps are warm-up")
-        arm_a, arm_b, arms = ab_arms(args, parser)
-    elif args.wgrad_config:
-        kernels.WGRAD_INTO_CONFIG = args.wgrad_config
+        arm_a, flips, arms = ab_arms(args, parser)
+        if args.steps < 4 * len(arms):
+            parser.error(f"--ab {args.ab} needs --steps >= {4 * len(arms)} (got {args.steps}): {len(arms)} arms, each "
+                         "with two steps of warm-up, one to measure and one to profile (6 an arm give three measured)")
+    if args.wgrad_config and "wgrad-config" not in (args.ab or "").split(","):
+        kernels.WGRAD_INTO_CONFIG = args.wgrad_config  # every arm's tiles
     if args.profile_step is None:
         args.profile_step = 0 if args.ab else args.steps  # --ab: the last step of each arm (pithtrain_run)
     hf_batch = args.hf_batch or args.batch
@@ -401,9 +419,14 @@ def main():
 
     gc.collect()
     torch.cuda.empty_cache()
-    runs_a = ours[0::2] if args.ab else ours  # with --ab: arm A's steps (odd), then B's (even)
-    profiled = {args.profile_step} if args.profile_step or not args.ab else {args.steps - 1, args.steps}
-    warm = [m for m in runs_a[2:] if m["step"] not in profiled] or runs_a
+    n_arms = len(arms) if arms else 1
+    runs_a = ours[0::n_arms]  # with --ab: arm A's steps (1, 1 + n, ...); arm i's are ours[i::n]
+    profiled = {args.profile_step} if args.profile_step or not args.ab else set(range(args.steps - n_arms + 1, args.steps + 1))
+
+    def measured(steps):
+        return [m for m in steps[2:] if m["step"] not in profiled] or steps
+
+    warm = measured(runs_a)
     tps = statistics.median(m["tokens_per_s"] for m in warm)
     result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "wgrad_stream": args.wgrad_stream, "fused_proj": args.fused_proj, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
@@ -412,12 +435,20 @@ def main():
               "optimizer_s": statistics.median(m["optimizer_s"] for m in warm),
               "optimizer_share": statistics.median(m["optimizer_s"] / m["step_time_s"] for m in warm),
               "allocator_max_per_step": allocator_max(warm)}
-    if args.ab:
-        warm_b = [m for m in ours[1::2][2:] if m["step"] not in profiled] or ours[1::2]
-        tps_b = statistics.median(m["tokens_per_s"] for m in warm_b)
-        result.update(ab=args.ab, ab_a=arm_a, ab_b=arm_b, ab_b_tokens_per_s=tps_b, ab_b_mfu=tps_b * fpt / 1e12 / peak,
-                      ab_b_peak_mem_gib=max(m["peak_mem_bytes"] for m in ours[1::2]) / 2**30, ab_ratio=tps_b / tps,
-                      ab_b_allocator_max_per_step=allocator_max(warm_b), ab_steps=[[m["step"], "AB"[(m["step"] - 1) % 2], round(m["tokens_per_s"])] for m in ours])
+    if args.ab:  # each flipped arm against A; arm B's figures also under the two-arm lines' ab_b_* keys
+        result.update(ab=args.ab, ab_a=arm_a, ab_steps=[[m["step"], ARMS[(m["step"] - 1) % n_arms], round(m["tokens_per_s"])]
+                                                        for m in ours], ab_arms={})
+        for i, (switch, value) in enumerate(flips, 1):
+            warm_i = measured(ours[i::n_arms])
+            tps_i = statistics.median(m["tokens_per_s"] for m in warm_i)
+            result["ab_arms"][ARMS[i]] = {"switch": switch, "runs": value, "tokens_per_s": tps_i,
+                                          "mfu": tps_i * fpt / 1e12 / peak, "ratio": tps_i / tps,
+                                          "peak_mem_gib": max(m["peak_mem_bytes"] for m in ours[i::n_arms]) / 2**30,
+                                          "allocator_max_per_step": allocator_max(warm_i)}
+        b = result["ab_arms"]["B"]
+        result.update(ab_b={b["switch"]: b["runs"]}, ab_b_tokens_per_s=b["tokens_per_s"],
+                      ab_b_mfu=b["mfu"], ab_b_peak_mem_gib=b["peak_mem_gib"], ab_ratio=b["ratio"],
+                      ab_b_allocator_max_per_step=b["allocator_max_per_step"])
     if isinstance(stages, dict):  # --ab: the last step of each arm profiled
         result["ab_stage_ms"] = {arm: {k: round(v / 1e3, 3) for k, v in sorted(times.items())} for arm, times in stages.items()}
     elif stages is not None:  # one profiled step, milliseconds of GPU kernel time per layer stage

@@ -105,10 +105,13 @@ def test_fused_weight_grad_switch_leaves_cpu_gradients_unchanged(monkeypatch, de
 def test_weight_stream_lags_at_most_wgrad_stream_lag_passes(monkeypatch):
     """run_weight_pass's bookkeeping with stand-in CUDA streams (the GPU run: tests/gpu/test_gpu_basics.py): each
     pass runs on the side stream after the work queued so far, its inputs are kept for that stream, the main stream
-    waits for the oldest pass once more than WGRAD_STREAM_LAG are outstanding, and the join clears the rest."""
+    waits for the oldest pass once more than WGRAD_STREAM_LAG are outstanding, and the join clears the rest; a
+    pass's new gradient comes from the main stream's pool, kept for the side stream."""
+    import contextlib
+
     from pithtrain.ops import grouped_gemm
 
-    log = []
+    log, current = [], []
 
     class Stream:
         def __init__(self, name):
@@ -130,23 +133,44 @@ def test_weight_stream_lags_at_most_wgrad_stream_lag_passes(monkeypatch):
         def record_stream(self, stream):
             log.append(("input", "kept for", stream.name))
 
+    class Grad(Tensor):
+        def __init__(self):
+            log.append(("gradient made on", current[-1]))
+
+        def record_stream(self, stream):
+            log.append(("gradient", "kept for", stream.name))
+
+    @contextlib.contextmanager
+    def on(stream):  # torch.cuda.stream: the stream work is queued on, and allocations draw from the pool of
+        current.append(stream.name)
+        yield
+        current.pop()
+
     main = Stream("main")
+    current.append("main")
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("side"))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", on)
+    monkeypatch.setattr(torch, "empty_like", lambda t: Grad())
     monkeypatch.setattr(grouped_gemm, "_weight_streams", {})
     monkeypatch.setattr(grouped_gemm, "WGRAD_STREAM", True)
     for i in range(4):
-        grouped_gemm.run_weight_pass(lambda i=i: log.append(("pass", i)), Tensor(), None)
+        grouped_gemm.run_weight_pass(lambda new_grad, i=i: log.append(("pass", i, current[-1])), Tensor(), None)
     grouped_gemm.join_weight_stream()
-    assert log == [("side", "waits for stream", "main"), ("pass", 0), ("input", "kept for", "side"),
-                   ("side", "waits for stream", "main"), ("pass", 1), ("input", "kept for", "side"),
-                   ("side", "waits for stream", "main"), ("pass", 2), ("input", "kept for", "side"),
+    assert log == [("side", "waits for stream", "main"), ("pass", 0, "side"), ("input", "kept for", "side"),
+                   ("side", "waits for stream", "main"), ("pass", 1, "side"), ("input", "kept for", "side"),
+                   ("side", "waits for stream", "main"), ("pass", 2, "side"), ("input", "kept for", "side"),
                    ("main", "waits for pass", 1),
-                   ("side", "waits for stream", "main"), ("pass", 3), ("input", "kept for", "side"),
+                   ("side", "waits for stream", "main"), ("pass", 3, "side"), ("input", "kept for", "side"),
                    ("main", "waits for pass", 2),
                    ("main", "waits for stream", "side")]
     assert not grouped_gemm._weight_streams["cuda:0"][1]
+    log.clear()
+    grouped_gemm.run_weight_pass(lambda new_grad: log.append(("pass into", new_grad(None), current[-1])), Tensor())
+    assert [e if e[0] != "pass into" else (e[0], type(e[1]).__name__, e[2]) for e in log] == [
+        ("side", "waits for stream", "main"), ("gradient made on", "main"), ("gradient", "kept for", "side"),
+        ("pass into", "Grad", "side"), ("input", "kept for", "side")]
+
 
 def test_expert_weight_gradient_without_an_input_gradient():
     """bf16 compute over an fp32 weight, input not requiring grad: the weight still gets its gradient."""

@@ -37,20 +37,30 @@ _weight_streams: dict = {}  # device -> (its side stream, events of the passes i
 
 
 def run_weight_pass(weight_pass, *tensors) -> None:
-    """weight_pass() now: with WGRAD_STREAM on a CUDA side stream (after the work queued so far; the `tensors`
-    it reads are kept from reuse until it is done), else where the caller runs."""
+    """weight_pass(new_grad) now: with WGRAD_STREAM on a CUDA side stream (after the work queued so far; the `tensors`
+    it reads are kept from reuse until it is done), else where the caller runs. `new_grad(param)` makes a
+    parameter's first gradient: on the side stream from the main stream's pool all the same, where the optimizer
+    frees it, so a run switching between the two paths (an A/B) keeps one pool of gradients, not one a stream,
+    and its allocator has nothing to retry (a retry frees the cache after a device-wide sync)."""
     cuda = [t for t in tensors if t is not None and t.is_cuda]
     if not (WGRAD_STREAM and cuda):
-        weight_pass()
+        weight_pass(torch.empty_like)
         return
     device = cuda[0].device
     if device not in _weight_streams:  # made once: a stream per call would be a driver call per weight pass
         _weight_streams[device] = (torch.cuda.Stream(device), collections.deque())
     side, pending = _weight_streams[device]
     main = torch.cuda.current_stream(device)
+
+    def new_grad(param):
+        with torch.cuda.stream(main):
+            grad = torch.empty_like(param)
+        grad.record_stream(side)
+        return grad
+
     side.wait_stream(main)
     with torch.cuda.stream(side):
-        weight_pass()
+        weight_pass(new_grad)
     pending.append(side.record_event())
     for t in cuda:
         t.record_stream(side)
@@ -271,13 +281,15 @@ class DeferredWeightGrads:
 
 
 @torch.no_grad()
-def add_weight_grad(param, x, dy, counts, num_groups: int, queue: DeferredWeightGrads | None) -> None:
+def add_weight_grad(param, x, dy, counts, num_groups: int, queue: DeferredWeightGrads | None,
+                    new_grad=torch.empty_like) -> None:
     """param.grad += x_e^T @ dy_e per expert: through queue.add_grad (or accumulate_grad without a
-    queue), or with FUSED_WGRAD on CUDA, for an fp32 parameter that is not FSDP-sharded, in one GEMM."""
+    queue), or with FUSED_WGRAD on CUDA, for an fp32 parameter that is not FSDP-sharded, in one GEMM
+    (into `new_grad(param)` for the first: run_weight_pass's)."""
     grad = param.grad  # grouped_weight_grad_into picks the kernel or the reference path itself
     if (FUSED_WGRAD and (queue is None or queue.plain) and not isinstance(param, DTensor)
             and param.dtype == torch.float32 and (grad is None or grad.dtype == torch.float32)):
-        param.grad = grouped_weight_grad_into(torch.empty_like(param) if grad is None else grad, x, dy, counts,
+        param.grad = grouped_weight_grad_into(new_grad(param) if grad is None else grad, x, dy, counts,
                                               assign=grad is None)
         return
     (accumulate_grad if queue is None else queue.add_grad)(param, grouped_weight_grad(x, dy, counts, num_groups))
@@ -299,9 +311,9 @@ class _GroupedMMDeferredW(torch.autograd.Function):
         dx = grouped_mm(dy, w.transpose(-1, -2), counts)
         queue, module, name, num_groups = ctx.queue, ctx.module, ctx.name, w.shape[0]
 
-        def weight_pass():  # needs only activations: the weights may be resharded by now
+        def weight_pass(new_grad=torch.empty_like):  # needs only activations: the weights may be resharded by now
             with stage_range(3, "wgrad"):
-                add_weight_grad(getattr(module, name), x, dy, counts, num_groups, queue)
+                add_weight_grad(getattr(module, name), x, dy, counts, num_groups, queue, new_grad)
 
         if queue is None:
             run_weight_pass(weight_pass, x, dy, counts)
@@ -347,14 +359,14 @@ class _FP8GroupedMM(torch.autograd.Function):
             else:
                 dy_hp = dy.to(x_hp.dtype)
 
-            def weight_pass():  # needs only saved activations: the weights may be resharded by now
+            def weight_pass(new_grad=torch.empty_like):  # needs only saved activations: the weights may be resharded by now
                 with stage_range(3, "wgrad"):
                     param = getattr(module, name)
                     if x_hp is None:
                         (accumulate_grad if queue is None else queue.add_grad)(
                             param, fp8.grouped_wgrad(xtq, xts, dytq, dyts, counts))
                     else:  # rowwise_bf16_wgrad: may add into .grad in the GEMM (FUSED_WGRAD)
-                        add_weight_grad(param, x_hp, dy_hp, counts, groups, queue)
+                        add_weight_grad(param, x_hp, dy_hp, counts, groups, queue, new_grad)
 
             if queue is None:  # at once: never a separate fp32 product for autograd to cast and add
                 run_weight_pass(weight_pass, xtq, xts, x_hp, dytq, dyts, dy_hp, counts)
