@@ -424,7 +424,7 @@ def _weighted_combine_bwd(rows: torch.Tensor, source: torch.Tensor, weights: tor
                           dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     drows = torch.empty_like(rows)
     dw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)  # every pair is some row's
-    if rows.numel():
+    if weights.numel():
         _weighted_combine_bwd_kernel[(weights.shape[0],)](rows, source, weights, dout, drows, dw, rows.shape[1],
                                                           TOPK=weights.shape[1], BLOCK_H=min(1024, _pow2(rows.shape[1])))
     return drows, dw
