@@ -151,10 +151,10 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
                 profiler.export_chrome_trace(f.name)
                 arm_traces[ARMS[step % len(arms)]] = json.load(open(f.name))["traceEvents"]
 
-    def timed_optimizer_step(optimizer, params):  # CUDA events: a sync after it would idle the GPU while the host
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # readies the next step
+    def timed_optimizer_step(*args):  # CUDA events: a sync after it would idle the GPU while the host readies the
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # next step
         start.record()
-        untimed(optimizer, params)
+        untimed(*args)
         end.record()
         optimizer_events.append((start, end))
         stats = torch.cuda.memory_stats()
@@ -202,7 +202,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
 
 
 ARMS = "ABCDEFG"  # the arms' letters: A as the flags set the switches, then one a flipped switch
-AB_SWITCHES = ("fp8", "fused-proj", "wgrad-stream", "fused-wgrad", "mla-v", "wgrad-config")
+AB_SWITCHES = ("fp8", "fused-proj", "wgrad-stream", "fused-wgrad", "mla-v", "wgrad-config", "triton-adamw")
 
 
 def ab_arms(args, parser):
@@ -212,6 +212,7 @@ def ab_arms(args, parser):
     --fp8 recipe (with --fp8-head as given)."""
     from pithtrain.models import deepseek_v2
     from pithtrain.ops import fp8, grouped_gemm, kernels
+    from pithtrain.train import optim
 
     switches = args.ab.split(",")
     unknown = [s for s in switches if s not in AB_SWITCHES]
@@ -230,7 +231,7 @@ def ab_arms(args, parser):
         parser.error("--ab wgrad-config: its arm runs the tiles of --wgrad-config; give it as JSON")
     where = {"fused-proj": (fp8, "FUSED_PROJECTIONS"), "wgrad-stream": (grouped_gemm, "WGRAD_STREAM"),
              "fused-wgrad": (grouped_gemm, "FUSED_WGRAD"), "mla-v": (deepseek_v2, "UNPADDED_V"),
-             "wgrad-config": (kernels, "WGRAD_INTO_CONFIG")}
+             "wgrad-config": (kernels, "WGRAD_INTO_CONFIG"), "triton-adamw": (optim, "TRITON_ADAMW")}
     a_values = {s: getattr(*where[s]) for s in switches}
     flipped = {s: args.wgrad_config if s == "wgrad-config" else not a_values[s] for s in switches}
 
@@ -252,10 +253,10 @@ def fp8_arm(model, recipe, head: bool) -> None:
 
     fp8.enable_fp8(model, compiled=False, recipe=recipe, head=head)  # the flags; stage 1 keeps its set-up refresh wrapper
     for m in model.modules():
-        for cache in ("_cast_cache",) if isinstance(m, fp8.Linear) else ("_cast_cache", "_fp8_cache"):
-            m.__dict__.pop(cache, None)
+        if not isinstance(m, fp8.Linear):
+            m.__dict__.pop("_fp8_cache", None)
     for p in model.parameters():
-        for cache in ("_fp8_cache", "_head_cast"):
+        for cache in ("_fp8_cache", "_head_cast", "_cast_cache"):
             p.__dict__.pop(cache, None)
 
 
@@ -363,6 +364,8 @@ def main():
                         "MLA's v head (128) handed to SDPA as it is, or padded to q and k's 192 (deepseek_v2.UNPADDED_V)")
     parser.add_argument("--fused-proj", default="on", choices=["on", "off"], help="fp8.FUSED_PROJECTIONS: q, k and "
                         "v (and the like) from one GEMM over their stacked weights, or one GEMM each")
+    parser.add_argument("--triton-adamw", default="off", choices=["on", "off"], help="train/optim.TRITON_ADAMW: AdamW "
+                        "as one Triton pass a parameter (the clip coefficient and the experts' bf16 copy in the pass)")
     parser.add_argument("--ab", metavar="SWITCH[,SWITCH...]", help=f"A/B in one run ({', '.join(AB_SWITCHES)}): "
                         "arm A with the switches as the flags set them, then one arm per switch with it flipped "
                         "(wgrad-config: --wgrad-config's tiles against the default; fp8, alone: A bf16, B --fp8 "
@@ -380,6 +383,9 @@ def main():
     grouped_gemm.FUSED_WGRAD = args.fused_wgrad == "on"
     grouped_gemm.WGRAD_STREAM = args.wgrad_stream == "on"
     fp8.FUSED_PROJECTIONS = args.fused_proj == "on"
+    from pithtrain.train import optim
+
+    optim.TRITON_ADAMW = args.triton_adamw == "on"
     arms = None
     if args.ab:
         arm_a, flips, arms = ab_arms(args, parser)
@@ -428,7 +434,7 @@ def main():
 
     warm = measured(runs_a)
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "wgrad_stream": args.wgrad_stream, "fused_proj": args.fused_proj, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "wgrad_stream": args.wgrad_stream, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in runs_a) / 2**30,

@@ -372,3 +372,57 @@ def test_triton_dqkwg_matches_pytorch(interpreter, varlen):
             assert a.shape == r.shape and a.dtype == r.dtype, name
             err = ((a - r).norm() / r.norm()).item()
             assert err < 1e-4, f"{name} varlen={varlen} transposed={transposed}: {err:.2e}"
+
+
+@pytest.mark.parametrize("triton", [True, False])
+def test_adamw_pass_is_torchs_with_the_clip_and_the_compute_copy(interpreter, monkeypatch, triton):
+    """train/optim.TRITON_ADAMW (kernels.adamw, a pass a parameter; `triton` False: its PyTorch reference) against
+    torch.optim.AdamW with clip_grads over three steps: two groups (decay and none), clipped gradients, the state
+    torch's fused path makes (1e-6); the experts' bf16 compute copy written in the pass and re-keyed, so
+    compute_weight returns it, equal to a fresh cast; then a resumed optimizer's state (its step read once)
+    continues as torch's does."""
+    import copy
+
+    from torch import nn
+
+    from pithtrain.ops import grouped_gemm
+    from pithtrain.parallel.fsdp import clip_grads
+    from pithtrain.train import optim
+
+    torch.manual_seed(0)
+    shapes = [(4, 16, 24), (33,), (7, 5)]
+    params = [nn.Parameter(torch.randn(s)) for s in shapes]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    module = nn.Module()
+    module.w = params[0]
+    groups = lambda ps: [{"params": [ps[0], ps[2]], "weight_decay": 0.1}, {"params": [ps[1]], "weight_decay": 0.0}]  # noqa: E731
+    make = lambda ps: torch.optim.AdamW(groups(ps), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)  # noqa: E731
+    ours, ref = make(params), make(twins)
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    monkeypatch.setattr(optim, "TRITON_ADAMW", True)
+    if not triton:  # the optimizer's pass through kernels.adamw's PyTorch reference
+        monkeypatch.setattr(kernels, "adamw", kernels.adamw_reference)
+    for step in range(4):
+        if step == 3:  # a resume: a new optimizer loading the state
+            ours = make(params)
+            ours.load_state_dict(copy.deepcopy(ref.state_dict()))
+        cast = grouped_gemm.compute_weight(module, "w", torch.bfloat16)  # the experts' cast, made in a forward
+        grads = [torch.randn(s) * 3 for s in shapes]
+        norm = torch.stack([g.norm() for g in grads]).norm().item()
+        assert norm > 1.0  # the clip applies
+        for p, t, g in zip(params, twins, grads):
+            p.grad, t.grad = g.clone(), g.clone()
+        optim.optimizer_step(ours, params, 1.0, norm)
+        clip_grads(twins, 1.0, norm)
+        ref.step()
+        for p, t in zip(params, twins):
+            a, b = ours.state[p], ref.state[t]
+            assert float(a["step"]) == float(b["step"]) == step + 1
+            for got, want in ((p, t), (a["exp_avg"], b["exp_avg"]), (a["exp_avg_sq"], b["exp_avg_sq"])):
+                torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-6, atol=1e-7)
+        assert grouped_gemm.compute_weight(module, "w", torch.bfloat16) is cast  # written in the pass, current
+        fresh = params[0].detach().to(torch.bfloat16)
+        if triton:  # the interpreter rounds fp32 to bf16 toward zero, CUDA to nearest (tests/gpu: bit for bit)
+            assert ((cast.detach().float() - fresh.float()).abs() <= fresh.float().abs() * 2**-7).all()
+        else:
+            assert torch.equal(cast.detach(), fresh)

@@ -387,19 +387,20 @@ def fp8_expert_mm(x, module, name: str, counts, out_dtype, queue=None, quantized
 
 def compute_weight(module, name: str, dtype) -> torch.Tensor:
     """module.<name> in `dtype`, cast once per weight update rather than once per micro-batch (as
-    autocast's cache does for nn.Linear): the cast copy is kept on the module, keyed by the
-    parameter's version counter, which every in-place update (optimizer step, checkpoint load)
-    bumps. The copy keeps its autograd link, so gradients still reach the fp32 parameter."""
+    autocast's cache does for nn.Linear): the cast copy is kept on the parameter (`_cast_cache`), keyed by
+    its version counter, which every in-place update (optimizer step, checkpoint load) bumps; the Triton
+    AdamW (train/optim.TRITON_ADAMW) writes the copy in its pass and re-keys it. The copy keeps its autograd
+    link, so gradients still reach the fp32 parameter."""
     param = getattr(module, name)
     if param.dtype == dtype:
         return param
-    cache = module.__dict__.setdefault("_cast_cache", {})
-    key = (name, dtype, torch.is_grad_enabled())
+    cache = param.__dict__.setdefault("_cast_cache", {})
+    key = (dtype, torch.is_grad_enabled())
     hit = cache.get(key)
-    if hit is not None and hit[0] is param and hit[1] == param._version:
-        return hit[2]
+    if hit is not None and hit[0] == param._version:
+        return hit[1]
     cast = param.to(dtype)
-    cache[key] = (param, param._version, cast)
+    cache[key] = (param._version, cast)
     return cast
 
 

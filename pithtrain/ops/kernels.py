@@ -33,6 +33,7 @@ from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotati
 
 import functools
 import importlib.util
+import math
 import os
 from typing import NamedTuple
 
@@ -1002,3 +1003,52 @@ def muon_apply(weight: torch.Tensor, update: torch.Tensor, decay: float, step: f
         _muon_launch(update, weight, None, halves, decay=decay, step=step)
     else:
         muon_apply_reference(weight, update, decay, step, halves)
+
+
+# ---------------------------------------------------------------------------------------------------
+# AdamW as one pass a parameter (train/optim.TRITON_ADAMW): the clip coefficient applied as the gradient is
+# read, and the compute-dtype copy the experts' GEMMs read written with the new weight
+# ---------------------------------------------------------------------------------------------------
+
+
+def adamw_reference(p, g, m, v, copy, lr: float, beta1: float, beta2: float, eps: float, decay: float, step: int,
+                    scale: float) -> None:
+    """torch's AdamW update in place (decoupled decay lr * decay; bias corrections of `step`, 1-based) on the
+    gradient times `scale`; `copy` (or None) <- the new p in its dtype."""
+    g = g * scale
+    p.mul_(1 - lr * decay)
+    m.lerp_(g, 1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    denom = (v.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
+    if copy is not None:
+        copy.copy_(p)
+
+
+@_Kernel
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, n, lr, beta1, beta2, eps, keep, step_size, bc2_sqrt, scale,
+                  COPY: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * scale
+    p = tl.load(p_ptr + offs, mask=mask) * keep
+    m = beta1 * tl.load(m_ptr + offs, mask=mask) + (1 - beta1) * g
+    v = beta2 * tl.load(v_ptr + offs, mask=mask) + (1 - beta2) * g * g
+    p -= step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    if COPY:
+        tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty), mask=mask)
+
+
+def adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, copy: torch.Tensor | None, lr: float,
+          beta1: float, beta2: float, eps: float, decay: float, step: int, scale: float = 1.0) -> None:
+    """adamw_reference in one pass over fp32 p, m, v (contiguous) and g: 28 bytes a value, plus the copy's."""
+    if not (use_triton(p) and all(t.is_contiguous() for t in (p, g, m, v)) and p.dtype == m.dtype == v.dtype == torch.float32):
+        adamw_reference(p, g, m, v, copy, lr, beta1, beta2, eps, decay, step, scale)
+        return
+    if p.numel():
+        _adamw_kernel[(_cdiv(p.numel(), 2048),)](p, g, m, v, p if copy is None else copy, p.numel(), lr, beta1, beta2, eps,
+                                                 1 - lr * decay, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), scale,
+                                                 COPY=copy is not None, BLOCK=2048)

@@ -34,7 +34,7 @@ from pithtrain.ops.grouped_gemm import join_weight_stream
 from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
 from pithtrain.parallel.context import shard_micro_batch
 from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispatch
-from pithtrain.parallel.fsdp import clip_grads, expert_modules, global_grad_norm, keep_local_experts, shard_model
+from pithtrain.parallel.fsdp import expert_modules, global_grad_norm, keep_local_experts, shard_model
 from pithtrain.parallel.mesh import Mesh
 from pithtrain.parallel.pipeline import ChunkPair, PipelineRunner, build_chunks, dualpipev_schedule
 from pithtrain.protocol import LossTerms, StepSums, all_layers, named_range
@@ -411,9 +411,8 @@ def train_step(run: Run, step: int, stop) -> Stepped:
             f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {step + 1}; the last good checkpoint "
             f"is kept. Lower optim.lr, raise optim.warmup_steps or check the data, then resume."
         )
-    clip_grads(params, o.grad_clip, grad_norm)
     with named_range("pithtrain::optimizer"):
-        optimizer_step(run.optimizer, params)
+        optimizer_step(run.optimizer, params, o.grad_clip, grad_norm)  # clips first
     run.optimizer.zero_grad(set_to_none=True)
     biases = model.correction_biases()
     step_loads = step_expert_loads(run.engines) if biases or mesh.ep > 1 else {}  # summed once, for both

@@ -11,6 +11,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pithtrain.config import OptimConfig
 from pithtrain.ops import kernels
+from pithtrain.parallel.fsdp import clip_grads
 
 
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConfig, device_type: str):
@@ -147,12 +148,62 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def optimizer_step(optimizer: torch.optim.Optimizer, params) -> None:
-    """optimizer.step(), then mark every parameter as modified: the fused AdamW kernel updates the
-    weights in place without bumping their version counters, and the per-update cache of expert
-    weights cast to bf16 (ops/grouped_gemm.compute_weight) is keyed by those counters."""
-    optimizer.step()
+# AdamW as one Triton pass a parameter on CUDA (ops/kernels.adamw): the clip coefficient applied as each gradient is
+# read (no pass of its own over the gradients) and an expert's compute copy (grouped_gemm.compute_weight) written with
+# the new weight (not cast from it at the next step's first micro-batch): about 70 GB a Qwen3 9-layer step less
+# traffic when clipping, 22 GB when not. Off until measured (benchmarks/train_throughput.py --ab triton-adamw).
+TRITON_ADAMW = False
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer, params, max_norm: float = 0.0, grad_norm: float = 0.0) -> None:
+    """Clip the gradients to max_norm (grad_norm: their global norm; max_norm 0: no clipping), optimizer.step(),
+    then mark every parameter as modified: the fused AdamW kernel updates the weights in place without bumping
+    their version counters, and the per-update cache of expert weights cast to bf16
+    (ops/grouped_gemm.compute_weight) is keyed by those counters."""
+    if (TRITON_ADAMW and type(optimizer) is torch.optim.AdamW and params and kernels.use_triton(params[0])
+            and not any(g["amsgrad"] or g["maximize"] for g in optimizer.param_groups)):
+        copies = _triton_adamw_step(optimizer, max_norm / (grad_norm + 1e-6) if 0 < max_norm < grad_norm else 1.0)
+    else:
+        clip_grads(params, max_norm, grad_norm)
+        optimizer.step()
+        copies = []
     torch.autograd.graph.increment_version(params)
+    for p, cache, key in copies:  # written in the step: current for the new version
+        cache[key] = (p._version, cache[key][1])
+
+
+@torch.no_grad()
+def _triton_adamw_step(optimizer: torch.optim.AdamW, scale: float) -> list:
+    """torch's AdamW step (its state, as its fused path makes it: checkpoints stay interchangeable) on the gradients
+    times `scale`, one kernels.adamw pass a parameter; returns the compute copies it wrote (param, cache, key)."""
+    host_steps = optimizer.__dict__.setdefault("_host_steps", {})  # param -> (its step tensor, that step on the host)
+    steps, copies = [], []
+    for group in optimizer.param_groups:
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = optimizer.state[p]
+            if not state:
+                state.update(step=torch.zeros((), dtype=torch.float32, device=p.device),
+                             exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                             exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+                host_steps[p] = (state["step"], 0)
+            if host_steps.get(p, (None,))[0] is not state["step"]:  # loaded from a checkpoint: one read
+                host_steps[p] = (state["step"], int(state["step"]))
+            step = host_steps[p][1] + 1
+            host_steps[p] = (state["step"], step)
+            cache = p.__dict__.get("_cast_cache", {})
+            key = next((k for k, (version, _) in cache.items() if k[1] and version == p._version), None)
+            kernels.adamw(local(p), local(p.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]),
+                          None if key is None else cache[key][1], group["lr"], beta1, beta2, group["eps"],
+                          group["weight_decay"], step, scale)
+            steps.append(state["step"])
+            if key is not None:
+                copies.append((p, cache, key))
+    if steps:
+        torch._foreach_add_(steps, 1.0)
+    return copies
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

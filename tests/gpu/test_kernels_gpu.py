@@ -310,3 +310,43 @@ def test_head_logits_accumulates_into_the_fp32_gradient_in_the_gemm():
     err = (weight.grad.double() - ref).norm() / ref.norm()
     twin_err = (twin.grad.double() - ref).norm() / ref.norm()
     assert err < 1e-5 and err <= twin_err, (err, twin_err)
+
+
+def test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy(monkeypatch):
+    """train/optim.TRITON_ADAMW on CUDA against torch's fused AdamW with clip_grads, three clipped steps over two
+    groups: weights and moments to fp32 rounding (1e-6), the experts' bf16 compute copy written in the pass bit for
+    bit a fresh cast, and current for compute_weight."""
+    from torch import nn
+
+    from pithtrain.ops import grouped_gemm
+    from pithtrain.parallel.fsdp import clip_grads
+    from pithtrain.train import optim
+
+    torch.manual_seed(0)
+    shapes = [(16, 512, 384), (1000,), (300, 77)]
+    params = [nn.Parameter(torch.randn(s, device="cuda")) for s in shapes]
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    module = nn.Module()
+    module.w = params[0]
+
+    def make(ps):
+        groups = [{"params": [ps[0], ps[2]], "weight_decay": 0.1}, {"params": [ps[1]], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+    ours, ref = make(params), make(twins)
+    monkeypatch.setattr(optim, "TRITON_ADAMW", True)
+    for _ in range(3):
+        cast = grouped_gemm.compute_weight(module, "w", torch.bfloat16)
+        grads = [torch.randn(s, device="cuda") * 3 for s in shapes]
+        norm = torch.stack([g.norm() for g in grads]).norm().item()
+        for p, t, g in zip(params, twins, grads):
+            p.grad, t.grad = g.clone(), g.clone()
+        optim.optimizer_step(ours, params, 1.0, norm)
+        clip_grads(twins, 1.0, norm)
+        ref.step()
+        for p, t in zip(params, twins):
+            for got, want in ((p, t), (ours.state[p]["exp_avg"], ref.state[t]["exp_avg"]),
+                              (ours.state[p]["exp_avg_sq"], ref.state[t]["exp_avg_sq"])):
+                assert rel_err(got.detach(), want.detach()) < 1e-6
+        assert grouped_gemm.compute_weight(module, "w", torch.bfloat16) is cast
+        assert torch.equal(cast.detach(), params[0].detach().to(torch.bfloat16))
