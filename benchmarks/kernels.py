@@ -8,7 +8,7 @@ Shapes are those of one micro-batch of 4096 tokens of Qwen3-30B-A3B and GPT-OSS-
 `weighted_combine` (stages 4-5 fused) is timed against what it replaced: the unpermute kernel into
 [T, k, H] and the compiled weighted sum; `swiglu_fp8` (fp8.glu_quantized: the activation and its FP8 copy
 in one kernel) against the SwiGLU kernel, then fp8.quantize; `expand` (LocalDispatch's, at 16384 tokens)
-against the Triton gather it replaced; the dispatch's stable sorts with narrow keys
+against the Triton gather it replaced, and `weighted_combine` at that size too (the rows outgrow the L2); the dispatch's stable sorts with narrow keys
 (`core.stable_argsort_ids`) against int64's. One benchmarks/results.jsonl line with every op's figures.
 """
 
@@ -99,6 +99,9 @@ def cases():
     order16 = torch.argsort(torch.rand(16384, 128, device=dev).topk(8, dim=1).indices.flatten(), stable=True)
     yield ("expand", "16384x2048 -> 131072 rows", lambda t: kernels.permute(t, order16 // 8),
            lambda t: kernels.expand(t, order16, 8), [torch.randn(16384, 2048, device=dev, dtype=bf16)])
+    yield ("weighted_combine", "131072 x 2048 bf16 -> 16384", lambda y, w: weighted_sum(  # the backward's token programs
+        kernels.unpermute(y, order16, 16384 * 8).view(16384, 8, 2048), w), lambda y, w: kernels.weighted_combine(y, order16, w),
+           [torch.randn(16384 * 8, 2048, device=dev, dtype=bf16), torch.rand(16384, 8, device=dev)])
     yield ("unpermute", "32768 x 2048 bf16", lambda y: kernels.unpermute_reference(y, order, tokens * 8),
            lambda y: kernels.unpermute(y, order, tokens * 8), [rows])
     yield ("weighted_combine", "32768 x 2048 bf16 -> 4096", lambda y, w: weighted_sum(
