@@ -8,8 +8,9 @@ Shapes are those of one micro-batch of 4096 tokens of Qwen3-30B-A3B and GPT-OSS-
 `weighted_combine` (stages 4-5 fused) is timed against what it replaced: the unpermute kernel into
 [T, k, H] and the compiled weighted sum; `swiglu_fp8` (fp8.glu_quantized: the activation and its FP8 copy
 in one kernel) against the SwiGLU kernel, then fp8.quantize; `expand` (LocalDispatch's, at 16384 tokens)
-against the Triton gather it replaced, and `weighted_combine` at that size too (the rows outgrow the L2); the dispatch's stable sorts with narrow keys
-(`core.stable_argsort_ids`) against int64's. One benchmarks/results.jsonl line with every op's figures.
+against the Triton gather it replaced, and `weighted_combine` at that size too (the rows outgrow the L2);
+the dispatch's stable sorts with narrow keys (`core.stable_argsort_ids`) against int64's. One
+benchmarks/results.jsonl line with every op's figures.
 """
 
 from __future__ import annotations
