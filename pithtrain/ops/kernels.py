@@ -231,20 +231,30 @@ def _move_rows_kernel(src_ptr, index_ptr, out_ptr, rows, hidden,
 
 @_Kernel
 def _segment_sum_kernel(src_ptr, perm_ptr, ends_ptr, w_ptr, out_ptr, hidden, WEIGHTED: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
+                        SEGMENT: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t] = sum of src[perm[j]] (times w[j] when WEIGHTED) over j in [ends[t-1], ends[t]), in fp32
-    and in that order."""
+    and in that order. SEGMENT > 0: every segment is that long (ends[t] = (t + 1) * SEGMENT), so its loop
+    is unrolled and its row loads issue together."""
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    start = tl.load(ends_ptr + t - 1, mask=t > 0, other=0)
-    end = tl.load(ends_ptr + t)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    for j in range(start, end):
-        row = tl.load(perm_ptr + j).to(tl.int64)
-        x = tl.load(src_ptr + row * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
-        if WEIGHTED:
-            x *= tl.load(w_ptr + j).to(tl.float32)
-        acc += x
+    if SEGMENT > 0:
+        for k in tl.static_range(SEGMENT):
+            j = t.to(tl.int64) * SEGMENT + k
+            row = tl.load(perm_ptr + j).to(tl.int64)
+            x = tl.load(src_ptr + row * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                x *= tl.load(w_ptr + j).to(tl.float32)
+            acc += x
+    else:
+        start = tl.load(ends_ptr + t - 1, mask=t > 0, other=0)
+        end = tl.load(ends_ptr + t)
+        for j in range(start, end):
+            row = tl.load(perm_ptr + j).to(tl.int64)
+            x = tl.load(src_ptr + row * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
+            if WEIGHTED:
+                x *= tl.load(w_ptr + j).to(tl.float32)
+            acc += x
     tl.store(out_ptr + t.to(tl.int64) * hidden + c, acc.to(out_ptr.dtype.element_ty), mask=c < hidden)
 
 
@@ -294,18 +304,19 @@ def _(src, index, num_rows):
 
 @torch.library.custom_op("pithtrain::segment_sum", mutates_args=())
 def _segment_sum(src: torch.Tensor, perm: torch.Tensor, ends: torch.Tensor,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
+                 weights: torch.Tensor | None = None, segment: int = 0) -> torch.Tensor:
+    """`segment` > 0: ends is (t + 1) * segment for every t (a token's top-k rows), read from no tensor."""
     out = src.new_empty(ends.shape[0], src.shape[1])
     if out.numel():
         block_h = min(1024, _pow2(src.shape[1]))
         _segment_sum_kernel[(ends.shape[0], _cdiv(src.shape[1], block_h))](
             src, perm, ends, perm if weights is None else weights, out, src.shape[1], WEIGHTED=weights is not None,
-            BLOCK_H=block_h)
+            SEGMENT=segment, BLOCK_H=block_h)
     return out
 
 
 @_segment_sum.register_fake
-def _(src, perm, ends, weights=None):
+def _(src, perm, ends, weights=None, segment=0):
     return src.new_empty(ends.shape[0], src.shape[1])
 
 
@@ -337,7 +348,7 @@ class _Expand(torch.autograd.Function):
         (dest,) = ctx.saved_tensors
         topk = dest.shape[0] // max(1, ctx.num_rows)
         ends = torch.arange(1, ctx.num_rows + 1, dtype=torch.int32, device=dest.device) * topk
-        return _segment_sum(grad.contiguous(), dest, ends), None
+        return _segment_sum(grad.contiguous(), dest, ends, None, topk), None
 
 
 class _Permute(torch.autograd.Function):
@@ -446,7 +457,7 @@ class _WeightedCombine(torch.autograd.Function):
         num_tokens, topk = weights.shape
         ends = torch.arange(1, num_tokens + 1, dtype=torch.int32, device=index.device) * topk
         ctx.save_for_backward(rows, source, weights)
-        return _segment_sum(rows.contiguous(), source, ends, weights.contiguous())
+        return _segment_sum(rows.contiguous(), source, ends, weights.contiguous(), topk)
 
     @staticmethod
     def backward(ctx, dout):
