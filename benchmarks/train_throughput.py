@@ -364,7 +364,7 @@ def main():
                         "MLA's v head (128) handed to SDPA as it is, or padded to q and k's 192 (deepseek_v2.UNPADDED_V)")
     parser.add_argument("--fused-proj", default="on", choices=["on", "off"], help="fp8.FUSED_PROJECTIONS: q, k and "
                         "v (and the like) from one GEMM over their stacked weights, or one GEMM each")
-    parser.add_argument("--triton-adamw", default="off", choices=["on", "off"], help="train/optim.TRITON_ADAMW: AdamW "
+    parser.add_argument("--triton-adamw", default="on", choices=["on", "off"], help="train/optim.TRITON_ADAMW: AdamW "
                         "as one Triton pass a parameter (the clip coefficient and the experts' bf16 copy in the pass)")
     parser.add_argument("--ab", metavar="SWITCH[,SWITCH...]", help=f"A/B in one run ({', '.join(AB_SWITCHES)}): "
                         "arm A with the switches as the flags set them, then one arm per switch with it flipped "

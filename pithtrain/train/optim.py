@@ -151,8 +151,9 @@ def local(t: torch.Tensor) -> torch.Tensor:
 # AdamW as one Triton pass a parameter on CUDA (ops/kernels.adamw): the clip coefficient applied as each gradient is
 # read (no pass of its own over the gradients) and an expert's compute copy (grouped_gemm.compute_weight) written with
 # the new weight (not cast from it at the next step's first micro-batch): about 70 GB a Qwen3 9-layer step less
-# traffic when clipping, 22 GB when not. Off until measured (benchmarks/train_throughput.py --ab triton-adamw).
-TRITON_ADAMW = False
+# traffic when clipping, 22 GB when not. On since its A/B (2026-12-05, Qwen3 9 layers: +0.6% bf16, +0.7% FP8;
+# docs/performance.md); `benchmarks/train_throughput.py --triton-adamw off` is torch's fused AdamW.
+TRITON_ADAMW = True
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params, max_norm: float = 0.0, grad_norm: float = 0.0) -> None:
