@@ -891,9 +891,9 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
 # Tiles of grad (BK x BM) and rows a step (BN); benchmarks/grouped_gemm.py --wgrad --sweep measures others.
 # TMA against pointer loads at Qwen3's expert widths, 131,072 rows (micro-batch 4), H200: gate_up 2.26 -> 2.11 ms
 # balanced, 2.46 -> 2.23 skewed; down 1.17 -> 1.13 and 1.22 -> 1.22 (docs/performance.md, Kernels). With the
-# bulk-reduce epilogue, interleaved sweeps put BN=32 / 4 stages 1-7% ahead of these tiles; in training (Qwen3 9
-# layers) it cuts stage 3's backward by 9-15 ms a step, and an A/B in one run put it 0.46% ahead in tokens/s with a
-# scatter of 0.3% (2026-12-05; docs/performance.md, Kernels): the default since.
+# bulk-reduce epilogue, interleaved sweeps put these tiles (BN=32, 4 stages) 1-7% ahead of BN=64 / 3 stages; in
+# training (Qwen3 9 layers) they cut stage 3's backward by 9-15 ms a step, and an A/B in one run put them 0.46%
+# ahead in tokens/s with a scatter of 0.3% (2026-12-05; docs/performance.md): the default since.
 WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=32, num_warps=4, num_stages=4)
 
 
