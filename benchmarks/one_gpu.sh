@@ -5,11 +5,11 @@
 # layers (arm A is a 60% MFU reading, B/A the 1.15x); 3-4 the DeepSeek-V3-width peer, both sides profiled one step
 # more, and the two profiles by kernel category (carry .peers); 5 MLA's v unpadded against padded in training at
 # Moonlight width; 6-7 the switches at 9 layers, several arms to a run (one compile serves them all): the
-# weight-gradient side stream, the stacked projections, the BN=32 tiles, the Triton AdamW, in bf16 and under FP8;
+# stacked projections, the weight-gradient tiles, the Triton AdamW, in bf16 and under FP8 (measured 2026-12-05);
 # 8 plain bf16 at 9 layers (the second MFU reading, stage_ms and its profile digest); 9 the kernels (expand, the
 # narrow sorts); 10 MLA's SDPA backends; 11 MLA at DeepSeek-V2-Lite width; 12 the Qwen3 peer at its deepest; 13 MLA
 # with documents; 14-15 FP8 alone and the `rowwise` recipe, each against bf16 in its run. Judge an A/B line with the
-# ab-test-switch skill (`ab_switch.py --from-results FILE --line N --arm B|C|D|E`). Then the rest of the target
+# ab-test-switch skill (`ab_switch.py --from-results FILE --line N --arm B|C|D`). Then the rest of the target
 # table (FP8, Muon, the three widths, the GPU tests). Each appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS and
 # PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
 # One device call runs at most 10 minutes: split the plan over calls with FIRST and LAST (1-based run numbers),
@@ -19,13 +19,13 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
-    "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_gpu_basics.py::test_weight_gradients_on_a_side_stream_equal_the_plain_ones tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer tests/gpu/test_kernels_gpu.py::test_permute_unpermute tests/gpu/test_kernels_gpu.py::test_local_dispatch_round_trip_on_cuda_matches_the_cpu tests/gpu/test_fp8_gpu.py::test_stacked_projections_compiled_match_the_linears_alone tests/gpu/test_kernels_gpu.py::test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy"   # the new GPU checks, BN=32 tiles, expand and the per-token combine backward included
+    "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer tests/gpu/test_kernels_gpu.py::test_permute_unpermute tests/gpu/test_kernels_gpu.py::test_local_dispatch_round_trip_on_cuda_matches_the_cpu tests/gpu/test_fp8_gpu.py::test_stacked_projections_compiled_match_the_linears_alone tests/gpu/test_kernels_gpu.py::test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy"   # the new GPU checks, BN=32 tiles, expand and the per-token combine backward included
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x; A bf16, B FP8 + FP8 head, in one run
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
     "python .agents/skills/capture-profile/profile_step.py --trace /tmp/dsv3/torchtitan.json --trace /tmp/dsv3/pithtrain.json"   # where each side's step goes, by kernel category
     "$T --family moonlight --layers 10 --steps 12 --batch 4 --accum 8 --ab mla-v"     # 32: DeepSeek-V3 width; A: v unpadded (cuDNN), B: padded, in one run
-    "$T --layers 9 --steps 30 --batch 4 --accum 8 --ab wgrad-stream,fused-proj,wgrad-config,triton-adamw --wgrad-config {\"BK\":128,\"BM\":128,\"BN\":32,\"num_warps\":4,\"num_stages\":4}"   # 32: arms B-E against A: the side stream, q/k/v as one GEMM each, the BN=32 tiles (run 1 checks them), the Triton AdamW
-    "$T --layers 9 --steps 24 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab wgrad-stream,fused-proj,triton-adamw"   # 32: under FP8 + FP8 head: the side stream, the projections one GEMM each, the Triton AdamW
+    "$T --layers 9 --steps 24 --batch 4 --accum 8 --ab fused-proj,wgrad-config,triton-adamw --wgrad-config {\"BK\":128,\"BM\":128,\"BN\":64,\"num_warps\":4,\"num_stages\":3}"   # 32: arms B-D against A: q/k/v as one GEMM each, the BN=64 tiles (the default before 2026-12-05), torch's fused AdamW
+    "$T --layers 9 --steps 18 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fused-proj,triton-adamw"   # 32: under FP8 + FP8 head: the projections one GEMM each, torch's fused AdamW
     "$T --layers 9 --steps 6 --batch 4 --accum 8"                                   # 32 and 18: >= 60% MFU (the second reading), stage_ms and its profile digest
     "python benchmarks/kernels.py --repeats 20"                                      # the Triton kernels against their references
     "python benchmarks/attention.py --mla --batches 2 4 --repeats 10"                # 32: MLA v unpadded (cuDNN) against padded (FA2?)

@@ -202,7 +202,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
 
 
 ARMS = "ABCDEFG"  # the arms' letters: A as the flags set the switches, then one a flipped switch
-AB_SWITCHES = ("fp8", "fused-proj", "wgrad-stream", "fused-wgrad", "mla-v", "wgrad-config", "triton-adamw")
+AB_SWITCHES = ("fp8", "fused-proj", "fused-wgrad", "mla-v", "wgrad-config", "triton-adamw")
 
 
 def ab_arms(args, parser):
@@ -229,9 +229,9 @@ def ab_arms(args, parser):
         parser.error("--ab mla-v: MLA is the DeepSeek families' (--family deepseek_v2 or moonlight)")
     if "wgrad-config" in switches and not args.wgrad_config:
         parser.error("--ab wgrad-config: its arm runs the tiles of --wgrad-config; give it as JSON")
-    where = {"fused-proj": (fp8, "FUSED_PROJECTIONS"), "wgrad-stream": (grouped_gemm, "WGRAD_STREAM"),
-             "fused-wgrad": (grouped_gemm, "FUSED_WGRAD"), "mla-v": (deepseek_v2, "UNPADDED_V"),
-             "wgrad-config": (kernels, "WGRAD_INTO_CONFIG"), "triton-adamw": (optim, "TRITON_ADAMW")}
+    where = {"fused-proj": (fp8, "FUSED_PROJECTIONS"), "fused-wgrad": (grouped_gemm, "FUSED_WGRAD"),
+             "mla-v": (deepseek_v2, "UNPADDED_V"), "wgrad-config": (kernels, "WGRAD_INTO_CONFIG"),
+             "triton-adamw": (optim, "TRITON_ADAMW")}
     a_values = {s: getattr(*where[s]) for s in switches}
     flipped = {s: args.wgrad_config if s == "wgrad-config" else not a_values[s] for s in switches}
 
@@ -356,8 +356,6 @@ def main():
                         "Triton kernel of ops/attention.py, or SDPA with the sink as an extra key and explicit masks")
     parser.add_argument("--fused-wgrad", default="on", choices=["on", "off"], help="grouped_gemm.FUSED_WGRAD: the "
                         "experts' weight gradient added into the fp32 .grad in the GEMM (on) or by a pass after it")
-    parser.add_argument("--wgrad-stream", default="off", choices=["on", "off"], help="grouped_gemm.WGRAD_STREAM: "
-                        "the experts' weight gradients on a second CUDA stream, overlapping the rest of the backward")
     parser.add_argument("--wgrad-config", type=json.loads, help="kernels.WGRAD_INTO_CONFIG for this run, as JSON "
                         "(the tiles of benchmarks/grouped_gemm.py --wgrad --sweep)")
     parser.add_argument("--mla-v", default="unpadded", choices=["unpadded", "padded"], help="DeepSeek families: "
@@ -381,7 +379,6 @@ def main():
     attention.ENABLED = args.attention == "flash"
     deepseek_v2.UNPADDED_V = args.mla_v == "unpadded"
     grouped_gemm.FUSED_WGRAD = args.fused_wgrad == "on"
-    grouped_gemm.WGRAD_STREAM = args.wgrad_stream == "on"
     fp8.FUSED_PROJECTIONS = args.fused_proj == "on"
     from pithtrain.train import optim
 
@@ -434,7 +431,7 @@ def main():
 
     warm = measured(runs_a)
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "wgrad_stream": args.wgrad_stream, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in runs_a) / 2**30,

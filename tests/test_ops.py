@@ -70,7 +70,7 @@ def test_expert_weight_cast_is_cached_per_update_and_gradients_still_accumulate(
 @pytest.mark.parametrize("deferred", [False, True])
 def test_fused_weight_grad_switch_leaves_cpu_gradients_unchanged(monkeypatch, deferred):
     """grouped_gemm.FUSED_WGRAD on: the CPU still takes the reference (grouped_weight_grad + add_into),
-    so two bf16 micro-batches give bit-identical fp32 gradients, and those match float64; WGRAD_STREAM too.
+    so two bf16 micro-batches give bit-identical fp32 gradients, and those match float64.
     (The fused kernel itself, and the dispatch into it: tests/triton_interpreter_cases.py.)"""
     from pithtrain.ops import grouped_gemm
     from pithtrain.ops.grouped_gemm import accumulate_grad
@@ -94,82 +94,9 @@ def test_fused_weight_grad_switch_leaves_cpu_gradients_unchanged(monkeypatch, de
 
     fused = grad(True)
     assert fused.dtype == torch.float32 and torch.equal(fused, grad(False))
-    monkeypatch.setattr(grouped_gemm, "WGRAD_STREAM", True)  # a CUDA side stream: on the CPU, the same pass in place
-    assert torch.equal(grad(True), fused) and not grouped_gemm._weight_streams
-    grouped_gemm.join_weight_stream()  # nothing to join
     split = lambda t: t.bfloat16().double().split(counts.tolist())  # noqa: E731
     ref = sum(torch.stack([xe.T @ de for xe, de in zip(split(x), split(dy))]) for x, dy in zip(xs, dys))
     torch.testing.assert_close(fused.double(), ref, rtol=2e-2, atol=2e-2)
-
-
-def test_weight_stream_lags_at_most_wgrad_stream_lag_passes(monkeypatch):
-    """run_weight_pass's bookkeeping with stand-in CUDA streams (the GPU run: tests/gpu/test_gpu_basics.py): each
-    pass runs on the side stream after the work queued so far, its inputs are kept for that stream, the main stream
-    waits for the oldest pass once more than WGRAD_STREAM_LAG are outstanding, and the join clears the rest; a
-    pass's new gradient comes from the main stream's pool, kept for the side stream."""
-    import contextlib
-
-    from pithtrain.ops import grouped_gemm
-
-    log, current = [], []
-
-    class Stream:
-        def __init__(self, name):
-            self.name, self.events = name, 0
-
-        def wait_stream(self, other):
-            log.append((self.name, "waits for stream", other.name))
-
-        def record_event(self):
-            self.events += 1
-            return self.events
-
-        def wait_event(self, event):
-            log.append((self.name, "waits for pass", event))
-
-    class Tensor:  # a CUDA tensor, as far as run_weight_pass looks
-        is_cuda, device = True, "cuda:0"
-
-        def record_stream(self, stream):
-            log.append(("input", "kept for", stream.name))
-
-    class Grad(Tensor):
-        def __init__(self):
-            log.append(("gradient made on", current[-1]))
-
-        def record_stream(self, stream):
-            log.append(("gradient", "kept for", stream.name))
-
-    @contextlib.contextmanager
-    def on(stream):  # torch.cuda.stream: the stream work is queued on, and allocations draw from the pool of
-        current.append(stream.name)
-        yield
-        current.pop()
-
-    main = Stream("main")
-    current.append("main")
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device: Stream("side"))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-    monkeypatch.setattr(torch.cuda, "stream", on)
-    monkeypatch.setattr(torch, "empty_like", lambda t: Grad())
-    monkeypatch.setattr(grouped_gemm, "_weight_streams", {})
-    monkeypatch.setattr(grouped_gemm, "WGRAD_STREAM", True)
-    for i in range(4):
-        grouped_gemm.run_weight_pass(lambda new_grad, i=i: log.append(("pass", i, current[-1])), Tensor(), None)
-    grouped_gemm.join_weight_stream()
-    assert log == [("side", "waits for stream", "main"), ("pass", 0, "side"), ("input", "kept for", "side"),
-                   ("side", "waits for stream", "main"), ("pass", 1, "side"), ("input", "kept for", "side"),
-                   ("side", "waits for stream", "main"), ("pass", 2, "side"), ("input", "kept for", "side"),
-                   ("main", "waits for pass", 1),
-                   ("side", "waits for stream", "main"), ("pass", 3, "side"), ("input", "kept for", "side"),
-                   ("main", "waits for pass", 2),
-                   ("main", "waits for stream", "side")]
-    assert not grouped_gemm._weight_streams["cuda:0"][1]
-    log.clear()
-    grouped_gemm.run_weight_pass(lambda new_grad: log.append(("pass into", new_grad(None), current[-1])), Tensor())
-    assert [e if e[0] != "pass into" else (e[0], type(e[1]).__name__, e[2]) for e in log] == [
-        ("side", "waits for stream", "main"), ("gradient made on", "main"), ("gradient", "kept for", "side"),
-        ("pass into", "Grad", "side"), ("input", "kept for", "side")]
 
 
 def test_expert_weight_gradient_without_an_input_gradient():

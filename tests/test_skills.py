@@ -416,14 +416,14 @@ def test_ab_test_switch_judges_gain_loss_and_noise(tmp_path, monkeypatch):
                          ([], "give SWITCH")]:
         out = run_script(script, *args)
         assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and reason in out.stdout, (args, out.stdout)
-    # three arms in one run (train_throughput.py --ab fused-proj,wgrad-stream): each flipped arm judged against A
+    # three arms in one run (train_throughput.py --ab fused-proj,triton-adamw): each flipped arm judged against A
     a, b, c = (warm + [75_000, 75_400, 75_200, 60_000], warm + [73_000, 73_300, 73_100, 61_000],
                warm + [78_000, 78_300, 78_100, 61_000])
-    multi = {"ab": "fused-proj,wgrad-stream", "ab_a": {"fused-proj": True, "wgrad-stream": False},
+    multi = {"ab": "fused-proj,triton-adamw", "ab_a": {"fused-proj": True, "triton-adamw": False},
              "ab_steps": [[3 * i + 1 + j, arm, rate] for i, rates in enumerate(zip(a, b, c)) for j, (arm, rate) in enumerate(zip("ABC", rates))],
              "pithtrain_tokens_per_s": 75_200.0, "ab_stage_ms": {arm: {"gpu idle": 9.0} for arm in "ABC"},
              "ab_arms": {"B": {"switch": "fused-proj", "runs": False, "tokens_per_s": 73_100.0},
-                         "C": {"switch": "wgrad-stream", "runs": True, "tokens_per_s": 78_100.0}}}
+                         "C": {"switch": "triton-adamw", "runs": True, "tokens_per_s": 78_100.0}}}
     results.write_text(json.dumps(multi) + "\n")
     arm_c = run_script(script, "--from-results", results, "--arm", "C")
     assert arm_c.returncode == 0 and arm_c.stdout.splitlines()[-1] == "PASS: C is 3.9% faster (1.039x), beyond the noise (0.3%)"
@@ -434,12 +434,12 @@ def test_ab_test_switch_judges_gain_loss_and_noise(tmp_path, monkeypatch):
     assert arm_d.stdout.splitlines()[-1] == "FAIL: --arm D: this line's arms against A are B, C", arm_d.stdout
     # the A/B itself needs a GPU: here the benchmark refuses in one line, and the skill says it failed
     monkeypatch.setenv("PITHTRAIN_RESULTS", str(results))
-    cpu = run_script(script, "wgrad-stream,fused-proj", "--", "--layers", "1")
+    cpu = run_script(script, "triton-adamw,fused-proj", "--", "--layers", "1")
     assert cpu.returncode == 1 and cpu.stdout.splitlines()[-1] == "FAIL: benchmarks/train_throughput.py failed (its error is above)"
-    assert "--steps 18 --layers 1 --ab wgrad-stream,fused-proj" in cpu.stdout.splitlines()[0]
+    assert "--steps 18 --layers 1 --ab triton-adamw,fused-proj" in cpu.stdout.splitlines()[0]
     # the benchmark's own refusals of a bad --ab, before it looks for a GPU
     for ab, steps, reason in [("fp8,fused-proj", "18", "--ab fp8 runs alone"),
-                              ("fused-proj,wgrad-stream", "8", "needs --steps >= 12 (got 8): 3 arms")]:
+                              ("fused-proj,triton-adamw", "8", "needs --steps >= 12 (got 8): 3 arms")]:
         bad = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--ab", ab, "--steps", steps, "--fp8",
                               "rowwise_bf16_wgrad"], capture_output=True, text=True)
         assert bad.returncode == 2 and reason in bad.stderr.splitlines()[-1], (ab, bad.stderr)

@@ -9,8 +9,6 @@ the token embedding (`Embedding`), whose gradient rows are added into .grad wher
 
 from __future__ import annotations
 
-import collections
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,54 +23,6 @@ from pithtrain.ops.kernels import add_into
 # (kernels.wgrad_into) rather than a bf16 product and an add_into pass: +2.0% tokens/s at Qwen3 width
 # on the H200, neutral at DeepSeek-V2-Lite and GPT-OSS widths (docs/performance.md, Kernels).
 FUSED_WGRAD = True
-# The experts' weight gradients computed at once in the backward (no zero-bubble queue: one process) issued on a
-# second CUDA stream, so their GEMM's fp32 read-add-write of .grad may overlap the kernels queued after it
-# (the rest of the layer's backward) instead of following them. An A/B for the GPU, off until measured
-# (benchmarks/train_throughput.py --wgrad-stream); the loop joins the stream before .grad is read.
-WGRAD_STREAM = False
-# How many weight passes the side stream may run behind the main one: the main stream waits for older ones, so
-# the activations they hold (record_stream) stay bounded (about a layer's) at the memory peak of a deep model.
-WGRAD_STREAM_LAG = 2
-_weight_streams: dict = {}  # device -> (its side stream, events of the passes issued on it not yet waited for)
-
-
-def run_weight_pass(weight_pass, *tensors) -> None:
-    """weight_pass(new_grad) now: with WGRAD_STREAM on a CUDA side stream (after the work queued so far; the `tensors`
-    it reads are kept from reuse until it is done), else where the caller runs. `new_grad(param)` makes a
-    parameter's first gradient: on the side stream from the main stream's pool all the same, where the optimizer
-    frees it, so a run switching between the two paths (an A/B) keeps one pool of gradients, not one a stream,
-    and its allocator has nothing to retry (a retry frees the cache after a device-wide sync)."""
-    cuda = [t for t in tensors if t is not None and t.is_cuda]
-    if not (WGRAD_STREAM and cuda):
-        weight_pass(torch.empty_like)
-        return
-    device = cuda[0].device
-    if device not in _weight_streams:  # made once: a stream per call would be a driver call per weight pass
-        _weight_streams[device] = (torch.cuda.Stream(device), collections.deque())
-    side, pending = _weight_streams[device]
-    main = torch.cuda.current_stream(device)
-
-    def new_grad(param):
-        with torch.cuda.stream(main):
-            grad = torch.empty_like(param)
-        grad.record_stream(side)
-        return grad
-
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        weight_pass(new_grad)
-    pending.append(side.record_event())
-    for t in cuda:
-        t.record_stream(side)
-    while len(pending) > WGRAD_STREAM_LAG:
-        main.wait_event(pending.popleft())
-
-
-def join_weight_stream() -> None:
-    """Each device's current stream waits for the weight gradients issued on its side stream (run_weight_pass)."""
-    for device, (side, pending) in _weight_streams.items():
-        torch.cuda.current_stream(device).wait_stream(side)
-        pending.clear()
 
 
 def _grouped_mm_applies(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -281,15 +231,13 @@ class DeferredWeightGrads:
 
 
 @torch.no_grad()
-def add_weight_grad(param, x, dy, counts, num_groups: int, queue: DeferredWeightGrads | None,
-                    new_grad=torch.empty_like) -> None:
+def add_weight_grad(param, x, dy, counts, num_groups: int, queue: DeferredWeightGrads | None) -> None:
     """param.grad += x_e^T @ dy_e per expert: through queue.add_grad (or accumulate_grad without a
-    queue), or with FUSED_WGRAD on CUDA, for an fp32 parameter that is not FSDP-sharded, in one GEMM
-    (into `new_grad(param)` for the first: run_weight_pass's)."""
+    queue), or with FUSED_WGRAD on CUDA, for an fp32 parameter that is not FSDP-sharded, in one GEMM."""
     grad = param.grad  # grouped_weight_grad_into picks the kernel or the reference path itself
     if (FUSED_WGRAD and (queue is None or queue.plain) and not isinstance(param, DTensor)
             and param.dtype == torch.float32 and (grad is None or grad.dtype == torch.float32)):
-        param.grad = grouped_weight_grad_into(new_grad(param) if grad is None else grad, x, dy, counts,
+        param.grad = grouped_weight_grad_into(torch.empty_like(param) if grad is None else grad, x, dy, counts,
                                               assign=grad is None)
         return
     (accumulate_grad if queue is None else queue.add_grad)(param, grouped_weight_grad(x, dy, counts, num_groups))
@@ -311,12 +259,12 @@ class _GroupedMMDeferredW(torch.autograd.Function):
         dx = grouped_mm(dy, w.transpose(-1, -2), counts)
         queue, module, name, num_groups = ctx.queue, ctx.module, ctx.name, w.shape[0]
 
-        def weight_pass(new_grad=torch.empty_like):  # needs only activations: the weights may be resharded by now
+        def weight_pass():  # needs only activations: the weights may be resharded by now
             with stage_range(3, "wgrad"):
-                add_weight_grad(getattr(module, name), x, dy, counts, num_groups, queue, new_grad)
+                add_weight_grad(getattr(module, name), x, dy, counts, num_groups, queue)
 
         if queue is None:
-            run_weight_pass(weight_pass, x, dy, counts)
+            weight_pass()
         else:
             queue.work.append(weight_pass)
         return dx, None, None, None, None, None
@@ -359,17 +307,17 @@ class _FP8GroupedMM(torch.autograd.Function):
             else:
                 dy_hp = dy.to(x_hp.dtype)
 
-            def weight_pass(new_grad=torch.empty_like):  # needs only saved activations: the weights may be resharded by now
+            def weight_pass():  # needs only saved activations: the weights may be resharded by now
                 with stage_range(3, "wgrad"):
                     param = getattr(module, name)
                     if x_hp is None:
                         (accumulate_grad if queue is None else queue.add_grad)(
                             param, fp8.grouped_wgrad(xtq, xts, dytq, dyts, counts))
                     else:  # rowwise_bf16_wgrad: may add into .grad in the GEMM (FUSED_WGRAD)
-                        add_weight_grad(param, x_hp, dy_hp, counts, groups, queue, new_grad)
+                        add_weight_grad(param, x_hp, dy_hp, counts, groups, queue)
 
             if queue is None:  # at once: never a separate fp32 product for autograd to cast and add
-                run_weight_pass(weight_pass, xtq, xts, x_hp, dytq, dyts, dy_hp, counts)
+                weight_pass()
             else:
                 queue.work.append(weight_pass)
         return dx, None, None, None, None, None, None, None, None, None, None, None, None, None

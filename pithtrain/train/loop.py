@@ -30,7 +30,6 @@ from pithtrain.config import (ConfigError, RunConfig, UserError, data_parts, dis
                                run_dict, runs_dualpipev, validate)
 from pithtrain.models.routing import update_correction_bias
 from pithtrain.ops.fp8 import enable_fp8
-from pithtrain.ops.grouped_gemm import join_weight_stream
 from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
 from pithtrain.parallel.context import shard_micro_batch
 from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispatch
@@ -394,7 +393,6 @@ def train_step(run: Run, step: int, stop) -> Stepped:
             sums.ce += ce.detach().double()
             if mtp_ce is not None:
                 sums.mtp += mtp_ce.detach().double()
-    join_weight_stream()  # the weight gradients issued on a side stream (grouped_gemm.WGRAD_STREAM), if any
     if stop is not None and stop.signum:  # summed with the losses, so every rank stops after the same step
         sums.request_stop()
     # cross-entropy: pipeline rank 0 of every dp x cp x ep rank holds a share; aux terms: every rank
