@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites, most needed first: a session's device time (30
-# minutes, the machine's start included) holds some seven of them. Runs 1-15 measure what changed since the last GPU
-# measurement (2026-12-04): 1 the new GPU checks; 2 bf16 against FP8 + FP8 head alternating in one run at 9 Qwen3
+# minutes, the machine's start included) holds some seven of them. Runs 1-9 ran on 2026-12-05 (261bf71, results.jsonl
+# lines 117-124); 10-15 have not run since 2026-12-04. 1 the new GPU checks; 2 bf16 against FP8 + FP8 head alternating in one run at 9 Qwen3
 # layers (arm A is a 60% MFU reading, B/A the 1.15x); 3-4 the DeepSeek-V3-width peer, both sides profiled one step
 # more, and the two profiles by kernel category (carry .peers); 5 MLA's v unpadded against padded in training at
 # Moonlight width; 6-7 the switches at 9 layers, several arms to a run (one compile serves them all): the
