@@ -384,7 +384,7 @@ def main():
 
     optim.TRITON_ADAMW = args.triton_adamw == "on"
     arms = None
-    if args.ab:
+    if args.ab is not None:  # an empty --ab is refused there, not taken for none
         arm_a, flips, arms = ab_arms(args, parser)
         if args.steps < 4 * len(arms):
             parser.error(f"--ab {args.ab} needs --steps >= {4 * len(arms)} (got {args.steps}): {len(arms)} arms, each "

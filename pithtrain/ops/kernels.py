@@ -231,30 +231,20 @@ def _move_rows_kernel(src_ptr, index_ptr, out_ptr, rows, hidden,
 
 @_Kernel
 def _segment_sum_kernel(src_ptr, perm_ptr, ends_ptr, w_ptr, out_ptr, hidden, WEIGHTED: tl.constexpr,
-                        SEGMENT: tl.constexpr, BLOCK_H: tl.constexpr):
+                        BLOCK_H: tl.constexpr):
     """out[t] = sum of src[perm[j]] (times w[j] when WEIGHTED) over j in [ends[t-1], ends[t]), in fp32
-    and in that order. SEGMENT > 0: every segment is that long (ends[t] = (t + 1) * SEGMENT), so its loop
-    is unrolled and its row loads issue together."""
+    and in that order."""
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    start = tl.load(ends_ptr + t - 1, mask=t > 0, other=0)
+    end = tl.load(ends_ptr + t)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
-    if SEGMENT > 0:
-        for k in tl.static_range(SEGMENT):
-            j = t.to(tl.int64) * SEGMENT + k
-            row = tl.load(perm_ptr + j).to(tl.int64)
-            x = tl.load(src_ptr + row * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
-            if WEIGHTED:
-                x *= tl.load(w_ptr + j).to(tl.float32)
-            acc += x
-    else:
-        start = tl.load(ends_ptr + t - 1, mask=t > 0, other=0)
-        end = tl.load(ends_ptr + t)
-        for j in range(start, end):
-            row = tl.load(perm_ptr + j).to(tl.int64)
-            x = tl.load(src_ptr + row * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
-            if WEIGHTED:
-                x *= tl.load(w_ptr + j).to(tl.float32)
-            acc += x
+    for j in range(start, end):
+        row = tl.load(perm_ptr + j).to(tl.int64)
+        x = tl.load(src_ptr + row * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
+        if WEIGHTED:
+            x *= tl.load(w_ptr + j).to(tl.float32)
+        acc += x
     tl.store(out_ptr + t.to(tl.int64) * hidden + c, acc.to(out_ptr.dtype.element_ty), mask=c < hidden)
 
 
@@ -304,19 +294,18 @@ def _(src, index, num_rows):
 
 @torch.library.custom_op("pithtrain::segment_sum", mutates_args=())
 def _segment_sum(src: torch.Tensor, perm: torch.Tensor, ends: torch.Tensor,
-                 weights: torch.Tensor | None = None, segment: int = 0) -> torch.Tensor:
-    """`segment` > 0: ends is (t + 1) * segment for every t (a token's top-k rows), read from no tensor."""
+                 weights: torch.Tensor | None = None) -> torch.Tensor:
     out = src.new_empty(ends.shape[0], src.shape[1])
     if out.numel():
         block_h = min(1024, _pow2(src.shape[1]))
         _segment_sum_kernel[(ends.shape[0], _cdiv(src.shape[1], block_h))](
             src, perm, ends, perm if weights is None else weights, out, src.shape[1], WEIGHTED=weights is not None,
-            SEGMENT=segment, BLOCK_H=block_h)
+            BLOCK_H=block_h)
     return out
 
 
 @_segment_sum.register_fake
-def _(src, perm, ends, weights=None, segment=0):
+def _(src, perm, ends, weights=None):
     return src.new_empty(ends.shape[0], src.shape[1])
 
 
@@ -348,7 +337,7 @@ class _Expand(torch.autograd.Function):
         (dest,) = ctx.saved_tensors
         topk = dest.shape[0] // max(1, ctx.num_rows)
         ends = torch.arange(1, ctx.num_rows + 1, dtype=torch.int32, device=dest.device) * topk
-        return _segment_sum(grad.contiguous(), dest, ends, None, topk), None
+        return _segment_sum(grad.contiguous(), dest, ends), None
 
 
 class _Permute(torch.autograd.Function):
@@ -394,8 +383,12 @@ def expand(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
     row's copies in slot order without sorting."""
     if not use_triton(x):
         return permute_reference(x, order // topk)
-    dest = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], dtype=order.dtype, device=order.device))
-    return _Expand.apply(x, dest)
+    return _Expand.apply(x, _inverse(order))
+
+
+def _inverse(perm: torch.Tensor) -> torch.Tensor:
+    """The inverse of a permutation of 0..N-1: out[perm[i]] = i."""
+    return torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.shape[0], dtype=perm.dtype, device=perm.device))
 
 
 def unpermute(y: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -453,11 +446,11 @@ class _WeightedCombine(torch.autograd.Function):
         # the row holding each (token, slot) pair: every pair comes back exactly once (both dispatchers);
         # then token t's k pairs are one segment of the weighted segment sum (permute's backward's kernel)
         index = index.contiguous()
-        source = torch.empty_like(index).scatter_(0, index, torch.arange(index.shape[0], dtype=index.dtype, device=index.device))
+        source = _inverse(index)
         num_tokens, topk = weights.shape
         ends = torch.arange(1, num_tokens + 1, dtype=torch.int32, device=index.device) * topk
         ctx.save_for_backward(rows, source, weights)
-        return _segment_sum(rows.contiguous(), source, ends, weights.contiguous(), topk)
+        return _segment_sum(rows.contiguous(), source, ends, weights.contiguous())
 
     @staticmethod
     def backward(ctx, dout):

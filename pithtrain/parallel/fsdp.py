@@ -103,12 +103,17 @@ def global_grad_norm(params, mesh: Mesh) -> float:
     return math.sqrt(local.item())
 
 
+def clip_coefficient(max_norm: float, total_norm: float) -> float:
+    """What gradient clipping multiplies the gradients by (1.0: no clipping; max_norm 0: never)."""
+    return max_norm / (total_norm + 1e-6) if 0 < max_norm < total_norm else 1.0
+
+
 @torch.no_grad()
 def clip_grads(params, max_norm: float, total_norm: float) -> None:
-    if max_norm > 0 and total_norm > max_norm:
-        grads = _local_grads(params)
-        if grads:
-            torch._foreach_mul_(grads, max_norm / (total_norm + 1e-6))
+    scale = clip_coefficient(max_norm, total_norm)
+    grads = _local_grads(params) if scale != 1.0 else []
+    if grads:
+        torch._foreach_mul_(grads, scale)
 
 
 def _local_grads(params) -> list[torch.Tensor]:

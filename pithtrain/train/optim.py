@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pithtrain.config import OptimConfig
 from pithtrain.ops import kernels
-from pithtrain.parallel.fsdp import clip_grads
+from pithtrain.parallel.fsdp import clip_coefficient, clip_grads
 
 
 def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConfig, device_type: str):
@@ -163,7 +163,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params, max_norm: float = 0
     (ops/grouped_gemm.compute_weight) is keyed by those counters."""
     if (TRITON_ADAMW and type(optimizer) is torch.optim.AdamW and params and kernels.use_triton(params[0])
             and not any(g["amsgrad"] or g["maximize"] for g in optimizer.param_groups)):
-        copies = _triton_adamw_step(optimizer, max_norm / (grad_norm + 1e-6) if 0 < max_norm < grad_norm else 1.0)
+        copies = _triton_adamw_step(optimizer, clip_coefficient(max_norm, grad_norm))
     else:
         clip_grads(params, max_norm, grad_norm)
         optimizer.step()
