@@ -202,7 +202,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
 
 
 ARMS = "ABCDEFG"  # the arms' letters: A as the flags set the switches, then one a flipped switch
-AB_SWITCHES = ("fp8", "fused-proj", "fused-wgrad", "mla-v", "wgrad-config", "triton-adamw")
+AB_SWITCHES = ("fp8", "fused-proj", "fused-wgrad", "mla-v", "wgrad-config", "triton-adamw", "bf16-activations")
 
 
 def ab_arms(args, parser):
@@ -211,7 +211,7 @@ def ab_arms(args, parser):
     as in A. wgrad-config: its arm runs --wgrad-config's tiles, A the kernel's default; fp8 (alone): A bf16, B the
     --fp8 recipe (with --fp8-head as given)."""
     from pithtrain.models import deepseek_v2
-    from pithtrain.ops import fp8, grouped_gemm, kernels
+    from pithtrain.ops import core, fp8, grouped_gemm, kernels
     from pithtrain.train import optim
 
     switches = args.ab.split(",")
@@ -231,7 +231,7 @@ def ab_arms(args, parser):
         parser.error("--ab wgrad-config: its arm runs the tiles of --wgrad-config; give it as JSON")
     where = {"fused-proj": (fp8, "FUSED_PROJECTIONS"), "fused-wgrad": (grouped_gemm, "FUSED_WGRAD"),
              "mla-v": (deepseek_v2, "UNPADDED_V"), "wgrad-config": (kernels, "WGRAD_INTO_CONFIG"),
-             "triton-adamw": (optim, "TRITON_ADAMW")}
+             "triton-adamw": (optim, "TRITON_ADAMW"), "bf16-activations": (core, "ACTIVATIONS_IN_COMPUTE_DTYPE")}
     a_values = {s: getattr(*where[s]) for s in switches}
     flipped = {s: args.wgrad_config if s == "wgrad-config" else not a_values[s] for s in switches}
 
@@ -266,7 +266,7 @@ def gpu_idle_us(profile, events) -> float:
     return (busy[-1][1] - busy[0][0] - sum(b - a for a, b in busy)) if busy else 0.0
 
 
-def profile_digest(profile, events, top: int = 5) -> dict:
+def profile_digest(profile, events, top: int = 5, top_kernels: int = 10) -> dict:
     """What a profiled step's line keeps for the next change (capture-profile's analysis, ms): each stage's largest
     kernels, the GPU's idle gaps of 20 us or more by the host call running when each began, and the host's waits for
     the GPU by call stack."""
@@ -280,7 +280,7 @@ def profile_digest(profile, events, top: int = 5) -> dict:
     for key, us in profile.stage_times(events, threads, by_kernel=True)[0].items():
         if isinstance(key, tuple):  # (stage, kernel); a CPU trace has host ops by stage only
             kernels.setdefault(key[0], []).append([round(us / 1e3, 2), key[1][:80]])
-    return {"stage_kernels": {stage: sorted(rows, reverse=True)[:top] for stage, rows in sorted(kernels.items())},
+    return {"stage_kernels": {stage: sorted(rows, reverse=True)[:top_kernels] for stage, rows in sorted(kernels.items())},
             "idle_by_host_call": [[round(us / 1e3, 2), name] for name, us in sorted(idle.items(), key=lambda kv: -kv[1])[:top]],
             "host_waits": [[round(us / 1e3, 2), n, stack[-120:]] for us, n, stack in profile.host_syncs(threads)[:top]]}
 
@@ -362,6 +362,8 @@ def main():
                         "MLA's v head (128) handed to SDPA as it is, or padded to q and k's 192 (deepseek_v2.UNPADDED_V)")
     parser.add_argument("--fused-proj", default="on", choices=["on", "off"], help="fp8.FUSED_PROJECTIONS: q, k and "
                         "v (and the like) from one GEMM over their stacked weights, or one GEMM each")
+    parser.add_argument("--bf16-activations", default="on", choices=["on", "off"], help="ops/core."
+                        "ACTIVATIONS_IN_COMPUTE_DTYPE: the residual stream and norm outputs in bf16 (as under FSDP) or fp32")
     parser.add_argument("--triton-adamw", default="on", choices=["on", "off"], help="train/optim.TRITON_ADAMW: AdamW "
                         "as one Triton pass a parameter (the clip coefficient and the experts' bf16 copy in the pass)")
     parser.add_argument("--ab", metavar="SWITCH[,SWITCH...]", help=f"A/B in one run ({', '.join(AB_SWITCHES)}): "
@@ -374,7 +376,7 @@ def main():
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     from pithtrain.models import deepseek_v2
-    from pithtrain.ops import attention, fp8, grouped_gemm, kernels
+    from pithtrain.ops import attention, core, fp8, grouped_gemm, kernels
 
     attention.ENABLED = args.attention == "flash"
     deepseek_v2.UNPADDED_V = args.mla_v == "unpadded"
@@ -383,6 +385,7 @@ def main():
     from pithtrain.train import optim
 
     optim.TRITON_ADAMW = args.triton_adamw == "on"
+    core.ACTIVATIONS_IN_COMPUTE_DTYPE = args.bf16_activations == "on"
     arms = None
     if args.ab is not None:  # an empty --ab is refused there, not taken for none
         arm_a, flips, arms = ab_arms(args, parser)
@@ -431,7 +434,7 @@ def main():
 
     warm = measured(runs_a)
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in runs_a) / 2**30,

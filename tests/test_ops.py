@@ -172,8 +172,11 @@ def test_embedding_adds_its_rows_into_grad_by_hand():
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out, mtp = emb(ids), emb(mtp_ids)
         assert out.grad_fn.name().startswith(_EmbeddingRows.__name__)
-        assert torch.equal(out, torch.nn.functional.embedding(ids, emb.weight.detach()))
-        dy, dmtp = torch.randn(2, 9, 12), torch.randn(2, 9, 2, 12)
+        # the rows leave in the compute dtype (core.ACTIVATIONS_IN_COMPUTE_DTYPE), as under FSDP's bf16 copy
+        assert out.dtype == mtp.dtype == torch.bfloat16
+        assert torch.equal(out, torch.nn.functional.embedding(ids, emb.weight.detach()).bfloat16())
+        # dy in bf16: the gradient reaching the rows is rounded to their dtype
+        dy, dmtp = torch.randn(2, 9, 12).bfloat16().float(), torch.randn(2, 9, 2, 12).bfloat16().float()
         loss = (out * dy).sum() + (mtp * dmtp).sum()
         if step == 1:  # the head tied to the embedding adds its own part into the same .grad
             h, dlog = torch.randn(2, 9, 12), torch.randn(2, 9, 40)

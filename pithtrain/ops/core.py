@@ -10,6 +10,13 @@ import torch
 import torch.nn.functional as F
 
 
+# One process under autocast (fp32 master weights, no FSDP): the token embedding's rows, and so the residual
+# stream and the norms' outputs, in the compute dtype, as FSDP's bf16 weight copies give them on a mesh; False:
+# fp32 (the fp32 master rows), which doubles the bytes every norm, residual add and their gradients move
+# (docs/performance.md, the A/B `bf16-residual`).
+ACTIVATIONS_IN_COMPUTE_DTYPE = True
+
+
 def autocast_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype autocast runs x's matmuls in (x's own dtype outside autocast)."""
     kind = x.device.type
@@ -39,11 +46,12 @@ def stable_argsort_ids(ids: torch.Tensor, bound: int) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalise in fp32 and cast back before the weight, as the HF reference does.
+    # Normalise in fp32 and cast back before the weight, as the HF reference does; the weight in x's dtype
+    # too under ACTIVATIONS_IN_COMPUTE_DTYPE (an fp32 master weight times bf16 x would give fp32).
     dtype = x.dtype
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(dtype)
+    return (weight.to(dtype) if ACTIVATIONS_IN_COMPUTE_DTYPE else weight) * x32.to(dtype)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0, dtype=None):
