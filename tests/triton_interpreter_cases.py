@@ -426,3 +426,62 @@ def test_adamw_pass_is_torchs_with_the_clip_and_the_compute_copy(interpreter, mo
             assert ((cast.detach().float() - fresh.float()).abs() <= fresh.float().abs() * 2**-7).all()
         else:
             assert torch.equal(cast.detach(), fresh)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_qk_norm_rope_against_float64(interpreter, monkeypatch, dtype):
+    """Qwen3's attention inputs from the stacked projection: q, k, v and the gradients of qkv and both norm weights
+    against the reference in float64 (one block of rows and three, the last partial; the output gradients in the
+    layout SDPA hands back and in another), with the fp32 weights the kernel reads; the launches are sound custom
+    ops and compile in a full graph."""
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    heads, kv, d, eps = 4, 2, 8, 1e-6
+    for b, s in [(2, 5), (3, 30)]:
+        qkv = torch.randn(b, s, (heads + 2 * kv) * d).to(dtype)
+        wq, wk = 1 + 0.3 * torch.randn(d), 1 + 0.3 * torch.randn(d)
+        cos, sin = core.rope_cos_sin(torch.randint(0, 500, (b, s)), 1.0 / 1e4 ** (torch.arange(0, d, 2) / d), dtype=dtype)
+        douts = (torch.randn(b, s, heads, d).transpose(1, 2).to(dtype), torch.randn(b, kv, s, d).to(dtype),
+                 torch.randn(b, s, kv, d).transpose(1, 2).to(dtype))
+
+        def fused(qkv, wq, wk):
+            return kernels.qk_norm_rope(qkv, wq, wk, cos, sin, heads, kv, eps)
+
+        def reference(qkv, wq, wk):  # float64
+            q, k, v = qkv.double().split([heads * d, kv * d, kv * d], -1)
+            return kernels.qk_norm_rope_reference(q, k, v, wq.double(), wk.double(), cos.double(), sin.double(), eps)
+
+        inputs = [qkv, wq, wk]
+        outs, dx = grads(fused, inputs, douts)
+        ref_outs, ref_dx = grads(reference, inputs, douts)
+        tol = 1e-5 if dtype == torch.float32 else 1.5e-2
+        for a, r in zip(outs, ref_outs):
+            assert a.dtype == dtype and a.shape == r.shape and rel_err(a, r) < tol
+        assert [g.dtype for g in dx] == [dtype, torch.float32, torch.float32]
+        for a, r in zip(dx, ref_dx):
+            assert rel_err(a, r) < tol, (rel_err(a, r), tol)
+    ops = torch.ops.pithtrain
+    x, w = torch.randn(6, 64), torch.randn(8)
+    cs = torch.randn(6, 8), torch.randn(6, 8)
+    torch.library.opcheck(ops.qk_norm_rope_fwd, (x, w, w, *cs, 4, 2, 1e-6), test_utils=("test_schema", "test_faketensor"))
+    grads_in = torch.randn(2, 4, 3, 8), torch.randn(2, 2, 3, 8), torch.randn(2, 3, 2, 8).transpose(1, 2)
+    torch.library.opcheck(ops.qk_norm_rope_bwd, (x, w, w, *cs, *grads_in, 1e-6),
+                          test_utils=("test_schema", "test_faketensor"))
+    eager = grads(fused, inputs, douts)
+    compiled = grads(torch.compile(fused, fullgraph=True, backend="aot_eager"), inputs, douts)
+    assert all(map(torch.equal, eager[0], compiled[0])) and all(map(torch.equal, eager[1], compiled[1]))
+
+
+def test_triton_topk_ids_is_torch_topk(interpreter, monkeypatch):
+    """The router's selection against torch.topk: the ids largest first, over a power of two of columns and not
+    (the padded columns never chosen), rows with -inf scores (DeepSeek's masked groups: no id twice), k = all
+    columns; a sound custom op."""
+    for rows, cols, k in [(37, 128, 8), (5, 6, 6), (70, 40, 3)]:
+        x = torch.randn(rows, cols)
+        if cols == 40:
+            x[:, 8:] = float("-inf")  # only 8 finite scores per row, k = 3 of them
+        ids = kernels._topk_ids(x, k)
+        assert ids.dtype == torch.int64 and torch.equal(ids, torch.topk(x, k, dim=-1).indices)
+    x = torch.full((3, 16), float("-inf"))
+    x[:, 0] = 1.0  # k beyond the finite scores: still distinct ids
+    assert all(len(set(row)) == 4 for row in kernels._topk_ids(x, 4).tolist())
+    torch.library.opcheck(torch.ops.pithtrain.topk_ids, (torch.randn(9, 32), 4), test_utils=("test_schema", "test_faketensor"))

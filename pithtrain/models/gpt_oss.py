@@ -332,7 +332,8 @@ class Router(nn.Module):
         # Routing is sensitive to rounding (bf16 logits tie and flip experts): this small GEMM stays fp32.
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.float(), self.weight.float(), self.bias.float())
-        top, ids = torch.topk(logits, self.topk, dim=-1)
+        ids = kernels.topk_ids(logits, self.topk)
+        top = logits.gather(1, ids)
         # Combine weights: softmax over the chosen k only. `scores` (all experts) feed the balance loss.
         return RoutingInfo(ids, top.softmax(-1), logits.softmax(-1), self.num_experts)
 

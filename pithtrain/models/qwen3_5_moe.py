@@ -36,7 +36,7 @@ from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
 from pithtrain.ops.delta_rule import causal_conv1d, doc_cu_seqlens, gated_delta_rule, gated_delta_rule_recurrent, l2norm
-from pithtrain.ops.kernels import weighted_combine  # Triton on GPUs, the reference elsewhere
+from pithtrain.ops.kernels import topk_ids, weighted_combine  # Triton on GPUs, the reference elsewhere
 from pithtrain.ops.fp8 import Linear, projections  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import Embedding, activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention, gather_sequence, gathered_doc_ids, zigzag_split
@@ -319,7 +319,8 @@ class Router(nn.Module):
 
     def forward(self, x) -> RoutingInfo:
         probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.topk, dim=-1)
+        ids = topk_ids(probs, self.topk)
+        weights = probs.gather(1, ids)
         return RoutingInfo(ids, weights / weights.sum(-1, keepdim=True), probs, self.num_experts)
 
 

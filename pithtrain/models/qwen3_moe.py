@@ -20,9 +20,9 @@ from torch import nn
 from pithtrain.config import ConfigError, UserError, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.ops import attention as flash  # Triton flash attention for packed documents (CUDA)
-from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
-from pithtrain.ops.kernels import weighted_combine  # Triton on GPUs, the reference elsewhere
-from pithtrain.ops.fp8 import Linear, projections  # nn.Linear, with its GEMMs in FP8 under train.fp8
+from pithtrain.ops.core import attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
+from pithtrain.ops.kernels import qk_norm_rope, qk_norm_rope_reference, topk_ids, weighted_combine  # Triton on GPUs
+from pithtrain.ops.fp8 import Linear, projections, stacked_projections  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import Embedding, activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention
 
@@ -155,12 +155,12 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def qkv(self, x, cos, sin):
-        b, s, _ = x.shape
-        q, k, v = projections(x, self.q_proj, self.k_proj, self.v_proj)
-        q = self.q_norm(q.view(b, s, self.heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(k.view(b, s, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+        norms = self.q_norm.weight, self.k_norm.weight
+        stacked = stacked_projections(x, self.q_proj, self.k_proj, self.v_proj)
+        if stacked is not None:  # one Triton pass each way on GPUs
+            return qk_norm_rope(stacked, *norms, cos, sin, self.heads, self.kv_heads, self.q_norm.eps)
+        return qk_norm_rope_reference(*projections(x, self.q_proj, self.k_proj, self.v_proj), *norms, cos, sin,
+                                      self.q_norm.eps)
 
     def forward(self, x, attn: AttnInputs):
         q, k, v = self.qkv(x, attn.cos, attn.sin)
@@ -207,7 +207,8 @@ class Router(nn.Module):
 
     def forward(self, x) -> RoutingInfo:
         probs = torch.softmax(F.linear(x, self.weight).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.topk, dim=-1)
+        ids = topk_ids(probs, self.topk)
+        weights = probs.gather(1, ids)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return RoutingInfo(ids, weights, probs, self.num_experts)

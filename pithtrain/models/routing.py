@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from pithtrain.ops.kernels import topk_ids  # Triton on GPUs, torch.topk elsewhere
+
 
 def select_experts(
     logits: torch.Tensor,
@@ -56,11 +58,11 @@ def select_experts(
             kept = per_group.topk(topk_group, dim=-1).indices
             keep = torch.zeros_like(per_group, dtype=torch.bool).scatter_(1, kept, True)
             choice = choice.masked_fill(~keep.repeat_interleave(num_experts // n_group, dim=1), float("-inf"))
-        topk_ids = choice.topk(topk, dim=-1).indices
-    weights = scores.gather(1, topk_ids)
+        ids = topk_ids(choice, topk)
+    weights = scores.gather(1, ids)
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)  # epsilon as in DeepSeek-V3
-    return topk_ids, weights * routed_scaling_factor, scores
+    return ids, weights * routed_scaling_factor, scores
 
 
 @torch.no_grad()

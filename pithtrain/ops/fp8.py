@@ -712,18 +712,26 @@ def _fp8_linears(x: torch.Tensor, *linears: Linear) -> torch.Tensor:
 FUSED_PROJECTIONS = True
 
 
-def projections(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
-    """(linear(x) for each of `linears`), from one product with their weights (and biases) stacked: the same
-    dot products. FP8 Linears of one recipe stack too (_FP8Linear: their quantization is the parts' own)."""
+def stacked_projections(x: torch.Tensor, *linears: nn.Linear) -> torch.Tensor | None:
+    """torch.cat([linear(x) for each of `linears`], -1) as one product with their weights (and biases) stacked: the
+    same dot products; FP8 Linears of one recipe stack too (_FP8Linear: their quantization is the parts' own). None
+    where they do not stack (FUSED_PROJECTIONS off, mixed recipes or biases)."""
     biased = [m.bias is not None for m in linears]
     recipes = {getattr(m, "fp8", False) for m in linears}
     if not FUSED_PROJECTIONS or len(recipes) > 1 or len(set(biased)) > 1:
-        return tuple(m(x) for m in linears)
-    widths = [m.out_features for m in linears]
+        return None
     if recipes != {False}:
-        return _fp8_linears(x, *linears).split(widths, dim=-1)
+        return _fp8_linears(x, *linears)
     bias = torch.cat([m.bias for m in linears]) if biased[0] else None
-    return F.linear(x, torch.cat([m.weight for m in linears]), bias).split(widths, dim=-1)
+    return F.linear(x, torch.cat([m.weight for m in linears]), bias)
+
+
+def projections(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
+    """(linear(x) for each of `linears`): the split of stacked_projections, or one product each."""
+    stacked = stacked_projections(x, *linears)
+    if stacked is None:
+        return tuple(m(x) for m in linears)
+    return stacked.split([m.out_features for m in linears], dim=-1)
 
 
 def refresh_fp8_weights(module: nn.Module) -> None:

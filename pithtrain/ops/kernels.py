@@ -15,6 +15,8 @@ installed), otherwise the reference, which is the code the models and dispatcher
   expert_bias_add(x, bias, counts)        x + bias[expert of each row], rows grouped by expert
   cross_entropy_sum(logits, labels)       sum of token cross-entropies over labels != -100, fp32 math
                                           (grad_in_place: the gradient written over the logits)
+  topk_ids(x, k)                          torch.topk(x, k).indices: the router's selection
+  qk_norm_rope(qkv, wq, wk, cos, sin, ..) Qwen3's q and k per-head RMSNorm and RoPE on the stacked projection
   add_into(dst, src)                      dst += src for an fp32 dst and a bf16 src (gradient accumulation)
   wgrad_into(grad, x, dy, counts, assign) grad[e] += x_e^T dy_e, the add in the GEMM's epilogue
   muon_momentum(grad, buf, mu, out, halves)   Muon's momentum + Nesterov + cast into the NS batch, one pass
@@ -798,6 +800,226 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, grad_in_place:
     if use_triton(logits):
         return _CrossEntropySum.apply(logits, labels, grad_in_place)
     return core.cross_entropy_sum(logits, labels)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Attention inputs (Qwen3): q and k RMS-normed per head then rotated, v split off, one pass each way
+# ---------------------------------------------------------------------------------------------------
+
+# Off: the reference's norm, RoPE and split, which Inductor compiled into five passes forward and back
+# (the A/B of benchmarks/train_throughput.py --ab qk-norm-rope).
+FUSED_QK_NORM_ROPE = True
+
+
+def qk_norm_rope_reference(q, k, v, q_weight, k_weight, cos, sin, eps: float):
+    """q [B, S, Hq*D], k and v [B, S, Hkv*D] -> q, k, v [B, heads, S, D]: q and k RMS-normed per head (core.rms_norm)
+    then rotated (core.apply_rope, cos/sin [B, S, D])."""
+    b, s, d = *q.shape[:2], q_weight.shape[0]
+    q = core.rms_norm(q.view(b, s, -1, d), q_weight, eps).transpose(1, 2)
+    k = core.rms_norm(k.view(b, s, -1, d), k_weight, eps).transpose(1, 2)
+    return core.apply_rope(q, cos, sin), core.apply_rope(k, cos, sin), v.view(b, s, -1, d).transpose(1, 2)
+
+
+@_Kernel
+def _qk_norm_rope_fwd_kernel(qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, v_ptr, rows, heads, kv_heads,
+                             eps, HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program (token block, head of q, k or v): a [BLOCK_T, D] tile in two halves (RoPE's rotate-half pairs)."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)[None, :]
+    m = (t < rows)[:, None]
+    t64 = t[:, None].to(tl.int64)
+    src = qkv_ptr + t64 * ((heads + 2 * kv_heads) * 2 * HALF) + h * 2 * HALF + d
+    x1 = tl.load(src, mask=m, other=0.0)
+    x2 = tl.load(src + HALF, mask=m, other=0.0)
+    if h >= heads + kv_heads:
+        dst = v_ptr + t64 * (kv_heads * 2 * HALF) + (h - heads - kv_heads) * 2 * HALF + d
+        tl.store(dst, x1, mask=m)
+        tl.store(dst + HALF, x2, mask=m)
+    else:
+        if h < heads:
+            w_ptr, dst = wq_ptr, q_ptr + t64 * (heads * 2 * HALF) + h * 2 * HALF + d
+        else:
+            w_ptr, dst = wk_ptr, k_ptr + t64 * (kv_heads * 2 * HALF) + (h - heads) * 2 * HALF + d
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        r = tl.rsqrt((tl.sum(a1 * a1, 1) + tl.sum(a2 * a2, 1)) / (2 * HALF) + eps)[:, None]
+        w1, w2 = tl.load(w_ptr + d).to(tl.float32), tl.load(w_ptr + HALF + d).to(tl.float32)
+        y1 = (a1 * r).to(x1.dtype).to(tl.float32) * w1
+        y2 = (a2 * r).to(x1.dtype).to(tl.float32) * w2
+        rope = t64 * (2 * HALF) + d
+        c1, c2 = tl.load(cos_ptr + rope, mask=m).to(tl.float32), tl.load(cos_ptr + rope + HALF, mask=m).to(tl.float32)
+        s1, s2 = tl.load(sin_ptr + rope, mask=m).to(tl.float32), tl.load(sin_ptr + rope + HALF, mask=m).to(tl.float32)
+        tl.store(dst, (y1 * c1 - y2 * s1).to(x1.dtype), mask=m)
+        tl.store(dst + HALF, (y2 * c2 + y1 * s2).to(x1.dtype), mask=m)
+
+
+@_Kernel
+def _qk_norm_rope_bwd_kernel(qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, dq_ptr, dk_ptr, dv_ptr, dqkv_ptr, dw_ptr,
+                             rows, seq, heads, kv_heads, eps, dq_b, dq_h, dq_s, dk_b, dk_h, dk_s, dv_b, dv_h, dv_s,
+                             HALF: tl.constexpr, BLOCK_T: tl.constexpr):
+    """The forward's tile: dy = RoPE^T(dout), the weight's partial sum over the tile's rows (dy * the normed x) into
+    dw [token blocks, heads + kv_heads, D], and dx = r * (dy w - x^ mean(dy w x^)) into the stacked gradient."""
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    h = tl.program_id(1)
+    d = tl.arange(0, HALF)[None, :]
+    m = (t < rows)[:, None]
+    t64 = t[:, None].to(tl.int64)
+    bi, si = t64 // seq, t64 % seq
+    out = dqkv_ptr + t64 * ((heads + 2 * kv_heads) * 2 * HALF) + h * 2 * HALF + d
+    if h >= heads + kv_heads:
+        src = dv_ptr + bi * dv_b + (h - heads - kv_heads) * dv_h + si * dv_s + d
+        tl.store(out, tl.load(src, mask=m, other=0.0), mask=m)
+        tl.store(out + HALF, tl.load(src + HALF, mask=m, other=0.0), mask=m)
+    else:
+        if h < heads:
+            w_ptr, src = wq_ptr, dq_ptr + bi * dq_b + h * dq_h + si * dq_s + d
+        else:
+            w_ptr, src = wk_ptr, dk_ptr + bi * dk_b + (h - heads) * dk_h + si * dk_s + d
+        g1, g2 = tl.load(src, mask=m, other=0.0).to(tl.float32), tl.load(src + HALF, mask=m, other=0.0).to(tl.float32)
+        x_in = qkv_ptr + t64 * ((heads + 2 * kv_heads) * 2 * HALF) + h * 2 * HALF + d
+        x1, x2 = tl.load(x_in, mask=m, other=0.0), tl.load(x_in + HALF, mask=m, other=0.0)
+        a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
+        r = tl.rsqrt((tl.sum(a1 * a1, 1) + tl.sum(a2 * a2, 1)) / (2 * HALF) + eps)[:, None]
+        rope = t64 * (2 * HALF) + d
+        c1, c2 = tl.load(cos_ptr + rope, mask=m).to(tl.float32), tl.load(cos_ptr + rope + HALF, mask=m).to(tl.float32)
+        s1, s2 = tl.load(sin_ptr + rope, mask=m).to(tl.float32), tl.load(sin_ptr + rope + HALF, mask=m).to(tl.float32)
+        dy1, dy2 = g1 * c1 + g2 * s2, g2 * c2 - g1 * s1
+        xh1, xh2 = a1 * r, a2 * r
+        part = dw_ptr + (tl.program_id(0) * (heads + kv_heads) + h) * (2 * HALF) + tl.arange(0, HALF)
+        tl.store(part, tl.sum(dy1 * xh1.to(x1.dtype).to(tl.float32), 0))
+        tl.store(part + HALF, tl.sum(dy2 * xh2.to(x1.dtype).to(tl.float32), 0))
+        w1, w2 = tl.load(w_ptr + d).to(tl.float32), tl.load(w_ptr + HALF + d).to(tl.float32)
+        dn1, dn2 = dy1 * w1, dy2 * w2
+        dot = ((tl.sum(dn1 * xh1, 1) + tl.sum(dn2 * xh2, 1)) / (2 * HALF))[:, None]
+        tl.store(out, (r * (dn1 - xh1 * dot)).to(x1.dtype), mask=m)
+        tl.store(out + HALF, (r * (dn2 - xh2 * dot)).to(x1.dtype), mask=m)
+
+
+_QK_BLOCK_T = 32
+
+
+@torch.library.custom_op("pithtrain::qk_norm_rope_fwd", mutates_args=())
+def _qk_norm_rope_fwd(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, heads: int, kv_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    rows, d = qkv.shape[0], q_weight.shape[0]
+    q, k, v = qkv.new_empty(rows, heads * d), qkv.new_empty(rows, kv_heads * d), qkv.new_empty(rows, kv_heads * d)
+    if rows:
+        _qk_norm_rope_fwd_kernel[(_cdiv(rows, _QK_BLOCK_T), heads + 2 * kv_heads)](
+            qkv, q_weight, k_weight, cos, sin, q, k, v, rows, heads, kv_heads, eps, HALF=d // 2,
+            BLOCK_T=_QK_BLOCK_T)
+    return q, k, v
+
+
+@_qk_norm_rope_fwd.register_fake
+def _(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, eps):
+    rows, d = qkv.shape[0], q_weight.shape[0]
+    return qkv.new_empty(rows, heads * d), qkv.new_empty(rows, kv_heads * d), qkv.new_empty(rows, kv_heads * d)
+
+
+@torch.library.custom_op("pithtrain::qk_norm_rope_bwd", mutates_args=())
+def _qk_norm_rope_bwd(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """dq [B, heads, S, D], dk and dv [B, kv_heads, S, D] in any strides with unit stride along D."""
+    rows, d, heads, kv_heads, seq = qkv.shape[0], q_weight.shape[0], dq.shape[1], dk.shape[1], dq.shape[2]
+    dqkv = torch.empty_like(qkv)
+    dw = qkv.new_empty(_cdiv(rows, _QK_BLOCK_T), heads + kv_heads, d, dtype=torch.float32)
+    if rows:
+        _qk_norm_rope_bwd_kernel[(_cdiv(rows, _QK_BLOCK_T), heads + 2 * kv_heads)](
+            qkv, q_weight, k_weight, cos, sin, dq, dk, dv, dqkv, dw, rows, seq, heads, kv_heads, eps,
+            dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
+            dv.stride(0), dv.stride(1), dv.stride(2), HALF=d // 2, BLOCK_T=_QK_BLOCK_T)
+    return dqkv, dw
+
+
+@_qk_norm_rope_bwd.register_fake
+def _(qkv, q_weight, k_weight, cos, sin, dq, dk, dv, eps):
+    rows, d = qkv.shape[0], q_weight.shape[0]
+    return torch.empty_like(qkv), qkv.new_empty(_cdiv(rows, _QK_BLOCK_T), dq.shape[1] + dk.shape[1], d,
+                                                dtype=torch.float32)
+
+
+class _QKNormRope(torch.autograd.Function):
+    """Saves the stacked projection output (the norms' input); the backward recomputes the norms from it and
+    writes the gradient of all three parts into one stacked tensor: no concatenation."""
+
+    @staticmethod
+    def forward(ctx, qkv, q_weight, k_weight, cos, sin, heads: int, kv_heads: int, eps: float):
+        b, s, width = qkv.shape
+        d = q_weight.shape[0]
+        x = qkv.reshape(b * s, width).contiguous()
+        cos, sin = cos.expand(b, s, d).contiguous(), sin.expand(b, s, d).contiguous()
+        q, k, v = _qk_norm_rope_fwd(x, q_weight, k_weight, cos, sin, heads, kv_heads, eps)
+        ctx.save_for_backward(x, q_weight, k_weight, cos, sin)
+        ctx.eps, ctx.heads, ctx.shape = eps, heads, qkv.shape
+        return (q.view(b, s, heads, d).transpose(1, 2), k.view(b, s, kv_heads, d).transpose(1, 2),
+                v.view(b, s, kv_heads, d).transpose(1, 2))
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        x, q_weight, k_weight, cos, sin = ctx.saved_tensors
+        dq, dk, dv = (g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk, dv))
+        dqkv, dw = _qk_norm_rope_bwd(x, q_weight, k_weight, cos, sin, dq, dk, dv, ctx.eps)
+        dwq, dwk = dw[:, :ctx.heads].sum((0, 1)), dw[:, ctx.heads:].sum((0, 1))
+        return dqkv.view(ctx.shape), dwq.to(q_weight.dtype), dwk.to(k_weight.dtype), None, None, None, None, None
+
+
+def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, heads: int, kv_heads: int, eps: float):
+    """qk_norm_rope_reference on the stacked projection output qkv [B, S, (heads + 2 kv_heads) * D] (q, k, v):
+    on GPUs one Triton pass forward, writing q, k and v [B, S, heads, D] (returned as [B, heads, S, D] views),
+    and one backward, writing qkv's whole gradient. Its math in fp32 from the fp32 weights (the reference rounds
+    them to bf16 under core.ACTIVATIONS_IN_COMPUTE_DTYPE: within the bf16 output's rounding)."""
+    d = q_weight.shape[0]
+    if FUSED_QK_NORM_ROPE and use_triton(qkv) and _pow2(d) == d >= 2 and qkv.dtype != torch.float64:
+        return _QKNormRope.apply(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, float(eps))
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    return qk_norm_rope_reference(q, k, v, q_weight, k_weight, cos, sin, eps)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Router selection: the ids of each row's k largest scores (torch.topk's sort of 128 experts took 120 us a call)
+# ---------------------------------------------------------------------------------------------------
+
+
+@_Kernel
+def _topk_ids_kernel(x_ptr, ids_ptr, rows, cols, K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """k rounds of a row-wise max; `alive` (not a -inf mark) keeps a taken or padded column out of later rounds,
+    so rows with -inf scores (DeepSeek's masked groups) never repeat an id. NaN ranks first, as in torch.topk."""
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_C)
+    alive = (r[:, None] < rows) & (c[None, :] < cols)
+    x = tl.load(x_ptr + r[:, None].to(tl.int64) * cols + c[None, :], mask=alive, other=0.0).to(tl.float32)
+    x = tl.where(x != x, float("inf"), x)
+    for j in tl.static_range(K):
+        best = tl.max(tl.where(alive, x, float("-inf")), axis=1)
+        idx = tl.min(tl.where(alive & (x == best[:, None]), c[None, :], BLOCK_C), axis=1)
+        tl.store(ids_ptr + r.to(tl.int64) * K + j, idx.to(tl.int64), mask=r < rows)
+        alive = alive & (c[None, :] != idx[:, None])
+
+
+@torch.library.custom_op("pithtrain::topk_ids", mutates_args=())
+def _topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    rows, cols = x.shape
+    ids = x.new_empty(rows, k, dtype=torch.int64)
+    if ids.numel():
+        block_c = _pow2(cols)
+        block_r = max(1, 2048 // block_c)
+        _topk_ids_kernel[(_cdiv(rows, block_r),)](x, ids, rows, cols, K=k, BLOCK_R=block_r, BLOCK_C=block_c)
+    return ids
+
+
+@_topk_ids.register_fake
+def _(x, k):
+    return x.new_empty(x.shape[0], k, dtype=torch.int64)
+
+
+def topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
+    """torch.topk(x, k, dim=-1).indices for a 2-D x of up to 1024 columns: largest first, ties to the lower id.
+    The selection only (no gradient): a caller gathers its weights from x, where autograd sees them."""
+    if use_triton(x) and x.dim() == 2 and 0 < k <= x.shape[1] <= 1024:
+        return _topk_ids(x.detach().contiguous(), k)
+    return torch.topk(x, k, dim=-1).indices
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -350,3 +350,28 @@ def test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy(monkeypat
                 assert rel_err(got.detach(), want.detach()) < 1e-6
         assert grouped_gemm.compute_weight(module, "w", torch.bfloat16) is cast
         assert torch.equal(cast.detach(), params[0].detach().to(torch.bfloat16))
+
+
+def test_qk_norm_rope_and_topk_ids_at_qwen3_width_compiled():
+    """Qwen3-30B-A3B's attention inputs (32 q heads, 4 kv heads of 128) from the stacked bf16 projection under
+    Inductor, outputs and the gradients of qkv and both norm weights against float64 no worse than the reference
+    in bf16 (which rounds after each op); the router's top-8 of 128 experts equal to torch.topk's."""
+    b, s, heads, kv, d = 2, 512, 32, 4, 128
+    qkv = torch.randn(b, s, (heads + 2 * kv) * d, device="cuda", dtype=BF16)
+    wq, wk = 1 + 0.3 * torch.randn(d, device="cuda"), 1 + 0.3 * torch.randn(d, device="cuda")
+    cos, sin = core.rope_cos_sin(torch.arange(s, device="cuda").expand(b, s),
+                                 1.0 / 1e6 ** (torch.arange(0, d, 2, device="cuda") / d), dtype=BF16)
+    douts = [torch.randn(b, n, s, d, device="cuda", dtype=BF16) for n in (heads, kv, kv)]
+
+    def reference(qkv, wq, wk):
+        return kernels.qk_norm_rope_reference(*qkv.split([heads * d, kv * d, kv * d], -1), wq, wk, cos.to(qkv.dtype),
+                                              sin.to(qkv.dtype), 1e-6)
+
+    fused = torch.compile(lambda qkv, wq, wk: kernels.qk_norm_rope(qkv, wq, wk, cos, sin, heads, kv, 1e-6), fullgraph=True)
+    out, dx = grads(fused, [qkv, wq, wk], douts)
+    ref_out, ref_dx = grads(reference, [qkv, wq, wk], douts)
+    exact_out, exact_dx = grads(reference, [qkv.double(), wq.double(), wk.double()], [g.double() for g in douts])
+    for a, r, e in [*zip(out, ref_out, exact_out), *zip(dx, ref_dx, exact_dx)]:
+        assert rel_err(a, e) < 5e-3 and rel_err(a, e) <= 1.05 * rel_err(r, e) + 1e-4, (rel_err(a, e), rel_err(r, e))
+    probs = torch.randn(16384, 128, device="cuda").softmax(-1)
+    assert torch.equal(kernels.topk_ids(probs, 8), torch.topk(probs, 8, dim=-1).indices)
