@@ -202,7 +202,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
 
 
 ARMS = "ABCDEFG"  # the arms' letters: A as the flags set the switches, then one a flipped switch
-AB_SWITCHES = ("fp8", "fused-proj", "fused-wgrad", "mla-v", "wgrad-config", "triton-adamw", "bf16-activations")
+AB_SWITCHES = ("fp8", "fused-proj", "fused-wgrad", "mla-v", "wgrad-config", "triton-adamw", "bf16-activations", "qk-norm-rope")
 
 
 def ab_arms(args, parser):
@@ -231,7 +231,8 @@ def ab_arms(args, parser):
         parser.error("--ab wgrad-config: its arm runs the tiles of --wgrad-config; give it as JSON")
     where = {"fused-proj": (fp8, "FUSED_PROJECTIONS"), "fused-wgrad": (grouped_gemm, "FUSED_WGRAD"),
              "mla-v": (deepseek_v2, "UNPADDED_V"), "wgrad-config": (kernels, "WGRAD_INTO_CONFIG"),
-             "triton-adamw": (optim, "TRITON_ADAMW"), "bf16-activations": (core, "ACTIVATIONS_IN_COMPUTE_DTYPE")}
+             "triton-adamw": (optim, "TRITON_ADAMW"), "bf16-activations": (core, "ACTIVATIONS_IN_COMPUTE_DTYPE"),
+             "qk-norm-rope": (kernels, "FUSED_QK_NORM_ROPE")}
     a_values = {s: getattr(*where[s]) for s in switches}
     flipped = {s: args.wgrad_config if s == "wgrad-config" else not a_values[s] for s in switches}
 
