@@ -138,7 +138,7 @@ def test_capture_profile_attributes_gpu_time_to_layer_stages():
     assert by_kernel == {("stage 1 forward", "k1"): 100, ("stage 3 forward", "k2"): 200, ("stage 3 backward", "k3"): 300,
                          ("stage 3 backward", "k4"): 400, ("optimizer", "k5"): 500, ("other", "k6"): 600}
     digest = _load_script("benchmarks/train_throughput.py").profile_digest(
-        _profile_tool(), [{"ph": "X", **e} for e in host + kernels], top=1)  # train_throughput.py's results line
+        _profile_tool(), [{"ph": "X", **e} for e in host + kernels], top=1, top_kernels=1)  # train_throughput.py's results line
     assert digest["stage_kernels"] == {"optimizer": [[0.5, "k5"]], "other": [[0.6, "k6"]], "stage 1 forward": [[0.1, "k1"]],
                                        "stage 3 backward": [[0.4, "k4"]], "stage 3 forward": [[0.2, "k2"]]}, digest
 
