@@ -72,16 +72,24 @@ def test_triton_permute_kernels(interpreter, dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("t, k, h", [(19, 4, 600), (5, 1, 8), (0, 2, 8)])  # h above the column block; T = 0
-def test_triton_weighted_combine(interpreter, dtype, t, k, h):
+def test_triton_weighted_combine(interpreter, monkeypatch, dtype, t, k, h):
     """Stages 4-5 fused (rows placed by index and weighted, forward and backward) against the reference."""
     torch.manual_seed(t)
     index = torch.randperm(t * k)
     rows, weights, dout = torch.randn(t * k, h).to(dtype), torch.rand(t, k).to(dtype), torch.randn(t, h).to(dtype)
-    out, (drows, dw) = grads(lambda y, w: kernels._WeightedCombine.apply(y, index, w), [rows, weights], dout)
+    out, (drows, dw) = grads(lambda y, w: kernels._WeightedCombine.apply(y, index, w, None), [rows, weights], dout)
     ref, (ref_drows, ref_dw) = grads(lambda y, w: kernels.weighted_combine_reference(y, index, w), [rows, weights], dout)
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: fp32 sums in the kernel, bf16 products in the reference
     for got, want in [(out, ref), (drows, ref_drows), (dw, ref_dw)]:  # dw: a dot over h, to the scale of dw
         assert got.dtype == want.dtype and got.shape == want.shape and rel_err(got, want) <= tol
+    # the residual added in the kernel (fp32 here under bf16 rows: its dtype and shape kept, its gradient dout)
+    residual = torch.randn(1, t, h)
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    out, (drows, dw, dres) = grads(lambda y, w, r: kernels.weighted_combine(y, index, w, r), [rows, weights, residual],
+                                   dout.float().view(1, t, h))
+    assert out.dtype == torch.float32 and out.shape == (1, t, h) and torch.equal(dres, dout.float().view(1, t, h))
+    exact = residual.double() + kernels.weighted_combine_reference(rows.double(), index, weights.double()).view(1, t, h)
+    assert rel_err(out, exact) <= 1e-6 and rel_err(drows, ref_drows) <= tol and rel_err(dw, ref_dw) <= tol
 
 
 @pytest.mark.parametrize("tokens, topk, experts, ep, empty", [
@@ -249,6 +257,7 @@ def test_triton_ops_are_sound_custom_ops_and_compile(interpreter, monkeypatch):
         (ops.expert_bias_add, (x, torch.randn(3, 16), ends)), (ops.expert_bias_grad, (x, ends, torch.float32)),
         (ops.cross_entropy_fwd, (x, labels)), (ops.cross_entropy_bwd, (x, labels, torch.randn(5), torch.ones(1))),
         (ops.segment_sum, (x, torch.tensor([1, 0, 2, 4, 3]), ends, torch.rand(5))),  # weighted: the combine
+        (ops.segment_sum, (x, torch.tensor([1, 0, 2, 4, 3]), ends, torch.rand(5), torch.randn(3, 16))),  # + residual
         (ops.weighted_combine_bwd, (x[:4], torch.tensor([2, 0, 3, 1]), torch.rand(2, 2), torch.randn(2, 16))),
     ]:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))

@@ -509,10 +509,10 @@ class DecoderLayer(nn.Module):
         return self.mlp.experts(tokens, counts, weight_queue)
 
     def stage5(self, s1: Stage1Out, combined):
-        moe_out = weighted_combine(combined.rows, combined.index, s1.routing.topk_weights)
-        if s1.shared is not None:
-            moe_out = moe_out + s1.shared.to(moe_out.dtype)
-        return s1.residual + moe_out.view_as(s1.residual).to(s1.residual.dtype)
+        addend = s1.residual
+        if s1.shared is not None:  # the shared experts' output
+            addend = addend + s1.shared.view_as(addend).to(addend.dtype)
+        return weighted_combine(combined.rows, combined.index, s1.routing.topk_weights, addend)
 
 
 class MTPLayer(DecoderLayer):

@@ -363,8 +363,7 @@ class DecoderLayer(nn.Module):
         return self.mlp.experts(tokens, counts, weight_queue)
 
     def stage5(self, s1: Stage1Out, combined):
-        moe_out = kernels.weighted_combine(combined.rows, combined.index, s1.routing.topk_weights)
-        return s1.residual + moe_out.view_as(s1.residual).to(s1.residual.dtype)
+        return kernels.weighted_combine(combined.rows, combined.index, s1.routing.topk_weights, s1.residual)
 
 
 class GptOssModel(nn.Module):

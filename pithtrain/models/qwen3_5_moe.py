@@ -362,9 +362,8 @@ class DecoderLayer(nn.Module):
         return self.mlp.experts(tokens, counts, weight_queue)
 
     def stage5(self, s1: Stage1Out, combined):
-        moe_out = weighted_combine(combined.rows, combined.index, s1.routing.topk_weights)
-        moe_out = moe_out + s1.shared.to(moe_out.dtype)
-        return s1.residual + moe_out.view_as(s1.residual).to(s1.residual.dtype)
+        addend = s1.residual + s1.shared.view_as(s1.residual).to(s1.residual.dtype)  # the shared expert's output
+        return weighted_combine(combined.rows, combined.index, s1.routing.topk_weights, addend)
 
 
 class Qwen3_5MoeModel(nn.Module):

@@ -9,7 +9,8 @@ installed), otherwise the reference, which is the code the models and dispatcher
   permute(x, index)                       x[index]: token rows into the expert-grouped layout
   expand(x, order, topk)                  permute(x, order // topk), each row read once (LocalDispatch's)
   unpermute(y, index, num_rows)           zeros(num_rows, H).index_copy(0, index, y): back again
-  weighted_combine(rows, index, weights)  unpermute to [T, k, H], then the sum weighted by weights [T, k]
+  weighted_combine(rows, index, weights, addend)  unpermute to [T, k, H], then the sum weighted by weights
+                                          [T, k] (+ the residual)
   dispatch_plan(topk_ids, experts_per_rank, ep)
                                           AllToAllDispatch's send plan, with no host synchronisation
   expert_bias_add(x, bias, counts)        x + bias[expert of each row], rows grouped by expert
@@ -232,15 +233,17 @@ def _move_rows_kernel(src_ptr, index_ptr, out_ptr, rows, hidden,
 
 
 @_Kernel
-def _segment_sum_kernel(src_ptr, perm_ptr, ends_ptr, w_ptr, out_ptr, hidden, WEIGHTED: tl.constexpr,
-                        BLOCK_H: tl.constexpr):
+def _segment_sum_kernel(src_ptr, perm_ptr, ends_ptr, w_ptr, add_ptr, out_ptr, hidden, WEIGHTED: tl.constexpr,
+                        ADD: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t] = sum of src[perm[j]] (times w[j] when WEIGHTED) over j in [ends[t-1], ends[t]), in fp32
-    and in that order."""
+    and in that order, from add[t] when ADD (the residual: one rounding, no pass of its own)."""
     t = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     start = tl.load(ends_ptr + t - 1, mask=t > 0, other=0)
     end = tl.load(ends_ptr + t)
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if ADD:
+        acc += tl.load(add_ptr + t.to(tl.int64) * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
     for j in range(start, end):
         row = tl.load(perm_ptr + j).to(tl.int64)
         x = tl.load(src_ptr + row * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
@@ -296,19 +299,19 @@ def _(src, index, num_rows):
 
 @torch.library.custom_op("pithtrain::segment_sum", mutates_args=())
 def _segment_sum(src: torch.Tensor, perm: torch.Tensor, ends: torch.Tensor,
-                 weights: torch.Tensor | None = None) -> torch.Tensor:
-    out = src.new_empty(ends.shape[0], src.shape[1])
+                 weights: torch.Tensor | None = None, addend: torch.Tensor | None = None) -> torch.Tensor:
+    out = src.new_empty(ends.shape[0], src.shape[1]) if addend is None else torch.empty_like(addend)
     if out.numel():
         block_h = min(1024, _pow2(src.shape[1]))
         _segment_sum_kernel[(ends.shape[0], _cdiv(src.shape[1], block_h))](
-            src, perm, ends, perm if weights is None else weights, out, src.shape[1], WEIGHTED=weights is not None,
-            BLOCK_H=block_h)
+            src, perm, ends, perm if weights is None else weights, out if addend is None else addend, out,
+            src.shape[1], WEIGHTED=weights is not None, ADD=addend is not None, BLOCK_H=block_h)
     return out
 
 
 @_segment_sum.register_fake
-def _(src, perm, ends, weights=None):
-    return src.new_empty(ends.shape[0], src.shape[1])
+def _(src, perm, ends, weights=None, addend=None):
+    return src.new_empty(ends.shape[0], src.shape[1]) if addend is None else torch.empty_like(addend)
 
 
 @torch.library.custom_op("pithtrain::expand_rows", mutates_args=())
@@ -444,7 +447,7 @@ def _(rows, index, weights, dout):
 
 class _WeightedCombine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, index, weights):
+    def forward(ctx, rows, index, weights, addend):
         # the row holding each (token, slot) pair: every pair comes back exactly once (both dispatchers);
         # then token t's k pairs are one segment of the weighted segment sum (permute's backward's kernel)
         index = index.contiguous()
@@ -452,23 +455,31 @@ class _WeightedCombine(torch.autograd.Function):
         num_tokens, topk = weights.shape
         ends = torch.arange(1, num_tokens + 1, dtype=torch.int32, device=index.device) * topk
         ctx.save_for_backward(rows, source, weights)
-        return _segment_sum(rows.contiguous(), source, ends, weights.contiguous())
+        ctx.addend = addend is not None
+        added = None if addend is None else addend.reshape(num_tokens, rows.shape[1]).contiguous()
+        out = _segment_sum(rows.contiguous(), source, ends, weights.contiguous(), added)
+        return out if addend is None else out.view(addend.shape)
 
     @staticmethod
     def backward(ctx, dout):
         rows, source, weights = ctx.saved_tensors
-        drows, dw = _weighted_combine_bwd(rows.contiguous(), source, weights.contiguous(), dout.contiguous())
-        return drows, None, dw.to(weights.dtype)
+        drows, dw = _weighted_combine_bwd(rows.contiguous(), source, weights.contiguous(),
+                                          dout.reshape(weights.shape[0], rows.shape[1]).contiguous())
+        return drows, None, dw.to(weights.dtype), dout if ctx.addend else None
 
 
-def weighted_combine(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def weighted_combine(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
+                     addend: torch.Tensor | None = None) -> torch.Tensor:
     """Stages 4 and 5 fused: row i of `rows` [T*k, H] is the expert output of (token, slot) pair
     index[i] (int64, a permutation of T*k); returns sum_j weights[t, j] * (pair (t, j)'s row) [T, H], without
-    the [T, k, H] layout in between (forward and backward). weights [T, k] are cast to rows' dtype first."""
+    the [T, k, H] layout in between (forward and backward). weights [T, k] are cast to rows' dtype first.
+    With `addend` (the residual, T*H elements in any shape): addend + that sum, in addend's shape and dtype,
+    added in the kernel's fp32 sum on GPUs (the reference rounds the sum to rows' dtype first)."""
     weights = weights.to(rows.dtype)
     if use_triton(rows):
-        return _WeightedCombine.apply(rows, index, weights)
-    return weighted_combine_reference(rows, index, weights)
+        return _WeightedCombine.apply(rows, index, weights, addend)
+    out = weighted_combine_reference(rows, index, weights)
+    return out if addend is None else addend + out.view_as(addend).to(addend.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
