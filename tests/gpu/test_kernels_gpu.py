@@ -352,10 +352,11 @@ def test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy(monkeypat
         assert torch.equal(cast.detach(), params[0].detach().to(torch.bfloat16))
 
 
-def test_qk_norm_rope_and_topk_ids_at_qwen3_width_compiled():
+def test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled():
     """Qwen3-30B-A3B's attention inputs (32 q heads, 4 kv heads of 128) from the stacked bf16 projection under
     Inductor, outputs and the gradients of qkv and both norm weights against float64 no worse than the reference
-    in bf16 (which rounds after each op); the router's top-8 of 128 experts equal to torch.topk's."""
+    in bf16 (which rounds after each op); the router's top-8 of 128 experts equal to torch.topk's; stage 5's
+    weighted combine with the residual added in its sum against float64."""
     b, s, heads, kv, d = 2, 512, 32, 4, 128
     qkv = torch.randn(b, s, (heads + 2 * kv) * d, device="cuda", dtype=BF16)
     wq, wk = 1 + 0.3 * torch.randn(d, device="cuda"), 1 + 0.3 * torch.randn(d, device="cuda")
@@ -375,3 +376,13 @@ def test_qk_norm_rope_and_topk_ids_at_qwen3_width_compiled():
         assert rel_err(a, e) < 5e-3 and rel_err(a, e) <= 1.05 * rel_err(r, e) + 1e-4, (rel_err(a, e), rel_err(r, e))
     probs = torch.randn(16384, 128, device="cuda").softmax(-1)
     assert torch.equal(kernels.topk_ids(probs, 8), torch.topk(probs, 8, dim=-1).indices)
+    t, k, h = 4096, 8, 2048
+    index, rows = torch.randperm(t * k, device="cuda"), torch.randn(t * k, h, device="cuda", dtype=BF16)
+    weights, residual = torch.rand(t, k, device="cuda"), torch.randn(2, t // 2, h, device="cuda", dtype=BF16)
+    dout = torch.randn(2, t // 2, h, device="cuda", dtype=BF16)
+    out, dx = grads(lambda y, w, r: kernels.weighted_combine(y, index, w, r), [rows, weights, residual], dout)
+    exact, exact_dx = grads(lambda y, w, r: r + kernels.weighted_combine_reference(y, index, w).view_as(r),
+                            [rows.double(), weights.double(), residual.double()], dout.double())
+    assert out.dtype == BF16 and torch.equal(dx[2], dout)
+    for a, e in [(out, exact), *zip(dx, exact_dx)]:
+        assert rel_err(a, e) < 5e-3, rel_err(a, e)
