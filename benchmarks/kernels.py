@@ -9,8 +9,9 @@ Shapes are those of one micro-batch of 4096 tokens of Qwen3-30B-A3B and GPT-OSS-
 [T, k, H] and the compiled weighted sum; `swiglu_fp8` (fp8.glu_quantized: the activation and its FP8 copy
 in one kernel) against the SwiGLU kernel, then fp8.quantize; `expand` (LocalDispatch's, at 16384 tokens)
 against the Triton gather it replaced, and `weighted_combine` at that size too (the rows outgrow the L2);
-the dispatch's stable sorts with narrow keys (`core.stable_argsort_ids`) against int64's. One
-benchmarks/results.jsonl line with every op's figures.
+the dispatch's stable sorts with narrow keys (`core.stable_argsort_ids`) against int64's; the routers' `topk_ids`
+and `count_ids` against torch.topk and scatter_add_; `qk_norm_rope` against what Inductor compiles from its
+reference, at several tiles. One benchmarks/results.jsonl line with every op's figures.
 """
 
 from __future__ import annotations
@@ -154,7 +155,53 @@ def main():
         shape = f"{what} N={n} < {bound}"
         print(f"{'stable_argsort':<18} {shape:<26} {ref_t:8.3f} {fast_t:8.3f} {ref_t / fast_t:5.2f}")
         figures.append({"op": "stable_argsort_ids", "shape": shape, "ref_fwd_ms": round(ref_t, 4), "fwd_ms": round(fast_t, 4)})
+    # the routers' selection and the expert loads of a micro-batch of 16384 tokens (no backward)
+    probs = torch.randn(16384, 128, device="cuda").softmax(-1)
+    ids = torch.topk(probs, 8, dim=-1).indices
+    for op, shape, ref, fast in (("topk_ids", "[16384, 128] fp32, k=8", lambda: torch.topk(probs, 8, dim=-1),
+                                  lambda: kernels.topk_ids(probs, 8)),
+                                 ("count_ids", "[16384, 8] of 128", lambda: core.count_ids(ids, 128),
+                                  lambda: kernels.count_ids(ids, 128))):
+        ref_t, fast_t = median_ms(ref, args.repeats), median_ms(fast, args.repeats)
+        print(f"{op:<18} {shape:<26} {ref_t:8.3f} {fast_t:8.3f} {ref_t / fast_t:5.2f}")
+        figures.append({"op": op, "shape": shape, "ref_fwd_ms": round(ref_t, 4), "fwd_ms": round(fast_t, 4)})
+    figures += qk_norm_rope_tiles(args.repeats)
     record({"benchmark": "kernels", "repeats": args.repeats, "ops": figures})
+
+
+def qk_norm_rope_tiles(repeats: int) -> list[dict]:
+    """Qwen3's attention inputs at one micro-batch (4 x 4096 tokens, 32 + 4 + 4 heads of 128): what Inductor
+    compiles from the reference against kernels.qk_norm_rope at each tile (rows a program, warps), forward
+    alone and forward + backward (the output gradients as cuDNN's attention backward hands them)."""
+    b, s, heads, kv, d = 4, 4096, 32, 4, 128
+    qkv = torch.randn(b, s, (heads + 2 * kv) * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    wq, wk = (torch.randn(d, device="cuda", requires_grad=True) for _ in range(2))
+    cos, sin = core.rope_cos_sin(torch.arange(s, device="cuda").expand(b, s),
+                                 1.0 / 1e6 ** (torch.arange(0, d, 2, device="cuda") / d), dtype=torch.bfloat16)
+    douts = [torch.randn(b, n, s, d, device="cuda", dtype=torch.bfloat16) for n in (heads, kv, kv)]
+    inductor = torch.compile(lambda x, a, c: kernels.qk_norm_rope_reference(
+        *x.split([heads * d, kv * d, kv * d], -1), a, c, cos, sin, 1e-6), fullgraph=True)
+
+    def timed(fn):
+        def fwd_bwd():
+            torch.autograd.backward(fn(qkv, wq, wk), douts)
+        with torch.no_grad():
+            fwd = median_ms(lambda: fn(qkv, wq, wk), repeats)
+        return fwd, median_ms(fwd_bwd, repeats)
+
+    rows = [("inductor", *timed(inductor))]
+    default = {k: dict(v) for k, v in kernels.QK_NORM_ROPE_TILES.items()}
+    fused = lambda x, a, c: kernels.qk_norm_rope(x, a, c, cos, sin, heads, kv, 1e-6)  # noqa: E731
+    for block_t, warps in ((16, 2), (16, 4), (32, 4), (32, 8), (64, 4), (64, 8), (128, 8)):
+        kernels.QK_NORM_ROPE_TILES = {k: dict(BLOCK_T=block_t, num_warps=warps) for k in default}
+        rows.append((f"BLOCK_T={block_t} warps={warps}", *timed(fused)))
+    kernels.QK_NORM_ROPE_TILES = default
+    figures = []
+    for name, fwd, fwd_bwd in rows:
+        print(f"{'qk_norm_rope':<18} {name:<26} fwd {fwd:8.3f} f+b {fwd_bwd:8.3f}")
+        figures.append({"op": "qk_norm_rope", "shape": f"[4, 4096, 5120] bf16 {name}", "fwd_ms": round(fwd, 4),
+                        "fwd_bwd_ms": round(fwd_bwd, 4)})
+    return figures
 
 
 if __name__ == "__main__":

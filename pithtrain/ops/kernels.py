@@ -17,6 +17,7 @@ installed), otherwise the reference, which is the code the models and dispatcher
   cross_entropy_sum(logits, labels)       sum of token cross-entropies over labels != -100, fp32 math
                                           (grad_in_place: the gradient written over the logits)
   topk_ids(x, k)                          torch.topk(x, k).indices: the router's selection
+  count_ids(ids, n)                       core.count_ids: how often each expert was chosen
   qk_norm_rope(qkv, wq, wk, cos, sin, ..) Qwen3's q and k per-head RMSNorm and RoPE on the stacked projection
   add_into(dst, src)                      dst += src for an fp32 dst and a bf16 src (gradient accumulation)
   wgrad_into(grad, x, dy, counts, assign) grad[e] += x_e^T dy_e, the add in the GEMM's epilogue
@@ -906,7 +907,7 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, dq_ptr, 
         tl.store(out + HALF, (r * (dn2 - xh2 * dot)).to(x1.dtype), mask=m)
 
 
-_QK_BLOCK_T = 32
+QK_NORM_ROPE_TILES = {"fwd": dict(BLOCK_T=32, num_warps=4), "bwd": dict(BLOCK_T=32, num_warps=4)}  # rows a program
 
 
 @torch.library.custom_op("pithtrain::qk_norm_rope_fwd", mutates_args=())
@@ -915,9 +916,9 @@ def _qk_norm_rope_fwd(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch
     rows, d = qkv.shape[0], q_weight.shape[0]
     q, k, v = qkv.new_empty(rows, heads * d), qkv.new_empty(rows, kv_heads * d), qkv.new_empty(rows, kv_heads * d)
     if rows:
-        _qk_norm_rope_fwd_kernel[(_cdiv(rows, _QK_BLOCK_T), heads + 2 * kv_heads)](
-            qkv, q_weight, k_weight, cos, sin, q, k, v, rows, heads, kv_heads, eps, HALF=d // 2,
-            BLOCK_T=_QK_BLOCK_T)
+        tiles = QK_NORM_ROPE_TILES["fwd"]
+        _qk_norm_rope_fwd_kernel[(_cdiv(rows, tiles["BLOCK_T"]), heads + 2 * kv_heads)](
+            qkv, q_weight, k_weight, cos, sin, q, k, v, rows, heads, kv_heads, eps, HALF=d // 2, **tiles)
     return q, k, v
 
 
@@ -934,20 +935,21 @@ def _qk_norm_rope_bwd(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch
     """dq [B, heads, S, D], dk and dv [B, kv_heads, S, D] in any strides with unit stride along D."""
     rows, d, heads, kv_heads, seq = qkv.shape[0], q_weight.shape[0], dq.shape[1], dk.shape[1], dq.shape[2]
     dqkv = torch.empty_like(qkv)
-    dw = qkv.new_empty(_cdiv(rows, _QK_BLOCK_T), heads + kv_heads, d, dtype=torch.float32)
+    tiles = QK_NORM_ROPE_TILES["bwd"]
+    dw = qkv.new_empty(_cdiv(rows, tiles["BLOCK_T"]), heads + kv_heads, d, dtype=torch.float32)
     if rows:
-        _qk_norm_rope_bwd_kernel[(_cdiv(rows, _QK_BLOCK_T), heads + 2 * kv_heads)](
+        _qk_norm_rope_bwd_kernel[(_cdiv(rows, tiles["BLOCK_T"]), heads + 2 * kv_heads)](
             qkv, q_weight, k_weight, cos, sin, dq, dk, dv, dqkv, dw, rows, seq, heads, kv_heads, eps,
             dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
-            dv.stride(0), dv.stride(1), dv.stride(2), HALF=d // 2, BLOCK_T=_QK_BLOCK_T)
+            dv.stride(0), dv.stride(1), dv.stride(2), HALF=d // 2, **tiles)
     return dqkv, dw
 
 
 @_qk_norm_rope_bwd.register_fake
 def _(qkv, q_weight, k_weight, cos, sin, dq, dk, dv, eps):
     rows, d = qkv.shape[0], q_weight.shape[0]
-    return torch.empty_like(qkv), qkv.new_empty(_cdiv(rows, _QK_BLOCK_T), dq.shape[1] + dk.shape[1], d,
-                                                dtype=torch.float32)
+    return torch.empty_like(qkv), qkv.new_empty(_cdiv(rows, QK_NORM_ROPE_TILES["bwd"]["BLOCK_T"]),
+                                                dq.shape[1] + dk.shape[1], d, dtype=torch.float32)
 
 
 class _QKNormRope(torch.autograd.Function):
@@ -1023,6 +1025,41 @@ def _topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
 @_topk_ids.register_fake
 def _(x, k):
     return x.new_empty(x.shape[0], k, dtype=torch.int64)
+
+
+@_Kernel
+def _count_ids_kernel(ids_ptr, part_ptr, n_ids, bins, BLOCK: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr):
+    """A block of ids' histogram, by comparison with every bin, CHUNK ids at a time, into its own row of
+    part [programs, bins] (no atomics)."""
+    b = tl.arange(0, BINS)
+    hist = tl.zeros([BINS], dtype=tl.int32)
+    for start in range(0, BLOCK, CHUNK):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < n_ids, other=-1)
+        hist += tl.sum((ids[:, None] == b[None, :]).to(tl.int32), axis=0)
+    tl.store(part_ptr + tl.program_id(0) * bins + b, hist, mask=b < bins)
+
+
+@torch.library.custom_op("pithtrain::count_ids", mutates_args=())
+def _count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    block = 2048
+    part = torch.zeros(max(1, _cdiv(ids.numel(), block)), n, dtype=torch.int32, device=ids.device)
+    if ids.numel():
+        _count_ids_kernel[(part.shape[0],)](ids, part, ids.numel(), n, BLOCK=block, CHUNK=64, BINS=_pow2(n))
+    return part.sum(0, dtype=torch.int64)
+
+
+@_count_ids.register_fake
+def _(ids, n):
+    return ids.new_empty(n, dtype=torch.int64)
+
+
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """core.count_ids (how often each of 0..n-1 occurs, int64 [n], no host sync): on GPUs per block of ids by
+    comparison, then a sum over the blocks, where scatter_add_'s 131k atomic adds into 128 counters took 39 us."""
+    if use_triton(ids) and n <= 256:
+        return _count_ids(ids.detach().reshape(-1).contiguous(), n)
+    return core.count_ids(ids, n)
 
 
 def topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
