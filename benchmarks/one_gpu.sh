@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites, most needed first: a session's device time (30
 # minutes, the machine's start included) holds some seven of them. Runs 1-9 ran on 2026-12-05 (261bf71, results.jsonl
-# lines 117-124); 10-15 have not run since 2026-12-04. 1 the new GPU checks; 2 bf16 against FP8 + FP8 head alternating in one run at 9 Qwen3
+# lines 117-124); 2 and 3 again at 5edd88a (lines 129, 128) beside the A/B of line 127 (run 8 with
+# --ab bf16-activations,qk-norm-rope); 10-15 have not run since 2026-12-04. 1 the new GPU checks; 2 bf16 against FP8 + FP8 head alternating in one run at 9 Qwen3
 # layers (arm A is a 60% MFU reading, B/A the 1.15x); 3-4 the DeepSeek-V3-width peer, both sides profiled one step
 # more, and the two profiles by kernel category (carry .peers); 5 MLA's v unpadded against padded in training at
 # Moonlight width; 6-7 the switches at 9 layers, several arms to a run (one compile serves them all): the
@@ -19,7 +20,7 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
-    "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer tests/gpu/test_kernels_gpu.py::test_permute_unpermute tests/gpu/test_kernels_gpu.py::test_local_dispatch_round_trip_on_cuda_matches_the_cpu tests/gpu/test_fp8_gpu.py::test_stacked_projections_compiled_match_the_linears_alone tests/gpu/test_kernels_gpu.py::test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy"   # the new GPU checks, BN=32 tiles, expand and the per-token combine backward included
+    "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer tests/gpu/test_kernels_gpu.py::test_permute_unpermute tests/gpu/test_kernels_gpu.py::test_local_dispatch_round_trip_on_cuda_matches_the_cpu tests/gpu/test_fp8_gpu.py::test_stacked_projections_compiled_match_the_linears_alone tests/gpu/test_kernels_gpu.py::test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled tests/gpu/test_kernels_gpu.py::test_count_ids_equals_scatter_add_counts"   # the new GPU checks, BN=32 tiles, expand and the per-token combine backward included
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x; A bf16, B FP8 + FP8 head, in one run
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
     "python .agents/skills/capture-profile/profile_step.py --trace /tmp/dsv3/torchtitan.json --trace /tmp/dsv3/pithtrain.json"   # where each side's step goes, by kernel category
