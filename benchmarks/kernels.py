@@ -10,7 +10,7 @@ Shapes are those of one micro-batch of 4096 tokens of Qwen3-30B-A3B and GPT-OSS-
 in one kernel) against the SwiGLU kernel, then fp8.quantize; `expand` (LocalDispatch's, at 16384 tokens)
 against the Triton gather it replaced, and `weighted_combine` at that size too (the rows outgrow the L2);
 the dispatch's stable sorts with narrow keys (`core.stable_argsort_ids`) against int64's; the routers' `topk_ids`
-and `count_ids` against torch.topk and scatter_add_; `qk_norm_rope` against what Inductor compiles from its
+against torch.topk; `qk_norm_rope` against what Inductor compiles from its
 reference, at several tiles. One benchmarks/results.jsonl line with every op's figures.
 """
 
@@ -155,13 +155,10 @@ def main():
         shape = f"{what} N={n} < {bound}"
         print(f"{'stable_argsort':<18} {shape:<26} {ref_t:8.3f} {fast_t:8.3f} {ref_t / fast_t:5.2f}")
         figures.append({"op": "stable_argsort_ids", "shape": shape, "ref_fwd_ms": round(ref_t, 4), "fwd_ms": round(fast_t, 4)})
-    # the routers' selection and the expert loads of a micro-batch of 16384 tokens (no backward)
+    # the routers' selection at a micro-batch of 16384 tokens (no backward)
     probs = torch.randn(16384, 128, device="cuda").softmax(-1)
-    ids = torch.topk(probs, 8, dim=-1).indices
     for op, shape, ref, fast in (("topk_ids", "[16384, 128] fp32, k=8", lambda: torch.topk(probs, 8, dim=-1),
-                                  lambda: kernels.topk_ids(probs, 8)),
-                                 ("count_ids", "[16384, 8] of 128", lambda: core.count_ids(ids, 128),
-                                  lambda: kernels.count_ids(ids, 128))):
+                                  lambda: kernels.topk_ids(probs, 8)),):
         ref_t, fast_t = median_ms(ref, args.repeats), median_ms(fast, args.repeats)
         print(f"{op:<18} {shape:<26} {ref_t:8.3f} {fast_t:8.3f} {ref_t / fast_t:5.2f}")
         figures.append({"op": op, "shape": shape, "ref_fwd_ms": round(ref_t, 4), "fwd_ms": round(fast_t, 4)})

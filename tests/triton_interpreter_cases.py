@@ -495,15 +495,3 @@ def test_triton_topk_ids_is_torch_topk(interpreter, monkeypatch):
     assert all(len(set(row)) == 4 for row in kernels._topk_ids(x, 4).tolist())
     torch.library.opcheck(torch.ops.pithtrain.topk_ids, (torch.randn(9, 32), 4), test_utils=("test_schema", "test_faketensor"))
 
-
-def test_triton_count_ids_is_core_count_ids(interpreter, monkeypatch):
-    """Expert loads by block histograms against core.count_ids (scatter_add): several blocks and a partial one,
-    a number of experts not a power of two, experts never chosen, no ids; a sound custom op."""
-    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
-    for shape, n in [((2500, 8), 128), ((37, 3), 6), ((0, 2), 4)]:
-        ids = torch.randint(0, max(1, n - 2), shape)  # the last two experts never chosen
-        counts = kernels.count_ids(ids, n)
-        assert counts.dtype == torch.int64 and torch.equal(counts, core.count_ids(ids, n))
-        assert counts[-2:].sum() == 0 and counts.sum() == ids.numel()
-    torch.library.opcheck(torch.ops.pithtrain.count_ids, (torch.randint(0, 8, (300,)), 8),
-                          test_utils=("test_schema", "test_faketensor"))

@@ -17,7 +17,6 @@ installed), otherwise the reference, which is the code the models and dispatcher
   cross_entropy_sum(logits, labels)       sum of token cross-entropies over labels != -100, fp32 math
                                           (grad_in_place: the gradient written over the logits)
   topk_ids(x, k)                          torch.topk(x, k).indices: the router's selection
-  count_ids(ids, n)                       core.count_ids: how often each expert was chosen
   qk_norm_rope(qkv, wq, wk, cos, sin, ..) Qwen3's q and k per-head RMSNorm and RoPE on the stacked projection
   add_into(dst, src)                      dst += src for an fp32 dst and a bf16 src (gradient accumulation)
   wgrad_into(grad, x, dy, counts, assign) grad[e] += x_e^T dy_e, the add in the GEMM's epilogue
@@ -931,8 +930,10 @@ def _(qkv, q_weight, k_weight, cos, sin, heads, kv_heads, eps):
 @torch.library.custom_op("pithtrain::qk_norm_rope_bwd", mutates_args=())
 def _qk_norm_rope_bwd(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
                       sin: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, eps: float
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """dq [B, heads, S, D], dk and dv [B, kv_heads, S, D] in any strides with unit stride along D."""
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq [B, heads, S, D], dk and dv [B, kv_heads, S, D] in any strides with unit stride along D. Returns the
+    gradients of qkv and of both weights (fp32; the tiles' partial sums summed here, so no output's shape
+    depends on the tiles, which a compiled graph's cached fake shapes would not follow)."""
     rows, d, heads, kv_heads, seq = qkv.shape[0], q_weight.shape[0], dq.shape[1], dk.shape[1], dq.shape[2]
     dqkv = torch.empty_like(qkv)
     tiles = QK_NORM_ROPE_TILES["bwd"]
@@ -942,14 +943,13 @@ def _qk_norm_rope_bwd(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch
             qkv, q_weight, k_weight, cos, sin, dq, dk, dv, dqkv, dw, rows, seq, heads, kv_heads, eps,
             dq.stride(0), dq.stride(1), dq.stride(2), dk.stride(0), dk.stride(1), dk.stride(2),
             dv.stride(0), dv.stride(1), dv.stride(2), HALF=d // 2, **tiles)
-    return dqkv, dw
+    return dqkv, dw[:, :heads].sum((0, 1)), dw[:, heads:].sum((0, 1))
 
 
 @_qk_norm_rope_bwd.register_fake
 def _(qkv, q_weight, k_weight, cos, sin, dq, dk, dv, eps):
-    rows, d = qkv.shape[0], q_weight.shape[0]
-    return torch.empty_like(qkv), qkv.new_empty(_cdiv(rows, QK_NORM_ROPE_TILES["bwd"]["BLOCK_T"]),
-                                                dq.shape[1] + dk.shape[1], d, dtype=torch.float32)
+    d = q_weight.shape[0]
+    return torch.empty_like(qkv), qkv.new_empty(d, dtype=torch.float32), qkv.new_empty(d, dtype=torch.float32)
 
 
 class _QKNormRope(torch.autograd.Function):
@@ -964,7 +964,7 @@ class _QKNormRope(torch.autograd.Function):
         cos, sin = cos.expand(b, s, d).contiguous(), sin.expand(b, s, d).contiguous()
         q, k, v = _qk_norm_rope_fwd(x, q_weight, k_weight, cos, sin, heads, kv_heads, eps)
         ctx.save_for_backward(x, q_weight, k_weight, cos, sin)
-        ctx.eps, ctx.heads, ctx.shape = eps, heads, qkv.shape
+        ctx.eps, ctx.shape = eps, qkv.shape
         return (q.view(b, s, heads, d).transpose(1, 2), k.view(b, s, kv_heads, d).transpose(1, 2),
                 v.view(b, s, kv_heads, d).transpose(1, 2))
 
@@ -972,8 +972,7 @@ class _QKNormRope(torch.autograd.Function):
     def backward(ctx, dq, dk, dv):
         x, q_weight, k_weight, cos, sin = ctx.saved_tensors
         dq, dk, dv = (g if g.stride(-1) == 1 else g.contiguous() for g in (dq, dk, dv))
-        dqkv, dw = _qk_norm_rope_bwd(x, q_weight, k_weight, cos, sin, dq, dk, dv, ctx.eps)
-        dwq, dwk = dw[:, :ctx.heads].sum((0, 1)), dw[:, ctx.heads:].sum((0, 1))
+        dqkv, dwq, dwk = _qk_norm_rope_bwd(x, q_weight, k_weight, cos, sin, dq, dk, dv, ctx.eps)
         return dqkv.view(ctx.shape), dwq.to(q_weight.dtype), dwk.to(k_weight.dtype), None, None, None, None, None
 
 
@@ -1025,41 +1024,6 @@ def _topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
 @_topk_ids.register_fake
 def _(x, k):
     return x.new_empty(x.shape[0], k, dtype=torch.int64)
-
-
-@_Kernel
-def _count_ids_kernel(ids_ptr, part_ptr, n_ids, bins, BLOCK: tl.constexpr, CHUNK: tl.constexpr, BINS: tl.constexpr):
-    """A block of ids' histogram, by comparison with every bin, CHUNK ids at a time, into its own row of
-    part [programs, bins] (no atomics)."""
-    b = tl.arange(0, BINS)
-    hist = tl.zeros([BINS], dtype=tl.int32)
-    for start in range(0, BLOCK, CHUNK):
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < n_ids, other=-1)
-        hist += tl.sum((ids[:, None] == b[None, :]).to(tl.int32), axis=0)
-    tl.store(part_ptr + tl.program_id(0) * bins + b, hist, mask=b < bins)
-
-
-@torch.library.custom_op("pithtrain::count_ids", mutates_args=())
-def _count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
-    block = 2048
-    part = torch.zeros(max(1, _cdiv(ids.numel(), block)), n, dtype=torch.int32, device=ids.device)
-    if ids.numel():
-        _count_ids_kernel[(part.shape[0],)](ids, part, ids.numel(), n, BLOCK=block, CHUNK=64, BINS=_pow2(n))
-    return part.sum(0, dtype=torch.int64)
-
-
-@_count_ids.register_fake
-def _(ids, n):
-    return ids.new_empty(n, dtype=torch.int64)
-
-
-def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
-    """core.count_ids (how often each of 0..n-1 occurs, int64 [n], no host sync): on GPUs per block of ids by
-    comparison, then a sum over the blocks, where scatter_add_'s 131k atomic adds into 128 counters took 39 us."""
-    if use_triton(ids) and n <= 256:
-        return _count_ids(ids.detach().reshape(-1).contiguous(), n)
-    return core.count_ids(ids, n)
 
 
 def topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from pithtrain.protocol import Combined, RoutingInfo, named_range
-from pithtrain.ops.core import stable_argsort_ids
-from pithtrain.ops.kernels import count_ids, dispatch_plan, expand, permute, unpermute  # Triton on GPUs
+from pithtrain.ops.core import count_ids, stable_argsort_ids
+from pithtrain.ops.kernels import dispatch_plan, expand, permute, unpermute  # Triton row moves on GPUs
 
 
 class LocalDispatch:

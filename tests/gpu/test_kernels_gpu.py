@@ -387,9 +387,3 @@ def test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_
     for a, e in [(out, exact), *zip(dx, exact_dx)]:
         assert rel_err(a, e) < 5e-3, rel_err(a, e)
 
-
-def test_count_ids_equals_scatter_add_counts():
-    """Expert loads of a 16384-token micro-batch, top-8 of 128 (and of 6 experts, not a power of two)."""
-    for n in (128, 6):
-        ids = torch.rand(16384, n, device="cuda").topk(min(8, n), dim=1).indices
-        assert torch.equal(kernels.count_ids(ids, n), core.count_ids(ids, n))
