@@ -445,7 +445,8 @@ def test_triton_qk_norm_rope_against_float64(interpreter, monkeypatch, dtype):
     ops and compile in a full graph."""
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
     heads, kv, d, eps = 4, 2, 8, 1e-6
-    for b, s in [(2, 5), (3, 30)]:
+    for (b, s), block_t in [((2, 5), 32), ((3, 30), 32), ((3, 30), 64)]:  # the tiles a setting: any rows a program
+        monkeypatch.setattr(kernels, "QK_NORM_ROPE_TILES", {k: dict(BLOCK_T=block_t, num_warps=4) for k in ("fwd", "bwd")})
         qkv = torch.randn(b, s, (heads + 2 * kv) * d).to(dtype)
         wq, wk = 1 + 0.3 * torch.randn(d), 1 + 0.3 * torch.randn(d)
         cos, sin = core.rope_cos_sin(torch.randint(0, 500, (b, s)), 1.0 / 1e4 ** (torch.arange(0, d, 2) / d), dtype=dtype)
