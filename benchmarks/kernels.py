@@ -180,8 +180,8 @@ def qk_norm_rope_tiles(repeats: int) -> list[dict]:
         *x.split([heads * d, kv * d, kv * d], -1), a, c, cos, sin, 1e-6), fullgraph=True)
 
     def timed(fn):
-        def fwd_bwd():
-            torch.autograd.backward(fn(qkv, wq, wk), douts)
+        def fwd_bwd():  # the gradients returned, not added into .grad: no accumulation pass in the timing
+            torch.autograd.grad(fn(qkv, wq, wk), (qkv, wq, wk), douts)
         with torch.no_grad():
             fwd = median_ms(lambda: fn(qkv, wq, wk), repeats)
         return fwd, median_ms(fwd_bwd, repeats)
