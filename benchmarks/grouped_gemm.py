@@ -7,8 +7,9 @@ same FLOPs. Balanced routing (every expert gets tokens*k/E rows).
 `--wgrad` (default --tokens 8192: 65,536 rows): the weight gradient accumulated into an fp32 .grad, as
 training does it, balanced and skewed routing: torch._grouped_mm + kernels.add_into against the fused
 kernels.wgrad_into (the add in the GEMM's epilogue; grouped_gemm.FUSED_WGRAD): as training runs it (tensor-
-descriptor (TMA) loads, the add a bulk reduce in L2), with the epilogue's load-add-store instead, and with
-plain pointer loads. Records a line in benchmarks/results.jsonl. `--sweep` also times tiles of the fused
+descriptor (TMA) loads, the add a bulk reduce in L2), with the descriptors made on the host or by each program,
+assigning (no old values read), with the epilogue's load-add-store instead, and with plain pointer loads. `--host
+on|off` sets kernels.WGRAD_HOST_DESCRIPTORS for the sweep. Records a line in benchmarks/results.jsonl. `--sweep` also times tiles of the fused
 kernel (both routings, both shapes, `--rounds` passes over the tiles) and records the best over both
 (`sweep_best_both`, for train_throughput.py --wgrad-config).
 
@@ -44,7 +45,8 @@ def skewed_counts(rows: int, experts: int) -> torch.Tensor:
 
 def wgrad(args):
     rows = args.tokens * args.topk
-    figures = {"benchmark": "grouped_wgrad_into", "rows": rows, "experts": args.experts}
+    figures = {"benchmark": "grouped_wgrad_into", "rows": rows, "experts": args.experts,
+               "host_descriptors": kernels.WGRAD_HOST_DESCRIPTORS}
     for k, m, label in ((args.hidden, 2 * args.inter, "gate_up"), (args.inter, args.hidden, "down")):
         x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn(rows, m, device="cuda", dtype=torch.bfloat16)
@@ -55,6 +57,9 @@ def wgrad(args):
             runs = {"cutlass+add_into": lambda: kernels.add_into(grad, grouped_weight_grad(x, dy, counts, args.experts)),
                     "cutlass alone": lambda: grouped_weight_grad(x, dy, counts, args.experts),
                     "fused": lambda: kernels.wgrad_into(grad, x, dy, counts, False),
+                    "fused host descriptors": lambda: kernels.wgrad_into(grad, x, dy, counts, False, host=True),
+                    "fused device descriptors": lambda: kernels.wgrad_into(grad, x, dy, counts, False, host=False),
+                    "fused assign": lambda: kernels.wgrad_into(grad, x, dy, counts, True),  # no old values read
                     "fused load-add-store": lambda: kernels.wgrad_into(grad, x, dy, counts, False, reduce=False),
                     "fused pointer loads": lambda: kernels.wgrad_into(grad, x, dy, counts, False, tma=False)}
             ref = kernels.add_into(grad.clone(), grouped_weight_grad(x, dy, counts, args.experts))
@@ -111,6 +116,7 @@ def main():
         parser.add_argument(f"--{name}", type=int, default=default)
     parser.add_argument("--wgrad", action="store_true", help="the fused weight gradient against cutlass + add_into")
     parser.add_argument("--sweep", action="store_true", help="with --wgrad: tiles of the fused kernel")
+    parser.add_argument("--host", choices=["on", "off"], help="with --sweep: kernels.WGRAD_HOST_DESCRIPTORS")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="with --sweep: passes over the tiles")
     args = parser.parse_args()
@@ -121,6 +127,8 @@ def main():
     # --wgrad: 65,536 routed rows a micro-batch, as measured in docs/performance.md
     args.tokens = args.tokens or (8192 if args.wgrad else 4096)
     if args.wgrad:
+        if args.host:
+            kernels.WGRAD_HOST_DESCRIPTORS = args.host == "on"
         return wgrad(args)
     rows = args.tokens * args.topk
     counts = torch.full((args.experts,), rows // args.experts, device="cuda")

@@ -120,7 +120,10 @@ def cases():
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--only", help="comma-separated ops to time (e.g. cross_entropy_sum,qk_norm_rope; default all)")
     args = parser.parse_args()
+    ops = ["cross_entropy_sum" if n == "cross_entropy" else n for n in args.only.split(",")] if args.only else None
+    want = lambda op: ops is None or op in ops  # noqa: E731
     if not torch.cuda.is_available() or not kernels._TRITON_INSTALLED:
         sys.exit("benchmarks/kernels.py needs a CUDA GPU and Triton")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, median of {args.repeats} (ms)")
@@ -129,6 +132,8 @@ def main():
     print(head + "\n" + "-" * len(head))
     figures = []
     for name, shape, ref, fast, inputs in cases():
+        if not want(name):
+            continue
         ref_fwd, ref_fb = forward_backward(ref, inputs)
         fast_fwd, fast_fb = forward_backward(fast, inputs)
         t = [median_ms(f, args.repeats) for f in (ref_fwd, fast_fwd, ref_fb, fast_fb)]
@@ -139,7 +144,7 @@ def main():
                         "ref_fwd_bwd_ms": round(t[2], 4), "fwd_bwd_ms": round(t[3], 4),
                         "ref_peak_mib": round(mem[0]), "peak_mib": round(mem[1])})
     # the dispatch plan has no backward; its reference syncs with the host (nonzero) twice
-    for tokens, ep in ((4096, 8), (16384, 64)):
+    for tokens, ep in ((4096, 8), (16384, 64)) if want("dispatch_plan") else ():
         ids = torch.rand(tokens, 256, device="cuda").topk(8, dim=1).indices
         ref_t = median_ms(lambda: kernels.dispatch_plan_reference(ids, 256 // ep, ep), args.repeats)
         fast_t = median_ms(lambda: kernels.dispatch_plan(ids, 256 // ep, ep), args.repeats)
@@ -148,7 +153,7 @@ def main():
         figures.append({"op": "dispatch_plan", "shape": shape, "ref_fwd_ms": round(ref_t, 4), "fwd_ms": round(fast_t, 4)})
     # the stable sorts of a micro-batch's dispatch (expert ids) and permute backward (token ids): int64 keys
     # against core.stable_argsort_ids' narrow ones (a radix pass per key byte)
-    for what, n, bound in (("expert order", 16384 * 8, 128), ("token order", 16384 * 8, 16384)):
+    for what, n, bound in (("expert order", 16384 * 8, 128), ("token order", 16384 * 8, 16384)) if want("stable_argsort_ids") else ():
         ids = torch.randint(0, bound, (n,), device="cuda")
         ref_t = median_ms(lambda: torch.argsort(ids, stable=True), args.repeats)
         fast_t = median_ms(lambda: core.stable_argsort_ids(ids, bound), args.repeats)
@@ -158,12 +163,12 @@ def main():
     # the routers' selection at a micro-batch of 16384 tokens (no backward)
     probs = torch.randn(16384, 128, device="cuda").softmax(-1)
     for op, shape, ref, fast in (("topk_ids", "[16384, 128] fp32, k=8", lambda: torch.topk(probs, 8, dim=-1),
-                                  lambda: kernels.topk_ids(probs, 8)),):
+                                  lambda: kernels.topk_ids(probs, 8)),) if want("topk_ids") else ():
         ref_t, fast_t = median_ms(ref, args.repeats), median_ms(fast, args.repeats)
         print(f"{op:<18} {shape:<26} {ref_t:8.3f} {fast_t:8.3f} {ref_t / fast_t:5.2f}")
         figures.append({"op": op, "shape": shape, "ref_fwd_ms": round(ref_t, 4), "fwd_ms": round(fast_t, 4)})
-    figures += qk_norm_rope_tiles(args.repeats)
-    record({"benchmark": "kernels", "repeats": args.repeats, "ops": figures})
+    figures += qk_norm_rope_tiles(args.repeats) if want("qk_norm_rope") else []
+    record({"benchmark": "kernels", "repeats": args.repeats, "only": args.only, "ops": figures})
 
 
 def qk_norm_rope_tiles(repeats: int) -> list[dict]:

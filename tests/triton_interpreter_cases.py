@@ -138,6 +138,15 @@ def test_triton_cross_entropy(interpreter, dtype):
     check_kernel(lambda z: kernels._CrossEntropySum.apply(z, labels) * 0.7,
                  lambda z: core.cross_entropy_sum(z, labels) * 0.7, [logits], torch.tensor(1.0),
                  1e-5 if dtype == torch.float32 else 1e-2)
+    # the per-lane running max and sum: -inf logits (a masked vocabulary, whole chunks of them), a chunk's
+    # lanes all -inf after the first, and a spike far above the rest, against float64's logsumexp
+    spiky = (torch.randn(4, 9000) * 40).to(dtype)
+    spiky[0, :5000], spiky[1, 4096:], spiky[2, 100], spiky[3, 8999] = float("-inf"), float("-inf"), 500.0, 300.0
+    spiky_labels = torch.tensor([6000, 5, 100, 3])
+    losses, lse = kernels._ce_fwd(spiky, spiky_labels)
+    exact = torch.logsumexp(spiky.double(), -1)
+    assert (lse.double() - exact).abs().max() < 1e-5 * exact.abs().max()
+    assert (losses.double() - (exact - spiky.double()[range(4), spiky_labels])).abs().max() < 1e-5 * exact.abs().max()
     logits3 = torch.randn(2, 3, 50, dtype=dtype)
     labels3 = torch.full((2, 3), -100)
     loss, (grad,) = grads(lambda z: kernels._CrossEntropySum.apply(z, labels3), [logits3], torch.tensor(1.0))
@@ -293,11 +302,13 @@ def _wgrad_reference(grad, x, dy, counts, assign):
 # float16, not bfloat16: the interpreter's tl.dot multiplies bf16 bit patterns (Triton 3.9); bf16 is tests/gpu's
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("assign", [False, True])
-@pytest.mark.parametrize("tma", [False, True])  # pointer loads; tensor descriptors (the Hopper path)
+@pytest.mark.parametrize("tma", [False, True, "host"])  # pointer loads; tensor descriptors (the Hopper path), host-made
 def test_triton_weight_grad_into(interpreter, dtype, assign, tma):
     """Segments not multiples of the row block, an empty expert (first and in the middle), K and M not
     multiples of the tile; a strided dy (a column slice). With descriptors bounded to each expert's rows,
-    the rows past a segment read as zeros."""
+    the rows past a segment read as zeros; with host-made ones over all rows, a segment's partial tile
+    is masked instead (the next expert's rows must not leak in)."""
+    host = tma == "host"
     cfg = dict(BK=16, BM=8, BN=16)
     torch.manual_seed(9)
     counts = torch.tensor([0, 21, 5, 0, 40, 16])
@@ -308,12 +319,12 @@ def test_triton_weight_grad_into(interpreter, dtype, assign, tma):
     x, dy = torch.randn(rows, k_dim).to(dtype), torch.randn(rows, m_dim + pad).to(dtype)[:, pad:]
     grad = torch.randn(len(counts), k_dim, m_dim)
     before = grad.clone()
-    out = kernels.wgrad_into(grad, x, dy, counts, assign, cfg=cfg, tma=tma)
+    out = kernels.wgrad_into(grad, x, dy, counts, assign, cfg=cfg, tma=bool(tma), host=host)
     assert out is grad
     ref = _wgrad_reference(before, x, dy, counts, assign)
     assert (grad.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
     assert (grad[0] == 0).all() if assign else torch.equal(grad[3], before[3])
-    again = kernels.wgrad_into(before.clone(), x, dy, counts, assign, cfg=cfg, tma=tma)
+    again = kernels.wgrad_into(before.clone(), x, dy, counts, assign, cfg=cfg, tma=bool(tma), host=host)
     assert torch.equal(again, grad)  # no atomics: bit-identical
 
 

@@ -705,19 +705,22 @@ def expert_bias_add(x: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -
 
 @_Kernel
 def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, vocab, row_stride, BLOCK_V: tl.constexpr):
-    """One program per row: log-sum-exp over the vocabulary in chunks (online max rescaling), in fp32."""
+    """One program per row: log-sum-exp over the vocabulary in chunks, in fp32. Each lane keeps its own
+    running max and sum, so the loop has no reduction across the program (the chunks stream like a copy),
+    and still one exp an element: with d = x - max, e = exp(-|d|) rescales the sum (d > 0) or is the term."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * row_stride
     cols = tl.arange(0, BLOCK_V)
-    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-    m = tl.max(x, axis=0)
-    total = tl.sum(tl.exp(x - m), axis=0)
+    m = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    total = tl.where(cols < vocab, 1.0, 0.0)
     for v0 in range(BLOCK_V, vocab, BLOCK_V):
         x = tl.load(base + v0 + cols, mask=v0 + cols < vocab, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(x, axis=0))
-        total = total * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
-    lse = m + tl.log(total)
+        d = x - m
+        e = tl.exp(-tl.abs(tl.where(x == float("-inf"), float("-inf"), d)))  # a masked lane adds exp(-inf) = 0
+        total = tl.where(d > 0, total * e + 1.0, total + e)
+        m = tl.maximum(m, x)
+    m_row = tl.max(m, axis=0)
+    lse = m_row + tl.log(tl.sum(total * tl.exp(m - m_row), axis=0))
     label = tl.load(labels_ptr + row)
     valid = label != -100
     target = tl.load(base + label, mask=valid, other=0.0).to(tl.float32)
@@ -1066,15 +1069,19 @@ def add_into(dst: torch.Tensor, src: torch.Tensor, assign: bool = False) -> torc
 
 
 @_Kernel
-def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride, dy_stride, ASSIGN: tl.constexpr,
-                       TMA: tl.constexpr, REDUCE: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, k_dim, m_dim, x_stride, dy_stride,
+                       ASSIGN: tl.constexpr, TMA: tl.constexpr, HOST: tl.constexpr, REDUCE: tl.constexpr,
+                       BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """grad[e] (+)= x[rows of e]^T @ dy[rows of e] in fp32: one program per (K block, M block) of expert e,
     over its rows in order, the add in the epilogue. TMA (Hopper): x and dy tiles arrive through tensor
     descriptors bounded to the expert's rows (the bulk copy engine zero-fills past them), x transposed
     in shared memory; else through pointers, x's tile loaded transposed. REDUCE (Hopper, not in the
     interpreter): the tile goes out through a descriptor of grad, added in L2 by a bulk reduce
     (cp.reduce.async.bulk), so the program never waits for the old values; each element gets one add
-    a launch, so the sums are the load-add-store's, bit for bit."""
+    a launch, so the sums are the load-add-store's, bit for bit. HOST (with TMA): the descriptors are
+    made once on the host (x_td, dy_td over all rows, g_td) instead of in every program; they are not
+    bounded to the expert, so its whole BN-row tiles go through them and its last partial tile
+    through masked pointer loads."""
     e = tl.program_id(1)
     m_tiles = tl.cdiv(m_dim, BM)
     k0 = tl.program_id(0) // m_tiles * BK
@@ -1084,7 +1091,18 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
     start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
     end = tl.load(ends_ptr + e)
     acc = tl.zeros([BK, BM], dtype=tl.float32)
-    if TMA:
+    if HOST:
+        whole = start + (end - start) // BN * BN
+        for r0 in range(start, whole, BN):
+            acc = tl.dot(x_td.load([r0, k0]).T, dy_td.load([r0, m0]), acc)
+        if whole < end:
+            r = whole + tl.arange(0, BN)
+            x = tl.load(x_ptr + r.to(tl.int64)[None, :] * x_stride + rk[:, None],
+                        mask=(r < end)[None, :] & (rk < k_dim)[:, None], other=0.0)
+            dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * dy_stride + rm[None, :],
+                         mask=(r < end)[:, None] & (rm < m_dim)[None, :], other=0.0)
+            acc = tl.dot(x, dy, acc)
+    elif TMA:
         rows = tl.maximum(end - start, 1)  # a descriptor needs a row; an empty expert's loop never reads it
         x_desc = tl.make_tensor_descriptor(x_ptr + start.to(tl.int64) * x_stride, shape=[rows, k_dim],
                                            strides=[x_stride, 1], block_shape=[BN, BK])
@@ -1101,8 +1119,11 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
                          mask=(r < end)[:, None] & (rm < m_dim)[None, :], other=0.0)
             acc = tl.dot(x, dy, acc)
     if REDUCE:
-        g_desc = tl.make_tensor_descriptor(grad_ptr, shape=[tl.num_programs(1), k_dim, m_dim],
-                                           strides=[k_dim * m_dim, m_dim, 1], block_shape=[1, BK, BM])
+        if HOST:
+            g_desc = g_td
+        else:
+            g_desc = tl.make_tensor_descriptor(grad_ptr, shape=[tl.num_programs(1), k_dim, m_dim],
+                                               strides=[k_dim * m_dim, m_dim, 1], block_shape=[1, BK, BM])
         if ASSIGN:
             g_desc.store([e, k0, m0], tl.reshape(acc, [1, BK, BM]))
         else:
@@ -1122,6 +1143,10 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, k_dim, m_dim, x_stride
 # training (Qwen3 9 layers) they cut stage 3's backward by 9-15 ms a step, and an A/B in one run put them 0.46%
 # ahead in tokens/s with a scatter of 0.3% (2026-12-05; docs/performance.md): the default since.
 WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=32, num_warps=4, num_stages=4)
+# The tensor descriptors made on the host, once a launch, rather than by each of its ~25k programs (a descriptor
+# made on the device is written to global memory and fenced before its first load): the A/B of
+# benchmarks/train_throughput.py --ab wgrad-host.
+WGRAD_HOST_DESCRIPTORS = False
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -1145,25 +1170,35 @@ def _device_descriptors(device: torch.device) -> bool:
 
 
 def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, assign: bool,
-               cfg: dict | None = None, tma: bool | None = None, reduce: bool | None = None) -> torch.Tensor:
+               cfg: dict | None = None, tma: bool | None = None, reduce: bool | None = None,
+               host: bool | None = None) -> torch.Tensor:
     """grad[e] += x_e^T @ dy_e (= with `assign`) in place, for fp32 grad [E, K, M] contiguous and x [N, K],
     dy [N, M] rows grouped by expert (counts [E]): the Triton launch (CUDA, or the interpreter). The
     row offsets are a cumsum on the device (no host sync); an expert with no rows gets zeros (assign).
     `tma`: the tensor-descriptor loads; `reduce`: the epilogue through a descriptor of grad (defaults:
-    where the GPU and the alignment allow them; the interpreter has no bulk reduce)."""
+    where the GPU and the alignment allow them; the interpreter has no bulk reduce); `host` (with tma):
+    those descriptors made on the host (default WGRAD_HOST_DESCRIPTORS)."""
     x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, dy))
     cfg = cfg or WGRAD_INTO_CONFIG
     tma = _tma_ok(x, dy) if tma is None else tma
     reduce = (tma and _tma_ok(grad.view(-1, grad.shape[-1]))) if reduce is None else reduce
-    if tma or reduce:  # device-side descriptors live in a scratch buffer Triton asks for. Its allocator is a context
-        import triton  # variable, so per thread (the backward runs on autograd's): set at every launch
+    host = tma and x.shape[0] > 0 and (WGRAD_HOST_DESCRIPTORS if host is None else host)
+    tds = (None, None, None)
+    if host:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        bk, bm, bn = cfg["BK"], cfg["BM"], cfg["BN"]
+        tds = (TensorDescriptor.from_tensor(x, [bn, bk]), TensorDescriptor.from_tensor(dy, [bn, bm]),
+               TensorDescriptor.from_tensor(grad, [1, bk, bm]) if reduce else None)
+    elif tma or reduce:  # device-side descriptors live in a scratch buffer Triton asks for. Its allocator is a
+        import triton  # context variable, so per thread (the backward runs on autograd's): set at every launch
 
         triton.set_allocator(_scratch)
     experts, k_dim, m_dim = grad.shape
     if grad.numel():
         grid = (_cdiv(k_dim, cfg["BK"]) * _cdiv(m_dim, cfg["BM"]), experts)
-        _wgrad_into_kernel[grid](x, dy, counts.cumsum(0).to(x.device, torch.int32), grad, k_dim, m_dim, x.stride(0),
-                                 dy.stride(0), ASSIGN=assign, TMA=tma, REDUCE=reduce, **cfg)
+        _wgrad_into_kernel[grid](x, dy, counts.cumsum(0).to(x.device, torch.int32), grad, *tds, k_dim, m_dim,
+                                 x.stride(0), dy.stride(0), ASSIGN=assign, TMA=tma, HOST=host, REDUCE=reduce, **cfg)
     return grad
 
 
