@@ -1,6 +1,6 @@
 """Time each Triton kernel of pithtrain.ops.kernels against its plain-PyTorch reference on one GPU.
 
-    python benchmarks/kernels.py [--repeats 30]
+    python benchmarks/kernels.py [--repeats 30] [--only cross_entropy_sum,qk_norm_rope]
 
 Per op: forward, and forward + backward, median milliseconds over the repeats (CUDA events, after
 warm-up, which includes the Triton compiles), and the peak memory the forward + backward allocates.
@@ -11,7 +11,8 @@ in one kernel) against the SwiGLU kernel, then fp8.quantize; `expand` (LocalDisp
 against the Triton gather it replaced, and `weighted_combine` at that size too (the rows outgrow the L2);
 the dispatch's stable sorts with narrow keys (`core.stable_argsort_ids`) against int64's; the routers' `topk_ids`
 against torch.topk; `qk_norm_rope` against what Inductor compiles from its
-reference, at several tiles. One benchmarks/results.jsonl line with every op's figures.
+reference, at several tiles; `cross_entropy_sum ..., lanes` with the forward's other loop (kernels.CE_LANE_STATS
+flipped). `--only a,b` times those ops alone. One benchmarks/results.jsonl line with every op's figures.
 """
 
 from __future__ import annotations
@@ -115,6 +116,19 @@ def cases():
            [torch.randn(8192, 151936, device=dev, dtype=bf16), labels])
     yield ("cross_entropy_sum", "[8192, 201088] bf16", core.cross_entropy_sum, kernels.cross_entropy_sum,
            [torch.randn(8192, 201088, device=dev, dtype=bf16), labels_oss])
+    yield ("cross_entropy_sum", "[8192, 151936] bf16, lanes", core.cross_entropy_sum, lanes(kernels.cross_entropy_sum),
+           [torch.randn(8192, 151936, device=dev, dtype=bf16), labels])
+
+
+def lanes(fn):
+    """fn with kernels.CE_LANE_STATS flipped for the call (the forward's other loop)."""
+    def flipped(*args):
+        kernels.CE_LANE_STATS = not kernels.CE_LANE_STATS
+        try:
+            return fn(*args)
+        finally:
+            kernels.CE_LANE_STATS = not kernels.CE_LANE_STATS
+    return flipped
 
 
 def main():

@@ -129,7 +129,9 @@ def test_triton_expert_bias_add(interpreter, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_cross_entropy(interpreter, dtype):
+@pytest.mark.parametrize("lanes", [False, True])  # kernels.CE_LANE_STATS: the forward's two loops
+def test_triton_cross_entropy(interpreter, monkeypatch, dtype, lanes):
+    monkeypatch.setattr(kernels, "CE_LANE_STATS", lanes)
     torch.manual_seed(9)
     wide = (torch.randn(6, 9100) * 3).to(dtype)
     logits = wide[:, :9000]  # rows strided (not contiguous), more than two vocabulary chunks

@@ -703,24 +703,43 @@ def expert_bias_add(x: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -
 # ---------------------------------------------------------------------------------------------------
 
 
+# The forward's per-lane running max and sum (no reduction inside its loop), against a reduction over the chunk
+# each iteration; not yet timed on a GPU (benchmarks/kernels.py --only cross_entropy --ce-lanes times both).
+CE_LANE_STATS = False
+
+
 @_Kernel
-def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, vocab, row_stride, BLOCK_V: tl.constexpr):
-    """One program per row: log-sum-exp over the vocabulary in chunks, in fp32. Each lane keeps its own
-    running max and sum, so the loop has no reduction across the program (the chunks stream like a copy),
-    and still one exp an element: with d = x - max, e = exp(-|d|) rescales the sum (d > 0) or is the term."""
+def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, vocab, row_stride, LANES: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
+    """One program per row: log-sum-exp over the vocabulary in chunks, in fp32, with online max rescaling.
+    LANES: each lane keeps its own running max and sum, so the loop has no reduction across the program
+    (the chunks stream like a copy), still one exp an element: with d = x - max, e = exp(-|d|) rescales
+    the sum (d > 0) or is the term. Otherwise the chunk's max and sum each iteration."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * row_stride
     cols = tl.arange(0, BLOCK_V)
-    m = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-    total = tl.where(cols < vocab, 1.0, 0.0)
-    for v0 in range(BLOCK_V, vocab, BLOCK_V):
-        x = tl.load(base + v0 + cols, mask=v0 + cols < vocab, other=float("-inf")).to(tl.float32)
-        d = x - m
-        e = tl.exp(-tl.abs(tl.where(x == float("-inf"), float("-inf"), d)))  # a masked lane adds exp(-inf) = 0
-        total = tl.where(d > 0, total * e + 1.0, total + e)
-        m = tl.maximum(m, x)
-    m_row = tl.max(m, axis=0)
-    lse = m_row + tl.log(tl.sum(total * tl.exp(m - m_row), axis=0))
+    x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    if LANES:
+        m = x
+        total = tl.where(cols < vocab, 1.0, 0.0)
+        for v0 in range(BLOCK_V, vocab, BLOCK_V):
+            x = tl.load(base + v0 + cols, mask=v0 + cols < vocab, other=float("-inf")).to(tl.float32)
+            d = x - m
+            e = tl.exp(-tl.abs(tl.where(x == float("-inf"), float("-inf"), d)))  # a -inf logit adds exp(-inf) = 0
+            total = tl.where(d > 0, total * e + 1.0, total + e)
+            m = tl.maximum(m, x)
+        m_row = tl.max(m, axis=0)
+        lse = m_row + tl.log(tl.sum(total * tl.exp(m - m_row), axis=0))
+    else:  # the max shifted by 0 while it is -inf (a chunk of -inf logits): exp(-inf - -inf) would be NaN
+        m = tl.max(x, axis=0)
+        total = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+        for v0 in range(BLOCK_V, vocab, BLOCK_V):
+            x = tl.load(base + v0 + cols, mask=v0 + cols < vocab, other=float("-inf")).to(tl.float32)
+            m_new = tl.maximum(m, tl.max(x, axis=0))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+            m = m_new
+        lse = m + tl.log(total)
     label = tl.load(labels_ptr + row)
     valid = label != -100
     target = tl.load(base + label, mask=valid, other=0.0).to(tl.float32)
@@ -748,7 +767,8 @@ def _ce_fwd(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
     lse = torch.empty_like(losses)
     if rows:
         block_v = min(4096, _pow2(vocab))
-        _ce_fwd_kernel[(rows,)](logits, labels, losses, lse, vocab, logits.stride(0), BLOCK_V=block_v, num_warps=8)
+        _ce_fwd_kernel[(rows,)](logits, labels, losses, lse, vocab, logits.stride(0), LANES=CE_LANE_STATS,
+                                BLOCK_V=block_v, num_warps=8)
     return losses, lse
 
 
