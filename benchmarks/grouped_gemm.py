@@ -8,7 +8,7 @@ same FLOPs. Balanced routing (every expert gets tokens*k/E rows).
 training does it, balanced and skewed routing: torch._grouped_mm + kernels.add_into against the fused
 kernels.wgrad_into (the add in the GEMM's epilogue; grouped_gemm.FUSED_WGRAD): as training runs it (tensor-
 descriptor (TMA) loads, the add a bulk reduce in L2), with the descriptors made on the host or by each program,
-assigning (no old values read), with the epilogue's load-add-store instead, and with plain pointer loads. `--host
+assigning (no old values read), as persistent programs (1 or 2 an SM, looping over the work items), with the epilogue's load-add-store instead, and with plain pointer loads. `--host
 on|off` sets kernels.WGRAD_HOST_DESCRIPTORS for the sweep. Records a line in benchmarks/results.jsonl. `--sweep` also times tiles of the fused
 kernel (both routings, both shapes, `--rounds` passes over the tiles) and records the best over both
 (`sweep_best_both`, for train_throughput.py --wgrad-config).
@@ -60,6 +60,11 @@ def wgrad(args):
                     "fused host descriptors": lambda: kernels.wgrad_into(grad, x, dy, counts, False, host=True),
                     "fused device descriptors": lambda: kernels.wgrad_into(grad, x, dy, counts, False, host=False),
                     "fused assign": lambda: kernels.wgrad_into(grad, x, dy, counts, True),  # no old values read
+                    "fused host persistent 1/SM": lambda: kernels.wgrad_into(grad, x, dy, counts, False, host=True,
+                                                                             per_sm=1),
+                    "fused host persistent 2/SM": lambda: kernels.wgrad_into(grad, x, dy, counts, False, host=True,
+                                                                             per_sm=2),
+                    "fused persistent 2/SM": lambda: kernels.wgrad_into(grad, x, dy, counts, False, host=False, per_sm=2),
                     "fused load-add-store": lambda: kernels.wgrad_into(grad, x, dy, counts, False, reduce=False),
                     "fused pointer loads": lambda: kernels.wgrad_into(grad, x, dy, counts, False, tma=False)}
             ref = kernels.add_into(grad.clone(), grouped_weight_grad(x, dy, counts, args.experts))
@@ -68,7 +73,7 @@ def wgrad(args):
             del ref
             for what, fn in runs.items():
                 t = median_ms(fn, args.repeats)
-                figures[f"{label}_{routing}_{what.replace(' ', '_')}_ms"] = round(t, 4)
+                figures[f"{label}_{routing}_{what.replace(' ', '_').replace('/', '_per_')}_ms"] = round(t, 4)
                 print(f"{label:8s} {routing:8s} [{rows} x {k}]^T [{rows} x {m}] {what:20s} {t:7.3f} ms "
                       f"{flops / t / 1e9:6.0f} TFLOP/s", flush=True)
             print(f"{label:8s} {routing:8s} fused vs cutlass+add_into: relative difference {err:.1e}")

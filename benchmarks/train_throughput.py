@@ -203,14 +203,14 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
 
 ARMS = "ABCDEFG"  # the arms' letters: A as the flags set the switches, then one a flipped switch
 AB_SWITCHES = ("fp8", "fused-proj", "fused-wgrad", "mla-v", "wgrad-config", "triton-adamw", "bf16-activations", "qk-norm-rope",
-               "wgrad-host")
+               "wgrad-host", "wgrad-persistent")
 
 
 def ab_arms(args, parser):
     """--ab: ({switch: what arm A runs}, [(switch, what its arm runs)], the arms' setters, each given the loop's Run).
     Arm A runs every switch as this run's flags set it; each further arm (B, C, ...) flips one switch, the others
-    as in A. wgrad-config: its arm runs --wgrad-config's tiles, A the kernel's default; fp8 (alone): A bf16, B the
-    --fp8 recipe (with --fp8-head as given)."""
+    as in A. wgrad-config: its arm runs --wgrad-config's tiles, A the kernel's default; wgrad-persistent: 2
+    programs an SM against a program a work item; fp8 (alone): A bf16, B the --fp8 recipe (with --fp8-head as given)."""
     from pithtrain.models import deepseek_v2
     from pithtrain.ops import core, fp8, grouped_gemm, kernels
     from pithtrain.train import optim
@@ -233,9 +233,12 @@ def ab_arms(args, parser):
     where = {"fused-proj": (fp8, "FUSED_PROJECTIONS"), "fused-wgrad": (grouped_gemm, "FUSED_WGRAD"),
              "mla-v": (deepseek_v2, "UNPADDED_V"), "wgrad-config": (kernels, "WGRAD_INTO_CONFIG"),
              "triton-adamw": (optim, "TRITON_ADAMW"), "bf16-activations": (core, "ACTIVATIONS_IN_COMPUTE_DTYPE"),
-             "qk-norm-rope": (kernels, "FUSED_QK_NORM_ROPE"), "wgrad-host": (kernels, "WGRAD_HOST_DESCRIPTORS")}
+             "qk-norm-rope": (kernels, "FUSED_QK_NORM_ROPE"), "wgrad-host": (kernels, "WGRAD_HOST_DESCRIPTORS"),
+             "wgrad-persistent": (kernels, "WGRAD_PROGRAMS_PER_SM")}
     a_values = {s: getattr(*where[s]) for s in switches}
     flipped = {s: args.wgrad_config if s == "wgrad-config" else not a_values[s] for s in switches}
+    if "wgrad-persistent" in switches:  # programs an SM: 2 against a program an item, or back
+        flipped["wgrad-persistent"] = None if a_values["wgrad-persistent"] else 2
 
     def setter(flip=None):
         def set_arm(run):
@@ -360,6 +363,10 @@ def main():
                         "experts' weight gradient added into the fp32 .grad in the GEMM (on) or by a pass after it")
     parser.add_argument("--wgrad-config", type=json.loads, help="kernels.WGRAD_INTO_CONFIG for this run, as JSON "
                         "(the tiles of benchmarks/grouped_gemm.py --wgrad --sweep)")
+    parser.add_argument("--wgrad-host", choices=["on", "off"], help="kernels.WGRAD_HOST_DESCRIPTORS for this run "
+                        "(default: the module's): the fused weight gradient's tensor descriptors made on the host")
+    parser.add_argument("--wgrad-per-sm", type=int, help="kernels.WGRAD_PROGRAMS_PER_SM for this run (default: the "
+                        "module's; 0: a program a work item): persistent programs of the fused weight gradient")
     parser.add_argument("--mla-v", default="unpadded", choices=["unpadded", "padded"], help="DeepSeek families: "
                         "MLA's v head (128) handed to SDPA as it is, or padded to q and k's 192 (deepseek_v2.UNPADDED_V)")
     parser.add_argument("--fused-proj", default="on", choices=["on", "off"], help="fp8.FUSED_PROJECTIONS: q, k and "
@@ -370,7 +377,8 @@ def main():
                         "as one Triton pass a parameter (the clip coefficient and the experts' bf16 copy in the pass)")
     parser.add_argument("--ab", metavar="SWITCH[,SWITCH...]", help=f"A/B in one run ({', '.join(AB_SWITCHES)}): "
                         "arm A with the switches as the flags set them, then one arm per switch with it flipped "
-                        "(wgrad-config: --wgrad-config's tiles against the default; fp8, alone: A bf16, B --fp8 "
+                        "(wgrad-config: --wgrad-config's tiles against the default; wgrad-persistent: 2 programs "
+                        "an SM against one an item; fp8, alone: A bf16, B --fp8 "
                         "[--fp8-head]), taking turns step by step; each arm's median after its first two steps and "
                         "its ratio to A in one line. Same process, model and data: drift and call-to-call noise "
                         "cancel, and one compile serves every arm. Without --profile-step the last step of each arm "
@@ -388,6 +396,12 @@ def main():
 
     optim.TRITON_ADAMW = args.triton_adamw == "on"
     core.ACTIVATIONS_IN_COMPUTE_DTYPE = args.bf16_activations == "on"
+    if args.wgrad_host:  # arm A's (an --ab wgrad-host arm flips it)
+        kernels.WGRAD_HOST_DESCRIPTORS = args.wgrad_host == "on"
+    if args.wgrad_per_sm is not None:
+        if args.wgrad_per_sm < 0:
+            parser.error(f"--wgrad-per-sm {args.wgrad_per_sm}: give 0 (a program a work item) or programs an SM (1, 2)")
+        kernels.WGRAD_PROGRAMS_PER_SM = args.wgrad_per_sm or None
     arms = None
     if args.ab is not None:  # an empty --ab is refused there, not taken for none
         arm_a, flips, arms = ab_arms(args, parser)
@@ -436,7 +450,7 @@ def main():
 
     warm = measured(runs_a)
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "wgrad_host": kernels.WGRAD_HOST_DESCRIPTORS, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "wgrad_host": kernels.WGRAD_HOST_DESCRIPTORS, "wgrad_per_sm": kernels.WGRAD_PROGRAMS_PER_SM, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in runs_a) / 2**30,
