@@ -126,9 +126,11 @@ def allocator_max(steps: list[dict]) -> dict:
 def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile: bool = False, accum: int = 1,
                   profile_step: int = 0, trace: str | None = None, fp8: str = "off",
                   optim: str = "adamw", recompute: str = "off", fp8_head: bool = False,
-                  arms=None) -> tuple[list[dict], tuple | None]:
+                  arms=None, drain_steps: bool = False) -> tuple[list[dict], tuple | None]:
     """`arms`: functions of the loop's Run, arm i's called before steps i + 1, i + 1 + n, ... (n arms, taking turns);
-    without a profile_step, the last step of each arm is profiled (stages: {"A": stage ms, "B": ...})."""
+    without a profile_step, the last step of each arm is profiled (stages: {"A": stage ms, "B": ...}).
+    `drain_steps`: each step waits for its optimizer (the loop leaves it running into the next step, whose time then
+    holds it): for arms that change the optimizer, so each arm's time holds its own."""
     from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig
     from pithtrain.train import loop
 
@@ -141,11 +143,16 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
     def step_in_arm(run, step, stop):  # step: 0-based
         arms[step % len(arms)](run)
         if profile_step or step + len(arms) < steps:
-            return plain_step(run, step, stop)
+            out = plain_step(run, step, stop)
+            if drain_steps:
+                loop.drain(run.mesh.device)
+            return out
+        loop.drain(run.mesh.device)  # the profiled step holds its own kernels: none of the last step's optimizer
         profiler = loop.start_profiler(run.mesh.device)
         try:
             return plain_step(run, step, stop)
         finally:
+            loop.drain(run.mesh.device)  # and all of its own (train_step returns with them queued)
             profiler.stop()
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 profiler.export_chrome_trace(f.name)
@@ -381,7 +388,8 @@ def main():
                         "an SM against one an item; fp8, alone: A bf16, B --fp8 "
                         "[--fp8-head]), taking turns step by step; each arm's median after its first two steps and "
                         "its ratio to A in one line. Same process, model and data: drift and call-to-call noise "
-                        "cancel, and one compile serves every arm. Without --profile-step the last step of each arm "
+                        "cancel, and one compile serves every arm (with triton-adamw each step waits for its "
+                        "optimizer; else a step's time holds the step before's). Without --profile-step the last step of each arm "
                         "is profiled (ab_stage_ms) and left out of the medians: 6 steps an arm give each three")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
@@ -434,7 +442,7 @@ def main():
         write_dataset(data, [tokens], cfg.vocab_size, eos_id=None)
         ours, stages, digests = pithtrain_run(cfg, args.seq, args.batch, args.steps, data, args.compile, args.accum,
                                      args.profile_step, args.trace, args.fp8, args.optim, args.recompute,
-                                     args.fp8_head, arms)
+                                     args.fp8_head, arms, drain_steps="triton-adamw" in (args.ab or "").split(","))
     if arms and args.ab != "fp8":
         arms[0](None)  # the switches as arm A (the line's other fields describe arm A)
     import gc

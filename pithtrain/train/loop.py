@@ -181,8 +181,10 @@ def train(
     first_done = None  # (time, step) at the end of this run's first step: the ETA's rate excludes its warm-up
     for step in range(run.start, run.end):
         if t.profile_step and step + 1 == t.profile_step:
+            drain(device)  # the last step's optimizer may still run (train_step): keep it out of this step's trace
             profiler = start_profiler(device)
         if run.capture and step + 1 == run.capture[0] and device.type == "cuda":
+            drain(device)
             torch.cuda.profiler.start()
         if step + 1 == run.memory_step:
             memory = MemoryRecorder(device)
@@ -354,7 +356,9 @@ def resume(config: RunConfig, model, optimizer, mesh: Mesh, found: Path | None, 
 def train_step(run: Run, step: int, stop) -> Stepped:
     """One optimizer step: the global batch's micro-batches forward and backward (the plain loop, or
     the pipeline's schedule), the step's sums reduced over the ranks, grad norm and clipping, the
-    optimizer, the routing-bias update. Ends with the GPU drained (the step's time is measured)."""
+    optimizer, the routing-bias update. Ends with the optimizer's kernels queued, not drained: the host readies
+    the next step (its data, micro-batches and first launches) while they run, so the GPU does not wait for it
+    between steps. The next step's sync of its scalars waits for them: each step's time holds one optimizer."""
     config, mesh = run.config, run.mesh
     t, o, device, model = config.train, config.optim, mesh.device, run.model
     if run.norms:
@@ -416,10 +420,9 @@ def train_step(run: Run, step: int, stop) -> Stepped:
     step_loads = step_expert_loads(run.engines) if biases or mesh.ep > 1 else {}  # summed once, for both
     update_routing_biases(biases, step_loads, mesh, config.model)
     balance_ep = ep_load_balance(step_loads, mesh) if mesh.ep > 1 else None
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        if run.capture and step + 1 == run.capture[1]:
-            torch.cuda.profiler.stop()
+    if run.capture and step + 1 == run.capture[1] and device.type == "cuda":
+        drain(device)  # the capture holds the whole step
+        torch.cuda.profiler.stop()
     metrics = StepSums.metrics(aux_sums, n_micro_global)
     if depths:  # the mean token cross-entropy over every depth's labels
         metrics["mtp_loss"] = mtp_sum / max(n_mtp_label, 1)
@@ -434,6 +437,7 @@ def write_instruments(run: Run, step: int, memory, profiler) -> None:
         if run.echo:
             print(f"memory of step {step + 1} written to {path}", flush=True)
     if profiler is not None:
+        drain(run.mesh.device)  # the step's queued kernels (its optimizer) into the trace
         profiler.stop()
         path = run.out_dir / "profile" / f"rank{run.mesh.rank}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -728,6 +732,12 @@ def cuda_profiler_steps() -> tuple[int, int] | None:
     if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
         raise UserError(f"PITHTRAIN_PROFILE_STEPS={spec!r}: expected FIRST:LAST with 1 <= FIRST <= LAST, e.g. 3:4")
     return int(first), int(last)
+
+
+def drain(device: torch.device) -> None:
+    """Wait for the GPU's queued work (train_step leaves its optimizer running)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def start_profiler(device: torch.device):
