@@ -1,34 +1,36 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites, most needed first: a session's device time (30
-# minutes, the machine's start included) holds some seven of them. Runs 1-6 are new (8e30237 and after, not yet
-# run): 1 the GPU checks of the weight gradient's host descriptors and persistent programs and of the cross-entropy
-# forward's per-lane loop; 2-3 their kernel timings (and qk_norm_rope's tiles); 4 plain bf16 at 9 layers since
-# train_step leaves its optimizer running into the next step (the 60% MFU reading; compare line 130: 78,657 tok/s,
-# the GPU idle 13-24 ms a step outside the profiled window then); 5 the two weight-gradient switches against the
-# default in one run (set A to what run 2 favours); 6 FP8 + FP8 head against bf16 (the 1.15x). Runs 7-15 ran on
-# 2026-12-05 (lines 117-131) but 14-15 and the rest have not run since 2026-12-04: 7 the new GPU checks of then;
-# 8 the DeepSeek-V3-width peer (carry .peers) and 9 the two profiles by kernel category; 10 MLA's v unpadded against
-# padded; 11-12 the switches at 9 layers, several arms to a run (one compile serves them all); 13 plain bf16 with
-# stage_ms and its profile digest; 14 the kernels; 15 MLA's SDPA backends; 16 MLA at DeepSeek-V2-Lite width; 17 the
-# Qwen3 peer at its deepest; 18 MLA with documents; 19-20 FP8 alone and the `rowwise` recipe; 21 GPT-OSS-20B at 6
-# layers; then the memory estimate's six shapes (Qwen3 width 4 layers at micro-batch 2 and 4, 8 and 9 layers at 4,
-# DeepSeek-V2-Lite and GPT-OSS-20B 4 layers at 2: refit tools/memory's activation terms to their peaks, then
-# tests/test_skills.py's), Muon, the GPU tests. Judge an A/B line with the ab-test-switch skill (`ab_switch.py
-# --from-results FILE --line N --arm B|C|D`). Each run appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS
-# and PITHTRAIN_COMMIT redirect and stamp it on a machine without .git).
+# minutes, the machine's start included) holds some seven of them. Runs 1-7 are new (8e30237 and after, not yet
+# run): 1 the GPU checks of the weight gradient's host descriptors and persistent programs, of the cross-entropy
+# forward's per-lane loop and of the FP8 head's gradient copy; 2-3 their kernel timings (and qk_norm_rope's tiles);
+# 4 plain bf16 at 9 layers since train_step leaves its optimizer running into the next step (the 60% MFU reading;
+# compare line 130: 78,657 tok/s, and the GPU idle 13-24 ms a step outside the profiled window then); 5 the two
+# weight-gradient switches against the default in one run (set A to what run 2 favours); 6 FP8 + FP8 head against
+# bf16 (the 1.15x); 7 the FP8 head's dy copy from the cross-entropy backward against quantizing dy. Runs 8-16 ran on
+# 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 8 the GPU checks of then; 9 the DeepSeek-V3-width peer
+# (carry .peers) and 10 the two profiles by kernel category; 11 MLA's v unpadded against padded; 12-13 the switches
+# at 9 layers, several arms to a run (one compile serves them all); 14 plain bf16 with stage_ms and its profile
+# digest; 15 the kernels; 16 MLA's SDPA backends; 17 MLA at DeepSeek-V2-Lite width; 18 the Qwen3 peer at its
+# deepest; 19 MLA with documents; 20-21 FP8 alone and the `rowwise` recipe; 22 GPT-OSS-20B at 6 layers; then the
+# memory estimate's six shapes (Qwen3 width 4 layers at micro-batch 2 and 4, 8 and 9 layers at 4, DeepSeek-V2-Lite
+# and GPT-OSS-20B 4 layers at 2: refit tools/memory's activation terms to their peaks, then tests/test_skills.py's),
+# Muon, the GPU tests. Judge an A/B line with the ab-test-switch skill (`ab_switch.py --from-results FILE --line N
+# --arm B|C|D`). Each run appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT
+# redirect and stamp it on a machine without .git).
 # One device call runs at most 10 minutes: split the plan over calls with FIRST and LAST (1-based run numbers),
-# about two 9-layer runs a call (e.g. 1 3, then 4 5, then 6, then 8 9 carrying .peers, ...):
+# about two 9-layer runs a call (e.g. 1 3, then 4 5, then 6 7, then 9 10 carrying .peers, ...):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
-    "python -m pytest -q tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled"   # host descriptors, persistent programs, the per-lane CE loop
+    "python -m pytest -q tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled tests/gpu/test_fp8_gpu.py::test_fp8_head_takes_the_cross_entropy_backwards_fp8_gradient"   # host descriptors, persistent programs, the per-lane CE loop, the FP8 head's dy
     "python benchmarks/grouped_gemm.py --wgrad --tokens 16384 --repeats 20"        # 32: the weight gradient's variants at Qwen3 width (cutlass alone: the floor)
     "python benchmarks/kernels.py --repeats 20 --only cross_entropy_sum,qk_norm_rope"   # CE_LANE_STATS against the chunk loop; qk_norm_rope's tiles (set QK_NORM_ROPE_TILES)
     "$T --layers 9 --steps 7 --batch 4 --accum 8"                                   # 32: >= 60% MFU, with the step boundary overlapped
     "$T --layers 9 --steps 18 --batch 4 --accum 8 --wgrad-host on --wgrad-per-sm 2 --ab wgrad-host,wgrad-persistent"   # 32: A both on (a 60% reading), B host off, C a program an item
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad"   # 32: the head's dy in FP8 from the CE backward against quantizing it
     "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer tests/gpu/test_kernels_gpu.py::test_permute_unpermute tests/gpu/test_kernels_gpu.py::test_local_dispatch_round_trip_on_cuda_matches_the_cpu tests/gpu/test_fp8_gpu.py::test_stacked_projections_compiled_match_the_linears_alone tests/gpu/test_kernels_gpu.py::test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled"   # the new GPU checks, BN=32 tiles, expand and the per-token combine backward included
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x; A bf16, B FP8 + FP8 head, in one run
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers

@@ -511,3 +511,54 @@ def test_triton_topk_ids_is_torch_topk(interpreter, monkeypatch):
     assert all(len(set(row)) == 4 for row in kernels._topk_ids(x, 4).tolist())
     torch.library.opcheck(torch.ops.pithtrain.topk_ids, (torch.randn(9, 32), 4), test_utils=("test_schema", "test_faketensor"))
 
+
+
+def test_fp8_head_input_gradient_quantized_by_the_cross_entropy_backward(interpreter, monkeypatch):
+    """train.fp8_head: kernels.cross_entropy_sum of the FP8 head's logits writes d logits' row-wise FP8 copy in its
+    backward (the row amax from the forward: the largest other probability or 1 - p_label, times |grad|), and the
+    head's input gradient takes it. The kernels against quantize_reference of the fp32 d logits, bit for bit (q into
+    fp32 as in the cases above: the interpreter rounds to FP8 its own way), with an ignored row and a row whose label
+    is its argmax, in both forward loops; through the head, its gradients against the path that quantizes d logits
+    itself (the slot dropped): the copy is taken, then let go."""
+    from pithtrain.ops import grouped_gemm
+
+    torch.manual_seed(12)
+    rows, hidden, vocab = 6, 32, 4512  # multiples of 16 (the FP8 GEMMs); more than one chunk each way
+    logits = torch.randn(rows, vocab) * 3
+    labels = torch.randint(0, vocab, (rows,))
+    labels[2], labels[4] = -100, logits[4].argmax()  # an ignored row; a row whose amax is its second probability
+    p = torch.softmax(logits.double(), -1)
+    d64 = 0.3 * (p - torch.nn.functional.one_hot(labels.clamp(min=0), vocab))
+    d64[2] = 0
+    for lanes in (False, True):
+        monkeypatch.setattr(kernels, "CE_LANE_STATS", lanes)
+        losses, lse, amax = kernels._ce_fwd_amax(logits, labels)
+        assert torch.allclose(amax.double() * 0.3, d64.abs().amax(-1), rtol=1e-6, atol=0) and amax[2] == 0
+        d, q, scale = logits.clone(), torch.empty(rows, vocab), torch.empty(rows)
+        kernels._launch_ce_bwd(d, labels, lse, torch.tensor([0.3]), d, (amax, q, scale))
+        want_q, want_s = fp8.quantize_reference(d)  # fp32 logits: d is the kernel's fp32 d
+        assert torch.equal(scale, want_s) and torch.equal(q.to(fp8.FP8).view(torch.uint8), want_q.view(torch.uint8))
+        assert torch.allclose(d.double(), d64, atol=1e-6)
+    monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    w = torch.nn.Parameter(torch.randn(vocab, hidden) * 0.2)
+    x = torch.randn(rows, hidden)
+    launches, launch = [], kernels._launch_ce_bwd
+    monkeypatch.setattr(kernels, "_launch_ce_bwd", lambda *a: launches.append(len(a)) or launch(*a))
+    fp8.cached_param(w)  # the weight's FP8 layouts first: the spy below sees activations only
+    quantized, quantize = [], fp8.quantize
+    monkeypatch.setattr(fp8, "quantize", lambda t: quantized.append(t.shape[-1]) or quantize(t))
+    got = []
+    for fused in (True, False):
+        w.grad = None
+        xs = x.clone().requires_grad_()
+        logits = grouped_gemm.head_logits(xs, w, fp8_head=True)
+        slot = logits._fp8_dgrad
+        if not fused:
+            del logits._fp8_dgrad
+        (kernels.cross_entropy_sum(logits, labels, grad_in_place=True) * 0.3).backward()
+        assert slot == {}  # taken and let go (or never filled)
+        got.append((xs.grad, w.grad.clone()))
+    assert launches == [6, 5]  # with the FP8 copy's outputs, then without
+    assert quantized == [hidden, hidden, vocab]  # x twice; d logits only where the slot was dropped
+    (dx, dw), (dx_plain, dw_plain) = got
+    assert torch.equal(dw, dw_plain) and (dx - dx_plain).norm() < 2e-2 * dx_plain.norm()

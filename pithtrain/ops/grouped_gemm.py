@@ -127,7 +127,10 @@ def head_logits(x: torch.Tensor, param: torch.Tensor, fp8_head: bool = False) ->
     trains = param.requires_grad and torch.is_grad_enabled() and not isinstance(param, DTensor)
     if fp8_head and trains and x.shape[-1] % 16 == 0 and param.shape[0] % 16 == 0:  # _scaled_mm's contractions
         w = fp8.cached_param(param)
-        return _FP8HeadLinear.apply(x, param, *w.fwd, *w.bwd, dtype)
+        slot = {}  # kernels.cross_entropy_sum of these logits puts their gradient's FP8 copy here (q, s, ptr)
+        logits = _FP8HeadLinear.apply(x, param, *w.fwd, *w.bwd, dtype, slot)
+        logits._fp8_dgrad = slot
+        return logits
     if not trains or dtype == param.dtype or param.dtype != torch.float32:
         return F.linear(x, param)
     key = (id(param), param._version, param.data_ptr(), dtype)
@@ -177,34 +180,41 @@ class Embedding(nn.Embedding):
         return super().forward(ids)
 
 
-HEAD_DGRAD_ROWS = 4096  # tokens per FP8 input-gradient GEMM of the head: 0.6 GB of FP8 at 151,936 words
+HEAD_DGRAD_ROWS = 4096  # tokens per FP8 input-gradient GEMM of the head when it quantizes dy: 0.6 GB of FP8 at 151,936 words
 
 
 class _FP8HeadLinear(torch.autograd.Function):
     """logits = x @ w^T with x (per token) and w (per vocabulary row) in FP8, and dx = dy @ w with dy
     (per token) and w (per hidden column) in FP8: ops/fp8.py's recipe; the weight gradient
     dy^T @ x in the compute dtype from the saved x (head_weight_grad, as the bf16 head's). The logits
-    leave in the compute dtype."""
+    leave in the compute dtype. `dgrad_slot`: where kernels.cross_entropy_sum leaves dy's FP8 copy, made by
+    its backward as it wrote dy over the logits; taken when dy is that very gradient (its memory), else dy
+    is quantized here."""
 
     @staticmethod
-    def forward(ctx, x, param, wf_q, wf_s, wb_q, wb_s, dtype):
+    def forward(ctx, x, param, wf_q, wf_s, wb_q, wb_s, dtype, dgrad_slot):
         x2 = x.reshape(-1, x.shape[-1])
         logits = fp8.scaled_mm(*fp8.quantize(x2), wf_q, wf_s, dtype)
         ctx.save_for_backward(x2.to(dtype), wb_q, wb_s)
-        ctx.param, ctx.x_shape, ctx.x_dtype = param, x.shape, x.dtype
+        ctx.param, ctx.x_shape, ctx.x_dtype, ctx.slot = param, x.shape, x.dtype, dgrad_slot
         return logits.view(*x.shape[:-1], logits.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
         xc, wb_q, wb_s = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
+        made = ctx.slot.copy()
+        ctx.slot.clear()
         dx = dw = None
-        if ctx.needs_input_grad[0]:  # by row blocks: dy's FP8 copy stays small (the step's memory peak is here)
+        if ctx.needs_input_grad[0] and made.get("ptr") == dy2.data_ptr() and made["q"].shape == dy2.shape:
+            dx = fp8.scaled_mm(made["q"], made["s"], wb_q, wb_s, xc.dtype).view(ctx.x_shape).to(ctx.x_dtype)
+        elif ctx.needs_input_grad[0]:  # by row blocks: dy's FP8 copy stays small (the step's memory peak is here)
             dx = torch.cat([fp8.scaled_mm(*fp8.quantize(block), wb_q, wb_s, xc.dtype)
                             for block in dy2.split(HEAD_DGRAD_ROWS)]).view(ctx.x_shape).to(ctx.x_dtype)
+        del made
         if ctx.needs_input_grad[1]:
             dw = head_weight_grad(ctx.param, dy2.to(xc.dtype), xc)
-        return dx, dw, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 def grouped_weight_grad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor,

@@ -709,16 +709,20 @@ CE_LANE_STATS = False
 
 
 @_Kernel
-def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, vocab, row_stride, LANES: tl.constexpr,
-                   BLOCK_V: tl.constexpr):
+def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, amax_ptr, vocab, row_stride, LANES: tl.constexpr,
+                   AMAX: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per row: log-sum-exp over the vocabulary in chunks, in fp32, with online max rescaling.
     LANES: each lane keeps its own running max and sum, so the loop has no reduction across the program
     (the chunks stream like a copy), still one exp an element: with d = x - max, e = exp(-|d|) rescales
-    the sum (d > 0) or is the term. Otherwise the chunk's max and sum each iteration."""
+    the sum (d > 0) or is the term. Otherwise the chunk's max and sum each iteration. AMAX: also the
+    row's largest |softmax - onehot(label)|, max(p of the largest other logit, 1 - p_label) (0 on an
+    ignored row): the backward's row scale for an FP8 copy of d logits, known before any of it is written."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * row_stride
     cols = tl.arange(0, BLOCK_V)
+    label = tl.load(labels_ptr + row)
     x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
+    other = tl.where(cols == label, float("-inf"), x)  # AMAX: the largest logit but the label's
     if LANES:
         m = x
         total = tl.where(cols < vocab, 1.0, 0.0)
@@ -728,6 +732,8 @@ def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, vocab, row_stride,
             e = tl.exp(-tl.abs(tl.where(x == float("-inf"), float("-inf"), d)))  # a -inf logit adds exp(-inf) = 0
             total = tl.where(d > 0, total * e + 1.0, total + e)
             m = tl.maximum(m, x)
+            if AMAX:
+                other = tl.maximum(other, tl.where(v0 + cols == label, float("-inf"), x))
         m_row = tl.max(m, axis=0)
         lse = m_row + tl.log(tl.sum(total * tl.exp(m - m_row), axis=0))
     else:  # the max shifted by 0 while it is -inf (a chunk of -inf logits): exp(-inf - -inf) would be NaN
@@ -739,18 +745,24 @@ def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, vocab, row_stride,
             shift = tl.where(m_new == float("-inf"), 0.0, m_new)
             total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
             m = m_new
+            if AMAX:
+                other = tl.maximum(other, tl.where(v0 + cols == label, float("-inf"), x))
         lse = m + tl.log(total)
-    label = tl.load(labels_ptr + row)
     valid = label != -100
     target = tl.load(base + label, mask=valid, other=0.0).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - target, 0.0))
     tl.store(lse_ptr + row, lse)
+    if AMAX:  # the backward's exp(x - lse) and exp(target - lse) - 1, so its |d| peaks at exactly this (times |grad|)
+        peak = tl.maximum(tl.exp(tl.max(other, axis=0) - lse), 1.0 - tl.exp(target - lse))
+        tl.store(amax_ptr + row, tl.where(valid, peak, 0.0))
 
 
 @_Kernel
-def _ce_bwd_kernel(logits_ptr, labels_ptr, lse_ptr, grad_ptr, dlogits_ptr, vocab, row_stride,
-                   BLOCK_V: tl.constexpr):
-    """d logits = grad * (softmax - onehot(label)), zero on ignored rows; each program owns its chunk."""
+def _ce_bwd_kernel(logits_ptr, labels_ptr, lse_ptr, grad_ptr, dlogits_ptr, amax_ptr, q_ptr, s_ptr, vocab, row_stride,
+                   FP8: tl.constexpr, BLOCK_V: tl.constexpr):
+    """d logits = grad * (softmax - onehot(label)), zero on ignored rows; each program owns its chunk.
+    FP8: also d's row-wise FP8 copy (fp8.quantize_reference of the fp32 d: the row's amax from the forward,
+    amax_ptr, times |grad|), q [rows, vocab] and s [rows], so no pass reads d logits back to quantize them."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     label = tl.load(labels_ptr + row)
@@ -758,6 +770,12 @@ def _ce_bwd_kernel(logits_ptr, labels_ptr, lse_ptr, grad_ptr, dlogits_ptr, vocab
     x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < vocab, other=0.0).to(tl.float32)
     d = (tl.exp(x - tl.load(lse_ptr + row)) - tl.where(cols == label, 1.0, 0.0)) * scale
     tl.store(dlogits_ptr + row.to(tl.int64) * vocab + cols, d.to(dlogits_ptr.dtype.element_ty), mask=cols < vocab)
+    if FP8:
+        s = tl.math.div_rn(tl.maximum(tl.load(amax_ptr + row) * tl.abs(scale), 1e-12), 448.0)
+        inv = tl.math.div_rn(1.0, s)
+        tl.store(q_ptr + row.to(tl.int64) * vocab + cols, tl.clamp(d * inv, -448.0, 448.0).to(q_ptr.dtype.element_ty),
+                 mask=cols < vocab)
+        tl.store(s_ptr + row, s, mask=tl.program_id(1) == 0)
 
 
 @torch.library.custom_op("pithtrain::cross_entropy_fwd", mutates_args=())
@@ -767,8 +785,8 @@ def _ce_fwd(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, t
     lse = torch.empty_like(losses)
     if rows:
         block_v = min(4096, _pow2(vocab))
-        _ce_fwd_kernel[(rows,)](logits, labels, losses, lse, vocab, logits.stride(0), LANES=CE_LANE_STATS,
-                                BLOCK_V=block_v, num_warps=8)
+        _ce_fwd_kernel[(rows,)](logits, labels, losses, lse, lse, vocab, logits.stride(0), LANES=CE_LANE_STATS,
+                                AMAX=False, BLOCK_V=block_v, num_warps=8)
     return losses, lse
 
 
@@ -778,12 +796,15 @@ def _(logits, labels):
     return losses, torch.empty_like(losses)
 
 
-def _launch_ce_bwd(logits, labels, lse, grad, dlogits) -> None:
+def _launch_ce_bwd(logits, labels, lse, grad, dlogits, fp8_out=None) -> None:
+    """fp8_out: (row amax from the forward, q, s) for the FP8 copy of d logits too."""
     rows, vocab = logits.shape
     if logits.numel():
         block_v = min(2048, _pow2(vocab))
-        _ce_bwd_kernel[(rows, _cdiv(vocab, block_v))](logits, labels, lse, grad, dlogits, vocab, logits.stride(0),
-                                                      BLOCK_V=block_v, num_warps=8)
+        amax, q, s = fp8_out or (lse, lse, lse)
+        _ce_bwd_kernel[(rows, _cdiv(vocab, block_v))](logits, labels, lse, grad, dlogits, amax, q, s, vocab,
+                                                      logits.stride(0), FP8=fp8_out is not None, BLOCK_V=block_v,
+                                                      num_warps=8)
 
 
 @torch.library.custom_op("pithtrain::cross_entropy_bwd", mutates_args=())
@@ -804,25 +825,52 @@ def _ce_bwd_in_place(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tens
     _launch_ce_bwd(logits, labels, lse, grad, logits)
 
 
+# The FP8 head's input gradient from an FP8 copy the cross-entropy backward writes (2.5 GB more at the step's memory
+# peak at 16k tokens of Qwen3's vocabulary) rather than by quantizing d logits, two more reads of them: the A/B of
+# benchmarks/train_throughput.py --fp8 ... --fp8-head --ab ce-fp8-grad.
+CE_FP8_GRAD = True
+
+
+def _ce_fwd_amax(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """_ce_fwd and each row's amax of |softmax - onehot| (eager: the FP8 head's path, never compiled)."""
+    losses = x.new_empty(x.shape[0], dtype=torch.float32)
+    lse, amax = torch.empty_like(losses), torch.empty_like(losses)
+    if x.shape[0]:
+        _ce_fwd_kernel[(x.shape[0],)](x, y, losses, lse, amax, x.shape[1], x.stride(0), LANES=CE_LANE_STATS,
+                                      AMAX=True, BLOCK_V=min(4096, _pow2(x.shape[1])), num_warps=8)
+    return losses, lse, amax
+
+
 class _CrossEntropySum(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, labels, grad_in_place=False):
+    def forward(ctx, logits, labels, grad_in_place=False, fp8_grad=None):
         x = logits.flatten(0, -2)
         dense = x.stride(-1) == 1 and (not grad_in_place or x.stride(0) == x.shape[-1])  # in place: d logits' layout
         x = x if dense else x.contiguous()
         y = labels.flatten().contiguous()
-        losses, lse = _ce_fwd(x, y)
-        ctx.save_for_backward(x, y, lse)
+        ctx.fp8_grad = fp8_grad if grad_in_place and dense else None
+        if ctx.fp8_grad is None:
+            losses, lse = _ce_fwd(x, y)
+            ctx.save_for_backward(x, y, lse)
+        else:
+            losses, lse, amax = _ce_fwd_amax(x, y)
+            ctx.save_for_backward(x, y, lse, amax)
         ctx.shape, ctx.in_place = logits.shape, grad_in_place
         return losses.sum()  # a fixed-shape reduction: deterministic
 
     @staticmethod
     def backward(ctx, grad):
-        x, y, lse = ctx.saved_tensors
+        x, y, lse, *amax = ctx.saved_tensors
         if not ctx.in_place:
-            return _ce_bwd(x, y, lse, grad.float().reshape(1)).view(ctx.shape), None, None
-        _ce_bwd_in_place(x, y, lse, grad.float().reshape(1))
-        return x.view(ctx.shape), None, None
+            return _ce_bwd(x, y, lse, grad.float().reshape(1)).view(ctx.shape), None, None, None
+        if ctx.fp8_grad is None:
+            _ce_bwd_in_place(x, y, lse, grad.float().reshape(1))
+        else:  # d logits in place and their FP8 copy, handed to the FP8 head's backward through its slot
+            q = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+            s = x.new_empty(x.shape[0], dtype=torch.float32)
+            _launch_ce_bwd(x, y, lse, grad.float().reshape(1), x, (amax[0], q, s))
+            ctx.fp8_grad.update(q=q, s=s, ptr=x.data_ptr())
+        return x.view(ctx.shape), None, None, None
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, grad_in_place: bool = False) -> torch.Tensor:
@@ -830,9 +878,12 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, grad_in_place:
     grad_in_place (Triton path): the backward writes d logits over the logits' own memory rather than a
     new tensor of their size, for a caller that never reads the logits after the backward (the training
     loop: at the LM head the step's memory peak is logits plus their gradient, 5 GB each at 16k tokens
-    of Qwen3's vocabulary)."""
+    of Qwen3's vocabulary). Logits from the FP8 head (grouped_gemm.head_logits, train.fp8_head) carry a
+    slot, `_fp8_dgrad`: the backward also writes d logits' row-wise FP8 copy into it for the head's input
+    gradient, which would otherwise read d logits twice more to quantize them."""
     if use_triton(logits):
-        return _CrossEntropySum.apply(logits, labels, grad_in_place)
+        slot = getattr(logits, "_fp8_dgrad", None) if CE_FP8_GRAD else None
+        return _CrossEntropySum.apply(logits, labels, grad_in_place, slot)
     return core.cross_entropy_sum(logits, labels)
 
 

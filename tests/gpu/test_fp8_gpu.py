@@ -196,6 +196,37 @@ def test_fp8_head_matches_reference():
     assert outs["gpu"][2].dtype == torch.float32
 
 
+def test_fp8_head_takes_the_cross_entropy_backwards_fp8_gradient(monkeypatch):
+    """The FP8 head under kernels.cross_entropy_sum (in place, as training runs it): the cross-entropy backward writes
+    d logits' FP8 copy and the head's input gradient takes it, against the head quantizing bf16 d logits itself (the
+    slot dropped): the weight gradients equal, the input gradients within 2e-2 (the copy rounds the fp32 d, not its
+    bf16 rounding); the copy's q and s against quantize of d logits, q one e4m3 step at most."""
+    from pithtrain.ops import kernels
+
+    gen = torch.Generator().manual_seed(22)
+    w = torch.nn.Parameter((torch.randn(8192, 256, generator=gen) * 0.05).cuda())
+    x = torch.randn(2, 300, 256, generator=gen).to(BF16).cuda()
+    labels = torch.randint(0, 8192, (2, 300), generator=gen).cuda()
+    labels[0, :7] = -100
+    got, copies, launch = [], [], kernels._launch_ce_bwd
+    monkeypatch.setattr(kernels, "_launch_ce_bwd", lambda *a: copies.append(a[5:]) or launch(*a))
+    for fused in (True, False):
+        w.grad = None
+        xi = x.clone().requires_grad_()
+        logits = grouped_gemm.head_logits(xi, w, fp8_head=True)
+        slot = logits._fp8_dgrad
+        if not fused:
+            del logits._fp8_dgrad
+        (kernels.cross_entropy_sum(logits, labels, grad_in_place=True) * 1e-3).backward()
+        got.append((xi.grad, w.grad.clone(), logits.detach().clone()))
+        assert slot == {}  # taken and let go (or never filled)
+    (dx, dw, d), (dx_plain, dw_plain, _) = got
+    assert [len(c) for c in copies] == [1, 0] and torch.equal(dw, dw_plain) and rel(dx, dx_plain) < 2e-2
+    amax, q_made, s_made = copies[0][0]
+    q, s = fp8.quantize(d.reshape(-1, 8192))  # d logits in bf16, written over the logits
+    assert rel(s_made, s) < 1e-2 and (q_made.float() - q.float()).abs().max() <= 32
+
+
 @pytest.mark.parametrize("inter, clamp", [(768, None), (2880, (1.702, 7.0))])
 def test_activation_quantization_in_the_activation_kernel(inter, clamp):
     """fp8.glu_quantized on CUDA (one kernel: the activation and its row-wise FP8) against the separate
