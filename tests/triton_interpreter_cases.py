@@ -212,7 +212,7 @@ def test_triton_glu_quantized(interpreter, dtype):
     """fp8._glu_quant_kernel: the activation exactly as kernels._glu_fwd makes it, and its row-wise FP8
     exactly as quantize_reference makes it from the stored values (q into fp32, as above); plain and
     clamped, a partial row block and rows padded to the column block. Through fp8.glu_quantized's
-    autograd function: h's gradient is kernels._GLU's."""
+    autograd function: h's gradient is kernels._GLU's. The backward's kernel with d h's FP8 copy likewise."""
     torch.manual_seed(11)
     rows, inter = 7, 24
     x = (torch.randn(rows, 2 * inter) * 3).to(dtype)
@@ -230,6 +230,19 @@ def test_triton_glu_quantized(interpreter, dtype):
         (dx,) = torch.autograd.grad(a, x, dy)
         (want,) = torch.autograd.grad(kernels._GLU.apply(x, alpha, limit, clamped), x, dy)
         assert torch.equal(dx, want)
+        x = x.detach()
+        # the backward's kernel with d gate_up's FP8 copy (fp8.GLU_FP8_GRAD): the same d gate_up, and the copy
+        # exactly as quantize_reference makes it from the stored values; through the autograd function, into a slot
+        q_bwd = torch.empty(rows, 2 * inter)
+        dh, s_bwd = kernels.glu_bwd_quantized(x, dy, alpha, limit, clamped, q_bwd)
+        assert torch.equal(dh, want)
+        ref_q, ref_s = fp8.quantize_reference(dh)
+        assert torch.equal(s_bwd, ref_s)
+        assert torch.equal(q_bwd.to(fp8.FP8).view(torch.uint8), ref_q.view(torch.uint8))
+        slot = {}
+        a, _, _ = fp8._GLUQuantized.apply(x.requires_grad_(), alpha, limit, clamped, slot)
+        (dx,) = torch.autograd.grad(a, x, dy)
+        assert torch.equal(dx, want) and slot["ptr"] == dx.data_ptr() and torch.equal(slot["s"], ref_s)
         x = x.detach()
 
 
@@ -561,4 +574,38 @@ def test_fp8_head_input_gradient_quantized_by_the_cross_entropy_backward(interpr
     assert launches == [6, 5]  # with the FP8 copy's outputs, then without
     assert quantized == [hidden, hidden, vocab]  # x twice; d logits only where the slot was dropped
     (dx, dw), (dx_plain, dw_plain) = got
+    assert torch.equal(dw, dw_plain) and (dx - dx_plain).norm() < 2e-2 * dx_plain.norm()
+
+
+def test_fp8_gate_up_input_gradient_quantized_by_the_activation_backward(interpreter, monkeypatch):
+    """FP8 experts: the gate/up GEMM's output carries a slot; fp8.glu_quantized's backward kernel writes d gate_up's
+    FP8 copy into it, and the gate/up GEMM's input gradient takes it rather than quantizing d gate_up again. Against
+    fp8.GLU_FP8_GRAD off (the quantize pass): the same input and weight gradients (the copy is quantize's, up to the
+    interpreter's own FP8 rounding), one quantize of a [N, 2I] tensor fewer, the slot let go."""
+    from pithtrain.ops import grouped_gemm
+
+    inter, hidden = 24, 32
+    monkeypatch.setattr(fp8, "use_triton", lambda t: t.dim() == 2 and t.shape[-1] == 2 * inter)  # the activation only
+    quantized, quantize = [], fp8.quantize
+    monkeypatch.setattr(fp8, "quantize", lambda t: quantized.append(t.shape[-1]) or quantize(t))
+    torch.manual_seed(13)
+    counts = torch.tensor([7, 0, 13])
+    experts = torch.nn.Module()
+    experts.fp8 = "rowwise_bf16_wgrad"
+    experts.gate_up = torch.nn.Parameter(torch.randn(3, hidden, 2 * inter) * 0.2)
+    experts.down = torch.nn.Parameter(torch.randn(3, inter, hidden) * 0.2)
+    x0, dy = torch.randn(20, hidden), torch.randn(20, hidden)
+    got = []
+    for fused in (True, False):
+        monkeypatch.setattr(fp8, "GLU_FP8_GRAD", fused)
+        experts.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        h = grouped_gemm.expert_mm(x, experts, "gate_up", counts, torch.float32)
+        slot = h._fp8_dgrad
+        quantized.clear()
+        grouped_gemm.activation_mm(h, experts, counts, torch.float32).backward(dy)
+        assert slot == {}
+        got.append((x.grad, experts.gate_up.grad, [n for n in quantized if n == 2 * inter]))
+    (dx, dw, q_fused), (dx_plain, dw_plain, q_plain) = got
+    assert q_fused == [] and q_plain == [2 * inter]
     assert torch.equal(dw, dw_plain) and (dx - dx_plain).norm() < 2e-2 * dx_plain.norm()

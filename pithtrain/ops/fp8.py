@@ -495,28 +495,43 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _GLUQuantized(torch.autograd.Function):
-    """kernels._GLU with the activation's FP8 copy as two more outputs (not differentiable)."""
+    """kernels._GLU with the activation's FP8 copy as two more outputs (not differentiable). `dgrad_slot`
+    (gate_up's, from grouped_gemm.fp8_expert_mm): the backward also writes d gate_up's row-wise FP8 copy
+    there, made as d gate_up is stored, for the gate/up GEMM's input gradient."""
 
     @staticmethod
-    def forward(ctx, gate_up, alpha: float, limit: float, clamped: bool):
+    def forward(ctx, gate_up, alpha: float, limit: float, clamped: bool, dgrad_slot=None):
         x = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
         out, q, s = _glu_quantize_cuda(x, alpha, limit, clamped)
         ctx.save_for_backward(x)
-        ctx.args = (alpha, limit, clamped)
+        ctx.args, ctx.slot = (alpha, limit, clamped), dgrad_slot
         ctx.mark_non_differentiable(q, s)
         return out, q, s
 
     @staticmethod
     def backward(ctx, grad, _grad_q, _grad_s):
         (x,) = ctx.saved_tensors
-        return _glu_bwd(x, grad.reshape(x.shape[0], x.shape[1] // 2).contiguous(), *ctx.args), None, None, None
+        grad = grad.reshape(x.shape[0], x.shape[1] // 2).contiguous()
+        if ctx.slot is None:
+            return _glu_bwd(x, grad, *ctx.args), None, None, None, None
+        q = torch.empty(x.shape, dtype=FP8, device=x.device)
+        dx, s = kernels.glu_bwd_quantized(x, grad, *ctx.args, q)
+        ctx.slot.update(q=q, s=s, ptr=dx.data_ptr())
+        return dx, None, None, None, None
+
+
+# d gate_up's FP8 copy made by the activation's backward kernel (for gate_up from an FP8 expert GEMM, which carries
+# its slot) rather than by a quantize pass reading it again: the A/B of train_throughput.py --ab glu-fp8-grad.
+GLU_FP8_GRAD = True
 
 
 def glu_quantized(gate_up: torch.Tensor, alpha: float = 1.0, limit: float = 0.0, clamped: bool = False):
     """The experts' SwiGLU on gate_up [N, 2I] (with `clamped`, GPT-OSS's, kernels.clamped_swiglu) and
-    its row-wise FP8 copy: (a [N, I], q, s) with (q, s) = quantize(a). On CUDA one kernel makes both."""
+    its row-wise FP8 copy: (a [N, I], q, s) with (q, s) = quantize(a). On CUDA one kernel makes both, and
+    for gate_up straight from grouped_gemm.fp8_expert_mm the backward's kernel also quantizes d gate_up."""
     if use_triton(gate_up) and gate_up.dim() == 2:
-        return _GLUQuantized.apply(gate_up, float(alpha), float(limit), clamped)
+        slot = getattr(gate_up, "_fp8_dgrad", None) if GLU_FP8_GRAD else None
+        return _GLUQuantized.apply(gate_up, float(alpha), float(limit), clamped, slot)
     a = kernels.clamped_swiglu(gate_up, alpha, limit) if clamped else kernels.swiglu(gate_up)
     return (a, *quantize(a.detach().reshape(-1, a.shape[-1])))
 

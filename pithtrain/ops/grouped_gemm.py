@@ -290,7 +290,7 @@ class _FP8GroupedMM(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, xq, xs, weight, counts, w_fwd_q, w_fwd_s, w_bwd_q, w_bwd_s, out_dtype, queue, module, name,
-                fp8_wgrad):
+                fp8_wgrad, dgrad_slot):
         if xq is None:
             xq, xs = fp8.quantize(x)
         y = fp8.grouped_mm(xq, xs, w_fwd_q, w_fwd_s, counts, out_dtype)
@@ -300,16 +300,19 @@ class _FP8GroupedMM(torch.autograd.Function):
         elif ctx.needs_input_grad[3]:
             x_hp = x.to(out_dtype)
         ctx.save_for_backward(xtq, xts, x_hp, counts, w_bwd_q, w_bwd_s)
-        ctx.queue, ctx.module, ctx.name, ctx.x_dtype = queue, module, name, x.dtype
+        ctx.queue, ctx.module, ctx.name, ctx.x_dtype, ctx.slot = queue, module, name, x.dtype, dgrad_slot
         return y
 
     @staticmethod
     def backward(ctx, dy):
         xtq, xts, x_hp, counts, w_bwd_q, w_bwd_s = ctx.saved_tensors
         dy = dy.contiguous()
+        made = ctx.slot.copy()  # dy's FP8 copy, if dy's producer made it (fp8.glu_quantized's backward)
+        ctx.slot.clear()
         dx = None
         if ctx.needs_input_grad[0]:
-            dyq, dys = fp8.quantize(dy)
+            dyq, dys = (made["q"], made["s"]) if made.get("ptr") == dy.data_ptr() else fp8.quantize(dy)
+            del made
             dx = fp8.grouped_mm(dyq, dys, w_bwd_q, w_bwd_s, counts, dy.dtype).to(ctx.x_dtype)
         if ctx.needs_input_grad[3]:  # the weight gradient goes into .grad by hand, as in the bf16 path
             queue, module, name, groups = ctx.queue, ctx.module, ctx.name, w_bwd_q.shape[0]
@@ -332,7 +335,7 @@ class _FP8GroupedMM(torch.autograd.Function):
                 weight_pass()
             else:
                 queue.work.append(weight_pass)
-        return dx, None, None, None, None, None, None, None, None, None, None, None, None, None
+        return dx, None, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 def fp8_expert_mm(x, module, name: str, counts, out_dtype, queue=None, quantized=None):
@@ -341,8 +344,11 @@ def fp8_expert_mm(x, module, name: str, counts, out_dtype, queue=None, quantized
     fp8.quantize(x) already made (by x's producer), else made here."""
     w = fp8.cached_weight(module, name, contraction_last=False)
     xq, xs = quantized or (None, None)
-    return _FP8GroupedMM.apply(x.contiguous(), xq, xs, getattr(module, name), counts, *w.fwd, *w.bwd, out_dtype,
-                               queue, module, name, getattr(module, "fp8", "rowwise") != "rowwise_bf16_wgrad")
+    slot = {}  # where fp8.glu_quantized's backward leaves the FP8 copy of this output's gradient
+    y = _FP8GroupedMM.apply(x.contiguous(), xq, xs, getattr(module, name), counts, *w.fwd, *w.bwd, out_dtype,
+                            queue, module, name, getattr(module, "fp8", "rowwise") != "rowwise_bf16_wgrad", slot)
+    y._fp8_dgrad = slot
+    return y
 
 
 def compute_weight(module, name: str, dtype) -> torch.Tensor:

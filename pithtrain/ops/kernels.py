@@ -113,8 +113,11 @@ def _glu_fwd_kernel(x_ptr, out_ptr, rows, inter, alpha, limit,
 
 
 @_Kernel
-def _glu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, rows, inter, alpha, limit,
-                    CLAMPED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _glu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, q_ptr, s_ptr, rows, inter, alpha, limit,
+                    CLAMPED: tl.constexpr, QUANT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """d gate_up from d act, recomputing the activation. QUANT (whole rows a program: BLOCK_C >= inter): also
+    the row-wise FP8 of the stored d gate_up (q, s: fp8.quantize's, bit for bit), the FP8 gate/up GEMM's
+    input gradient operand without a second read."""
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     mask = (r < rows)[:, None] & (c < inter)[None, :]
@@ -134,8 +137,18 @@ def _glu_bwd_kernel(x_ptr, dy_ptr, dx_ptr, rows, inter, alpha, limit,
         s = tl.sigmoid(g)
         dg = dy * u * s * (1.0 + g * (1.0 - s))
         du = dy * g * s
-    tl.store(dx_ptr + gate_at, dg.to(dx_ptr.dtype.element_ty), mask=mask)
-    tl.store(dx_ptr + gate_at + inter, du.to(dx_ptr.dtype.element_ty), mask=mask)
+    dg = tl.where(mask, dg, 0.0).to(dx_ptr.dtype.element_ty)  # padding lanes stay out of the row maxima
+    du = tl.where(mask, du, 0.0).to(dx_ptr.dtype.element_ty)
+    tl.store(dx_ptr + gate_at, dg, mask=mask)
+    tl.store(dx_ptr + gate_at + inter, du, mask=mask)
+    if QUANT:  # what fp8.quantize would read back: the stored values
+        dg, du = dg.to(tl.float32), du.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(dg), 1), tl.max(tl.abs(du), 1))
+        s = tl.math.div_rn(tl.maximum(amax, 1e-12), tl.full([BLOCK_R], 448.0, tl.float32))
+        inv = tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s)[:, None]
+        tl.store(q_ptr + gate_at, tl.clamp(dg * inv, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + gate_at + inter, tl.clamp(du * inv, -448.0, 448.0).to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(s_ptr + r, s, mask=r < rows)
 
 
 def _glu_grid(rows: int, inter: int):
@@ -165,13 +178,29 @@ def _glu_bwd(x: torch.Tensor, grad: torch.Tensor, alpha: float, limit: float, cl
     dx = torch.empty_like(x)
     if dx.numel():
         grid, block_r, block_c = _glu_grid(rows, inter)
-        _glu_bwd_kernel[grid](x, grad, dx, rows, inter, alpha, limit, CLAMPED=clamped, BLOCK_R=block_r, BLOCK_C=block_c)
+        _glu_bwd_kernel[grid](x, grad, dx, dx, dx, rows, inter, alpha, limit, CLAMPED=clamped, QUANT=False,
+                              BLOCK_R=block_r, BLOCK_C=block_c)
     return dx
 
 
 @_glu_bwd.register_fake
 def _(x, grad, alpha, limit, clamped):
     return torch.empty_like(x)
+
+
+def glu_bwd_quantized(x: torch.Tensor, grad: torch.Tensor, alpha: float, limit: float, clamped: bool,
+                      q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """_glu_bwd and the row-wise FP8 of its result, written into q (an FP8 tensor of x's shape): (dx, s).
+    Eager (the FP8 experts' backward)."""
+    rows, inter = x.shape[0], x.shape[1] // 2
+    dx, s = torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
+    if dx.numel():
+        block_c = _pow2(inter)
+        block_r = max(1, min(16, 2048 // block_c))
+        _glu_bwd_kernel[(_cdiv(rows, block_r), 1)](x, grad, dx, q, s, rows, inter, alpha, limit, CLAMPED=clamped,
+                                                   QUANT=True, BLOCK_R=block_r, BLOCK_C=block_c,
+                                                   num_warps=8 if block_c >= 2048 else 4)
+    return dx, s
 
 
 class _GLU(torch.autograd.Function):

@@ -231,7 +231,8 @@ def test_fp8_head_takes_the_cross_entropy_backwards_fp8_gradient(monkeypatch):
 def test_activation_quantization_in_the_activation_kernel(inter, clamp):
     """fp8.glu_quantized on CUDA (one kernel: the activation and its row-wise FP8) against the separate
     kernels it replaces (kernels.swiglu / clamped_swiglu, then fp8.quantize): the activation and the
-    scales bit for bit, the FP8 values up to rounding ties, h's gradient exactly."""
+    scales bit for bit, the FP8 values up to rounding ties, h's gradient exactly; likewise the backward's
+    kernel that also quantizes h's gradient."""
     from pithtrain.ops import kernels
 
     gen = torch.Generator().manual_seed(inter)
@@ -242,7 +243,14 @@ def test_activation_quantization_in_the_activation_kernel(inter, clamp):
     wq, ws = fp8.quantize(want.detach())
     assert torch.equal(a, want) and torch.equal(s, ws)
     same_fp8(q.cpu(), wq.cpu(), want.detach().cpu(), (1.0 / ws).unsqueeze(1).cpu())
-    assert torch.equal(torch.autograd.grad(a, h, dy)[0], torch.autograd.grad(want, h, dy)[0])
+    dh = torch.autograd.grad(want, h, dy)[0]
+    assert torch.equal(torch.autograd.grad(a, h, dy)[0], dh)
+    # the backward's kernel with dh's FP8 copy (fp8.GLU_FP8_GRAD): dh exactly, the copy as fp8.quantize(dh) makes it
+    qb = torch.empty(dh.shape, dtype=fp8.FP8, device="cuda")
+    dh2, sb = kernels.glu_bwd_quantized(h.detach(), dy, *(clamp or (1.0, 0.0)), clamp is not None, qb)
+    wq, ws = fp8.quantize(dh)
+    assert torch.equal(dh2, dh) and torch.equal(sb, ws)
+    same_fp8(qb.cpu(), wq.cpu(), dh.cpu(), (1.0 / ws).unsqueeze(1).cpu())
 
 
 def test_compiled_quantization_fuses_into_the_norm():
