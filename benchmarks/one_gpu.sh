@@ -6,8 +6,8 @@
 # 4 plain bf16 at 9 layers since train_step leaves its optimizer running into the next step (the 60% MFU reading;
 # compare line 130: 78,657 tok/s, and the GPU idle 13-24 ms a step outside the profiled window then); 5 the two
 # weight-gradient switches against the default in one run (set A to what run 2 favours); 6 FP8 + FP8 head against
-# bf16 (the 1.15x); 7 the FP8 copies of dy made by their producers (the cross-entropy and activation backwards)
-# against quantize passes. Runs 8-16 ran on
+# bf16 (the 1.15x); 7 the FP8 copies made by their producers (the cross-entropy and activation backwards, the
+# dispatch) against quantize passes. Runs 8-16 ran on
 # 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 8 the GPU checks of then; 9 the DeepSeek-V3-width peer
 # (carry .peers) and 10 the two profiles by kernel category; 11 MLA's v unpadded against padded; 12-13 the switches
 # at 9 layers, several arms to a run (one compile serves them all); 14 plain bf16 with stage_ms and its profile
@@ -25,13 +25,13 @@ set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
-    "python -m pytest -q tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled tests/gpu/test_fp8_gpu.py::test_fp8_head_takes_the_cross_entropy_backwards_fp8_gradient tests/gpu/test_fp8_gpu.py::test_activation_quantization_in_the_activation_kernel"   # host descriptors, persistent programs, the per-lane CE loop, the FP8 head's dy
+    "python -m pytest -q tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled tests/gpu/test_fp8_gpu.py::test_fp8_head_takes_the_cross_entropy_backwards_fp8_gradient tests/gpu/test_fp8_gpu.py::test_activation_quantization_in_the_activation_kernel tests/gpu/test_fp8_gpu.py::test_dispatch_quantizes_the_tokens_for_the_expanded_rows"   # host descriptors, persistent programs, the per-lane CE loop, the FP8 head's dy
     "python benchmarks/grouped_gemm.py --wgrad --tokens 16384 --repeats 20"        # 32: the weight gradient's variants at Qwen3 width (cutlass alone: the floor)
     "python benchmarks/kernels.py --repeats 20 --only cross_entropy_sum,qk_norm_rope"   # CE_LANE_STATS against the chunk loop; qk_norm_rope's tiles (set QK_NORM_ROPE_TILES)
     "$T --layers 9 --steps 7 --batch 4 --accum 8"                                   # 32: >= 60% MFU, with the step boundary overlapped
     "$T --layers 9 --steps 18 --batch 4 --accum 8 --wgrad-host on --wgrad-per-sm 2 --ab wgrad-host,wgrad-persistent"   # 32: A both on (a 60% reading), B host off, C a program an item
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x
-    "$T --layers 9 --steps 18 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad,glu-fp8-grad"   # 32: dy's FP8 copies from their producers (the CE backward, the activation's) against quantize passes
+    "$T --layers 9 --steps 20 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad,glu-fp8-grad,expand-fp8"   # 32: FP8 copies from their producers (the CE and activation backwards, the dispatch) against quantize passes
     "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer tests/gpu/test_kernels_gpu.py::test_permute_unpermute tests/gpu/test_kernels_gpu.py::test_local_dispatch_round_trip_on_cuda_matches_the_cpu tests/gpu/test_fp8_gpu.py::test_stacked_projections_compiled_match_the_linears_alone tests/gpu/test_kernels_gpu.py::test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled"   # the new GPU checks, BN=32 tiles, expand and the per-token combine backward included
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x; A bf16, B FP8 + FP8 head, in one run
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers

@@ -210,7 +210,7 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
 
 ARMS = "ABCDEFG"  # the arms' letters: A as the flags set the switches, then one a flipped switch
 AB_SWITCHES = ("fp8", "fused-proj", "fused-wgrad", "mla-v", "wgrad-config", "triton-adamw", "bf16-activations", "qk-norm-rope",
-               "wgrad-host", "wgrad-persistent", "ce-fp8-grad", "glu-fp8-grad")
+               "wgrad-host", "wgrad-persistent", "ce-fp8-grad", "glu-fp8-grad", "expand-fp8")
 
 
 def ab_arms(args, parser):
@@ -242,7 +242,7 @@ def ab_arms(args, parser):
              "triton-adamw": (optim, "TRITON_ADAMW"), "bf16-activations": (core, "ACTIVATIONS_IN_COMPUTE_DTYPE"),
              "qk-norm-rope": (kernels, "FUSED_QK_NORM_ROPE"), "wgrad-host": (kernels, "WGRAD_HOST_DESCRIPTORS"),
              "wgrad-persistent": (kernels, "WGRAD_PROGRAMS_PER_SM"), "ce-fp8-grad": (kernels, "CE_FP8_GRAD"),
-             "glu-fp8-grad": (fp8, "GLU_FP8_GRAD")}
+             "glu-fp8-grad": (fp8, "GLU_FP8_GRAD"), "expand-fp8": (grouped_gemm, "EXPAND_FP8")}
     a_values = {s: getattr(*where[s]) for s in switches}
     flipped = {s: args.wgrad_config if s == "wgrad-config" else not a_values[s] for s in switches}
     if "wgrad-persistent" in switches:  # programs an SM: 2 against a program an item, or back
@@ -459,7 +459,7 @@ def main():
 
     warm = measured(runs_a)
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "wgrad_host": kernels.WGRAD_HOST_DESCRIPTORS, "wgrad_per_sm": kernels.WGRAD_PROGRAMS_PER_SM, "ce_fp8_grad": kernels.CE_FP8_GRAD, "glu_fp8_grad": fp8.GLU_FP8_GRAD, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "wgrad_host": kernels.WGRAD_HOST_DESCRIPTORS, "wgrad_per_sm": kernels.WGRAD_PROGRAMS_PER_SM, "ce_fp8_grad": kernels.CE_FP8_GRAD, "glu_fp8_grad": fp8.GLU_FP8_GRAD, "expand_fp8": grouped_gemm.EXPAND_FP8, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in runs_a) / 2**30,

@@ -368,3 +368,37 @@ def test_fp8_activation_feeds_its_own_quantization(monkeypatch):
                             for e, r in ((0, slice(0, 7)), (2, slice(7, 20)))])
             a64.backward(da)
             assert torch.allclose(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.fast
+def test_fp8_experts_take_their_input_quantized_by_the_dispatch(monkeypatch):
+    """LocalDispatch offers the expanded rows' FP8 copy made from the T tokens (fp8.expand_quantized): bit for
+    bit quantize() of the T*k rows; FP8 experts take it (one quantization of T rows, none of T*k; the offer is
+    dropped from the rows once taken) with the same output, and without grouped_gemm.EXPAND_FP8 they quantize
+    the rows themselves."""
+    from pithtrain.parallel.expert import LocalDispatch
+    from pithtrain.protocol import RoutingInfo
+
+    gen = torch.Generator().manual_seed(14)
+    tokens, hidden, experts_n, topk = 10, 32, 4, 2
+    x = torch.randn(tokens, hidden, generator=gen)
+    ids = torch.stack([torch.randperm(experts_n, generator=gen)[:topk] for _ in range(tokens)])
+    routing = RoutingInfo(ids, torch.rand(tokens, topk, generator=gen), torch.rand(tokens, experts_n), experts_n)
+    experts = nn.Module()
+    experts.fp8 = "rowwise_bf16_wgrad"
+    experts.w = nn.Parameter(torch.randn(experts_n, hidden, 16, generator=gen) * 0.2)
+    fp8.cached_weight(experts, "w", contraction_last=False)  # the weight's layouts first: the spy sees activations
+    quantized, quantize = [], fp8.quantize
+    monkeypatch.setattr(fp8, "quantize", lambda t: quantized.append(t.shape[0]) or quantize(t))
+    outs = []
+    for offered in (True, False):
+        monkeypatch.setattr(grouped_gemm, "EXPAND_FP8", offered)
+        rows, counts, order = LocalDispatch().dispatch(x, routing)
+        if offered:
+            q, s = rows._fp8_rows()
+            want_q, want_s = fp8.quantize_reference(rows)
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+        quantized.clear()
+        outs.append(grouped_gemm.fp8_expert_mm(rows, experts, "w", counts, torch.float32))
+        assert quantized == ([tokens] if offered else [tokens * topk]) and hasattr(rows, "_fp8_rows") != offered
+    assert torch.equal(outs[0], outs[1])

@@ -536,6 +536,14 @@ def glu_quantized(gate_up: torch.Tensor, alpha: float = 1.0, limit: float = 0.0,
     return (a, *quantize(a.detach().reshape(-1, a.shape[-1])))
 
 
+def expand_quantized(x: torch.Tensor, order: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize(kernels.expand(x, order, topk)) from the T rows of x rather than the T*k expanded ones: each
+    expanded row is a copy of a token's row, so its FP8 copy and scale are the token's (bit for bit)."""
+    q, s = quantize(x.detach().reshape(-1, x.shape[-1]))
+    src = order // topk
+    return q.view(torch.uint8)[src].view(FP8), s[src]
+
+
 def _quantize_nd(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Row-wise FP8 along the last dimension of any contiguous tensor (a weight, once per update)."""
     q, s = quantize(w.reshape(-1, w.shape[-1]))

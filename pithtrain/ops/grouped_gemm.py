@@ -338,12 +338,19 @@ class _FP8GroupedMM(torch.autograd.Function):
         return dx, None, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
+# FP8 experts take gate_up's FP8 input from the dispatch (parallel/expert.LocalDispatch: the tokens quantized,
+# then expanded) rather than quantizing the T*k expanded rows: the A/B of train_throughput.py --ab expand-fp8.
+EXPAND_FP8 = True
+
+
 def fp8_expert_mm(x, module, name: str, counts, out_dtype, queue=None, quantized=None):
     """x @ module.<name> per expert in FP8 (the experts' [E, K, M] weights), the weight's FP8 layouts
     from the per-version cache; with a queue, the weight gradient is deferred to it. `quantized`:
-    fp8.quantize(x) already made (by x's producer), else made here."""
+    fp8.quantize(x) already made (by x's producer), else offered by x (`_fp8_rows`, the dispatch's), else
+    made here."""
     w = fp8.cached_weight(module, name, contraction_last=False)
-    xq, xs = quantized or (None, None)
+    made_by_dispatch = x.__dict__.pop("_fp8_rows", None) if quantized is None and EXPAND_FP8 else None
+    xq, xs = quantized or (made_by_dispatch() if made_by_dispatch else (None, None))
     slot = {}  # where fp8.glu_quantized's backward leaves the FP8 copy of this output's gradient
     y = _FP8GroupedMM.apply(x.contiguous(), xq, xs, getattr(module, name), counts, *w.fwd, *w.bwd, out_dtype,
                             queue, module, name, getattr(module, "fp8", "rowwise") != "rowwise_bf16_wgrad", slot)

@@ -14,17 +14,22 @@ import torch.distributed as dist
 
 from pithtrain.protocol import Combined, RoutingInfo, named_range
 from pithtrain.ops.core import count_ids, stable_argsort_ids
+from pithtrain.ops.fp8 import expand_quantized
 from pithtrain.ops.kernels import dispatch_plan, expand, permute, unpermute  # Triton row moves on GPUs
 
 
 class LocalDispatch:
     def dispatch(self, x: torch.Tensor, routing: RoutingInfo):
-        """x: [T, H]. Returns rows grouped by expert [T*k, H], rows per expert [E], and a handle."""
+        """x: [T, H]. Returns rows grouped by expert [T*k, H], rows per expert [E], and a handle. The rows
+        offer FP8 experts their row-wise FP8 copy made from the tokens (`_fp8_rows`, called by
+        grouped_gemm.fp8_expert_mm): each row is a copy of its token's, so T rows are quantized, not T*k."""
         topk = routing.topk_ids.shape[1]
         flat = routing.topk_ids.flatten()
         order = stable_argsort_ids(flat, routing.num_experts)  # (token, slot) pairs sorted by expert
         counts = count_ids(flat, routing.num_experts)
-        return expand(x, order, topk), counts, order
+        rows = expand(x, order, topk)
+        rows._fp8_rows = lambda: expand_quantized(x, order, topk)
+        return rows, counts, order
 
     def combine(self, expert_out: torch.Tensor, handle) -> Combined:
         """The expert-grouped rows stay where they are: row i is (token, slot) pair order[i]."""

@@ -253,6 +253,21 @@ def test_activation_quantization_in_the_activation_kernel(inter, clamp):
     same_fp8(qb.cpu(), wq.cpu(), dh.cpu(), (1.0 / ws).unsqueeze(1).cpu())
 
 
+def test_dispatch_quantizes_the_tokens_for_the_expanded_rows():
+    """LocalDispatch's offer to FP8 experts on CUDA (fp8.expand_quantized: the T tokens quantized by the Triton
+    kernel, then gathered to the T*k rows) against fp8.quantize of the expanded rows: bit for bit."""
+    from pithtrain.parallel.expert import LocalDispatch
+    from pithtrain.protocol import RoutingInfo
+
+    x = torch.randn(4096, 2048, device="cuda").to(BF16) * 3
+    ids = torch.rand(4096, 128, device="cuda").topk(8, dim=1).indices
+    routing = RoutingInfo(ids, torch.rand(4096, 8, device="cuda"), torch.rand(4096, 128, device="cuda"), 128)
+    rows, counts, order = LocalDispatch().dispatch(x, routing)
+    q, s = rows._fp8_rows()
+    want_q, want_s = fp8.quantize(rows)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
 def test_compiled_quantization_fuses_into_the_norm():
     """In a compiled graph fp8.quantize is the plain-PyTorch one (inductor fuses it into the norm before
     the projection, and into dy's producer in the backward): the compiled RMSNorm + FP8 Linear is as
