@@ -12,7 +12,8 @@ against the Triton gather it replaced, and `weighted_combine` at that size too (
 the dispatch's stable sorts with narrow keys (`core.stable_argsort_ids`) against int64's; the routers' `topk_ids`
 against torch.topk; `qk_norm_rope` against what Inductor compiles from its
 reference, at several tiles; `cross_entropy_sum ..., lanes` with the forward's other loop (kernels.CE_LANE_STATS
-flipped). `--only a,b` times those ops alone. One benchmarks/results.jsonl line with every op's figures.
+flipped), and its backward alone at several chunks a program (kernels.CE_BWD_TILES), with and without the FP8 head's
+copy. `--only a,b` times those ops alone. One benchmarks/results.jsonl line with every op's figures.
 """
 
 from __future__ import annotations
@@ -182,7 +183,34 @@ def main():
         print(f"{op:<18} {shape:<26} {ref_t:8.3f} {fast_t:8.3f} {ref_t / fast_t:5.2f}")
         figures.append({"op": op, "shape": shape, "ref_fwd_ms": round(ref_t, 4), "fwd_ms": round(fast_t, 4)})
     figures += qk_norm_rope_tiles(args.repeats) if want("qk_norm_rope") else []
+    figures += ce_backward_tiles(args.repeats) if want("cross_entropy_sum") else []
     record({"benchmark": "kernels", "repeats": args.repeats, "only": args.only, "ops": figures})
+
+
+def ce_backward_tiles(repeats: int) -> list[dict]:
+    """The cross-entropy backward alone (in place, as training runs it) at one micro-batch of Qwen3's vocabulary,
+    [16384, 151936] bf16, at each chunk a program (kernels.CE_BWD_TILES), and with the FP8 copy (the FP8 head)."""
+    rows, vocab = 16384, 151936
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16)
+    labels = torch.randint(0, vocab, (rows,), device="cuda")
+    _, lse, amax = kernels._ce_fwd_amax(logits, labels)
+    grad = torch.ones(1, device="cuda")
+    q = torch.empty(rows, vocab, device="cuda", dtype=torch.float8_e4m3fn)
+    s = torch.empty(rows, device="cuda")
+    default, figures = dict(kernels.CE_BWD_TILES), []
+    for block_v, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 8), (8192, 16)):
+        kernels.CE_BWD_TILES = dict(BLOCK_V=block_v, num_warps=warps)
+        work = logits.clone()  # written in place: a copy per tile, timed over the same values each repeat
+        plain = median_ms(lambda: kernels._launch_ce_bwd(work, labels, lse, grad, work), repeats)
+        with_fp8 = median_ms(lambda: kernels._launch_ce_bwd(work, labels, lse, grad, work, (amax, q, s)), repeats)
+        name = f"bwd BLOCK_V={block_v} warps={warps}"
+        print(f"{'cross_entropy_sum':<18} {name:<26} {plain:8.3f} with FP8 copy {with_fp8:8.3f} "
+              f"({2 * logits.numel() * 2 / plain / 1e9:5.0f} GB/s)")
+        figures.append({"op": "cross_entropy_bwd", "shape": f"[16384, 151936] bf16 {name}", "ms": round(plain, 4),
+                        "fp8_copy_ms": round(with_fp8, 4)})
+        del work
+    kernels.CE_BWD_TILES = default
+    return figures
 
 
 def qk_norm_rope_tiles(repeats: int) -> list[dict]:

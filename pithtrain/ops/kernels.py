@@ -825,15 +825,19 @@ def _(logits, labels):
     return losses, torch.empty_like(losses)
 
 
+# The backward's chunk of a row a program (benchmarks/kernels.py --only cross_entropy_sum sweeps others).
+CE_BWD_TILES = dict(BLOCK_V=2048, num_warps=8)
+
+
 def _launch_ce_bwd(logits, labels, lse, grad, dlogits, fp8_out=None) -> None:
     """fp8_out: (row amax from the forward, q, s) for the FP8 copy of d logits too."""
     rows, vocab = logits.shape
     if logits.numel():
-        block_v = min(2048, _pow2(vocab))
+        block_v = min(CE_BWD_TILES["BLOCK_V"], _pow2(vocab))
         amax, q, s = fp8_out or (lse, lse, lse)
         _ce_bwd_kernel[(rows, _cdiv(vocab, block_v))](logits, labels, lse, grad, dlogits, amax, q, s, vocab,
                                                       logits.stride(0), FP8=fp8_out is not None, BLOCK_V=block_v,
-                                                      num_warps=8)
+                                                      num_warps=CE_BWD_TILES["num_warps"])
 
 
 @torch.library.custom_op("pithtrain::cross_entropy_bwd", mutates_args=())
