@@ -215,6 +215,18 @@ def test_local_dispatch_round_trip():
     back = LocalDispatch().combine(tokens * 2, handle)
     placed = unpermute_reference(back.rows, back.index, t * k).view(t, k, h)
     assert torch.equal(placed, (2 * x)[:, None, :].expand(t, k, h))
+    # through an engine: the dispatch of the routing just recorded takes its loads as its counts (counted once);
+    # another routing's dispatch counts its own
+    from pithtrain.parallel.expert import ExpertEngine
+
+    engine = ExpertEngine(LocalDispatch())
+    engine.record_routing(0, routing)
+    _, reused, _ = engine.dispatch(x, routing)
+    assert reused is engine.expert_loads[0] and torch.equal(reused, counts) and engine.counted is None
+    other = RoutingInfo(ids.flip(0), routing.topk_weights, routing.scores, e)
+    engine.record_routing(1, routing)
+    _, fresh, _ = engine.dispatch(x, other)
+    assert fresh is not engine.expert_loads[1] and torch.equal(fresh, counts)
 
 
 def test_rms_norm_and_masks():

@@ -19,14 +19,15 @@ from pithtrain.ops.kernels import dispatch_plan, expand, permute, unpermute  # T
 
 
 class LocalDispatch:
-    def dispatch(self, x: torch.Tensor, routing: RoutingInfo):
-        """x: [T, H]. Returns rows grouped by expert [T*k, H], rows per expert [E], and a handle. The rows
-        offer FP8 experts their row-wise FP8 copy made from the tokens (`_fp8_rows`, called by
-        grouped_gemm.fp8_expert_mm): each row is a copy of its token's, so T rows are quantized, not T*k."""
+    def dispatch(self, x: torch.Tensor, routing: RoutingInfo, loads: torch.Tensor | None = None):
+        """x: [T, H]. Returns rows grouped by expert [T*k, H], rows per expert [E] (`loads`, the routing's
+        expert loads where already counted), and a handle. The rows offer FP8 experts their row-wise FP8
+        copy made from the tokens (`_fp8_rows`, called by grouped_gemm.fp8_expert_mm): each row is a copy
+        of its token's, so T rows are quantized, not T*k."""
         topk = routing.topk_ids.shape[1]
         flat = routing.topk_ids.flatten()
         order = stable_argsort_ids(flat, routing.num_experts)  # (token, slot) pairs sorted by expert
-        counts = count_ids(flat, routing.num_experts)
+        counts = count_ids(flat, routing.num_experts) if loads is None else loads
         rows = expand(x, order, topk)
         rows._fp8_rows = lambda: expand_quantized(x, order, topk)
         return rows, counts, order
@@ -47,18 +48,22 @@ class ExpertEngine:
         self.weight_queue = weight_queue  # DeferredWeightGrads: expert weight gradients run later
         self.aux: dict[str, list[torch.Tensor]] = {}
         self.expert_loads: dict[int, torch.Tensor] = {}  # layer id -> tokens per expert (detached)
+        self.counted = None  # (routing, its loads) of the last record_routing, for its dispatch
 
     def record_routing(self, layer_id: int, routing: RoutingInfo, aux: dict[str, torch.Tensor] | None = None) -> None:
         """A MoE layer's routing (stage 1's), and its model-computed aux loss values (Stage1Out.aux)."""
         loads = count_ids(routing.topk_ids, routing.num_experts)
         self.expert_loads[layer_id] = loads
+        self.counted = (routing, loads)  # the dispatch of this routing reuses them (LocalDispatch's counts)
         if self.balance is not None:
             self.aux.setdefault("lb", []).append(self.balance.layer_loss(routing, self.batch, self.seq, counts=loads))
         for name, value in (aux or {}).items():
             self.aux.setdefault(name, []).append(value)
 
     def dispatch(self, x, routing):
-        return self.dispatcher.dispatch(x, routing)
+        counted, self.counted = self.counted, None
+        loads = counted[1] if counted is not None and counted[0] is routing else None
+        return self.dispatcher.dispatch(x, routing, loads)
 
     def combine(self, expert_out, handle):
         return self.dispatcher.combine(expert_out, handle)
@@ -194,7 +199,8 @@ class AllToAllDispatch:
             self._side_stream = torch.cuda.Stream(device)
         return self._side_stream
 
-    def dispatch(self, x: torch.Tensor, routing: RoutingInfo):
+    def dispatch(self, x: torch.Tensor, routing: RoutingInfo, loads: torch.Tensor | None = None):
+        """`loads` (the routing's global expert loads) do not give this rank's counts: unused."""
         return self.dispatch_finish(self.dispatch_start(x, routing))
 
     def combine(self, expert_out: torch.Tensor, handle) -> Combined:
