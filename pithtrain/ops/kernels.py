@@ -69,8 +69,18 @@ class _Kernel:
             import triton.language
 
             tl = self.fn.__globals__["tl"] = triton.language  # the kernel's own module may be another (ops/fp8.py)
+            for name, value in list(self.fn.__globals__.items()):  # its device functions, jitted in place
+                if isinstance(value, _DeviceFunction):
+                    self.fn.__globals__[name] = triton.jit(value.fn)
             self.jitted = triton.jit(self.fn)
         return self.jitted[grid]
+
+
+class _DeviceFunction:
+    """A Triton function called from kernels (inlined into them), jit-compiled with the first of them launched."""
+
+    def __init__(self, fn):
+        self.fn = fn
 
 
 def _pow2(n: int) -> int:
@@ -1172,75 +1182,88 @@ def add_into(dst: torch.Tensor, src: torch.Tensor, assign: bool = False) -> torc
     return dst
 
 
+@_DeviceFunction
+def _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, e, tile, experts, k_dim, m_dim, x_stride,
+                dy_stride, ASSIGN: tl.constexpr, TMA: tl.constexpr, HOST: tl.constexpr, REDUCE: tl.constexpr,
+                BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """_wgrad_into_kernel's work item: tile `tile` (K block, M block) of expert e's gradient."""
+    m_tiles = tl.cdiv(m_dim, BM)
+    k0 = tile // m_tiles * BK
+    m0 = tile % m_tiles * BM
+    rk = k0 + tl.arange(0, BK)
+    rm = m0 + tl.arange(0, BM)
+    start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
+    end = tl.load(ends_ptr + e)
+    acc = tl.zeros([BK, BM], dtype=tl.float32)
+    if HOST:
+        whole = start + (end - start) // BN * BN
+        for r0 in range(start, whole, BN):
+            acc = tl.dot(x_td.load([r0, k0]).T, dy_td.load([r0, m0]), acc)
+        if whole < end:
+            r = whole + tl.arange(0, BN)
+            x = tl.load(x_ptr + r.to(tl.int64)[None, :] * x_stride + rk[:, None],
+                        mask=(r < end)[None, :] & (rk < k_dim)[:, None], other=0.0)
+            dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * dy_stride + rm[None, :],
+                         mask=(r < end)[:, None] & (rm < m_dim)[None, :], other=0.0)
+            acc = tl.dot(x, dy, acc)
+    elif TMA:
+        rows = tl.maximum(end - start, 1)  # a descriptor needs a row; an empty expert's loop never reads it
+        x_desc = tl.make_tensor_descriptor(x_ptr + start.to(tl.int64) * x_stride, shape=[rows, k_dim],
+                                           strides=[x_stride, 1], block_shape=[BN, BK])
+        dy_desc = tl.make_tensor_descriptor(dy_ptr + start.to(tl.int64) * dy_stride, shape=[rows, m_dim],
+                                            strides=[dy_stride, 1], block_shape=[BN, BM])
+        for r0 in range(0, end - start, BN):
+            acc = tl.dot(x_desc.load([r0, k0]).T, dy_desc.load([r0, m0]), acc)
+    else:
+        for r0 in range(start, end, BN):
+            r = r0 + tl.arange(0, BN)
+            x = tl.load(x_ptr + r.to(tl.int64)[None, :] * x_stride + rk[:, None],
+                        mask=(r < end)[None, :] & (rk < k_dim)[:, None], other=0.0)
+            dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * dy_stride + rm[None, :],
+                         mask=(r < end)[:, None] & (rm < m_dim)[None, :], other=0.0)
+            acc = tl.dot(x, dy, acc)
+    if REDUCE:
+        if HOST:
+            g_desc = g_td
+        else:
+            g_desc = tl.make_tensor_descriptor(grad_ptr, shape=[experts, k_dim, m_dim],
+                                               strides=[k_dim * m_dim, m_dim, 1], block_shape=[1, BK, BM])
+        if ASSIGN:
+            g_desc.store([e, k0, m0], tl.reshape(acc, [1, BK, BM]))
+        else:
+            g_desc.atomic_add([e, k0, m0], tl.reshape(acc, [1, BK, BM]))
+    else:
+        offs = e.to(tl.int64) * k_dim * m_dim + rk.to(tl.int64)[:, None] * m_dim + rm[None, :]
+        mask = (rk < k_dim)[:, None] & (rm < m_dim)[None, :]
+        if not ASSIGN:
+            acc += tl.load(grad_ptr + offs, mask=mask, other=0.0)
+        tl.store(grad_ptr + offs, acc, mask=mask)
+
+
 @_Kernel
 def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, experts, k_dim, m_dim, x_stride,
                        dy_stride, ASSIGN: tl.constexpr, TMA: tl.constexpr, HOST: tl.constexpr, REDUCE: tl.constexpr,
-                       BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+                       PERSISTENT: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
     """grad[e] (+)= x[rows of e]^T @ dy[rows of e] in fp32: a work item per (K block, M block) of expert e,
-    over its rows in order, the add in the epilogue; program p takes items p, p + programs, ... (one each
-    at the default launch; fewer programs than items: persistent ones, whose next item's loads can overlap
-    the last one's epilogue). TMA (Hopper): x and dy tiles arrive through tensor descriptors bounded to the
-    expert's rows (the bulk copy engine zero-fills past them), x transposed in shared memory; else through
-    pointers, x's tile loaded transposed. REDUCE (Hopper, not in the interpreter): the tile goes out
-    through a descriptor of grad, added in L2 by a bulk reduce (cp.reduce.async.bulk), so the program
-    never waits for the old values; each element gets one add a launch, so the sums are the
-    load-add-store's, bit for bit. HOST (with TMA): the descriptors are made once on the host (x_td, dy_td
-    over all rows, g_td) instead of for every item; they are not bounded to the expert, so its whole
-    BN-row tiles go through them and its last partial tile through masked pointer loads."""
-    m_tiles = tl.cdiv(m_dim, BM)
-    tiles = tl.cdiv(k_dim, BK) * m_tiles
-    for item in range(tl.program_id(0), experts * tiles, tl.num_programs(0)):
-        e = item // tiles
-        k0 = item % tiles // m_tiles * BK
-        m0 = item % m_tiles * BM
-        rk = k0 + tl.arange(0, BK)
-        rm = m0 + tl.arange(0, BM)
-        start = tl.load(ends_ptr + e - 1, mask=e > 0, other=0)
-        end = tl.load(ends_ptr + e)
-        acc = tl.zeros([BK, BM], dtype=tl.float32)
-        if HOST:
-            whole = start + (end - start) // BN * BN
-            for r0 in range(start, whole, BN):
-                acc = tl.dot(x_td.load([r0, k0]).T, dy_td.load([r0, m0]), acc)
-            if whole < end:
-                r = whole + tl.arange(0, BN)
-                x = tl.load(x_ptr + r.to(tl.int64)[None, :] * x_stride + rk[:, None],
-                            mask=(r < end)[None, :] & (rk < k_dim)[:, None], other=0.0)
-                dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * dy_stride + rm[None, :],
-                             mask=(r < end)[:, None] & (rm < m_dim)[None, :], other=0.0)
-                acc = tl.dot(x, dy, acc)
-        elif TMA:
-            rows = tl.maximum(end - start, 1)  # a descriptor needs a row; an empty expert's loop never reads it
-            x_desc = tl.make_tensor_descriptor(x_ptr + start.to(tl.int64) * x_stride, shape=[rows, k_dim],
-                                               strides=[x_stride, 1], block_shape=[BN, BK])
-            dy_desc = tl.make_tensor_descriptor(dy_ptr + start.to(tl.int64) * dy_stride, shape=[rows, m_dim],
-                                                strides=[dy_stride, 1], block_shape=[BN, BM])
-            for r0 in range(0, end - start, BN):
-                acc = tl.dot(x_desc.load([r0, k0]).T, dy_desc.load([r0, m0]), acc)
-        else:
-            for r0 in range(start, end, BN):
-                r = r0 + tl.arange(0, BN)
-                x = tl.load(x_ptr + r.to(tl.int64)[None, :] * x_stride + rk[:, None],
-                            mask=(r < end)[None, :] & (rk < k_dim)[:, None], other=0.0)
-                dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * dy_stride + rm[None, :],
-                             mask=(r < end)[:, None] & (rm < m_dim)[None, :], other=0.0)
-                acc = tl.dot(x, dy, acc)
-        if REDUCE:
-            if HOST:
-                g_desc = g_td
-            else:
-                g_desc = tl.make_tensor_descriptor(grad_ptr, shape=[experts, k_dim, m_dim],
-                                                   strides=[k_dim * m_dim, m_dim, 1], block_shape=[1, BK, BM])
-            if ASSIGN:
-                g_desc.store([e, k0, m0], tl.reshape(acc, [1, BK, BM]))
-            else:
-                g_desc.atomic_add([e, k0, m0], tl.reshape(acc, [1, BK, BM]))
-        else:
-            offs = e.to(tl.int64) * k_dim * m_dim + rk.to(tl.int64)[:, None] * m_dim + rm[None, :]
-            mask = (rk < k_dim)[:, None] & (rm < m_dim)[None, :]
-            if not ASSIGN:
-                acc += tl.load(grad_ptr + offs, mask=mask, other=0.0)
-            tl.store(grad_ptr + offs, acc, mask=mask)
+    over its rows in order, the add in the epilogue (_wgrad_tile). A program an item (grid: tiles x experts),
+    or PERSISTENT programs (a 1-D grid) each taking items p, p + programs, ..., so that an item's loads can
+    overlap the last one's epilogue, with no launch in between. TMA (Hopper): x and dy tiles arrive through
+    tensor descriptors bounded to the expert's rows (the bulk copy engine zero-fills past them), x transposed
+    in shared memory; else through pointers, x's tile loaded transposed. REDUCE (Hopper, not in the
+    interpreter): the tile goes out through a descriptor of grad, added in L2 by a bulk reduce
+    (cp.reduce.async.bulk), so the program never waits for the old values; each element gets one add a
+    launch, so the sums are the load-add-store's, bit for bit. HOST (with TMA): the descriptors are made
+    once on the host (x_td, dy_td over all rows, g_td) instead of for every item; they are not bounded to
+    the expert, so its whole BN-row tiles go through them and its last partial tile through masked pointer
+    loads."""
+    if PERSISTENT:
+        tiles = tl.cdiv(k_dim, BK) * tl.cdiv(m_dim, BM)
+        for item in range(tl.program_id(0), experts * tiles, tl.num_programs(0)):
+            _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, item // tiles, item % tiles, experts,
+                        k_dim, m_dim, x_stride, dy_stride, ASSIGN, TMA, HOST, REDUCE, BK, BM, BN)
+    else:
+        _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, tl.program_id(1), tl.program_id(0), experts,
+                    k_dim, m_dim, x_stride, dy_stride, ASSIGN, TMA, HOST, REDUCE, BK, BM, BN)
 
 
 # Tiles of grad (BK x BM) and rows a step (BN); benchmarks/grouped_gemm.py --wgrad --sweep measures others.
@@ -1313,13 +1336,12 @@ def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: to
         triton.set_allocator(_scratch)
     experts, k_dim, m_dim = grad.shape
     if grad.numel():
-        programs = _cdiv(k_dim, cfg["BK"]) * _cdiv(m_dim, cfg["BM"]) * experts
+        tiles = _cdiv(k_dim, cfg["BK"]) * _cdiv(m_dim, cfg["BM"])
         per_sm = WGRAD_PROGRAMS_PER_SM if per_sm == -1 else per_sm
-        if per_sm:
-            programs = min(programs, per_sm * _sm_count(x.device))
-        _wgrad_into_kernel[(programs,)](x, dy, counts.cumsum(0).to(x.device, torch.int32), grad, *tds, experts, k_dim,
-                                        m_dim, x.stride(0), dy.stride(0), ASSIGN=assign, TMA=tma, HOST=host,
-                                        REDUCE=reduce, **cfg)
+        grid = (min(tiles * experts, per_sm * _sm_count(x.device)),) if per_sm else (tiles, experts)
+        _wgrad_into_kernel[grid](x, dy, counts.cumsum(0).to(x.device, torch.int32), grad, *tds, experts, k_dim,
+                                 m_dim, x.stride(0), dy.stride(0), ASSIGN=assign, TMA=tma, HOST=host, REDUCE=reduce,
+                                 PERSISTENT=bool(per_sm), **cfg)
     return grad
 
 
