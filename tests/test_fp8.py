@@ -62,6 +62,26 @@ def quantized64(x):
     return fp8.dequantize(*fp8.quantize_reference(x)).double()
 
 
+def fp8_head_loss_both_ways(w, x, labels, scale: float) -> list[tuple]:
+    """The FP8 head under kernels.cross_entropy_sum in place (as training runs it), backward of scale * loss: with
+    the logits' slot (the CE backward's FP8 copy of d logits taken), then with it dropped (the head quantizes d
+    logits); [(x.grad, w.grad, d logits)] for each, after checking that the slot was let go."""
+    from pithtrain.ops import kernels
+
+    got = []
+    for fused in (True, False):
+        w.grad = None
+        xs = x.clone().requires_grad_()
+        logits = grouped_gemm.head_logits(xs, w, fp8_head=True)
+        slot = logits._fp8_dgrad
+        if not fused:
+            del logits._fp8_dgrad
+        (kernels.cross_entropy_sum(logits, labels, grad_in_place=True) * scale).backward()
+        assert slot == {}  # taken and let go (or never filled)
+        got.append((xs.grad, w.grad.clone(), logits.detach().clone()))
+    return got
+
+
 def random_fp8_linear(inp: int, out: int, gen, scale: float, recipe=True) -> fp8.Linear:
     """An FP8 Linear with a random weight (times `scale`) and a random bias."""
     layer = fp8.Linear(inp, out, bias=True)

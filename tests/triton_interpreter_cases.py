@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pithtrain.ops import core, fp8, kernels
+from test_fp8 import fp8_head_loss_both_ways
 from test_kernels import grads, rel_err, routed_ids
 
 
@@ -533,8 +534,6 @@ def test_fp8_head_input_gradient_quantized_by_the_cross_entropy_backward(interpr
     fp32 as in the cases above: the interpreter rounds to FP8 its own way), with an ignored row and a row whose label
     is its argmax, in both forward loops; through the head, its gradients against the path that quantizes d logits
     itself (the slot dropped): the copy is taken, then let go."""
-    from pithtrain.ops import grouped_gemm
-
     torch.manual_seed(12)
     rows, hidden, vocab = 6, 32, 4512  # multiples of 16 (the FP8 GEMMs); more than one chunk each way
     logits = torch.randn(rows, vocab) * 3
@@ -560,20 +559,9 @@ def test_fp8_head_input_gradient_quantized_by_the_cross_entropy_backward(interpr
     fp8.cached_param(w)  # the weight's FP8 layouts first: the spy below sees activations only
     quantized, quantize = [], fp8.quantize
     monkeypatch.setattr(fp8, "quantize", lambda t: quantized.append(t.shape[-1]) or quantize(t))
-    got = []
-    for fused in (True, False):
-        w.grad = None
-        xs = x.clone().requires_grad_()
-        logits = grouped_gemm.head_logits(xs, w, fp8_head=True)
-        slot = logits._fp8_dgrad
-        if not fused:
-            del logits._fp8_dgrad
-        (kernels.cross_entropy_sum(logits, labels, grad_in_place=True) * 0.3).backward()
-        assert slot == {}  # taken and let go (or never filled)
-        got.append((xs.grad, w.grad.clone()))
+    (dx, dw, _), (dx_plain, dw_plain, _) = fp8_head_loss_both_ways(w, x, labels, 0.3)
     assert launches == [6, 5]  # with the FP8 copy's outputs, then without
     assert quantized == [hidden, hidden, vocab]  # x twice; d logits only where the slot was dropped
-    (dx, dw), (dx_plain, dw_plain) = got
     assert torch.equal(dw, dw_plain) and (dx - dx_plain).norm() < 2e-2 * dx_plain.norm()
 
 

@@ -1199,13 +1199,6 @@ def _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, e, tile, e
         whole = start + (end - start) // BN * BN
         for r0 in range(start, whole, BN):
             acc = tl.dot(x_td.load([r0, k0]).T, dy_td.load([r0, m0]), acc)
-        if whole < end:
-            r = whole + tl.arange(0, BN)
-            x = tl.load(x_ptr + r.to(tl.int64)[None, :] * x_stride + rk[:, None],
-                        mask=(r < end)[None, :] & (rk < k_dim)[:, None], other=0.0)
-            dy = tl.load(dy_ptr + r.to(tl.int64)[:, None] * dy_stride + rm[None, :],
-                         mask=(r < end)[:, None] & (rm < m_dim)[None, :], other=0.0)
-            acc = tl.dot(x, dy, acc)
     elif TMA:
         rows = tl.maximum(end - start, 1)  # a descriptor needs a row; an empty expert's loop never reads it
         x_desc = tl.make_tensor_descriptor(x_ptr + start.to(tl.int64) * x_stride, shape=[rows, k_dim],
@@ -1214,8 +1207,12 @@ def _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, e, tile, e
                                             strides=[dy_stride, 1], block_shape=[BN, BM])
         for r0 in range(0, end - start, BN):
             acc = tl.dot(x_desc.load([r0, k0]).T, dy_desc.load([r0, m0]), acc)
-    else:
-        for r0 in range(start, end, BN):
+    if HOST or not TMA:  # pointer loads: every row, or the last partial tile after the host descriptors' whole ones
+        if HOST:
+            first = whole
+        else:
+            first = start
+        for r0 in range(first, end, BN):
             r = r0 + tl.arange(0, BN)
             x = tl.load(x_ptr + r.to(tl.int64)[None, :] * x_stride + rk[:, None],
                         mask=(r < end)[None, :] & (rk < k_dim)[:, None], other=0.0)

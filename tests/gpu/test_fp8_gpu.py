@@ -13,7 +13,7 @@ import torch
 
 from pithtrain.config import fp8_tensor_cores
 from pithtrain.ops import fp8, grouped_gemm
-from test_fp8 import random_fp8_linear  # the CPU FP8 tests' helper
+from test_fp8 import fp8_head_loss_both_ways, random_fp8_linear  # the CPU FP8 tests' helpers
 
 pytestmark = pytest.mark.skipif(not fp8_tensor_cores(),
                                 reason="needs a GPU with FP8 tensor cores")
@@ -208,19 +208,9 @@ def test_fp8_head_takes_the_cross_entropy_backwards_fp8_gradient(monkeypatch):
     x = torch.randn(2, 300, 256, generator=gen).to(BF16).cuda()
     labels = torch.randint(0, 8192, (2, 300), generator=gen).cuda()
     labels[0, :7] = -100
-    got, copies, launch = [], [], kernels._launch_ce_bwd
+    copies, launch = [], kernels._launch_ce_bwd
     monkeypatch.setattr(kernels, "_launch_ce_bwd", lambda *a: copies.append(a[5:]) or launch(*a))
-    for fused in (True, False):
-        w.grad = None
-        xi = x.clone().requires_grad_()
-        logits = grouped_gemm.head_logits(xi, w, fp8_head=True)
-        slot = logits._fp8_dgrad
-        if not fused:
-            del logits._fp8_dgrad
-        (kernels.cross_entropy_sum(logits, labels, grad_in_place=True) * 1e-3).backward()
-        got.append((xi.grad, w.grad.clone(), logits.detach().clone()))
-        assert slot == {}  # taken and let go (or never filled)
-    (dx, dw, d), (dx_plain, dw_plain, _) = got
+    (dx, dw, d), (dx_plain, dw_plain, _) = fp8_head_loss_both_ways(w, x, labels, 1e-3)
     assert [len(c) for c in copies] == [1, 0] and torch.equal(dw, dw_plain) and rel(dx, dx_plain) < 2e-2
     amax, q_made, s_made = copies[0][0]
     q, s = fp8.quantize(d.reshape(-1, 8192))  # d logits in bf16, written over the logits
