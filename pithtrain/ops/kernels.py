@@ -76,9 +76,7 @@ class _Kernel:
         return self.jitted[grid]
 
 
-class _DeviceFunction:
-    """A Triton function called from kernels (inlined into them), jit-compiled with the first of them launched."""
-
+class _DeviceFunction:  # a Triton function called (inlined) by kernels, jit-compiled at the first launch
     def __init__(self, fn):
         self.fn = fn
 
@@ -742,8 +740,7 @@ def expert_bias_add(x: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -
 # ---------------------------------------------------------------------------------------------------
 
 
-# The forward's per-lane running max and sum (no reduction inside its loop), against a reduction over the chunk
-# each iteration; not yet timed on a GPU (benchmarks/kernels.py --only cross_entropy --ce-lanes times both).
+# The forward's per-lane running max and sum, against reductions over each chunk (kernels.py times both).
 CE_LANE_STATS = False
 
 
@@ -868,9 +865,8 @@ def _ce_bwd_in_place(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tens
     _launch_ce_bwd(logits, labels, lse, grad, logits)
 
 
-# The FP8 head's input gradient from an FP8 copy the cross-entropy backward writes (2.5 GB more at the step's memory
-# peak at 16k tokens of Qwen3's vocabulary) rather than by quantizing d logits, two more reads of them: the A/B of
-# benchmarks/train_throughput.py --fp8 ... --fp8-head --ab ce-fp8-grad.
+# The FP8 head's dy copy written by the cross-entropy backward (2.5 GB more at the memory peak at 16k tokens of
+# Qwen3's vocabulary), not quantized from d logits by two more reads: train_throughput.py --ab ce-fp8-grad.
 CE_FP8_GRAD = True
 
 
@@ -1241,18 +1237,14 @@ def _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, e, tile, e
 def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, experts, k_dim, m_dim, x_stride,
                        dy_stride, ASSIGN: tl.constexpr, TMA: tl.constexpr, HOST: tl.constexpr, REDUCE: tl.constexpr,
                        PERSISTENT: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """grad[e] (+)= x[rows of e]^T @ dy[rows of e] in fp32: a work item per (K block, M block) of expert e,
-    over its rows in order, the add in the epilogue (_wgrad_tile). A program an item (grid: tiles x experts),
-    or PERSISTENT programs (a 1-D grid) each taking items p, p + programs, ..., so that an item's loads can
-    overlap the last one's epilogue, with no launch in between. TMA (Hopper): x and dy tiles arrive through
-    tensor descriptors bounded to the expert's rows (the bulk copy engine zero-fills past them), x transposed
-    in shared memory; else through pointers, x's tile loaded transposed. REDUCE (Hopper, not in the
-    interpreter): the tile goes out through a descriptor of grad, added in L2 by a bulk reduce
-    (cp.reduce.async.bulk), so the program never waits for the old values; each element gets one add a
-    launch, so the sums are the load-add-store's, bit for bit. HOST (with TMA): the descriptors are made
-    once on the host (x_td, dy_td over all rows, g_td) instead of for every item; they are not bounded to
-    the expert, so its whole BN-row tiles go through them and its last partial tile through masked pointer
-    loads."""
+    """grad[e] (+)= x[rows of e]^T @ dy[rows of e] in fp32, a work item per (K block, M block) of expert e
+    (_wgrad_tile): its rows in order, the add in the epilogue. A program an item (grid tiles x experts), or
+    PERSISTENT programs taking items p, p + programs, ... (no launch between items). TMA (Hopper): x and dy
+    tiles through tensor descriptors bounded to the expert's rows (zero-filled past them), x transposed in
+    shared memory; else pointer loads. HOST (with TMA): descriptors made on the host over all rows, so the
+    expert's whole BN-row tiles go through them, its partial one through pointers. REDUCE (Hopper): the tile
+    leaves through a descriptor of grad, added in L2 by a bulk reduce (cp.reduce.async.bulk) without waiting
+    for the old values; one add an element a launch: the load-add-store's sums, bit for bit."""
     if PERSISTENT:
         tiles = tl.cdiv(k_dim, BK) * tl.cdiv(m_dim, BM)
         for item in range(tl.program_id(0), experts * tiles, tl.num_programs(0)):
@@ -1263,19 +1255,13 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, exp
                     k_dim, m_dim, x_stride, dy_stride, ASSIGN, TMA, HOST, REDUCE, BK, BM, BN)
 
 
-# Tiles of grad (BK x BM) and rows a step (BN); benchmarks/grouped_gemm.py --wgrad --sweep measures others.
-# TMA against pointer loads at Qwen3's expert widths, 131,072 rows (micro-batch 4), H200: gate_up 2.26 -> 2.11 ms
-# balanced, 2.46 -> 2.23 skewed; down 1.17 -> 1.13 and 1.22 -> 1.22 (docs/performance.md, Kernels). With the
-# bulk-reduce epilogue, interleaved sweeps put these tiles (BN=32, 4 stages) 1-7% ahead of BN=64 / 3 stages; in
-# training (Qwen3 9 layers) they cut stage 3's backward by 9-15 ms a step, and an A/B in one run put them 0.46%
-# ahead in tokens/s with a scatter of 0.3% (2026-12-05; docs/performance.md): the default since.
+# Tiles of grad (BK x BM) and rows a step (BN): 1-7% ahead of BN=64 / 3 stages in interleaved sweeps
+# (benchmarks/grouped_gemm.py --wgrad --sweep), +0.46% in training (docs/performance.md, Kernels).
 WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=32, num_warps=4, num_stages=4)
-# The tensor descriptors made on the host, once a launch, rather than by each of its ~25k programs (a descriptor
-# made on the device is written to global memory and fenced before its first load): the A/B of
-# benchmarks/train_throughput.py --ab wgrad-host.
+# The descriptors made once a launch on the host, not by each of ~25k programs (written to global memory and
+# fenced before their first load): train_throughput.py --ab wgrad-host.
 WGRAD_HOST_DESCRIPTORS = False
-# Persistent programs: this many per SM, each looping over work items (None: a program an item, the measured
-# default): no launch or pipeline drain between one item and the next (--ab wgrad-persistent).
+# Persistent programs an SM looping over the items (None: a program an item): --ab wgrad-persistent.
 WGRAD_PROGRAMS_PER_SM: int | None = None
 
 

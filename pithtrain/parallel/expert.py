@@ -20,10 +20,8 @@ from pithtrain.ops.kernels import dispatch_plan, expand, permute, unpermute  # T
 
 class LocalDispatch:
     def dispatch(self, x: torch.Tensor, routing: RoutingInfo, loads: torch.Tensor | None = None):
-        """x: [T, H]. Returns rows grouped by expert [T*k, H], rows per expert [E] (`loads`, the routing's
-        expert loads where already counted), and a handle. The rows offer FP8 experts their row-wise FP8
-        copy made from the tokens (`_fp8_rows`, called by grouped_gemm.fp8_expert_mm): each row is a copy
-        of its token's, so T rows are quantized, not T*k."""
+        """x: [T, H]. Returns rows grouped by expert [T*k, H], rows per expert [E] (`loads` where counted
+        already), a handle. The rows offer FP8 experts their FP8 copy quantized from the T tokens (`_fp8_rows`)."""
         topk = routing.topk_ids.shape[1]
         flat = routing.topk_ids.flatten()
         order = stable_argsort_ids(flat, routing.num_experts)  # (token, slot) pairs sorted by expert

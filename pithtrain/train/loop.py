@@ -356,9 +356,8 @@ def resume(config: RunConfig, model, optimizer, mesh: Mesh, found: Path | None, 
 def train_step(run: Run, step: int, stop) -> Stepped:
     """One optimizer step: the global batch's micro-batches forward and backward (the plain loop, or
     the pipeline's schedule), the step's sums reduced over the ranks, grad norm and clipping, the
-    optimizer, the routing-bias update. Ends with the optimizer's kernels queued, not drained: the host readies
-    the next step (its data, micro-batches and first launches) while they run, so the GPU does not wait for it
-    between steps. The next step's sync of its scalars waits for them: each step's time holds one optimizer."""
+    optimizer, the routing-bias update. Returns with the optimizer's kernels queued: the host readies the next
+    step while they run (the GPU does not wait between steps); that step's time holds them."""
     config, mesh = run.config, run.mesh
     t, o, device, model = config.train, config.optim, mesh.device, run.model
     if run.norms:
