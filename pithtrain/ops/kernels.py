@@ -198,8 +198,7 @@ def _(x, grad, alpha, limit, clamped):
 
 def glu_bwd_quantized(x: torch.Tensor, grad: torch.Tensor, alpha: float, limit: float, clamped: bool,
                       q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """_glu_bwd and the row-wise FP8 of its result, written into q (an FP8 tensor of x's shape): (dx, s).
-    Eager (the FP8 experts' backward)."""
+    """_glu_bwd and the row-wise FP8 of its result, written into q (FP8, x's shape): (dx, s). Eager only."""
     rows, inter = x.shape[0], x.shape[1] // 2
     dx, s = torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
     if dx.numel():
