@@ -128,6 +128,8 @@ def estimate(config, world: int) -> list[dict]:
             if micro_per_rank > 1:  # the pipeline adds expert gradients to the shards directly
                 parts["unsharded fp32 gradients (accumulation)"] = 4 * (dense + (0 if pipeline else expert / ep))
         parts["activations"] = act
+        if config.train.fp8_head and any(head for *_, head, _ in chunks):  # the loss backward's FP8 copy of d logits
+            parts["FP8 head's d logits copy"] = tokens * cfg.vocab_size  # (kernels.CE_FP8_GRAD; the main head's)
         if world > 1:  # all-to-all and FSDP buffers, the deferred-W queue, pipeline tape leaves
             parts["runtime buffers (multi-GPU, calibrated +12%)"] = MULTI_GPU_OVERHEAD * sum(parts.values())
         gib = {k: v / GIB for k, v in parts.items()}
