@@ -18,11 +18,9 @@ GIB = 2**30
 # Fitted to the one-H200 peaks of docs/performance.md (Memory: Qwen3-30B-A3B width 4, 8 and
 # 9 layers at micro-batches 2-4, DeepSeek-V2-Lite and GPT-OSS-20B widths; compiled): within 1.5%.
 ACTIVATION_FACTOR = 0.85  # on layer_activation_bytes
-HEAD_BYTES_PER_LOGIT = 5.0  # per token and vocabulary entry: the head's logits and the loss's chunks. Fitted
-# before the loss's gradient went over the logits (kernels.cross_entropy_sum(grad_in_place)), which should take
-# about 2 of these bytes off the GPU peak, and before the residual stream went bf16 (core.ACTIVATIONS_IN_COMPUTE_DTYPE):
-# 9 Qwen3 layers at micro-batch 4 now peak at 129.3 GiB (results.jsonl line 130) where this says 135.4, an
-# overestimate until refitted on new H200 peaks at the six shapes of tests/test_skills.py (one_gpu.sh's runs)
+HEAD_BYTES_PER_LOGIT = 5.0  # per token and vocabulary entry: the head's logits and the loss's chunks. Fitted before
+# the loss's gradient went over the logits and the residual stream went bf16: 9 Qwen3 layers at micro-batch 4 now
+# peak at 129.3 GiB (results.jsonl line 130) where this says 135.4, until refitted at tests/test_skills.py's shapes
 MULTI_GPU_OVERHEAD = 0.12  # 2 H200s, ep2, three widths: keeps the estimate 4-15% above the measured peaks
 
 
