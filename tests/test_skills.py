@@ -1,10 +1,12 @@
 """The skills' PASS/FAIL scripts decide correctly on known inputs."""
 
 import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from cli_util import run_script
 from conftest import tiny_config
@@ -443,3 +445,36 @@ def test_ab_test_switch_judges_gain_loss_and_noise(tmp_path, monkeypatch):
         bad = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--ab", ab, "--steps", steps, "--fp8",
                               "rowwise_bf16_wgrad"], capture_output=True, text=True)
         assert bad.returncode == 2 and reason in bad.stderr.splitlines()[-1], (ab, bad.stderr)
+
+
+def test_compile_kernels_records_launches_and_reports_compile_failures(tmp_path):
+    """compile-kernels: a launch's signature from its arguments (pointer dtypes, integer widths, a tensor
+    descriptor's block, constexprs and options); the compiling process (no interpreter) compiles a good launch
+    for sm90 and reports a bad one (a non-power-of-2 block) by kernel, constexprs and the compiler's message."""
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.runtime.jit import JITFunction
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    script = ".agents/skills/compile-kernels/compile_kernels.py"
+    tool = _load_script(script)
+    from pithtrain.ops import kernels
+
+    x = torch.zeros(64, 32, dtype=torch.bfloat16)
+    fn = JITFunction(kernels._wgrad_into_kernel.fn)
+    desc = TensorDescriptor.from_tensor(x, [16, 32])
+    args = (x, x, torch.zeros(3, dtype=torch.int32), torch.zeros(3, 32, 32), desc, desc, None, 3, 32, 2**31, 32, 32)
+    sig, constexprs, options = tool.signature_of(fn, args, dict(ASSIGN=True, TMA=True, HOST=True, REDUCE=False,
+                                                               PERSISTENT=False, BK=32, BM=32, BN=16, num_warps=4))
+    assert sig["x_ptr"] == "*bf16" and sig["ends_ptr"] == "*i32" and sig["grad_ptr"] == "*fp32"
+    assert sig["x_td"] == "tensordesc<bf16[16, 32]>" and sig["g_td"] == "constexpr" and constexprs["g_td"] is None
+    assert sig["experts"] == "i32" and sig["m_dim"] == "i64" and constexprs["BN"] == 16 and options == {"num_warps": 4}
+    good = {"module": "pithtrain.ops.kernels", "kernel": "_add_into_kernel", "options": {"num_warps": 8},
+            "signature": {"dst_ptr": "*fp32", "src_ptr": "*bf16", "n": "i32", "ASSIGN": "constexpr", "BLOCK": "constexpr"},
+            "constexprs": {"ASSIGN": False, "BLOCK": 1024}}
+    bad = dict(good, constexprs={"ASSIGN": False, "BLOCK": 1000})
+    launches = tmp_path / "launches.json"
+    launches.write_text(json.dumps([good, bad]))
+    out = subprocess.run([sys.executable, script, "--compile", str(launches)], capture_output=True, text=True,
+                         env={**os.environ, "PYTHONPATH": "."})
+    assert out.returncode == 0 and out.stdout.strip().endswith("failures: 1"), out.stdout + out.stderr
+    assert "_add_into_kernel {'ASSIGN': False, 'BLOCK': 1000}" in out.stdout and "power of 2" in out.stdout
