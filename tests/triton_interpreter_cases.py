@@ -583,17 +583,22 @@ def test_fp8_gate_up_input_gradient_quantized_by_the_activation_backward(interpr
     experts.gate_up = torch.nn.Parameter(torch.randn(3, hidden, 2 * inter) * 0.2)
     experts.down = torch.nn.Parameter(torch.randn(3, inter, hidden) * 0.2)
     x0, dy = torch.randn(20, hidden), torch.randn(20, hidden)
-    got = []
-    for fused in (True, False):
-        monkeypatch.setattr(fp8, "GLU_FP8_GRAD", fused)
-        experts.zero_grad(set_to_none=True)
-        x = x0.clone().requires_grad_()
-        h = grouped_gemm.expert_mm(x, experts, "gate_up", counts, torch.float32)
-        slot = h._fp8_dgrad
-        quantized.clear()
-        grouped_gemm.activation_mm(h, experts, counts, torch.float32).backward(dy)
-        assert slot == {}
-        got.append((x.grad, experts.gate_up.grad, [n for n in quantized if n == 2 * inter]))
-    (dx, dw, q_fused), (dx_plain, dw_plain, q_plain) = got
-    assert q_fused == [] and q_plain == [2 * inter]
-    assert torch.equal(dw, dw_plain) and (dx - dx_plain).norm() < 2e-2 * dx_plain.norm()
+    bias = torch.randn(3, 2 * inter) * 0.1
+    for gpt_oss in (False, True):  # GPT-OSS: the experts' bias added in between, the clamped activation
+        got = []
+        for fused in (True, False):
+            monkeypatch.setattr(fp8, "GLU_FP8_GRAD", fused)
+            experts.zero_grad(set_to_none=True)
+            x = x0.clone().requires_grad_()
+            h = grouped_gemm.expert_mm(x, experts, "gate_up", counts, torch.float32)
+            slot = h._fp8_dgrad
+            if gpt_oss:
+                h = kernels.expert_bias_add(h, bias, counts)
+            quantized.clear()
+            grouped_gemm.activation_mm(h, experts, counts, torch.float32, clamp=(1.702, 7.0) if gpt_oss else None
+                                       ).backward(dy)
+            assert slot == {}
+            got.append((x.grad, experts.gate_up.grad, [n for n in quantized if n == 2 * inter]))
+        (dx, dw, q_fused), (dx_plain, dw_plain, q_plain) = got
+        assert q_fused == [] and q_plain == [2 * inter]
+        assert torch.equal(dw, dw_plain) and (dx - dx_plain).norm() < 2e-2 * dx_plain.norm()

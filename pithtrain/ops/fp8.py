@@ -520,9 +520,7 @@ class _GLUQuantized(torch.autograd.Function):
         return dx, None, None, None, None
 
 
-# d gate_up's FP8 copy made by the activation's backward kernel (for gate_up from an FP8 expert GEMM, which carries
-# its slot) rather than by a quantize pass reading it again: the A/B of train_throughput.py --ab glu-fp8-grad.
-GLU_FP8_GRAD = True
+GLU_FP8_GRAD = True  # d gate_up's FP8 copy from the activation's backward, not a quantize pass (--ab glu-fp8-grad)
 
 
 def glu_quantized(gate_up: torch.Tensor, alpha: float = 1.0, limit: float = 0.0, clamped: bool = False):

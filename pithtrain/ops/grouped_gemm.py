@@ -338,8 +338,7 @@ class _FP8GroupedMM(torch.autograd.Function):
         return dx, None, None, None, None, None, None, None, None, None, None, None, None, None, None
 
 
-# FP8 experts take gate_up's FP8 input from the dispatch (parallel/expert.LocalDispatch: the tokens quantized,
-# then expanded) rather than quantizing the T*k expanded rows: the A/B of train_throughput.py --ab expand-fp8.
+# FP8 experts take gate_up's FP8 input from LocalDispatch (the T tokens quantized, then expanded; --ab expand-fp8)
 EXPAND_FP8 = True
 
 

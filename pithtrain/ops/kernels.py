@@ -730,8 +730,12 @@ class _ExpertBiasAdd(torch.autograd.Function):
 
 def expert_bias_add(x: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [N, D] rows grouped by expert (counts [E], summing to N) plus their expert's row of bias [E, D],
-    in x's dtype. The bias gradient is each expert's row sum (fp32 on the Triton path)."""
-    return _ExpertBiasAdd.apply(x, bias, counts) if use_triton(x) else expert_bias_add_reference(x, bias, counts)
+    in x's dtype. The bias gradient is each expert's row sum (fp32 on the Triton path). x's gradient is the
+    output's, passed through: so is the FP8 gradient slot of an FP8 expert GEMM's output (fp8.glu_quantized)."""
+    out = _ExpertBiasAdd.apply(x, bias, counts) if use_triton(x) else expert_bias_add_reference(x, bias, counts)
+    if hasattr(x, "_fp8_dgrad"):
+        out._fp8_dgrad = x._fp8_dgrad
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------
