@@ -731,7 +731,7 @@ class _ExpertBiasAdd(torch.autograd.Function):
 def expert_bias_add(x: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """x [N, D] rows grouped by expert (counts [E], summing to N) plus their expert's row of bias [E, D],
     in x's dtype. The bias gradient is each expert's row sum (fp32 on the Triton path). x's gradient is the
-    output's, passed through: so is the FP8 gradient slot of an FP8 expert GEMM's output (fp8.glu_quantized)."""
+    output's, passed through, and so is x's FP8 gradient slot (fp8.glu_quantized's)."""
     out = _ExpertBiasAdd.apply(x, bias, counts) if use_triton(x) else expert_bias_add_reference(x, bias, counts)
     if hasattr(x, "_fp8_dgrad"):
         out._fp8_dgrad = x._fp8_dgrad
@@ -835,8 +835,7 @@ def _(logits, labels):
     return losses, torch.empty_like(losses)
 
 
-# The backward's chunk of a row a program (benchmarks/kernels.py --only cross_entropy_sum sweeps others).
-CE_BWD_TILES = dict(BLOCK_V=2048, num_warps=8)
+CE_BWD_TILES = dict(BLOCK_V=2048, num_warps=8)  # the backward's chunk a program (kernels.py sweeps others)
 
 
 def _launch_ce_bwd(logits, labels, lse, grad, dlogits, fp8_out=None) -> None:
