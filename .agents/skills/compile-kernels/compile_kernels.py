@@ -21,6 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
+import runs  # noqa: E402
 
 
 TORCH_TO_TRITON = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64", "int64": "i64",
@@ -121,8 +125,7 @@ def main():
         import triton  # noqa: F401
         from triton.backends.compiler import GPUTarget  # noqa: F401
     except ImportError as e:
-        print(f"FAIL: needs pytest and Triton with its NVIDIA backend ({e})")
-        return 1
+        return runs.verdict(False, f"needs pytest and Triton with its NVIDIA backend ({e})")
     from pithtrain.ops import kernels
 
     collector = Collector()
@@ -138,8 +141,8 @@ def main():
              "-W", "ignore"] + (["-k", args.expr] if args.expr else [])
     code = pytest.main(cases)
     if code not in (0, 5) or not collector.launches:
-        print(f"FAIL: {'no kernel launched' if not collector.launches else f'the interpreter cases failed (pytest exit {code})'}")
-        return 1
+        return runs.verdict(False, "no kernel launched" if not collector.launches else
+                            f"the interpreter cases failed (pytest exit {code})")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(list(collector.launches.values()), f)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -151,11 +154,9 @@ def main():
     print(f"compiled {len(collector.launches)} distinct kernel launches for sm{args.arch} in {time.time() - began:.0f} s")
     print("\n".join(line for line in report if line.startswith("  ")))
     if failures:
-        print(f"FAIL: {failures} compile failures" if failures > 0 else
-              f"FAIL: the compiling process died (exit {out.returncode}): {out.stderr.strip()[-600:]}")
-        return 1
-    print(f"PASS: {len(collector.launches)} kernel specializations compile for sm{args.arch}")
-    return 0
+        return runs.verdict(False, f"{failures} compile failures" if failures > 0 else
+                            f"the compiling process died (exit {out.returncode}): {out.stderr.strip()[-600:]}")
+    return runs.verdict(True, f"{len(collector.launches)} kernel specializations compile for sm{args.arch}")
 
 
 if __name__ == "__main__":
