@@ -235,6 +235,10 @@ def ab_arms(args, parser):
             lambda run: fp8_arm(run.model, False, False), lambda run: fp8_arm(run.model, args.fp8, args.fp8_head)]
     if "mla-v" in switches and args.family not in ("deepseek_v2", "moonlight"):
         parser.error("--ab mla-v: MLA is the DeepSeek families' (--family deepseek_v2 or moonlight)")
+    fp8_only = [s for s in switches if s in ("ce-fp8-grad", "glu-fp8-grad", "expand-fp8")]
+    if fp8_only and args.fp8 == "off" or "ce-fp8-grad" in switches and not args.fp8_head:
+        parser.error(f"--ab {','.join(fp8_only)}: FP8 switches; give --fp8 rowwise_bf16_wgrad"
+                     + (" --fp8-head (ce-fp8-grad is the FP8 head's)" if "ce-fp8-grad" in switches else ""))
     if "wgrad-config" in switches and not args.wgrad_config:
         parser.error("--ab wgrad-config: its arm runs the tiles of --wgrad-config; give it as JSON")
     where = {"fused-proj": (fp8, "FUSED_PROJECTIONS"), "fused-wgrad": (grouped_gemm, "FUSED_WGRAD"),

@@ -478,3 +478,22 @@ def test_compile_kernels_records_launches_and_reports_compile_failures(tmp_path)
                          env={**os.environ, "PYTHONPATH": "."})
     assert out.returncode == 0 and out.stdout.strip().endswith("failures: 1"), out.stdout + out.stderr
     assert "_add_into_kernel {'ASSIGN': False, 'BLOCK': 1000}" in out.stdout and "power of 2" in out.stdout
+
+
+def test_train_throughput_refuses_bad_ab_switches_before_any_gpu_work(monkeypatch, capsys):
+    """benchmarks/train_throughput.py's --ab and its switch flags: one-line errors naming the flag and the fix,
+    checked before it asks for a GPU (which this machine lacks: the last error is that one)."""
+    tool = _load_script("benchmarks/train_throughput.py")
+    cases = [("--ab ce-fp8-grad --steps 12", "--fp8 rowwise_bf16_wgrad --fp8-head"),
+             ("--fp8 rowwise_bf16_wgrad --ab ce-fp8-grad --steps 12", "--fp8-head"),
+             ("--ab glu-fp8-grad,expand-fp8 --steps 12", "give --fp8 rowwise_bf16_wgrad"),
+             ("--ab wgrad-host,wgrad-host --steps 12", "distinct switches"),
+             ("--wgrad-per-sm -1", "--wgrad-per-sm -1: give 0"),
+             ("--ab wgrad-host,wgrad-persistent --steps 8", "needs --steps >= 12"),
+             ("--fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad,glu-fp8-grad,expand-fp8 --steps 20", "CUDA GPU")]
+    for argv, says in cases:
+        monkeypatch.setattr(sys, "argv", ["train_throughput.py", *argv.split()])
+        with pytest.raises(SystemExit) as stop:
+            tool.main()
+        err = capsys.readouterr().err.strip().splitlines()
+        assert stop.value.code == 2 and says in err[-1], (argv, err)
