@@ -88,6 +88,7 @@ def compile_all(path: str, arch: int) -> int:
     from triton.runtime.jit import JITFunction
 
     target, failures = GPUTarget("cuda", arch, 32), 0
+    print(f"triton {triton.__version__}")
     for entry in json.load(open(path)):
         module = importlib.import_module(entry["module"])
         kernel = getattr(module, entry["kernel"])
@@ -115,10 +116,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (90: H100/H200)")
     parser.add_argument("-k", dest="expr", help="pytest -k expression: only these interpreter cases")
+    parser.add_argument("--triton", metavar="DIR", help="compile with the Triton installed in DIR (the GPU image's "
+                        "version: pip install --no-deps --target DIR triton==3.6.0); default: this environment's")
     parser.add_argument("--compile", metavar="FILE", help=argparse.SUPPRESS)  # the second process's part
     args = parser.parse_args()
     if args.compile:
         return compile_all(args.compile, args.arch)
+    if args.triton and not (Path(args.triton) / "triton" / "__init__.py").is_file():
+        return runs.verdict(False, f"--triton {args.triton}: no triton package there (pip install --no-deps "
+                                   f"--target {args.triton} triton==VERSION)")
     os.environ["TRITON_INTERPRET"] = "1"  # this process runs the interpreter: set before triton is imported
     try:
         import pytest
@@ -146,12 +152,16 @@ def main():
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(list(collector.launches.values()), f)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if args.triton:
+        env["PYTHONPATH"] = os.pathsep.join([args.triton, env.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, __file__, "--arch", str(args.arch), "--compile", f.name], env=env,
                          capture_output=True, text=True)
+    version = next((line.split()[-1] for line in out.stdout.splitlines() if line.startswith("triton ")), "?")
     os.unlink(f.name)
     report = [line for line in out.stdout.splitlines() if line.startswith("  ") or line.startswith("failures:")]
     failures = int(report[-1].split()[1]) if report and report[-1].startswith("failures:") else -1
-    print(f"compiled {len(collector.launches)} distinct kernel launches for sm{args.arch} in {time.time() - began:.0f} s")
+    print(f"compiled {len(collector.launches)} distinct kernel launches for sm{args.arch} with Triton {version} in "
+          f"{time.time() - began:.0f} s")
     print("\n".join(line for line in report if line.startswith("  ")))
     if failures:
         return runs.verdict(False, f"{failures} compile failures" if failures > 0 else
