@@ -1197,6 +1197,10 @@ def _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, e, tile, e
         whole = start + (end - start) // BN * BN
         for r0 in range(start, whole, BN):
             acc = tl.dot(x_td.load([r0, k0]).T, dy_td.load([r0, m0]), acc)
+        if whole < end:  # the partial tile: the BN rows ending at `end`, those before `whole` zeroed in dy (counted
+            r0 = end - BN  # already, or the previous expert's; rows before 0 read as zeros)
+            keep = (r0 + tl.arange(0, BN)) >= whole
+            acc = tl.dot(x_td.load([r0, k0]).T, tl.where(keep[:, None], dy_td.load([r0, m0]), 0.0), acc)
     elif TMA:
         rows = tl.maximum(end - start, 1)  # a descriptor needs a row; an empty expert's loop never reads it
         x_desc = tl.make_tensor_descriptor(x_ptr + start.to(tl.int64) * x_stride, shape=[rows, k_dim],
@@ -1205,12 +1209,8 @@ def _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, e, tile, e
                                             strides=[dy_stride, 1], block_shape=[BN, BM])
         for r0 in range(0, end - start, BN):
             acc = tl.dot(x_desc.load([r0, k0]).T, dy_desc.load([r0, m0]), acc)
-    if HOST or not TMA:  # pointer loads: every row, or the last partial tile after the host descriptors' whole ones
-        if HOST:
-            first = whole
-        else:
-            first = start
-        for r0 in range(first, end, BN):
+    else:
+        for r0 in range(start, end, BN):
             r = r0 + tl.arange(0, BN)
             x = tl.load(x_ptr + r.to(tl.int64)[None, :] * x_stride + rk[:, None],
                         mask=(r < end)[None, :] & (rk < k_dim)[:, None], other=0.0)
@@ -1244,9 +1244,10 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, exp
     PERSISTENT programs taking items p, p + programs, ... (no launch between items). TMA (Hopper): x and dy
     tiles through tensor descriptors bounded to the expert's rows (zero-filled past them), x transposed in
     shared memory; else pointer loads. HOST (with TMA): descriptors made on the host over all rows, so the
-    expert's whole BN-row tiles go through them, its partial one through pointers. REDUCE (Hopper): the tile
-    leaves through a descriptor of grad, added in L2 by a bulk reduce (cp.reduce.async.bulk) without waiting
-    for the old values; one add an element a launch: the load-add-store's sums, bit for bit."""
+    expert's partial tile is read as the BN rows ending at its end, the ones before it masked out of dy.
+    REDUCE (Hopper): the tile leaves through a descriptor of grad, added in L2 by a bulk reduce
+    (cp.reduce.async.bulk) without waiting for the old values; one add an element a launch: the
+    load-add-store's sums, bit for bit."""
     if PERSISTENT:
         tiles = tl.cdiv(k_dim, BK) * tl.cdiv(m_dim, BM)
         for item in range(tl.program_id(0), experts * tiles, tl.num_programs(0)):
