@@ -77,8 +77,7 @@ class _Kernel:
 
 
 class _DeviceFunction:  # a Triton function called (inlined) by kernels, jit-compiled at the first launch
-    def __init__(self, fn):
-        self.fn = fn
+    def __init__(self, fn): self.fn = fn  # noqa: E704
 
 
 def _pow2(n: int) -> int:
@@ -1197,8 +1196,8 @@ def _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, e, tile, e
         whole = start + (end - start) // BN * BN
         for r0 in range(start, whole, BN):
             acc = tl.dot(x_td.load([r0, k0]).T, dy_td.load([r0, m0]), acc)
-        if whole < end:  # the partial tile: the BN rows ending at `end`, those before `whole` zeroed in dy (counted
-            r0 = end - BN  # already, or the previous expert's; rows before 0 read as zeros)
+        if whole < end:  # the BN rows ending at `end`; dy zeroed before `whole` (counted, or another expert's)
+            r0 = end - BN
             keep = (r0 + tl.arange(0, BN)) >= whole
             acc = tl.dot(x_td.load([r0, k0]).T, tl.where(keep[:, None], dy_td.load([r0, m0]), 0.0), acc)
     elif TMA:
