@@ -65,6 +65,10 @@ def wgrad(args):
                     "fused host persistent 2/SM": lambda: kernels.wgrad_into(grad, x, dy, counts, False, host=True,
                                                                              per_sm=2),
                     "fused persistent 2/SM": lambda: kernels.wgrad_into(grad, x, dy, counts, False, host=False, per_sm=2),
+                    # persistent programs keep the epilogue's 64 KB apart from the pipeline's (131 KB at 4 stages,
+                    # one program an SM): at 3 stages (115 KB) two fit an SM
+                    "fused host persistent 2/SM 3 stages": lambda: kernels.wgrad_into(
+                        grad, x, dy, counts, False, host=True, per_sm=2, cfg=dict(kernels.WGRAD_INTO_CONFIG, num_stages=3)),
                     "fused load-add-store": lambda: kernels.wgrad_into(grad, x, dy, counts, False, reduce=False),
                     "fused pointer loads": lambda: kernels.wgrad_into(grad, x, dy, counts, False, tma=False)}
             ref = kernels.add_into(grad.clone(), grouped_weight_grad(x, dy, counts, args.experts))
