@@ -216,8 +216,8 @@ AB_SWITCHES = ("fp8", "fused-proj", "fused-wgrad", "mla-v", "wgrad-config", "tri
 def ab_arms(args, parser):
     """--ab: ({switch: what arm A runs}, [(switch, what its arm runs)], the arms' setters, each given the loop's Run).
     Arm A runs every switch as this run's flags set it; each further arm (B, C, ...) flips one switch, the others
-    as in A. wgrad-config: its arm runs --wgrad-config's tiles, A the kernel's default; wgrad-persistent: 2
-    programs an SM against a program a work item; fp8 (alone): A bf16, B the --fp8 recipe (with --fp8-head as given)."""
+    as in A. wgrad-config: its arm runs --wgrad-config's tiles, A the kernel's default; wgrad-persistent:
+    persistent programs (--wgrad-per-sm's, else one an SM) against a program a work item; fp8 (alone): A bf16, B the --fp8 recipe (with --fp8-head as given)."""
     from pithtrain.models import deepseek_v2
     from pithtrain.ops import core, fp8, grouped_gemm, kernels
     from pithtrain.train import optim
@@ -249,8 +249,8 @@ def ab_arms(args, parser):
              "glu-fp8-grad": (fp8, "GLU_FP8_GRAD"), "expand-fp8": (grouped_gemm, "EXPAND_FP8")}
     a_values = {s: getattr(*where[s]) for s in switches}
     flipped = {s: args.wgrad_config if s == "wgrad-config" else not a_values[s] for s in switches}
-    if "wgrad-persistent" in switches:  # programs an SM: 2 against a program an item, or back
-        flipped["wgrad-persistent"] = None if a_values["wgrad-persistent"] else 2
+    if "wgrad-persistent" in switches:  # one program an SM (two do not fit at 4 stages) against one an item, or back
+        flipped["wgrad-persistent"] = None if a_values["wgrad-persistent"] else 1
 
     def setter(flip=None):
         def set_arm(run):
@@ -389,8 +389,8 @@ def main():
                         "as one Triton pass a parameter (the clip coefficient and the experts' bf16 copy in the pass)")
     parser.add_argument("--ab", metavar="SWITCH[,SWITCH...]", help=f"A/B in one run ({', '.join(AB_SWITCHES)}): "
                         "arm A with the switches as the flags set them, then one arm per switch with it flipped "
-                        "(wgrad-config: --wgrad-config's tiles against the default; wgrad-persistent: 2 programs "
-                        "an SM against one an item; fp8, alone: A bf16, B --fp8 "
+                        "(wgrad-config: --wgrad-config's tiles against the default; wgrad-persistent: persistent "
+                        "programs against one an item; fp8, alone: A bf16, B --fp8 "
                         "[--fp8-head]), taking turns step by step; each arm's median after its first two steps and "
                         "its ratio to A in one line. Same process, model and data: drift and call-to-call noise "
                         "cancel, and one compile serves every arm (with triton-adamw each step waits for its "
