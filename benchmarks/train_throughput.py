@@ -217,7 +217,8 @@ def ab_arms(args, parser):
     """--ab: ({switch: what arm A runs}, [(switch, what its arm runs)], the arms' setters, each given the loop's Run).
     Arm A runs every switch as this run's flags set it; each further arm (B, C, ...) flips one switch, the others
     as in A. wgrad-config: its arm runs --wgrad-config's tiles, A the kernel's default; wgrad-persistent:
-    persistent programs (--wgrad-per-sm's, else one an SM) against a program a work item; fp8 (alone): A bf16, B the --fp8 recipe (with --fp8-head as given)."""
+    persistent programs (--wgrad-per-sm's, else one an SM) against a program a work item; fp8 (alone): A bf16,
+    B the --fp8 recipe (with --fp8-head as given)."""
     from pithtrain.models import deepseek_v2
     from pithtrain.ops import core, fp8, grouped_gemm, kernels
     from pithtrain.train import optim
@@ -394,8 +395,9 @@ def main():
                         "[--fp8-head]), taking turns step by step; each arm's median after its first two steps and "
                         "its ratio to A in one line. Same process, model and data: drift and call-to-call noise "
                         "cancel, and one compile serves every arm (with triton-adamw each step waits for its "
-                        "optimizer; else a step's time holds the step before's). Without --profile-step the last step of each arm "
-                        "is profiled (ab_stage_ms) and left out of the medians: 6 steps an arm give each three")
+                        "optimizer; else a step's time holds the step before's). Without --profile-step the last "
+                        "step of each arm is profiled (ab_stage_ms) and left out of the medians: 6 steps an arm give "
+                        "each three")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     from pithtrain.models import deepseek_v2

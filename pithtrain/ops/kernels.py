@@ -816,16 +816,21 @@ def _ce_bwd_kernel(logits_ptr, labels_ptr, lse_ptr, grad_ptr, dlogits_ptr, amax_
         tl.store(s_ptr + row, s, mask=tl.program_id(1) == 0)
 
 
-@torch.library.custom_op("pithtrain::cross_entropy_fwd", mutates_args=())
-def _ce_fwd(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_ce_fwd(logits, labels, amax=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(losses, lse) a row; with `amax` (fp32 [rows]) each row's largest |softmax - onehot| there too."""
     rows, vocab = logits.shape
     losses = logits.new_empty(rows, dtype=torch.float32)
     lse = torch.empty_like(losses)
     if rows:
-        block_v = min(4096, _pow2(vocab))
-        _ce_fwd_kernel[(rows,)](logits, labels, losses, lse, lse, vocab, logits.stride(0), LANES=CE_LANE_STATS,
-                                AMAX=False, BLOCK_V=block_v, num_warps=8)
+        _ce_fwd_kernel[(rows,)](logits, labels, losses, lse, lse if amax is None else amax, vocab, logits.stride(0),
+                                LANES=CE_LANE_STATS, AMAX=amax is not None, BLOCK_V=min(4096, _pow2(vocab)),
+                                num_warps=8)
     return losses, lse
+
+
+@torch.library.custom_op("pithtrain::cross_entropy_fwd", mutates_args=())
+def _ce_fwd(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_ce_fwd(logits, labels)
 
 
 @_ce_fwd.register_fake
@@ -873,12 +878,8 @@ CE_FP8_GRAD = True
 
 def _ce_fwd_amax(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """_ce_fwd and each row's amax of |softmax - onehot| (eager: the FP8 head's path, never compiled)."""
-    losses = x.new_empty(x.shape[0], dtype=torch.float32)
-    lse, amax = torch.empty_like(losses), torch.empty_like(losses)
-    if x.shape[0]:
-        _ce_fwd_kernel[(x.shape[0],)](x, y, losses, lse, amax, x.shape[1], x.stride(0), LANES=CE_LANE_STATS,
-                                      AMAX=True, BLOCK_V=min(4096, _pow2(x.shape[1])), num_warps=8)
-    return losses, lse, amax
+    amax = x.new_empty(x.shape[0], dtype=torch.float32)
+    return (*_launch_ce_fwd(x, y, amax), amax)
 
 
 class _CrossEntropySum(torch.autograd.Function):
@@ -1279,8 +1280,7 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:
-    """The GPU's SMs (persistent launches); 2 for the interpreter on the CPU."""
+def _sm_count(device: torch.device) -> int:  # the GPU's SMs (persistent launches); 2 for the CPU's interpreter
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
 
 

@@ -239,7 +239,7 @@ def test_fused_weight_grad_into_against_cutlass_and_float64(k_dim, m_dim, assign
         assert rel_err(got, exact) < 1e-5
         assert torch.equal(kernels.wgrad_into(grad.clone(), x, dy, counts, assign, cfg=tiles), got)
         assert torch.equal(kernels.wgrad_into(grad.clone(), x, dy, counts, assign, reduce=False), fused)
-        for host in (False, True):  # the descriptors made on the host (the partial tile by pointers): as exact
+        for host in (False, True):  # the descriptors made on the host (the partial tile masked in dy): as exact
             got = kernels.wgrad_into(grad.clone(), x, dy, counts, assign, host=host)
             assert rel_err(got, exact) < 1e-5
             assert torch.equal(kernels.wgrad_into(grad.clone(), x, dy, counts, assign, host=host, reduce=False), got)
