@@ -7,6 +7,7 @@ import io
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -34,7 +35,7 @@ def test_preflight_passes(tmp_path):
     # DualPipeV needs 2*pp = 4 micro-batches per data rank: 16 / (micro 2 x 2 data ranks) = 4
     out = tmp_path / "run"
     result, _ = preflight("--nproc", "4", "--pp", "2", "--ep", "2", "--set", "train.micro_batch_size=2",
-                          "--out", str(out))
+                          "--set", f"data.path={tmp_path}", "--out", str(out))  # a directory on every host
     text = result.stdout
     assert result.returncode == 0 and text.strip().splitlines()[-1] == "PASS", text + result.stderr
     for line in ["mesh: pp=2 dp=1 cp=1 ep=2 (world 4)", "EP groups: [0, 1] [2, 3]", "pipeline stages of rank 0: [0, 2]",
@@ -87,7 +88,7 @@ def _checks(rank, world, corrupt):
     import torch.distributed as dist
 
     module = load_module()
-    argv = [CONFIG, "--pp", "2", "--ep", "2", "--set", "train.micro_batch_size=2"]
+    argv = [CONFIG, "--pp", "2", "--ep", "2", "--set", "train.micro_batch_size=2", "--set", f"data.path={Path(__file__).parent}"]
     args = module.build_parser().parse_args(["train", *argv])
     config = module.train_config(args)
     dist.destroy_process_group = lambda: None  # the harness ends the group itself

@@ -26,10 +26,48 @@ def test_validate_correctness_script(tmp_path):
     write(tmp_path / "c.jsonl", [5.0, 4.5 * (1 + 1e-3), 4.2])
     same = subprocess.run([sys.executable, SCRIPT, "--metrics", str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")],
                           capture_output=True, text=True)
-    assert same.returncode == 0 and same.stdout.strip().endswith("PASS")
+    assert same.returncode == 0 and same.stdout.strip().splitlines()[-1].startswith("PASS: steps 1..3 agree"), same.stdout
     differ = subprocess.run([sys.executable, SCRIPT, "--metrics", str(tmp_path / "a.jsonl"), str(tmp_path / "c.jsonl")],
                             capture_output=True, text=True)
-    assert differ.returncode == 1 and differ.stdout.strip().endswith("FAIL")
+    assert differ.returncode == 1 and differ.stdout.strip().splitlines()[-1] == (
+        "FAIL: loss at step 2: 4.5 vs 4.5045 (relative difference 1.0e-03 > 1e-05)"), differ.stdout
+
+
+@pytest.mark.fast
+def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, capsys):
+    """Steps are matched by number: a resumed run's repeated step counts once (its last line), shifted
+    steps FAIL naming them, a NaN never agrees; an unreadable file is one FAIL line naming it; a mesh
+    that cannot run (the doc's old `--nproc 4 --ep 2`) is refused before either run trains."""
+    def compare(*args):
+        return run_script(SCRIPT, *args)
+
+    write(tmp_path / "a.jsonl", [5.0, 4.5, 4.2])
+    lines = (tmp_path / "a.jsonl").read_text().splitlines(keepends=True)
+    (tmp_path / "resumed.jsonl").write_text(lines[0] + lines[1].replace("4.5", "9.9") + "".join(lines[1:]))
+    resumed = compare("--metrics", tmp_path / "a.jsonl", tmp_path / "resumed.jsonl")
+    assert resumed.returncode == 0 and resumed.stdout.splitlines()[-1].startswith("PASS: steps 1..3"), resumed.stdout
+    (tmp_path / "shifted.jsonl").write_text("".join(json.dumps({**json.loads(line), "step": json.loads(line)["step"] + 1}) + "\n"
+                                                    for line in lines))
+    shifted = compare("--metrics", tmp_path / "a.jsonl", tmp_path / "shifted.jsonl")
+    assert shifted.returncode == 1 and "only A [1], only B [4]" in shifted.stdout.splitlines()[-1], shifted.stdout
+    write(tmp_path / "nan.jsonl", [5.0, float("nan"), 4.2])
+    nan = compare("--metrics", tmp_path / "a.jsonl", tmp_path / "nan.jsonl")
+    assert nan.returncode == 1 and "worst relative difference: loss nan" in nan.stdout, nan.stdout
+    assert nan.stdout.splitlines()[-1].startswith("FAIL: loss at step 2: 4.5 vs nan (relative difference nan"), nan.stdout
+    (tmp_path / "text.jsonl").write_text(lines[0] + "oops\n")
+    (tmp_path / "nolb.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "grad_norm": 0.5}) + "\n")
+    for bad, says in [(tmp_path / "none.jsonl", "none.jsonl: no such file"), (tmp_path, "a directory, not a file"),
+                      (tmp_path / "text.jsonl", "text.jsonl line 2 is not JSON"), (tmp_path / "nolb.jsonl", "line 1 has no lb_loss")]:
+        out = compare("--metrics", tmp_path / "a.jsonl", bad)
+        assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and says in out.stdout, (bad, out.stdout)
+        assert len(out.stdout.splitlines()) == 1, out.stdout
+    meshes = compare("examples/qwen3_tiny.py", "--steps", 4, "--a", "--nproc 1", "--b", "--nproc 4 --ep 2", "--work", tmp_path / "w")
+    assert meshes.returncode == 1 and meshes.stdout.startswith("FAIL: run b (--nproc 4 --ep 2): train.global_batch_size=16 "
+                                                               "is not divisible"), meshes.stdout
+    assert not (tmp_path / "w").exists() and "$ " not in meshes.stdout  # nothing trained
+    for bad in ("nan", "-1"):
+        assert compare("--metrics", tmp_path / "a.jsonl", tmp_path / "a.jsonl", "--rtol", bad).returncode == 2
+        assert "argument --rtol: " in capsys.readouterr().err
 
 
 @pytest.mark.fast
@@ -48,7 +86,7 @@ def test_capture_profile_overlap_measure(tmp_path):
     ok = subprocess.run([sys.executable, script, "--trace", str(trace), "--min-overlap", "0.7"], capture_output=True, text=True)
     assert "overlapped with compute: 75.0%" in ok.stdout and ok.stdout.strip().endswith("PASS")
     low = subprocess.run([sys.executable, script, "--trace", str(trace), "--min-overlap", "0.8"], capture_output=True, text=True)
-    assert low.returncode == 1 and low.stdout.strip().endswith("FAIL: overlap 75.0% < 80%")
+    assert low.returncode == 1 and low.stdout.strip().endswith("FAIL: rank0: overlap 75.0% < 80%")
     assert "19.00 ms  matmul" not in ok.stdout and "0.02 ms  matmul" in ok.stdout  # 19 us of gemm kernels
     # an all-gather (20 us) nobody overlaps: 15 of 40 us in total, the all-to-alls alone still 75%
     events.append({"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather_RING_LL", "ts": 40, "dur": 20})
@@ -87,6 +125,29 @@ def test_capture_profile_names_what_the_host_did_while_the_gpu_idled(tmp_path):
     digest = _load_script("benchmarks/train_throughput.py").profile_digest(_profile_tool(), events)
     assert digest["idle_by_host_call"] == [[0.09, "cudaStreamSynchronize"], [0.09, "(between host calls)"]], digest
     assert digest["host_waits"] == [[0.09, 1, "step > aten::item > cudaStreamSynchronize"]], digest
+
+
+@pytest.mark.fast
+def test_capture_profile_names_ranks_and_refuses_bad_traces(tmp_path, capsys):
+    """A FAIL names each rank under the bar; a trace without NCCL kernels says so; a file that is no
+    Chrome trace is one FAIL line naming it; --step and --min-overlap are validated by argparse."""
+    script = ".agents/skills/capture-profile/profile_step.py"
+    cpu = [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 40}]
+    comm = [{"ph": "X", "cat": "kernel", "name": "ncclDevKernel_SendRecv", "ts": 0, "dur": 10}]
+    for name, events in (("rank0", comm), ("rank1", comm), ("cpu", cpu)):
+        (tmp_path / f"{name}.json").write_text(json.dumps({"traceEvents": events}))
+    (tmp_path / "text.json").write_text("not json")
+    (tmp_path / "other.json").write_text(json.dumps({"events": []}))
+    two = run_script(script, "--trace", tmp_path / "rank0.json", "--trace", tmp_path / "rank1.json", "--min-overlap", 0.2)
+    assert two.stdout.splitlines()[-1] == "FAIL: rank0: overlap 0.0% < 20%; rank1: overlap 0.0% < 20%", two.stdout
+    none = run_script(script, "--trace", tmp_path / "cpu.json", "--min-overlap", 0.2, "--kind", "all-to-all/p2p")
+    assert none.stdout.splitlines()[-1] == "FAIL: cpu: no NCCL all-to-all/p2p kernels (--min-overlap 20%)", none.stdout
+    for bad, says in ((tmp_path / "text.json", "text.json is not JSON"), (tmp_path / "other.json", "other.json is not a Chrome trace")):
+        out = run_script(script, "--trace", tmp_path / "rank0.json", "--trace", bad)
+        assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and says in out.stdout and len(out.stdout.splitlines()) == 1, out.stdout
+    for args in (["examples/qwen3_tiny.py", "--step", 0], ["--trace", tmp_path / "cpu.json", "--min-overlap", "nan"]):
+        assert run_script(script, *args).returncode == 2
+        assert "error: argument --" in capsys.readouterr().err, args
 
 
 def _load_script(path: str):
@@ -169,10 +230,42 @@ def test_add_new_model_parity_script(tmp_path):
               "head_dim": 10, "num_experts": 5, "num_experts_per_tok": 2, "max_position_embeddings": 64,
               "mlp_only_layers": [1], "attention_bias": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "tmp").mkdir()
     result = subprocess.run([sys.executable, ".agents/skills/add-new-model/check_parity.py", str(tmp_path / "config.json")],
-                            capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.strip().endswith("PASS"), result.stdout + result.stderr
+                            capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
+    assert result.returncode == 0 and result.stdout.strip().endswith("PASS: 5 checks"), result.stdout + result.stderr
     assert result.stdout.count("ok   ") == 5
+    assert not list((tmp_path / "tmp").glob("parity-*"))  # its HF copies removed (no --work)
+
+
+@pytest.mark.fast
+def test_add_new_model_parity_script_refuses_bad_configs_before_building(tmp_path, capsys):
+    """One FAIL line naming the file for every config it cannot check, before any model is built (a
+    model_type pithtrain has no family for used to build transformers' full-size default); argparse for
+    the numbers."""
+    script = ".agents/skills/add-new-model/check_parity.py"
+    good = {"model_type": "qwen3_moe", "vocab_size": 101, "hidden_size": 36, "intermediate_size": 40, "moe_intermediate_size": 20,
+            "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 10, "num_experts": 5,
+            "num_experts_per_tok": 2, "max_position_embeddings": 64}
+    cases = {"llama4.json": ({"model_type": "llama4"}, "model_type 'llama4' is not supported"),
+             "abc.json": (dict(good, hidden_size="abc"), "model.hidden_size='abc'"),
+             "k99.json": (dict(good, num_experts_per_tok=99), "num_experts_per_tok=99"),
+             "huge.json": (dict(good, hidden_size=16384, num_hidden_layers=100, num_experts=128, moe_intermediate_size=2048),
+                           "parameters need about"),
+             "list.json": ([1], "holds a JSON list")}
+    for name, (content, _) in cases.items():
+        (tmp_path / name).write_text(json.dumps(content))
+    (tmp_path / "bad.json").write_text("{")
+    (tmp_path / "empty").mkdir()
+    cases |= {"bad.json": (None, "bad.json is not JSON"), "empty": (None, "empty is no HF directory"),
+              "none": (None, "none: no such file or directory")}
+    for name, (_, says) in cases.items():
+        out = run_script(script, tmp_path / name)
+        assert out.returncode == 1 and out.stdout.startswith(f"FAIL: {tmp_path / name}") and says in out.stdout, (name, out.stdout)
+        assert len(out.stdout.splitlines()) == 1, out.stdout
+    for flag, value in (("--seq", 0), ("--batch", -1), ("--std", "nan")):
+        assert run_script(script, tmp_path / "abc.json", flag, value).returncode == 2
+        assert f"argument {flag}: " in capsys.readouterr().err
 
 
 def _estimator():
@@ -249,18 +342,46 @@ def test_estimate_memory_matches_the_measured_h200_peaks_and_fails_clearly():
     assert bad.returncode == 1 and bad.stdout.startswith("FAIL:") and "ep" in bad.stdout, bad.stdout
 
 
+@pytest.mark.fast
+def test_estimate_memory_searches_deep_estimates_fp8_without_gpu_and_refuses_bad_sizes(capsys):
+    """--max-layers finds depths far past the config's own (doubling, then bisecting), up to pithtrain's
+    limit; an FP8 run is estimated on a machine without FP8 tensor cores (here: none) as on the GPU; a
+    --gpu-mem that is not a finite positive number is argparse's error."""
+    from pithtrain.config import apply_override, load_run_config
+
+    est, script = _estimator(), ".agents/skills/estimate-memory/estimate_memory.py"
+    config = load_run_config("examples/qwen3_tiny.py")  # 4 layers
+    config.model.num_hidden_layers = 37
+    budget = max(r["total"] for r in est.estimate(config, 1)) + 1e-6
+    assert est.deepest(config, 1, budget) == 37 and est.deepest(config, 1, 0.0) is None
+    est.MAX_LAYERS = 48
+    assert est.deepest(config, 1, 1e9) == 48
+    fp8 = run_script(script, "examples/qwen3_tiny.py", "--set", "train.fp8=rowwise")
+    apply_override(config, "train.fp8=rowwise")
+    config.model.num_hidden_layers = 4
+    total = est.estimate(config, 1)[0]["total"]
+    assert fp8.returncode == 0 and "FP8 weight caches" in fp8.stdout, fp8.stdout
+    assert fp8.stdout.splitlines()[-1].startswith(f"PASS: {total:.1f} GiB"), fp8.stdout
+    for bad in ("nan", "inf", "-5", "0"):
+        assert run_script(script, "examples/qwen3_tiny.py", "--gpu-mem", bad).returncode == 2
+        assert f"argument --gpu-mem: '{bad}': expected a finite number > 0" in capsys.readouterr().err
+
+
 def test_validate_correctness_compares_fp8_with_full_precision(tmp_path, dataset_dir):
     """The skill's FP8 procedure: the same run with and without FP8 (emulated on the CPU), PASS within
     FP8's tolerance, and a real difference (FP8 ran)."""
     from conftest import write_run_file
 
     run = write_run_file(tmp_path / "run.py", dataset_dir)
+    (tmp_path / "tmp").mkdir()
     out = subprocess.run([sys.executable, SCRIPT, str(run), "--steps", "3", "--a", "--nproc 1",
                           "--b", "--nproc 1 --set train.fp8=rowwise --set train.fp8_emulate=true",
-                          "--rtol", "1e-2", "--rtol-aux", "5e-2"], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+                          "--rtol", "1e-2", "--rtol-aux", "5e-2"], capture_output=True, text=True,
+                         env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].startswith("PASS: steps 1..3 agree"), out.stdout + out.stderr
     worst = float(out.stdout.split("worst relative difference: loss ")[1].split(",")[0])
     assert 0 < worst < 1e-2
+    assert not list((tmp_path / "tmp").glob("validate-*"))  # its runs removed (no --work)
 
 
 def test_resume_and_reshard_continues_the_curve_on_another_mesh(tmp_path, dataset_dir):
@@ -271,14 +392,57 @@ def test_resume_and_reshard_continues_the_curve_on_another_mesh(tmp_path, datase
     script = ".agents/skills/resume-and-reshard/reshard_resume.py"
     run = write_run_file(tmp_path / "run.py", dataset_dir)
     common = [str(run), "--steps", "4", "--stop-after", "2", "--set", "train.dtype=fp32"]
+    mesh = run_script(script, *common, "--b", "--nproc 3 --ep 2", "--work", tmp_path / "mesh")
+    assert mesh.returncode == 1 and mesh.stdout.startswith("FAIL: mesh B (--nproc 3 --ep 2): mesh pp=1 x cp=1 x ep=2"), mesh.stdout
+    assert not (tmp_path / "mesh").exists()  # refused before mesh A trained
     ok = run_script(script, *common, "--a", "--nproc 2 --ep 2", "--b", "--nproc 1", "--ref", "--nproc 1",
                     "--work", tmp_path / "ok")
-    assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS"), ok.stdout + ok.stderr
+    assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("PASS: steps 1..4 agree"), ok.stdout + ok.stderr
     assert "resumed from" in ok.stdout and ok.stdout.count("step    ") == 4
     bad = run_script(script, *common, "--a", "--nproc 1", "--b", "--nproc 1 --set optim.lr=1e-2", "--work", tmp_path / "bad")
-    assert bad.returncode == 1 and bad.stdout.strip().endswith("FAIL"), bad.stdout + bad.stderr
+    assert bad.returncode == 1 and bad.stdout.strip().splitlines()[-1].startswith("FAIL: loss at step 4: "), bad.stdout + bad.stderr
     over = [line for line in bad.stdout.splitlines() if line.endswith("<-- over tolerance")]
     assert over and over[0].startswith("step    4      loss"), bad.stdout  # lr 1e-2 from the update of step 3 on
+
+
+PREFLIGHT = ".agents/skills/launch-multi-node/preflight.py"
+
+
+def _preflight_checks(rank, world, data):
+    """The preflight's checks in this worker's process group, data.path set to `data`: (exit code, output)."""
+    import contextlib
+    import io
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    tool = _load_script(PREFLIGHT)
+    config = tool.train_config(tool.build_parser().parse_args(["train", "examples/qwen3_tiny.py", "--set", f"data.path={data}"]))
+    dist.destroy_process_group = lambda: None  # the harness ends the group itself
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        code = tool.checks(config, SimpleNamespace(out=None), tool.pick_device("cpu"))
+    return code, text.getvalue()
+
+
+def test_launch_preflight_refuses_a_file_as_out_and_fails_where_no_host_has_the_data(tmp_path, capsys, monkeypatch):
+    """--out naming a file (or a path through one): one FAIL line before any worker starts. A data.path that
+    is a directory on no host: FAIL (every rank of the job opens it); one that is: PASS."""
+    from dist_util import run_fn
+
+    tool = _load_script(PREFLIGHT)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setattr(tool, "launch_local", lambda *a: pytest.fail("workers started"))
+    for out in ("README.md", "README.md/run"):
+        assert tool.main(["examples/qwen3_tiny.py", "--nproc", "2", "--ep", "2", "--out", out]) == 1
+        assert capsys.readouterr().out.strip() == (f"FAIL: --out {out}: README.md is a file, not a directory; "
+                                                   "choose a directory that every node mounts")
+    [(code, out)] = run_fn(1, _preflight_checks, tmp_path / "none")
+    assert code == 1 and out.strip().splitlines()[-1] == (f"FAIL: data.path '{tmp_path / 'none'}' is not a directory on any "
+                                                          "host (" + out.split("  rank    0  ")[1].split()[0] + "): make the "
+                                                          "dataset there (setup-benchmark-inputs) or --set data.path=DIR"), out
+    [(code, out)] = run_fn(1, _preflight_checks, tmp_path)
+    assert code == 0 and out.strip().splitlines()[-1] == "PASS", out
 
 
 def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):
@@ -292,7 +456,8 @@ def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):
             return subprocess.run([sys.executable, script, *map(str, args)], capture_output=True, text=True)
         return run_script(script, *args)
 
-    for family, vocab in (("qwen3", 151936), ("deepseek_v2", 102400), ("gpt_oss", 201088)):
+    for family, vocab in (("qwen3", 151936), ("deepseek_v2", 102400), ("gpt_oss", 201088), ("qwen3_5", 248320),
+                          ("deepseek_v3", 129280), ("moonlight", 163840)):
         out = make("random", "--family", family, "--tokens", 500, "--out", tmp_path / family, process=family == "qwen3")
         assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
         assert f"num_tokens=500, num_docs=1, vocab_size={vocab}" in out.stdout, out.stdout
@@ -303,6 +468,17 @@ def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):
     corpus = make("corpus", tmp_path / "text", "--vocab-size", 280, "--out", tmp_path / "mine")
     assert corpus.returncode == 0 and corpus.stdout.strip().endswith("PASS"), corpus.stdout + corpus.stderr
     assert (tmp_path / "mine" / "tokenizer.json").is_file()
+    # random tokens never replace a dataset without --overwrite (its tokenizer is not random's to delete), nor other files
+    keep = make("random", "--family", "gpt_oss", "--tokens", 100, "--out", tmp_path / "mine")
+    assert keep.stdout.strip() == f"FAIL: --out {tmp_path / 'mine'} already holds a dataset; choose a new directory, or pass " \
+        "--overwrite to replace it" and (tmp_path / "mine" / "tokenizer.json").is_file(), keep.stdout
+    other = make("random", "--family", "gpt_oss", "--tokens", 100, "--out", tmp_path / "text")
+    assert other.stdout.startswith(f"FAIL: --out: {tmp_path / 'text'} already holds files that are not part of a pithtrain dataset"), other.stdout
+    assert len(other.stdout.splitlines()) == 1
+    again = make("random", "--family", "qwen3", "--tokens", 100, "--out", tmp_path / "qwen3_5", "--overwrite")
+    assert again.returncode == 0 and "num_tokens=100, num_docs=1, vocab_size=151936" in again.stdout, again.stdout
+    for bad in (["check", "--out", tmp_path / "mine", "--vocab", -1], ["random", "--family", "qwen3", "--tokens", 1, "--out", tmp_path / "x"]):
+        assert make(*bad).returncode == 2
     small = make("check", "--out", tmp_path / "qwen3", "--vocab", 64)
     assert small.returncode == 1 and "model's vocab_size is 64" in small.stdout, small.stdout
     assert small.stdout.strip().endswith(f"FAIL: {tmp_path / 'qwen3'} is not a usable dataset"), small.stdout
@@ -335,8 +511,21 @@ def test_track_experiments_checks_every_step_is_logged(tmp_path, dataset_dir):
     lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
     (run / "metrics.jsonl").write_text(lines[0] + lines[2])
     lost = check()
-    assert lost.returncode == 1 and "metrics.jsonl: missing steps [2]" in lost.stdout and lost.stdout.strip().endswith("FAIL")
+    assert lost.returncode == 1 and lost.stdout.strip().endswith("FAIL: metrics.jsonl: missing steps [2]"), lost.stdout
+    (run / "metrics.jsonl").write_text("")
+    empty = check()
+    assert empty.returncode == 1 and empty.stdout.strip().endswith("FAIL: metrics.jsonl: missing steps [1, 2, 3]"), empty.stdout
+    (run / "metrics.jsonl").write_text(lines[0] + "garbage\n" + lines[2])
+    garbage = check()
+    assert garbage.stdout.strip() == f"FAIL: {run / 'metrics.jsonl'} line 2 is not JSON (Expecting value)", garbage.stdout
     (run / "metrics.jsonl").write_text("".join(lines))
+    config = (run / "run_config.json").read_text()
+    for text, says in (("{", "run_config.json is not JSON"), ('{"model": {}}', "run_config.json holds no train.steps")):
+        (run / "run_config.json").write_text(text)
+        out = check()
+        assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and says in out.stdout and len(out.stdout.splitlines()) == 1, out.stdout
+    (run / "run_config.json").write_text(config)
+    assert check("--steps", "0").returncode == 2  # argparse: an integer >= 1
     shutil.rmtree(run / "tensorboard")
     assert check().returncode == 0  # event files are checked when present
     gone = check("--tensorboard")
@@ -411,13 +600,17 @@ def test_ab_test_switch_judges_gain_loss_and_noise(tmp_path, monkeypatch):
     assert loss.returncode == 1 and loss.stdout.splitlines()[-1].startswith("FAIL: B is 2.8% slower"), loss.stdout
     noise = run_script(script, "--from-results", results, "--line", 3)
     assert noise.returncode == 1 and "within the noise (3.7%" in noise.stdout.splitlines()[-1], noise.stdout
-    for args, reason in [(["--from-results", results], "line 4 is not a train_throughput.py --ab run"),
+    latest = run_script(script, "--from-results", results)  # the last line is no A/B run: the latest that is
+    assert latest.stdout.splitlines()[0] == f"judging line 3 of {results}, its latest train_throughput.py --ab run", latest.stdout
+    assert latest.returncode == 1 and "within the noise (3.7%" in latest.stdout.splitlines()[-1], latest.stdout
+    for args, reason in [(["--from-results", results, "--line", 4], "line 4 is not a train_throughput.py --ab run"),
                          (["--from-results", results, "--line", 9], "--line 9: "),
                          (["--from-results", tmp_path / "none.jsonl"], "no such results file"),
-                         (["--from-results", results, "--min-gain", -0.1], "--min-gain -0.1: must be >= 0"),
                          ([], "give SWITCH")]:
         out = run_script(script, *args)
         assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and reason in out.stdout, (args, out.stdout)
+    for gain in ("-0.1", "nan"):
+        assert run_script(script, "--from-results", results, "--min-gain", gain).returncode == 2  # argparse's one line
     # three arms in one run (train_throughput.py --ab fused-proj,triton-adamw): each flipped arm judged against A
     a, b, c = (warm + [75_000, 75_400, 75_200, 60_000], warm + [73_000, 73_300, 73_100, 61_000],
                warm + [78_000, 78_300, 78_100, 61_000])

@@ -88,6 +88,28 @@ def test_debug_divergence_bisect_names_the_factor_that_changes_the_run(tmp_path,
 
 
 @pytest.mark.fast
+def test_debug_divergence_refuses_what_it_cannot_diagnose_before_any_run(tmp_path, dataset_dir, capsys):
+    """A --run that is no run directory, or logged no step, or holds a line that is no metrics line; a mesh
+    `pithtrain train` refuses (the run's or a factor's): one FAIL line, nothing trained. An unknown factor
+    and a --jump that is not a finite number > 1: argparse's error."""
+    config = write_run_file(tmp_path / "run.py", dataset_dir)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "metrics.jsonl").write_text("oops\n")
+    for args, says in [(["--run", tmp_path / "none"], f"--run {tmp_path / 'none'}: no metrics.jsonl (not a run directory)"),
+                       (["--run", tmp_path / "empty"], f"--run {tmp_path / 'empty'}: metrics.jsonl logs no step; nothing to diagnose"),
+                       (["--run", tmp_path / "text"], f"--run: {tmp_path / 'text' / 'metrics.jsonl'} line 1 is not JSON (Expecting value)"),
+                       (["--args", "--nproc 3 --ep 2"], "the run (--nproc 3 --ep 2): mesh pp=1 x cp=1 x ep=2 = 2 does not divide")]:
+        out = run_script(DIVERGENCE, config, "--steps", 300, "--factors", "dtype", "--work", tmp_path / "w", *args)
+        assert out.returncode == 1 and out.stdout.strip().startswith(f"FAIL: {says}"), (args, out.stdout)
+        assert "$ " not in out.stdout and not (tmp_path / "w").exists(), out.stdout  # nothing ran
+    for flag, value in (("--factors", "dtype,foo"), ("--jump", 1), ("--jump", 0), ("--jump", "nan"), ("--steps", 0)):
+        assert run_script(DIVERGENCE, config, "--steps", 3, flag, value).returncode == 2
+        assert f"argument {flag}: " in capsys.readouterr().err, (flag, value)
+
+
+@pytest.mark.fast
 def test_debug_divergence_one_process_variant_of_a_mesh():
     """The mesh factor drops every mesh flag (and its value) and keeps the rest."""
     import argparse
@@ -100,7 +122,8 @@ def test_debug_divergence_one_process_variant_of_a_mesh():
     tool = runs.skill_script("debug-divergence/debug_divergence.py")
     config = RunConfig.__new__(RunConfig)
     config.train = type("T", (), {"dtype": "auto", "compile": False})()
-    args = argparse.Namespace(args="--nproc 4 --pp 2 --ep 2 --hsdp --set train.seed=3", factors="mesh,compile,dtype,triton")
+    args = argparse.Namespace(args="--nproc 4 --pp 2 --ep 2 --hsdp --set train.seed=3",
+                              factors=tool.factor_list("mesh,compile,dtype,triton"))
     found = {v[0]: v[1:] for v in tool.variants(args, config, cuda=True)}
     assert found["mesh"][1] == "--set train.seed=3 --nproc 1"
     assert found["compile"][2] == ["train.compile=True"] and found["dtype"][2] == ["train.dtype=fp32"]
@@ -130,6 +153,23 @@ def test_debug_memory_on_a_real_cpu_step(tmp_path, dataset_dir):
     assert tight.returncode == 1 and tight.stdout.strip().splitlines()[-1].startswith("FAIL: peak"), tight.stdout + tight.stderr
     bad = run_script(MEMORY, config, "--nproc", 3, "--ep", 2)
     assert bad.returncode == 1 and bad.stdout.startswith("FAIL:") and "ep" in bad.stdout, bad.stdout
+    # a record is judged against the run that wrote it (RUN/run_config.json, the ranks' records), not other arguments
+    fake = tmp_path / "fake" / "memory"
+    fake.mkdir(parents=True)
+    (fake / "rank0.json").write_text("{")
+    for args, says in [(["--set", "model.num_hidden_layers=3"], "model.num_hidden_layers 2 vs 3"),
+                       (["--nproc", 2, "--ep", 2], "parallel.ep 1 vs 2; 1 rank records vs --nproc 2"),
+                       (["--snapshot", tmp_path / "none.json"], "none.json: no such file"),
+                       (["--snapshot", fake / "rank0.json"], f"no {tmp_path / 'fake' / 'run_config.json'}")]:
+        out = run_script(MEMORY, config, "--snapshot", record, *args)
+        assert out.returncode == 1 and out.stdout.startswith("FAIL: --snapshot ") and says in out.stdout, (args, out.stdout)
+        assert len(out.stdout.splitlines()) == 1, out.stdout
+    (fake.parent / "run_config.json").write_text((record.parent.parent / "run_config.json").read_text())
+    text = run_script(MEMORY, config, "--snapshot", fake / "rank0.json")
+    assert text.stdout.strip() == f"FAIL: {fake / 'rank0.json'} is not JSON (Expecting property name enclosed in double " \
+        "quotes: line 1 column 2 (char 1))", text.stdout
+    for margin in ("-1", "nan"):
+        assert run_script(MEMORY, config, "--snapshot", record, "--margin", margin).returncode == 2
 
 
 @pytest.mark.fast

@@ -197,6 +197,33 @@ def test_analyze_nsys_profile_fails_clearly(tmp_path):
     assert gone.returncode == 1 and "nsys export --type sqlite" in gone.stdout, gone.stdout
 
 
+@pytest.mark.fast
+def test_analyze_nsys_profile_names_what_an_export_lacks(tmp_path):
+    """A table or a column the analysis reads that the export lacks, a file that is no SQLite database: one
+    FAIL line naming it. No NCCL kernel under --min-overlap: said so. Thresholds out of range: argparse's error."""
+    import sqlite3
+
+    def analyze(*args):
+        return subprocess.run([sys.executable, ANALYZE, *map(str, args)], capture_output=True, text=True)
+
+    for name, change in (("runtime", "DROP TABLE CUPTI_ACTIVITY_KIND_RUNTIME"), ("column", "ALTER TABLE CUPTI_ACTIVITY_KIND_KERNEL DROP COLUMN shortName"),
+                         ("nccl", "UPDATE CUPTI_ACTIVITY_KIND_KERNEL SET demangledName = 1, shortName = 1 WHERE demangledName = 3")):
+        db = sqlite3.connect(_nsys_sqlite(tmp_path / f"{name}.sqlite"))
+        db.execute(change)
+        db.commit()
+        db.close()
+    (tmp_path / "text.sqlite").write_text("not a database\n")
+    for args, says in [([tmp_path / "runtime.sqlite"], f"{tmp_path / 'runtime.sqlite'} has no table CUPTI_ACTIVITY_KIND_RUNTIME ("),
+                       ([tmp_path / "column.sqlite"], f"{tmp_path / 'column.sqlite'}: no such column: k.shortName; expected an nsys"),
+                       ([tmp_path / "text.sqlite"], f"{tmp_path / 'text.sqlite'}: file is not a database; expected an nsys"),
+                       ([tmp_path / "nccl.sqlite", "--min-overlap", 0.5], f"process {PID}: no NCCL kernels (--min-overlap 50%)")]:
+        out = analyze(*args)
+        assert out.returncode == 1 and out.stdout.strip().splitlines()[-1].startswith(f"FAIL: {says}"), (args, out.stdout + out.stderr)
+    for flag, value in (("--min-overlap", "nan"), ("--min-overlap", 2), ("--gap-us", -5)):
+        out = analyze(tmp_path / "nccl.sqlite", flag, value)
+        assert out.returncode == 2 and f"argument {flag}: " in out.stderr.splitlines()[-1], out.stderr
+
+
 CAPTURE = ".agents/skills/capture-nsys-profile/capture_nsys.py"
 
 # Stands in for Nsight Systems on the CPU: `profile` records the environment it got, runs the

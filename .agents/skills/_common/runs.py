@@ -1,5 +1,6 @@
-"""Helpers the skill scripts share: load another skill's script, launch a short `pithtrain train`
-and keep what it said, read a run's metrics.
+"""Helpers the skill scripts share: load another skill's script, check and launch a short `pithtrain
+train` and keep what it said, read a run's metrics and other JSON inputs, validated argument types,
+the scripts' working directories.
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
     import runs
@@ -7,15 +8,110 @@ and keep what it said, read a run's metrics.
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import importlib.util
 import json
+import math
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 SKILLS = Path(__file__).resolve().parent.parent
+
+
+class BadInput(Exception):
+    """A file or argument a script cannot use; its message, one line naming it and what is wrong, is
+    what the script prints (`FAIL: ...`)."""
+
+
+def number(kind=float, low=None, high=None, above=None):
+    """An argparse type: a finite `kind` (float or int) >= low, <= high, > above (each where given); any
+    other value is argparse's one-line error naming the argument."""
+    rule = " and ".join(r for r in (above is not None and f"> {above:g}", low is not None and f">= {low:g}",
+                                    high is not None and f"<= {high:g}") if r)
+
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if (value is None or not math.isfinite(value) or (above is not None and not value > above)
+                or (low is not None and value < low) or (high is not None and value > high)):
+            raise argparse.ArgumentTypeError(f"{text!r}: expected {'an integer' if kind is int else 'a finite number'} {rule}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+COUNT = number(int, low=1)  # steps, sizes, line numbers
+POSITIVE = number(above=0)  # GiB, microseconds, a std
+NON_NEGATIVE = number(low=0)  # margins, tolerances, gains
+FRACTION = number(low=0, high=1)  # overlap shares
+
+
+def _file(path) -> Path:
+    path = Path(path)
+    if not path.is_file():
+        raise BadInput(f"{path}: {'a directory, not a file' if path.is_dir() else 'no such file'}")
+    return path
+
+
+def read_json(path):
+    """A JSON file's content; BadInput naming the file when it is missing, a directory or not JSON."""
+    try:
+        return json.loads(_file(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path} is not JSON ({e})") from None
+
+
+def read_jsonl(path, keys=("step",)) -> list[dict]:
+    """Every line of a JSON-lines file (metrics.jsonl) as a dict holding the numbers `keys` (`step` an
+    integer); BadInput naming the file and line otherwise. A last line without its newline that does not
+    parse was cut short by a killed run: dropped, as pithtrain's read_metrics does."""
+    lines = _file(path).read_text(errors="replace").splitlines(keepends=True)
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if n == len(lines) and not line.endswith("\n"):
+                break
+            raise BadInput(f"{path} line {n} is not JSON ({e.msg})") from None
+        for key in keys:
+            value = row.get(key) if isinstance(row, dict) else None
+            if isinstance(value, bool) or not isinstance(value, int if key == "step" else (int, float)):
+                raise BadInput(f"{path} line {n} has no {key} ({'an integer' if key == 'step' else 'a number'}): "
+                               f"not a metrics line of pithtrain")
+        rows.append(row)
+    return rows
+
+
+def by_step(rows: list[dict]) -> list[dict]:
+    """One row per step, in step order; a repeated step (a resumed run appends) keeps its last line."""
+    steps = {m["step"]: m for m in rows}
+    return [steps[s] for s in sorted(steps)]
+
+
+@contextlib.contextmanager
+def workdir(given, prefix: str):
+    """The directory of a script's runs: `given` (its --work, kept), else a temporary one removed when
+    the script ends."""
+    if given:
+        yield Path(given)
+        return
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def skill_script(relative: str):
@@ -27,16 +123,48 @@ def skill_script(relative: str):
     return module
 
 
+def train_args(config: str, out: Path, steps: int, extra: str = "", sets=(), stop_after: int | None = None,
+               checkpoints: bool = True) -> list[str]:
+    """The arguments of `pithtrain train CONFIG --out OUT --steps N [extra] [--stop-after K] [--set ...]`.
+    checkpoints=False: none written (a throwaway run of a large model saves minutes and disk)."""
+    args = ["train", str(config), "--out", str(out), "--steps", str(steps), *shlex.split(extra)]
+    if stop_after is not None:
+        args += ["--stop-after", str(stop_after)]
+    for s in [*sets, *([] if checkpoints else ["train.checkpoint_every=-1"])]:
+        args += ["--set", s]
+    return args
+
+
+def check_train(what: str, *args, **kwargs) -> str | None:
+    """Why `pithtrain train` would refuse the run of train_args(*args, **kwargs) at its start (the config,
+    the overrides and the mesh, validated as the launch does), named `what`; None when it would start.
+    A script checks every run it will make before training any."""
+    from pithtrain.cli import build_parser, train_config
+    from pithtrain.config import UserError, validate
+
+    try:
+        parsed = build_parser().parse_args(train_args(*args, **kwargs))
+    except (SystemExit, ValueError) as e:  # argparse's own message is above; a shlex quote error is not
+        return f"{what}: not `pithtrain train` arguments{f' ({e})' if isinstance(e, ValueError) else ''}"
+    try:
+        validate(train_config(parsed), world_size=parsed.nproc)
+    except UserError as e:
+        return f"{what}: {e}"
+    return None
+
+
+def refusal(config: str, steps: int, planned) -> str | None:
+    """Why `pithtrain train` would refuse the first of the planned runs of CONFIG that it refuses: each
+    (what, extra arguments, --set overrides, stop_after); None when every one would start."""
+    return next((why for what, extra, sets, stop in planned
+                 if (why := check_train(f"{what} ({extra})", config, "OUT", steps, extra, sets, stop))), None)
+
+
 def train(config: str, out: Path, steps: int, extra: str = "", sets=(), stop_after: int | None = None,
           env: dict | None = None, quiet: bool = False, checkpoints: bool = True) -> tuple[int, str]:
-    """`pithtrain train CONFIG --out OUT --steps N [extra] [--set ...]`; returns (exit code, output).
-    checkpoints=False: none written (a throwaway run of a large model saves minutes and disk).
-    Its step, error and done lines are shown as they come (all of them without quiet); all are kept."""
-    cmd = [sys.executable, "-m", "pithtrain", "train", config, "--out", str(out), "--steps", str(steps), *shlex.split(extra)]
-    if stop_after is not None:
-        cmd += ["--stop-after", str(stop_after)]
-    for s in [*sets, *([] if checkpoints else ["train.checkpoint_every=-1"])]:
-        cmd += ["--set", s]
+    """`pithtrain train` with train_args(...); returns (exit code, output). Its step, error and done lines
+    are shown as they come (all of them without quiet); all are kept."""
+    cmd = [sys.executable, "-m", "pithtrain", *train_args(config, out, steps, extra, sets, stop_after, checkpoints)]
     shown_env = " ".join(f"{k}={v}" for k, v in (env or {}).items())
     print("$", (shown_env + " " if shown_env else "") + shlex.join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
@@ -48,13 +176,10 @@ def train(config: str, out: Path, steps: int, extra: str = "", sets=(), stop_aft
     return proc.wait(), "".join(lines)
 
 
-def metrics(run_dir: Path) -> list[dict]:
-    """The metrics of each step once (a resumed run appends; a repeated step keeps its last line)."""
+def metrics(run_dir: Path, keys=("step",)) -> list[dict]:
+    """The metrics of each step once (by_step); [] when the run wrote no metrics.jsonl."""
     path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    steps = {m["step"]: m for m in (json.loads(line) for line in path.read_text().splitlines() if line.strip())}
-    return [steps[s] for s in sorted(steps)]
+    return by_step(read_jsonl(path, keys)) if path.exists() else []
 
 
 def verdict(ok: bool, message: str = "") -> int:

@@ -10,7 +10,7 @@ arms B, C, ... (each flips its switch against arm A: one compile for all), and -
 others' ratios are printed). The run is `train_throughput.py --seq 4096 --compile --skip-transformers --steps
 6 x arms --ab SWITCH...` plus the arguments after `--` (e.g. `--layers 9 --batch 4 --accum 8`); its line goes where
 the benchmark writes (PITHTRAIN_RESULTS, else benchmarks/results.jsonl) and is judged from there. --from-results
-judges a line already written (default: the file's last line).
+judges a line already written (default: the file's latest --ab line).
 """
 
 from __future__ import annotations
@@ -80,22 +80,36 @@ def judge(line: dict, min_gain: float, arm: str = "B") -> tuple[bool, str]:
                    "no verdict; run more steps or keep A")
 
 
+def is_ab(line) -> bool:
+    return isinstance(line, dict) and "ab" in line and "ab_steps" in line
+
+
 def read_line(path: Path, number: int | None) -> dict | str:
-    """The results line to judge, or a one-line reason it cannot be read."""
+    """The results line to judge (`number`, 1-based; None: the latest --ab line), or a one-line reason it
+    cannot be read."""
     if not path.is_file():
         return f"{path}: no such results file" + (" (a folder)" if path.is_dir() else "")
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
     if not lines:
         return f"{path} is empty"
-    index = len(lines) if number is None else number
-    if not 1 <= index <= len(lines):
-        return f"--line {index}: {path} has lines 1..{len(lines)}"
+    if number is None:
+        for index in range(len(lines), 0, -1):
+            try:
+                line = json.loads(lines[index - 1])
+            except json.JSONDecodeError:
+                continue
+            if is_ab(line):
+                print(f"judging line {index} of {path}, its latest train_throughput.py --ab run")
+                return line
+        return f"{path} holds no train_throughput.py --ab run in its {len(lines)} lines"
+    if number > len(lines):
+        return f"--line {number}: {path} has lines 1..{len(lines)}"
     try:
-        line = json.loads(lines[index - 1])
+        line = json.loads(lines[number - 1])
     except json.JSONDecodeError as e:
-        return f"{path} line {index} is not JSON ({e.msg})"
-    if not isinstance(line, dict) or "ab" not in line or "ab_steps" not in line:
-        return f"{path} line {index} is not a train_throughput.py --ab run"
+        return f"{path} line {number} is not JSON ({e.msg})"
+    if not is_ab(line):
+        return f"{path} line {number} is not a train_throughput.py --ab run"
     return line
 
 
@@ -108,11 +122,11 @@ def main() -> int:
                         "and needs --fp8 after --)")
     parser.add_argument("--arm", default="B", help="the arm to judge against A (B, C, ...: one a switch, in order)")
     parser.add_argument("--from-results", type=Path, help="judge a line already in this results file")
-    parser.add_argument("--line", type=int, help="with --from-results: its line number (1-based; default the last)")
-    parser.add_argument("--min-gain", type=float, default=0.005, help="the smallest B/A - 1 worth a PASS (default 0.005)")
+    parser.add_argument("--line", type=runs.COUNT, help="with --from-results: its line number (1-based; default the "
+                        "latest --ab line)")
+    parser.add_argument("--min-gain", type=runs.NON_NEGATIVE, default=0.005, help="the smallest B/A - 1 worth a PASS "
+                        "(a fraction, default 0.005: 0.5%%)")
     args = parser.parse_args(argv)
-    if args.min_gain < 0:
-        return runs.verdict(False, f"--min-gain {args.min_gain}: must be >= 0 (a fraction: 0.005 is 0.5%)")
     if (args.switch is None) == (args.from_results is None):
         return runs.verdict(False, "give SWITCH (to run the A/B on this GPU) or --from-results FILE, one of them")
     if args.from_results is None:

@@ -6,16 +6,22 @@
 Checks, in fp32 on the CPU: (1) logits of PithTrain's staged forward and of `reference_forward`
 against transformers (relative error <= 1e-5), with random tokens; (2) export with
 `write_hf_dir` loads in transformers with no missing or unexpected keys and gives the same
-logits; (3) import -> export -> import is exact.
+logits; (3) import -> export -> import is exact. Before anything is built, the config must be one
+of pithtrain's families (pithtrain.models.config_from_hf), valid, and small enough for this
+machine's memory. The HF copies go to --work (kept), else to a temporary directory removed at the end.
 """
 
 import argparse
-import json
+import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
+import runs  # noqa: E402  (the helpers the skill scripts share: JSON files, argument types, PASS/FAIL)
+
+COPIES = 5  # fp32 copies of the weights alive at once: the HF model, ours, the export reloaded, two state dicts
 
 
 def rel(a, b):
@@ -29,32 +35,79 @@ def hf_load(path):
                                                 experts_implementation="eager", output_loading_info=True)
 
 
+def read_source(source: Path) -> dict:
+    """The HF config of SOURCE (a config.json, or an HF directory with weights), checked to be a family of
+    pithtrain's, valid, and small enough to hold COPIES times here; BadInput naming the file otherwise."""
+    from pithtrain.config import check_types
+    from pithtrain.models import config_from_hf
+
+    if not source.exists():
+        raise runs.BadInput(f"{source}: no such file or directory (give an HF directory or a config.json)")
+    path = source / "config.json" if source.is_dir() else source
+    if source.is_dir() and not (path.is_file() and any(source.glob("*.safetensors"))):
+        raise runs.BadInput(f"{source} is no HF directory (config.json and *.safetensors); give one, or a config.json")
+    hf = runs.read_json(path)
+    if not isinstance(hf, dict):
+        raise runs.BadInput(f"{path} holds a JSON {type(hf).__name__}, not an HF config object")
+    try:
+        cfg = config_from_hf(hf)  # an unknown model_type: a ValueError naming the supported ones
+        check_types(cfg, "model.")
+        cfg.validate()
+    except (TypeError, ValueError) as e:  # ConfigError is a ValueError
+        raise runs.BadInput(f"{path}: {str(e).replace('the run file or --set', 'config.json')}") from None
+    with torch.device("meta"):
+        params = sum(p.numel() for p in cfg.build_model().parameters())
+    need, have = COPIES * 4 * params, os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > have:
+        raise runs.BadInput(f"{path}: {params / 1e9:.2f}B parameters need about {need / 2**30:.0f} GiB here ({COPIES} fp32 "
+                            f"copies), this machine has {have / 2**30:.0f} GiB; check a smaller config of the family")
+    return hf
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("source", help="an HF directory, or a config.json to instantiate with random weights")
-    parser.add_argument("--seq", type=int, default=17)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--std", type=float, default=0.2, help="random weights: std (large => non-trivial routing)")
+    parser.add_argument("source", type=Path, help="an HF directory, or a config.json to instantiate with random weights")
+    parser.add_argument("--seq", type=runs.COUNT, default=17)
+    parser.add_argument("--batch", type=runs.COUNT, default=2)
+    parser.add_argument("--std", type=runs.POSITIVE, default=0.2, help="random weights: std (large => non-trivial routing)")
+    parser.add_argument("--work", help="directory for the HF copies, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
+    try:
+        hf_cfg = read_source(args.source)
+    except runs.BadInput as e:
+        return runs.verdict(False, str(e))
+    if args.work and any((Path(args.work) / name).exists() for name in ("hf", "export")):
+        return runs.verdict(False, f"--work {args.work} already holds hf/ or export/: pass a new directory")
+    with runs.workdir(args.work, "parity-") as work:
+        return check(args, hf_cfg, work)
+
+
+def check(args, hf_cfg: dict, work: Path) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from pithtrain.config import UserError
     from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
     from pithtrain.tools.hf import load_model, read_hf_state, write_hf_dir
 
-    work = Path(tempfile.mkdtemp(prefix="parity-"))
-    source = Path(args.source)
+    source = args.source
     if source.is_file():  # a bare config: random weights
-        hf_cfg = AutoConfig.for_model(**json.loads(source.read_text()))
+        try:
+            config = AutoConfig.for_model(**hf_cfg)
+        except (TypeError, ValueError, KeyError) as e:
+            return runs.verdict(False, f"{source}: transformers cannot read it ({type(e).__name__}: {e})")
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0, args.std)
         model.save_pretrained(work / "hf")
         source = work / "hf"
     checks = []
-    hf, _ = hf_load(source)
-    ours = load_model(source)
+    try:
+        hf, _ = hf_load(source)
+        ours = load_model(source)
+    except (UserError, OSError) as e:
+        return runs.verdict(False, f"{source}: {e}".splitlines()[0])
     ids = torch.randint(0, ours.cfg.vocab_size, (args.batch, args.seq))
     pos = torch.arange(args.seq).expand(args.batch, args.seq)
     with torch.no_grad():
@@ -75,9 +128,8 @@ def main():
     checks.append(("import -> export is exact", same, f"{len(original)} tensors"))
     for name, ok, detail in checks:
         print(f"{'ok  ' if ok else 'FAIL'} {name}: {detail}")
-    passed = all(ok for _, ok, _ in checks)
-    print("PASS" if passed else "FAIL")
-    return 0 if passed else 1
+    failed = [f"{name} ({detail})" for name, ok, detail in checks if not ok]
+    return runs.verdict(not failed, "; ".join(failed) or f"{len(checks)} checks")
 
 
 if __name__ == "__main__":

@@ -20,9 +20,12 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+import runs  # noqa: E402  (argument types)
 from timeline import COLLECTIVES, collective, gaps, merged, overlap_time, verdict  # noqa: E402
 
 PUSH_POP = 59  # NVTX_EVENTS.eventType of a push/pop range (NvtxPushPopRange)
+NEEDED = {"StringIds": "the kernel and range names", "CUPTI_ACTIVITY_KIND_RUNTIME": "the CUDA API calls that launched "
+          "the kernels: capture with --trace=cuda", "NVTX_EVENTS": "the ranges: capture with PITHTRAIN_NVTX=1 and --trace=cuda,nvtx"}
 PREFIX = "pithtrain::"
 OUTSIDE = "(outside ranges)"
 
@@ -54,8 +57,6 @@ def read_activity(db) -> list[tuple]:
 
 def read_launches(db) -> dict:
     """(pid, correlationId) -> (globalTid, start) of the API call that launched the activity."""
-    if "CUPTI_ACTIVITY_KIND_RUNTIME" not in tables(db):
-        return {}
     rows = db.execute("SELECT correlationId, globalTid, start FROM CUPTI_ACTIVITY_KIND_RUNTIME").fetchall()
     return {(pid_of(tid), corr): (tid, start) for corr, tid, start in rows}
 
@@ -63,8 +64,6 @@ def read_launches(db) -> dict:
 def read_ranges(db) -> dict:
     """globalTid -> the thread's closed `pithtrain::` push/pop ranges [(start, end, name)], sorted
     with a parent before the ranges nested in it."""
-    if "NVTX_EVENTS" not in tables(db):
-        return {}
     rows = db.execute(
         "SELECT n.start, n.end, COALESCE(n.text, s.value), n.globalTid FROM NVTX_EVENTS n "
         "LEFT JOIN StringIds s ON s.id = n.textId WHERE n.eventType = ? AND n.end IS NOT NULL", (PUSH_POP,)).fetchall()
@@ -179,15 +178,23 @@ def report(pid: int, r: dict, gap_us: float) -> None:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sqlite", type=Path, help="`nsys export --type sqlite` of a capture")
-    parser.add_argument("--min-overlap", type=float, default=0.0, help="FAIL below this share of NCCL time overlapped")
-    parser.add_argument("--gap-us", type=float, default=20.0, help="the shortest idle gap counted (microseconds)")
+    parser.add_argument("--min-overlap", type=runs.FRACTION, default=0.0, help="FAIL below this share of NCCL time overlapped (0..1)")
+    parser.add_argument("--gap-us", type=runs.POSITIVE, default=20.0, help="the shortest idle gap counted (microseconds)")
     args = parser.parse_args()
+    export = f"nsys export --type sqlite -o {args.sqlite} RUN.nsys-rep"
     if not args.sqlite.is_file():
-        return verdict([f"no file {args.sqlite} (export it: nsys export --type sqlite -o {args.sqlite} RUN.nsys-rep)"])
-    db = sqlite3.connect(f"file:{args.sqlite}?mode=ro", uri=True)
-    activity, launches, ranges = read_activity(db), read_launches(db), read_ranges(db)
+        return verdict([f"no file {args.sqlite} (export it: {export})"])
+    try:
+        db = sqlite3.connect(f"file:{args.sqlite}?mode=ro", uri=True)
+        missing = [f"{name} ({why})" for name, why in NEEDED.items() if name not in tables(db)]
+        if missing:
+            return verdict([f"{args.sqlite} has no table {', '.join(missing)}"])
+        activity, launches, ranges = read_activity(db), read_launches(db), read_ranges(db)
+    except sqlite3.DatabaseError as e:  # not SQLite; a column nsys's export names otherwise
+        return verdict([f"{args.sqlite}: {e}; expected an nsys SQLite export ({export}) with the columns analyze_nsys.py reads"])
     if not activity:
-        return verdict([f"{args.sqlite} holds no GPU kernels (was the capture range empty? see capture-nsys-profile)"])
+        return verdict([f"{args.sqlite} holds no GPU kernels (no rows in CUPTI_ACTIVITY_KIND_KERNEL, _MEMCPY or _MEMSET: "
+                        "was the capture range empty? see capture-nsys-profile)"])
     if not ranges:
         return verdict([f"{args.sqlite} holds no {PREFIX} NVTX ranges: capture with PITHTRAIN_NVTX=1 and --trace=cuda,nvtx"])
     failures = []
@@ -198,8 +205,10 @@ def main():
         missing = [key for key in ["stage 1", "stage 2", "stage 3", "stage 5", "optimizer"] if not r["by_stage"].get(key)]
         if missing:
             failures.append(f"process {pid}: no GPU time in {', '.join(missing)}")
-        if r["overlap"] < args.min_overlap:
-            failures.append(f"process {pid}: NCCL overlap {100 * r['overlap']:.1f}% < {100 * args.min_overlap:.0f}%")
+        if args.min_overlap and not r["comm"]:
+            failures.append(f"process {pid}: no NCCL kernels (--min-overlap {100 * args.min_overlap:g}%)")
+        elif r["overlap"] < args.min_overlap:
+            failures.append(f"process {pid}: NCCL overlap {100 * r['overlap']:.1f}% < {100 * args.min_overlap:g}%")
     return verdict(failures)
 
 

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+import runs  # noqa: E402  (argument types)
 from timeline import verdict  # noqa: E402
 
 ANALYZE = Path(__file__).resolve().parents[1] / "analyze-nsys-profile" / "analyze_nsys.py"
@@ -32,7 +33,7 @@ def main():
     parser.add_argument("--train-args", default="", help="extra `pithtrain train` arguments, e.g. '--nproc 2 --ep 2'")
     parser.add_argument("--set", action="append", default=[])
     parser.add_argument("--out", type=Path, help="a new directory for the run, the report and its SQLite export")
-    parser.add_argument("--min-overlap", type=float, default=0.0, help="FAIL below this NCCL overlap (per process)")
+    parser.add_argument("--min-overlap", type=runs.FRACTION, default=0.0, help="FAIL below this NCCL overlap (per process, 0..1)")
     args = parser.parse_args()
     first, _, last = args.capture.partition(":")
     if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):

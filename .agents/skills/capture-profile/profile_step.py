@@ -7,19 +7,19 @@
 Reads the Chrome trace that `train.profile_step` writes. GPU kernels are split into
 communication (NCCL) and computation; the overlap is the share of communication time during
 which a computation kernel runs on another stream. On the CPU (gloo) collectives run inline, so
-the overlap is 0 by construction; the op table is still useful.
+the overlap is 0 by construction; the op table is still useful. The run goes to --work (kept: its
+traces in WORK/run/profile/), else to a temporary directory removed at the end.
 """
 
 import argparse
-import json
 import re
 import shlex
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+import runs  # noqa: E402  (JSON files, argument types, working directories)
 from timeline import COLLECTIVES, collective, gaps, merged, overlap_time, verdict  # noqa: E402
 
 
@@ -190,8 +190,16 @@ def stage_times(events, threads=None, by_kernel: bool = False):
     return out, "host op"
 
 
-def analyse(trace_path: Path) -> dict:
-    events = json.loads(trace_path.read_text())["traceEvents"]
+def read_trace(path: Path) -> list[dict]:
+    """A Chrome trace's events; runs.BadInput naming the file when it is none."""
+    trace = runs.read_json(path)
+    if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
+        raise runs.BadInput(f"{path} is not a Chrome trace (no traceEvents list): give the profile_step's "
+                            f"RUN/profile/rank<r>.json")
+    return [e for e in trace["traceEvents"] if isinstance(e, dict)]
+
+
+def analyse(events: list[dict]) -> dict:
     is_gpu = lambda e: e.get("cat") in ("kernel", "gpu_memcpy")  # noqa: E731
     is_comm = lambda e: "nccl" in e.get("name", "").lower()  # noqa: E731
     comm = merged(intervals(events, lambda e: is_gpu(e) and is_comm(e)))
@@ -254,9 +262,9 @@ def print_stages(times: dict, unit: str) -> None:
               + ("  (embedding, head and loss, gradient norm, collectives outside stages)" if key == "other" else ""))
 
 
-def report(trace: Path, args) -> str | None:
-    """Print one rank's analysis; None if it meets --min-overlap, else why not."""
-    result = analyse(trace)
+def report(trace: Path, events: list[dict], args, label: str) -> str | None:
+    """Print one rank's analysis; None if it meets --min-overlap, else why not (starting with `label`)."""
+    result = analyse(events)
     print(f"trace {trace}")
     for (cat, name), us in result["top"]:
         print(f"  {us / 1e3:9.2f} ms  {cat:>15}  {name}")
@@ -292,45 +300,57 @@ def report(trace: Path, args) -> str | None:
     else:
         print("no GPU kernels in the trace (CPU run): collectives run inline, overlap 0%")
     share = result["overlap"] if args.kind is None else result["per_kind"].get(args.kind, (0, 0.0))[1]
-    ok = share >= args.min_overlap
     what = "overlap" if args.kind is None else f"{args.kind} overlap"
     print(f"{trace.name}: {what} {100 * share:.1f}%")
-    return None if ok else f"{what} {100 * share:.1f}% < {100 * args.min_overlap:.0f}%"
+    if share >= args.min_overlap:
+        return None
+    if not (result["comm_us"] if args.kind is None else args.kind in result["per_kind"]):
+        return f"{label}: no NCCL{'' if args.kind is None else ' ' + args.kind} kernels (--min-overlap {100 * args.min_overlap:g}%)"
+    return f"{label}: {what} {100 * share:.1f}% < {100 * args.min_overlap:g}%"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?")
-    parser.add_argument("--step", type=int, default=3, help="the step to profile (after warm-up)")
+    parser.add_argument("--step", type=runs.COUNT, default=3, help="the step to profile (after warm-up)")
     parser.add_argument("--train-args", default="", help="extra `pithtrain train` arguments, e.g. '--nproc 2 --ep 2'")
     parser.add_argument("--set", action="append", default=[])
-    parser.add_argument("--trace", action="append", help="analyse an existing trace instead of running "
+    parser.add_argument("--trace", action="append", type=Path, help="analyse an existing trace instead of running "
                         "(repeat for several ranks: each is reported, all must pass)")
-    parser.add_argument("--stage-kernels", type=int, default=0, help="also list each stage's N largest GPU kernels")
-    parser.add_argument("--min-overlap", type=float, default=0.0, help="FAIL below this communication overlap")
+    parser.add_argument("--stage-kernels", type=runs.number(int, low=0), default=0, help="also list each stage's N largest GPU kernels")
+    parser.add_argument("--min-overlap", type=runs.FRACTION, default=0.0, help="FAIL below this communication overlap (0..1)")
     parser.add_argument("--kind", choices=COLLECTIVES, help="apply --min-overlap to this collective kind only "
                         "(e.g. all-to-all/p2p: the expert-parallel all-to-alls when pp = 1)")
+    parser.add_argument("--work", help="directory of the run, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
     if args.trace:
-        traces = [Path(t) for t in args.trace]
-    else:
-        if not args.config:
-            parser.error("give CONFIG or --trace")
-        out = Path(tempfile.mkdtemp(prefix="profile-"))
-        cmd = [sys.executable, "-m", "pithtrain", "train", args.config, "--out", str(out), "--steps", str(args.step),
-               "--set", f"train.profile_step={args.step}", *shlex.split(args.train_args)]
-        for s in args.set:
-            cmd += ["--set", s]
-        print("$", " ".join(cmd), flush=True)
+        return analyse_traces(args.trace, args)
+    if not args.config:
+        parser.error("give CONFIG or --trace")
+    sets = [*args.set, f"train.profile_step={args.step}"]
+    refused = runs.check_train(f"the run ({args.train_args})", args.config, "OUT", args.step, args.train_args, sets)
+    if refused:
+        return verdict([refused])
+    if args.work and (Path(args.work) / "run").exists():
+        return verdict([f"--work {args.work} already holds a run: pass a new directory"])
+    with runs.workdir(args.work, "profile-") as work:
+        out = work / "run"
+        cmd = [sys.executable, "-m", "pithtrain", *runs.train_args(args.config, out, args.step, args.train_args, sets)]
+        print("$", shlex.join(cmd), flush=True)
         if subprocess.run(cmd).returncode != 0:
-            print("FAIL: the run did not finish")
-            return 1
-        traces = sorted((out / "profile").glob("rank*.json")) or [out / "profile" / "rank0.json"]
-    missing = [str(t) for t in traces if not t.is_file()]
-    if missing:
-        print(f"FAIL: no trace at {', '.join(missing)}")
-        return 1
-    failures = [f for f in (report(trace, args) for trace in traces) if f is not None]
+            return verdict(["the run did not finish (its output is above)"])
+        return analyse_traces(sorted((out / "profile").glob("rank*.json")) or [out / "profile" / "rank0.json"], args)
+
+
+def analyse_traces(traces: list[Path], args) -> int:
+    """Report each trace (rank), then PASS or FAIL naming the ranks under --min-overlap."""
+    try:
+        events = [read_trace(t) for t in traces]  # every file read before any report
+    except runs.BadInput as e:
+        return verdict([str(e)])
+    names = [t.stem for t in traces]
+    labels = names if len(set(names)) == len(names) else [str(t) for t in traces]
+    failures = [f for f in (report(t, e, args, label) for t, e, label in zip(traces, events, labels)) if f is not None]
     return verdict(failures)
 
 

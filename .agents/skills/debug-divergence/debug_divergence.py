@@ -16,7 +16,9 @@
    instead of bf16 or the reverse); each run against the re-run of step 2, loss by loss
    (validate-correctness's compare) up to step S, and whether it still diverges.
 Ends with the component the divergence depends on, or that no single factor changes it. PASS only
-when no step diverged and, with --bisect, no factor changed the losses beyond --rtol.
+when no step diverged and, with --bisect, no factor changed the losses beyond --rtol. The --run
+directory and every run's arguments are checked before anything runs; the runs go to --work (kept),
+else to a temporary directory removed at the end.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import re
 import shlex
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
@@ -36,6 +37,16 @@ import runs  # noqa: E402
 
 compare_runs = runs.skill_script("validate-correctness/compare_runs.py")
 MESH_FLAGS = ("--nproc", "--pp", "--ep", "--cp")
+FACTORS = ("mesh", "compile", "triton", "dtype")
+
+
+def factor_list(text: str) -> list[str]:
+    """--factors: comma-separated FACTORS (argparse's one-line error otherwise)."""
+    factors = text.split(",")
+    unknown = [f for f in factors if f not in FACTORS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"{unknown[0]!r} is not one of {', '.join(FACTORS)}")
+    return factors
 
 
 def first_bad_step(steps: list[dict], jump: float) -> tuple[int, str] | None:
@@ -105,9 +116,7 @@ def variants(args, config, cuda: bool) -> list[tuple[str, str, str, list, dict]]
                   [f"train.dtype={'fp32' if dtype == 'bf16' else 'bf16'}"], {}),
     }
     out = []
-    for factor in args.factors.split(","):
-        if factor not in table:
-            raise SystemExit(f"--factors: {factor!r} is not one of {', '.join(table)}")
+    for factor in args.factors:
         if table[factor] is None:
             print(f"factor {factor}: does not apply ({'one process already' if factor == 'mesh' else 'no CUDA: the references run'})")
         else:
@@ -119,14 +128,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
     parser.add_argument("--run", help="the diverged run's directory (its metrics.jsonl); default: make a run here")
-    parser.add_argument("--steps", type=int, required=True, help="the run's train.steps (the lr schedule depends on it)")
+    parser.add_argument("--steps", type=runs.COUNT, required=True, help="the run's train.steps (the lr schedule depends on it)")
     parser.add_argument("--args", default="--nproc 1", help="the run's `pithtrain train` mesh arguments")
     parser.add_argument("--set", action="append", default=[], help="the run's config overrides")
-    parser.add_argument("--factors", default="mesh,compile,triton,dtype", help="what the bisection changes, one at a time")
-    parser.add_argument("--jump", type=float, default=3.0, help="a jump: above this times the median before")
-    parser.add_argument("--rtol", type=float, default=1e-5, help="losses agree within this (fp32: 1e-5; bf16: about 2e-2)")
+    parser.add_argument("--factors", type=factor_list, default=list(FACTORS), help="what the bisection changes, one at a "
+                        f"time: some of {','.join(FACTORS)} (default: all)")
+    parser.add_argument("--jump", type=runs.number(above=1), default=3.0, help="a jump: above this times the median before (> 1)")
+    parser.add_argument("--rtol", type=runs.NON_NEGATIVE, default=1e-5, help="on the loss (fp32: 1e-5; bf16: about 2e-2); "
+                        "lb_loss and grad_norm: the larger of it and 1e-3")
     parser.add_argument("--bisect", action="store_true", help="bisect even when no step diverged")
-    parser.add_argument("--work", help="directory for the runs made here (default: a new temporary one)")
+    parser.add_argument("--work", help="directory for the runs made here, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
     import torch
 
@@ -139,13 +150,33 @@ def main():
     except ConfigError as err:
         return runs.verdict(False, str(err))
     cuda = torch.cuda.is_available() and config.train.device != "cpu"
-    work = Path(args.work or tempfile.mkdtemp(prefix="divergence-"))
+    logged = None
+    if args.run:  # the run's metrics, before anything runs
+        if not (Path(args.run) / "metrics.jsonl").is_file():
+            return runs.verdict(False, f"--run {args.run}: no metrics.jsonl (not a run directory)")
+        try:
+            logged = runs.metrics(args.run, ("step", "loss", "grad_norm"))
+        except runs.BadInput as e:
+            return runs.verdict(False, f"--run: {e}")
+        if not logged:
+            return runs.verdict(False, f"--run {args.run}: metrics.jsonl logs no step; nothing to diagnose")
+    if args.work and any((Path(args.work) / name).exists() for name in ("run", *FACTORS)):
+        return runs.verdict(False, f"--work {args.work} already holds runs of this script: pass a new directory")
+    factors = variants(args, config, cuda)
+    refused = runs.refusal(args.config, args.steps, [("the run", args.args, args.set, None)]
+                           + [(f"factor {f}", extra, args.set + sets, None) for f, _, extra, sets, _ in factors])
+    if refused:
+        return runs.verdict(False, refused)
+    with runs.workdir(args.work, "divergence-") as work:
+        return diagnose(args, factors, logged, work)
 
+
+def diagnose(args, factors, logged, work: Path) -> int:
     # 1. the first bad step
     if args.run:
-        found = first_bad_step(runs.metrics(args.run), args.jump)
-        logged = [m["step"] for m in runs.metrics(args.run)]
-        if found is None and logged and logged[-1] < args.steps:
+        found = first_bad_step(logged, args.jump)
+        logged = [m["step"] for m in logged]
+        if found is None and logged[-1] < args.steps:
             found = logged[-1] + 1, f"the run stopped after step {logged[-1]} of {args.steps} (a non-finite step is not logged)"
     else:  # norms of every step: the script's own runs are short
         code, said = runs.train(args.config, work / "run", args.steps, args.args, args.set,
@@ -180,7 +211,7 @@ def main():
 
     # 3. bisection: one factor at a time, to step S
     results = []
-    for factor, change, extra, sets, env in variants(args, config, cuda):
+    for factor, change, extra, sets, env in factors:
         print(f"\n--- factor {factor}: {change}")
         out = work / factor
         code, said = runs.train(args.config, out, args.steps, extra, args.set + sets, stop_after=stop, env=env,
@@ -191,7 +222,7 @@ def main():
             return runs.verdict(False, f"the {factor} run failed for another reason than divergence (its output is above)")
         mine = runs.metrics(out)
         n = min(len(mine), len(base_steps))
-        agree = compare_runs.compare(base_steps[:n], mine[:n], args.rtol) if n else None  # None: no step to compare
+        agree = compare_runs.compare(base_steps[:n], mine[:n], args.rtol)[0] if n else None  # None: no step to compare
         results.append((factor, change, bad, agree))
     print("\nfactor   change                                   diverges           metrics agree (rtol %.0e)" % args.rtol)
     for factor, change, bad, agree in results:

@@ -16,7 +16,9 @@ rank 0's record of that step:
         the net bytes allocated since the step began, compared with the estimate's terms made
         during a step (its total less the fp32 weights and AdamW moments, live between steps).
 Prints the live bytes at the peak by layer stage and by call site, then PASS when the measured peak
-is within --margin of the estimate (either side), else FAIL.
+is within --margin of the estimate (either side), else FAIL. A --snapshot is judged only where the
+config, overrides and mesh given match its run's (RUN/run_config.json, one record per rank in
+RUN/memory/). The run made here goes to --work (kept), else to a temporary directory removed at the end.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ import linecache
 import pickle
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
@@ -158,17 +159,42 @@ def table(title: str, rows: dict[str, int], top: int) -> None:
         print(f"  {size / GIB:9.4f} GiB  {100 * size / total:5.1f}%  {key}")
 
 
+ESTIMATED = ("parallel.pp", "parallel.cp", "parallel.ep", "data.seq_len", "train.micro_batch_size", "train.global_batch_size",
+             "train.recompute", "train.fp8", "train.fp8_head")  # what estimate() reads, besides the model
+
+
+def snapshot_run_differs(record: Path, config, nproc: int) -> str | None:
+    """Why the record RUN/memory/rank0.* cannot be judged against `config` on `nproc` ranks: its run's
+    run_config.json (the config it trained) differs in a field the estimate reads, or memory/ holds the
+    records of another number of ranks (every rank writes one); None when they agree."""
+    from pithtrain.config import run_dict
+
+    path = record.parent.parent / "run_config.json"
+    if not path.is_file():
+        return f"--snapshot {record}: no {path} (a record is judged against its run's config: keep it in RUN/memory/)"
+    flat = lambda d: {f"{s}.{k}": v for s, fields in d.items() if isinstance(fields, dict) for k, v in fields.items()}  # noqa: E731
+    ran, want = runs.read_json(path), flat(json.loads(json.dumps(run_dict(config))))
+    ran = flat(ran) if isinstance(ran, dict) else {}
+    differ = [f"{k} {ran.get(k)!r} vs {want[k]!r}" for k in want
+              if (k.startswith("model.") or k in ESTIMATED) and ran.get(k) != want[k]]
+    ranks = len(list(record.parent.glob(f"rank*{record.suffix}")))
+    if ranks != nproc:
+        differ.append(f"{ranks} rank records vs --nproc {nproc}")
+    return (f"--snapshot {record}: its run ({path}) differs from the config, --set and mesh flags given (the run's "
+            f"value first): {'; '.join(differ)}; pass those of the run") if differ else None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
-    parser.add_argument("--nproc", type=int, default=1)
+    parser.add_argument("--nproc", type=runs.COUNT, default=1)
     for name in ("pp", "cp", "ep"):
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--set", action="append", default=[], help="config overrides")
-    parser.add_argument("--step", type=int, default=2, help="the step to record (2: after the first step's warm-up)")
-    parser.add_argument("--margin", type=float, default=0.15, help="PASS when |peak - estimate| <= margin x estimate")
-    parser.add_argument("--top", type=int, default=12, help="rows of the call-site table")
-    parser.add_argument("--work", help="directory of the run made here (default: a new temporary one)")
+    parser.add_argument("--step", type=runs.COUNT, default=2, help="the step to record (2: after the first step's warm-up)")
+    parser.add_argument("--margin", type=runs.NON_NEGATIVE, default=0.15, help="PASS when |peak - estimate| <= margin x estimate")
+    parser.add_argument("--top", type=runs.COUNT, default=12, help="rows of the call-site table")
+    parser.add_argument("--work", help="directory of the run made here, kept (default: a temporary one, removed at the end)")
     parser.add_argument("--snapshot", help="read this record (RUN/memory/rank0.pickle or .json) instead of running")
     args = parser.parse_args()
     from pithtrain.config import ConfigError
@@ -179,10 +205,15 @@ def main():
     except ConfigError as err:
         return runs.verdict(False, str(err))
     estimate = estimate_memory.estimate(config, args.nproc)[0]  # pipeline rank 0, which global rank 0 is
-
-    record = Path(args.snapshot) if args.snapshot else None
-    if record is None:
-        out = Path(args.work or tempfile.mkdtemp(prefix="memory-")) / "run"
+    if args.snapshot:
+        try:
+            return judge(args, Path(args.snapshot), estimate, config)
+        except runs.BadInput as e:
+            return runs.verdict(False, str(e))
+    if args.work and (Path(args.work) / "run").exists():
+        return runs.verdict(False, f"--work {args.work} already holds a run: pass a new directory")
+    with runs.workdir(args.work, "memory-") as work:
+        out = work / "run"
         mesh = f"--nproc {args.nproc}" + "".join(f" --{n} {getattr(args, n)}" for n in ("pp", "cp", "ep") if getattr(args, n))
         code, said = runs.train(args.config, out, args.step, mesh, args.set, env={"PITHTRAIN_DEBUG_MEMORY": str(args.step)},
                                 quiet=True, checkpoints=False)
@@ -190,12 +221,29 @@ def main():
         if code != 0 or record is None:
             print(said[-3000:])
             return runs.verdict(False, "the run did not finish or wrote no memory record (its output is above)")
-        measured = runs.metrics(out)[-1]["peak_mem_bytes"]
+        return judge(args, record, estimate, measured=runs.metrics(out)[-1]["peak_mem_bytes"])
+
+
+def judge(args, record: Path, estimate: dict, config=None, measured: int | None = None) -> int:
+    """Read rank 0's record, print where the peak goes, PASS/FAIL against the estimate. `config`: the
+    record is a --snapshot, checked against its run first."""
+    if config is not None:
+        if record.suffix not in (".pickle", ".json"):
+            raise runs.BadInput(f"--snapshot {record}: not a memory record (RUN/memory/rank0.pickle or .json)")
+        if not record.is_file():
+            raise runs.BadInput(f"--snapshot {record}: no such file")
+        why = snapshot_run_differs(record, config, args.nproc)
+        if why:
+            raise runs.BadInput(why)
     cuda = record.suffix == ".pickle"
-    if cuda:
-        peak, blocks = cuda_peak(pickle.loads(record.read_bytes()))
-    else:
-        peak, blocks = cpu_peak(json.loads(record.read_text())["traceEvents"])
+    what = "a CUDA allocator snapshot" if cuda else "a profiler trace with memory events"
+    try:
+        if cuda:
+            peak, blocks = cuda_peak(pickle.loads(record.read_bytes()))
+        else:
+            peak, blocks = cpu_peak(runs.read_json(record)["traceEvents"])
+    except (pickle.UnpicklingError, EOFError, LookupError, TypeError, AttributeError, StopIteration) as e:
+        raise runs.BadInput(f"{record} is not {what} ({type(e).__name__}: {e})") from None
     by_stage, by_site = collections.Counter(), collections.Counter()
     for size, frames, op in blocks:
         by_stage[stage_of(frames)] += size
@@ -205,7 +253,7 @@ def main():
     table(f"by call site (top {args.top}):", by_site, args.top)
     if cuda:
         expected, label = estimate["total"], "the estimate's total"
-        if not args.snapshot:
+        if measured is not None:
             print(f"\nthe run's max_memory_allocated at step {args.step}: {measured / GIB:.3f} GiB")
     else:
         expected = estimate["total"] - estimate["master weights (fp32)"] - estimate["AdamW moments (fp32)"]

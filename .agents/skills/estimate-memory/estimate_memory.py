@@ -15,21 +15,34 @@ bookkeeping. The fit is within 1.5% of the six one-GPU peaks last measured (thre
 two-GPU estimates run 4-15% above the measured peaks.
 
 `--max-layers` searches the deepest `model.num_hidden_layers` that fits (the "as many layers as
-fit" of a benchmark). PASS when the estimate is within 95% of --gpu-mem.
+fit" of a benchmark): doubling the depth until it does not fit, then bisecting, up to the 1024
+layers pithtrain allows. PASS when the estimate is within 95% of --gpu-mem.
+
+The estimate is for the GPU whatever this machine has: FP8 is validated as on a GPU with FP8 tensor
+cores (the estimate does not depend on the device).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from pathlib import Path
 
-from pithtrain.train.memory import (  # noqa: F401 (the skills and tests read them here)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
+import runs  # noqa: E402  (the helpers the skill scripts share: argument types)
+from pithtrain.train.memory import (  # noqa: E402,F401 (the skills and tests read them here)
     ACTIVATION_FACTOR, GIB, HEAD_BYTES_PER_LOGIT, MULTI_GPU_OVERHEAD, estimate, layer_activation_bytes, param_counts)
 
 
-def load_config(path: str, sets, nproc: int, mesh: dict):
+MAX_LAYERS = 1024  # config.check_model_common's bound on model.num_hidden_layers
+
+
+def load_config(path: str, sets, nproc: int, mesh: dict, gpu: bool = False):
     """The run config of `path` with the --set overrides and the mesh sizes (`mesh`: pp/cp/ep -> int
-    or None), validated for `nproc` ranks; raises ConfigError (the debug-memory skill uses it too)."""
+    or None), validated for `nproc` ranks; raises ConfigError (the debug-memory skill uses it too).
+    gpu: validated as a run on a GPU with FP8 tensor cores, whatever this machine has (the checks of
+    the device alone are skipped: train.fp8 is emulated on the CPU for the check only)."""
     from pithtrain.config import apply_override, load_run_config, validate
 
     config = load_run_config(path)
@@ -38,42 +51,59 @@ def load_config(path: str, sets, nproc: int, mesh: dict):
     for name, size in mesh.items():
         if size is not None:
             setattr(config.parallel, name, size)
-    validate(config, world_size=nproc)
+    t = config.train
+    checked = dataclasses.replace(config, train=dataclasses.replace(t, device="cpu", fp8_emulate=t.fp8_emulate or t.fp8 != "off"))
+    validate(checked if gpu else config, world_size=nproc)
     return config
+
+
+def deepest(config, nproc: int, budget: float) -> int | None:
+    """The most model.num_hidden_layers whose worst rank fits in `budget` GiB (None: not even 2 x pp);
+    doubling from 2 x pp until it does not fit, then bisecting (the estimate grows with depth)."""
+    def fits(layers):
+        config.model.num_hidden_layers = layers
+        if getattr(config.model, "layer_types", None) is not None:
+            config.model.layer_types = None  # re-derived for the new depth
+        return max(r["total"] for r in estimate(config, nproc)) <= budget
+
+    low = 2 * config.parallel.pp
+    if not fits(low):
+        return None
+    high = low
+    while high < MAX_LAYERS and fits(high := min(2 * high, MAX_LAYERS)):
+        low = high
+    while high - low > 1:  # low fits, high does not (or high is MAX_LAYERS, which fits: low == high then)
+        mid = (low + high) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid)
+    return low
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
-    parser.add_argument("--nproc", type=int, default=1, help="world size (GPUs)")
+    parser.add_argument("--nproc", type=runs.COUNT, default=1, help="world size (GPUs)")
     for name in ("pp", "cp", "ep"):
         parser.add_argument(f"--{name}", type=int)
     parser.add_argument("--set", action="append", default=[])
-    parser.add_argument("--gpu-mem", type=float, default=139.0, help="GiB per GPU (H200: about 139 usable)")
+    parser.add_argument("--gpu-mem", type=runs.POSITIVE, default=139.0, help="GiB per GPU (H200: about 139 usable)")
     parser.add_argument("--max-layers", action="store_true", help="find the deepest model that fits")
     args = parser.parse_args()
     from pithtrain.config import ConfigError
 
     try:
-        config = load_config(args.config, args.set, args.nproc, {n: getattr(args, n) for n in ("pp", "cp", "ep")})
+        config = load_config(args.config, args.set, args.nproc, {n: getattr(args, n) for n in ("pp", "cp", "ep")}, gpu=True)
     except ConfigError as err:
         print(f"FAIL: {err}")
         return 1
     budget = 0.95 * args.gpu_mem
     if args.max_layers:
-        best = None
-        for layers in range(2 * config.parallel.pp, 4 * config.model.num_hidden_layers + 1):
-            config.model.num_hidden_layers = layers
-            if getattr(config.model, "layer_types", None) is not None:
-                config.model.layer_types = None  # re-derived for the new depth
-            if max(r["total"] for r in estimate(config, args.nproc)) > budget:
-                break
-            best = layers
+        best = deepest(config, args.nproc, budget)
         if best is None:
             print(f"FAIL: not even {2 * config.parallel.pp} layers fit in {budget:.0f} GiB")
             return 1
-        config.model.num_hidden_layers = best
-        print(f"deepest model that fits: {best} layers")
+        config.model.num_hidden_layers = best  # layer_types: None since the search, re-derived
+        print(f"deepest model that fits: {best} layers"
+              + (f" (at least: {MAX_LAYERS} is the most model.num_hidden_layers allows)" if best == MAX_LAYERS else ""))
     ranks = estimate(config, args.nproc)
     for r, gib in enumerate(ranks):
         print(f"pipeline rank {r}:" if len(ranks) > 1 else "per GPU:")

@@ -12,8 +12,8 @@ Before any process group: load the config, apply --set/--steps/--pp/--cp/--ep/--
 Then, in the mesh's process groups, with fresh random integers (exact checks): an all_reduce
 over the world, an all_to_all_single in every EP group, a send/recv with each pipeline
 neighbour when pp > 1; that every rank loaded the same config; with --out, that every rank sees
-the files of all others there (checkpoints need one shared directory). It never reads the data
-(it notes the hosts where data.path is missing).
+the files of all others there (checkpoints need one shared directory). It never reads the data:
+it FAILs when data.path is a directory on no host, and notes the hosts where it is missing.
 Rank 0 prints hosts, devices and timings; exit code 0 (PASS) or 1 (FAIL).
 """
 
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository, 
 import torch
 
 from pithtrain.cli import build_parser, train_config
-from pithtrain.config import ConfigError, validate
+from pithtrain.config import ConfigError, data_parts, validate
 
 NUMEL, ITERS = 4096, 3  # int64 elements per block; checked iterations per collective (the first sets up links)
 _CHILD = "PITHTRAIN_PREFLIGHT_CHILD"  # set for workers started by --nproc: a FAIL verdict exits 3
@@ -126,7 +126,7 @@ def checks(config, args, device) -> int:
             errors.append(f"--out {args.out} is not shared: this rank does not see ranks {missing[:8]}'s files; "
                           f"checkpoints need one directory that every node mounts")
     info = dict(rank=rank, host=host, device=str(dev), torch=torch.__version__, errors=errors, times=times,
-                data=Path(config.data.path).is_dir(),
+                data=all(Path(path).is_dir() for path, _ in data_parts(config.data.path)),
                 config=hashlib.sha1(repr(config).encode()).hexdigest()[:10])
     infos = [None] * world
     dist.all_gather_object(infos, info)
@@ -138,16 +138,19 @@ def checks(config, args, device) -> int:
         found = "; ".join(f"{k} on ranks {v[:8]}" for k, v in kinds.items())
         problems.append(f"ranks differ in config/torch version ({found}): "
                         "give every node the same checkout, environment and arguments")
+    hosts, no_data = {i["host"] for i in infos}, sorted({i["host"] for i in infos if not i["data"]})
+    if len(no_data) == len(hosts):  # the preflight never reads the data; every rank of the job does
+        problems.append(f"data.path {config.data.path!r} is not a directory on any host ({', '.join(no_data)}): "
+                        f"make the dataset there (setup-benchmark-inputs) or --set data.path=DIR")
     if rank == 0:
-        print(f"backend {dist.get_backend()}, {world} ranks on {len({i['host'] for i in infos})} host(s)")
+        print(f"backend {dist.get_backend()}, {world} ranks on {len(hosts)} host(s)")
         for i in infos:
             print(f"  rank {i['rank']:4d}  {i['host']}  {i['device']}  torch {i['torch']}  config {i['config']}")
         for s in range(0, world, p.ep):  # a note, not a failure: the all-to-all then crosses the network
-            hosts = sorted({infos[r]["host"] for r in range(s, s + p.ep)})
-            if len(hosts) > 1:
-                print(f"note: EP group {list(range(s, s + p.ep))} spans hosts {hosts}: choose ep <= GPUs per node")
-        no_data = sorted({i["host"] for i in infos if not i["data"]})
-        if no_data:  # not checked otherwise: the preflight never reads the data, but every rank of the job does
+            spans = sorted({infos[r]["host"] for r in range(s, s + p.ep)})
+            if len(spans) > 1:
+                print(f"note: EP group {list(range(s, s + p.ep))} spans hosts {spans}: choose ep <= GPUs per node")
+        if no_data and len(no_data) < len(hosts):
             print(f"note: data.path {config.data.path!r} is not a directory on {no_data}: every node needs the dataset")
         print("timings, slowest rank (first call, which sets up connections / best of the rest):")
         for name in infos[0]["times"]:
@@ -200,6 +203,9 @@ def main(argv=None) -> int:
     try:
         config = train_config(args)  # exactly as `pithtrain train` builds it from these arguments
         validate(config, world_size=world)  # raises ConfigError naming the field and the fix
+        existing = next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists()), None) if args.out else None
+        if existing is not None and not existing.is_dir():
+            raise ConfigError(f"--out {args.out}: {existing} is a file, not a directory; choose a directory that every node mounts")
         device = pick_device(config.train.device)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if launched else args.nproc
         if device.type == "cuda" and local > torch.cuda.device_count():

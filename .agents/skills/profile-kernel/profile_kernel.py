@@ -32,6 +32,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "_common"))
+import runs  # noqa: E402  (argument types)
 from timeline import verdict  # noqa: E402
 
 # H200 SXM: the data sheet's dense figures, and what this project measured on one
@@ -175,23 +176,23 @@ def driver(args) -> int:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("op", nargs="?", choices=OPS)
-    parser.add_argument("--experts", type=int, default=128)
-    parser.add_argument("--rows", type=int, default=1024, help="rows per expert (grouped GEMMs)")
-    parser.add_argument("--hidden", type=int, default=2048)
-    parser.add_argument("--out-dim", type=int, default=1536, help="GEMM output width; swiglu's input width 2I")
-    parser.add_argument("--tokens", type=int, default=4096, help="tokens (swiglu: x8 rows, permute: to 8 rows each)")
+    parser.add_argument("--experts", type=runs.COUNT, default=128)
+    parser.add_argument("--rows", type=runs.COUNT, default=1024, help="rows per expert (grouped GEMMs)")
+    parser.add_argument("--hidden", type=runs.COUNT, default=2048)
+    parser.add_argument("--out-dim", type=runs.COUNT, default=1536, help="GEMM output width; swiglu's input width 2I")
+    parser.add_argument("--tokens", type=runs.COUNT, default=4096, help="tokens (swiglu: x8 rows, permute: to 8 rows each)")
     parser.add_argument("--peaks", choices=PEAKS, default="measured", help="the roof: measured H200 figures or the data sheet's")
-    parser.add_argument("--min-efficiency", type=float, default=0.5, help="FAIL below this share of the roofline")
+    parser.add_argument("--min-efficiency", type=runs.FRACTION, default=0.5, help="FAIL below this share of the roofline")
     parser.add_argument("--train", metavar="CONFIG", help="profile a training step's kernels in --range instead of OP")
     parser.add_argument("--range", default="stage3", help="--train: the PithTrain NVTX range (stage1..5, stage3.wgrad, "
                         "dispatch, combine, optimizer; kernels in ranges nested in it count)")
-    parser.add_argument("--step", type=int, default=3, help="--train: the step to profile (after warm-up)")
+    parser.add_argument("--step", type=runs.COUNT, default=3, help="--train: the step to profile (after warm-up)")
     parser.add_argument("--train-args", default="", help="--train: extra `pithtrain train` arguments")
     parser.add_argument("--set", action="append", default=[], help="--train: config overrides")
     parser.add_argument("--csv", type=Path, help="analyse this ncu --csv output: an op's with --flops and --min-bytes, "
                         "else a run's")
-    parser.add_argument("--flops", type=float)
-    parser.add_argument("--min-bytes", type=float)
+    parser.add_argument("--flops", type=runs.NON_NEGATIVE)
+    parser.add_argument("--min-bytes", type=runs.NON_NEGATIVE)
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles
     parser.add_argument("--facts", help=argparse.SUPPRESS)

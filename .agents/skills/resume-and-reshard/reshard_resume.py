@@ -5,13 +5,14 @@
 
 (a) trains steps 1..K on mesh A (checkpoint at K), (b) resumes the same run directory to N on
 mesh B, (c) trains 1..N uninterrupted on the reference mesh (default: A) in another directory,
-(d) compares the two metrics.jsonl step by step with validate-correctness's `compare`.
+(d) compares the two metrics.jsonl step by step with validate-correctness's `compare`. The three runs'
+arguments are checked before any trains; they go to --work (kept), else to a temporary directory
+removed at the end.
 """
 
 import argparse
 import re
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
@@ -23,26 +24,35 @@ compare_runs = runs.skill_script("validate-correctness/compare_runs.py")
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")
-    parser.add_argument("--steps", type=int, default=6, help="N: the run's total steps")
-    parser.add_argument("--stop-after", type=int, default=3, help="K: the step mesh A stops after (a checkpoint)")
+    parser.add_argument("--steps", type=runs.COUNT, default=6, help="N: the run's total steps")
+    parser.add_argument("--stop-after", type=runs.COUNT, default=3, help="K: the step mesh A stops after (a checkpoint)")
     parser.add_argument("--a", default="--nproc 2 --ep 2", help="`pithtrain train` arguments of mesh A (steps 1..K)")
     parser.add_argument("--b", default="--nproc 1", help="`pithtrain train` arguments of mesh B (steps K+1..N)")
     parser.add_argument("--ref", help="arguments of the uninterrupted reference run (default: --a)")
     parser.add_argument("--set", action="append", default=[], help="config overrides for every run")
-    parser.add_argument("--rtol", type=float, default=1e-5, help="on the loss; fp32: 1e-5; bf16: about 2e-2")
-    parser.add_argument("--rtol-aux", type=float, help="on lb_loss and grad_norm (default: --rtol); bf16: about 5e-2")
-    parser.add_argument("--work", help="directory for the two runs (default: a new temporary one)")
+    parser.add_argument("--rtol", type=runs.NON_NEGATIVE, default=1e-5, help="on the loss; fp32: 1e-5; bf16: about 2e-2")
+    parser.add_argument("--rtol-aux", type=runs.NON_NEGATIVE, help=f"on lb_loss and grad_norm (default: the larger of "
+                        f"--rtol and {compare_runs.AUX_FLOOR:g}); bf16: about 5e-2")
+    parser.add_argument("--work", help="directory for the two runs, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
-    if not 0 < args.stop_after < args.steps:
-        parser.error(f"need 0 < --stop-after ({args.stop_after}) < --steps ({args.steps})")
-    work = Path(args.work or tempfile.mkdtemp(prefix="reshard-"))
+    if not args.stop_after < args.steps:
+        parser.error(f"need --stop-after ({args.stop_after}) < --steps ({args.steps})")
+    if args.work and ((Path(args.work) / "resharded").exists() or (Path(args.work) / "reference").exists()):
+        parser.error(f"{args.work} already holds a run: pass a new --work")
+    plan = (("mesh A", "resharded", args.a, args.stop_after), ("mesh B", "resharded", args.b, None),
+            ("reference", "reference", args.ref or args.a, None))
+    refused = runs.refusal(args.config, args.steps, [(what, extra, args.set, stop) for what, _, extra, stop in plan])
+    if refused:
+        return runs.verdict(False, refused)
+    with runs.workdir(args.work, "reshard-") as work:
+        return run(args, plan, work)
+
+
+def run(args, plan, work: Path) -> int:
     moved, ref = work / "resharded", work / "reference"
-    if moved.exists() or ref.exists():
-        parser.error(f"{work} already holds a run: pass a new --work")
     said = {}
-    for what, out, extra, stop in (("mesh A", moved, args.a, args.stop_after), ("mesh B", moved, args.b, None),
-                                   ("reference", ref, args.ref or args.a, None)):
-        code, said[what] = runs.train(args.config, out, args.steps, extra, args.set, stop)
+    for what, name, extra, stop in plan:
+        code, said[what] = runs.train(args.config, work / name, args.steps, extra, args.set, stop)
         if code != 0:
             return runs.verdict(False, f"the {what} run did not finish (its output is above)")
     resumed = re.search(r"resumed from \S+ \(step (\d+)\)", said["mesh B"])
@@ -54,7 +64,7 @@ def main():
     ok = [m["step"] for m in b] == list(range(1, args.steps + 1))
     if not ok:
         return runs.verdict(False, f"the resharded run logged steps {[m['step'] for m in b]}, expected 1..{args.steps}")
-    return runs.verdict(compare_runs.compare(a, b, args.rtol, args.rtol_aux))
+    return runs.verdict(*compare_runs.compare(a, b, args.rtol, args.rtol_aux))
 
 
 if __name__ == "__main__":

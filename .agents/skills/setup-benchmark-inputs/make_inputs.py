@@ -5,14 +5,13 @@
   python .agents/skills/setup-benchmark-inputs/make_inputs.py corpus DIR [--vocab-size 4096] --out data/mine
   python .agents/skills/setup-benchmark-inputs/make_inputs.py check --out DIR [--vocab V]   (verify only)
 
-random: uniform token ids at the family's real vocabulary (from benchmarks/train_throughput.py
-family_config), one document, no EOS: what train_throughput.py writes for itself.
+random: uniform token ids at the family's real vocabulary (that of its example config, FAMILIES),
+one document, no EOS: what benchmarks/train_throughput.py writes for itself. It refuses an --out that
+holds anything unless --overwrite (which replaces a dataset, never other files).
 stdlib / corpus: `pithtrain tokenize` with a byte-level BPE trained on the text.
 """
 
 import argparse
-import importlib.util
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,24 +19,30 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[3]
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
+import runs  # noqa: E402  (the helpers the skill scripts share: argument types)
+
+FAMILIES = {"qwen3": "qwen3_30b_a3b.py", "qwen3_5": "qwen3_5_35b_a3b.py", "deepseek_v2": "deepseek_v2_lite.py",
+            "deepseek_v3": "deepseek_v3_671b.py", "moonlight": "moonlight_16b_a3b.py", "gpt_oss": "gpt_oss_20b.py"}
 
 
 def family_vocab(family: str) -> int:
-    """The vocabulary of the family's benchmark config (its examples/ file, or the Qwen3 width)."""
-    spec = importlib.util.spec_from_file_location("train_throughput", ROOT / "benchmarks" / "train_throughput.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    here = os.getcwd()
-    os.chdir(ROOT)  # family_config reads examples/ relative to the repository root
+    """The vocabulary of the family's real-size example config (examples/, as train_throughput.py's family_config)."""
+    from pithtrain.config import load_run_config
+
+    return load_run_config(ROOT / "examples" / FAMILIES[family]).model.vocab_size
+
+
+def write_random(out: str, family: str, tokens: int, seed: int, overwrite: bool) -> int | str:
+    """The vocabulary written, or why --out is refused (before any token is drawn)."""
+    from pithtrain.train.data import check_output_dir, write_dataset
+
     try:
-        return bench.family_config(family, 1).vocab_size
-    finally:
-        os.chdir(here)
-
-
-def write_random(out: str, family: str, tokens: int, seed: int) -> int:
-    from pithtrain.train.data import write_dataset
-
+        check_output_dir(out)
+    except FileExistsError as e:
+        return f"--out: {e}"
+    if Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
+        return f"--out {out} already holds a dataset; choose a new directory, or pass --overwrite to replace it"
     vocab = family_vocab(family)
     ids = np.random.default_rng(seed).integers(0, vocab, size=tokens, dtype=np.int64)
     write_dataset(out, [ids], vocab, eos_id=None)
@@ -78,19 +83,21 @@ def main():
     parser.add_argument("kind", choices=["random", "stdlib", "corpus", "check"])
     parser.add_argument("corpus", nargs="*", help="corpus: text files, directories or .jsonl files")
     parser.add_argument("--out", required=True, help="dataset directory (new, or a dataset to replace)")
-    parser.add_argument("--family", choices=["qwen3", "deepseek_v2", "gpt_oss"], help="random: the vocabulary's family")
-    parser.add_argument("--tokens", type=int, help="random: how many tokens (seq+1 per sample and step)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab-size", type=int, default=4096, help="stdlib/corpus: the BPE's vocabulary")
-    parser.add_argument("--max-bytes", type=int, default=20_000_000, help="stdlib: how much source text")
-    parser.add_argument("--vocab", type=int, help="check: the vocabulary to expect")
-    parser.add_argument("--overwrite", action="store_true", help="stdlib/corpus: replace a dataset at --out")
+    parser.add_argument("--family", choices=list(FAMILIES), help="random: the vocabulary's family")
+    parser.add_argument("--tokens", type=runs.number(int, low=2), help="random: how many tokens (seq+1 per sample and step)")
+    parser.add_argument("--seed", type=runs.number(int, low=0), default=0)
+    parser.add_argument("--vocab-size", type=runs.COUNT, default=4096, help="stdlib/corpus: the BPE's vocabulary")
+    parser.add_argument("--max-bytes", type=runs.COUNT, default=20_000_000, help="stdlib: how much source text")
+    parser.add_argument("--vocab", type=runs.COUNT, help="check: the vocabulary to expect")
+    parser.add_argument("--overwrite", action="store_true", help="replace a dataset at --out (never other files)")
     args = parser.parse_args()
     vocab, tokens, tokenizer = args.vocab, None, args.kind in ("stdlib", "corpus")
     if args.kind == "random":
-        if not args.family or not args.tokens or args.tokens < 2:
+        if not args.family or not args.tokens:
             parser.error("random needs --family and --tokens (>= 2)")
-        vocab, tokens = write_random(args.out, args.family, args.tokens, args.seed), args.tokens
+        vocab, tokens = write_random(args.out, args.family, args.tokens, args.seed, args.overwrite), args.tokens
+        if isinstance(vocab, str):
+            return runs.verdict(False, vocab)
         print(f"wrote {args.out}: {tokens:,} random tokens in [0, {vocab}) ({args.family})")
     elif args.kind in ("stdlib", "corpus"):
         if (args.kind == "corpus") != bool(args.corpus):

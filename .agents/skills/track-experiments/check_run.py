@@ -14,19 +14,27 @@ import math
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
+import runs  # noqa: E402  (the helpers the skill scripts share: read JSON files, argument types)
 
-def metrics_steps(run: Path, problems: list) -> dict:
-    from pithtrain.train.metrics import read_metrics
 
+def loss_of(m: dict) -> float:
+    """A metrics line's loss; nan when it has none (or not a number)."""
+    loss = m.get("loss")
+    return float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else math.nan
+
+
+def metrics_steps(run: Path, problems: list) -> dict | None:
+    """Step -> its metrics (None: no metrics.jsonl); raises runs.BadInput for a line that is not a metrics line."""
     path = run / "metrics.jsonl"
     if not path.is_file():
         problems.append(f"{path} is missing")
-        return {}
-    rows = read_metrics(path)
+        return None
+    rows = runs.read_jsonl(path)
     steps = {m["step"]: m for m in rows}  # a resume after a crash may repeat steps: the last one counts
     print(f"metrics.jsonl: {len(rows)} lines, steps {min(steps, default=0)}..{max(steps, default=0)}"
           + (f" ({len(rows) - len(steps)} repeated after a resume)" if len(rows) > len(steps) else ""))
-    bad = [s for s, m in steps.items() if not math.isfinite(m.get("loss", math.nan))]
+    bad = [s for s, m in steps.items() if not math.isfinite(loss_of(m))]
     if bad:
         problems.append(f"metrics.jsonl: loss missing or not finite at steps {bad[:10]}")
     return steps
@@ -45,7 +53,7 @@ def tensorboard_losses(run: Path, problems: list) -> dict:
     return losses
 
 
-def wandb_problems(run: Path, logged: dict) -> list:
+def wandb_problems(run: Path, logged: dict, config: dict | None) -> list:
     """The offline runs' record files (RUN/wandb/offline-run-*/run-*.wandb; a resume starts another) hold
     each logged value as the JSON text of its float, uncompressed, and the config as one record: so every
     step's loss must appear among them, and a config field once per file. A byte check, not wandb's own
@@ -56,13 +64,12 @@ def wandb_problems(run: Path, logged: dict) -> list:
     records = [f.read_bytes() for f in files]
     print(f"wandb: {len(files)} offline run(s), {sum(map(len, records)):,} bytes of records")
     problems = []
-    absent = [s for s, m in logged.items() if not any(json.dumps(m["loss"]).encode() in r for r in records)]
+    absent = [s for s, m in logged.items() if not any(json.dumps(m.get("loss")).encode() in r for r in records)]
     if absent:
         problems.append(f"wandb: the loss of steps {absent[:10]} is in no offline run (a run killed before wandb flushed?)")
-    config = run / "run_config.json"
-    if not config.is_file():
-        return problems + [f"{config} is missing: cannot check that wandb logged the config"]
-    field = f'"{next(iter(json.loads(config.read_text()).get("model") or {"model_type": 0}))}"'.encode()  # "model_type"
+    if config is None:
+        return problems + [f"{run / 'run_config.json'} is missing: cannot check that wandb logged the config"]
+    field = f'"{next(iter(config.get("model") or {"model_type": 0}))}"'.encode()  # "model_type"
     counts = [r.count(field) for r in records]
     if any(c != 1 for c in counts):
         problems.append(f"wandb: the run config (its field {field.decode()}) is logged {counts} times per offline run, not once")
@@ -72,23 +79,36 @@ def wandb_problems(run: Path, logged: dict) -> list:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path)
-    parser.add_argument("--steps", type=int, help="steps the run should have logged (default: its train.steps)")
+    parser.add_argument("--steps", type=runs.COUNT, help="steps the run should have logged (default: its train.steps)")
     parser.add_argument("--tensorboard", action="store_true", help="require TensorBoard event files")
     parser.add_argument("--wandb", action="store_true", help="require offline wandb runs (WANDB_MODE=offline) holding every step's loss and the config")
     args = parser.parse_args()
+    try:
+        return check(args)
+    except runs.BadInput as e:
+        return runs.verdict(False, str(e))
+
+
+def check(args) -> int:
     problems = []
+    path = args.run / "run_config.json"
+    config = runs.read_json(path) if path.is_file() else None
     steps = args.steps
     if steps is None:
-        config = args.run / "run_config.json"
-        if not config.is_file():
-            print(f"FAIL: {config} is missing (not a run directory?); pass --steps")
-            return 1
-        steps = json.loads(config.read_text())["train"]["steps"]
+        if config is None:
+            return runs.verdict(False, f"{path} is missing (not a run directory?); pass --steps")
+        train = config.get("train") if isinstance(config, dict) else None
+        steps = train.get("steps") if isinstance(train, dict) else None
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            return runs.verdict(False, f"{path} holds no train.steps (not a run's config?); pass --steps")
     want = set(range(1, steps + 1))
     logged = metrics_steps(args.run, problems)
-    if logged and set(logged) != want:
-        problems.append(f"metrics.jsonl: missing steps {sorted(want - set(logged))[:10]}, "
-                        f"unexpected {sorted(set(logged) - want)[:10]}")
+    if logged is not None and set(logged) != want:
+        missing, unexpected = sorted(want - set(logged)), sorted(set(logged) - want)
+        more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
+        problems.append("metrics.jsonl: " + ", ".join(part for part in (missing and f"missing steps {missing[:10]}{more}",
+                                                                        unexpected and f"unexpected {unexpected[:10]}") if part))
+    logged = logged or {}
     if args.tensorboard or (args.run / "tensorboard").is_dir():
         if not (args.run / "tensorboard").is_dir():
             problems.append(f"{args.run / 'tensorboard'} is missing (train.tensorboard=true and the tensorboard package)")
@@ -96,15 +116,15 @@ def main():
             losses = tensorboard_losses(args.run, problems)
             if losses and set(losses) != want:
                 problems.append(f"tensorboard: missing steps {sorted(want - set(losses))[:10]}")
-            differ = [s for s in losses if s in logged and not math.isclose(losses[s], logged[s]["loss"], rel_tol=1e-6)]
+            differ = [s for s in losses if s in logged and not math.isclose(losses[s], loss_of(logged[s]), rel_tol=1e-6)]
             if differ:
                 problems.append(f"tensorboard: train/loss differs from metrics.jsonl at steps {differ[:10]}")
     if args.wandb:
-        problems += wandb_problems(args.run, logged)
-    for p in problems:
+        problems += wandb_problems(args.run, logged, config if isinstance(config, dict) else None)
+    for p in problems[1:]:
         print("problem:", p)
-    print(f"PASS: steps 1..{steps} logged" if not problems else "FAIL")
-    return 0 if not problems else 1
+    more = f" (+{len(problems) - 1} more above)" if len(problems) > 1 else ""
+    return runs.verdict(not problems, f"{problems[0]}{more}" if problems else f"steps 1..{steps} logged")
 
 
 if __name__ == "__main__":
