@@ -41,16 +41,18 @@ def _cmd_train(args) -> int:
     if "PITHTRAIN_LAUNCHER" in os.environ:  # a worker of launch_local
         die_with_launcher(int(os.environ["PITHTRAIN_LAUNCHER"]))
     config = train_config(args)
-    out = Path(args.out or f"runs/{config.model.model_type}")
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # a worker under torchrun/srun/our launcher
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     validate(config, world_size=world)  # refuse an impossible mesh before any process starts
+    if args.out is not None and not args.out.strip():
+        raise UserError("--out is empty; name the run directory, e.g. --out runs/mine")
+    out = Path(args.out or f"runs/{config.model.model_type}")
     if args.print_config or args.dry_run:
         return _check_only(args, config, out, world)
     # one writer per run directory: this process, our launcher (not its workers), or rank 0 under another launcher
     owner = "PITHTRAIN_LAUNCHER" not in os.environ and os.environ.get("RANK", "0") == "0"
     if owner:
-        print(f"config (also in {out}/run_config.json):\n{describe(config)}", flush=True)
+        print(f"config:\n{describe(config)}", flush=True)
     created = owner and not out.exists()
     lock = claim(out) if owner else None
     try:
@@ -142,12 +144,19 @@ def _train_here(args, config, out: Path, launched: bool, stop) -> int:
                      else "no checkpoint (train.checkpoint_every=-1)")
             by = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
             print(f"stopped by {by} after step {stop.stopped_at} of {config.train.steps}; "
-                  f"{saved}\nresume with: {shlex.join(['pithtrain', *args.argv])}", flush=True)
+                  f"{saved}" + (f"\nresume with: {shlex.join(['pithtrain', *args.argv])}" if config.train.checkpoint_every >= 0
+                                else ""), flush=True)
         elif history:
             held_out = f", eval loss {history[-1]['eval_loss']:.4f}" if "eval_loss" in history[-1] else ""
             resumed = f" ({len(history)} after resuming at step {history[0]['step'] - 1})" if history[0]["step"] > 1 else ""
+            kept = f"checkpoints in {out}/checkpoints" if config.train.checkpoint_every >= 0 else \
+                "no checkpoint (train.checkpoint_every=-1)"
+            argv = [a for i, a in enumerate(args.argv) if not a.startswith("--stop-after")
+                    and (i == 0 or args.argv[i - 1] != "--stop-after")]  # the rest of the run: no --stop-after
+            more = f"\nresume with: {shlex.join(['pithtrain', *argv])}" if history[-1]["step"] < config.train.steps \
+                and config.train.checkpoint_every >= 0 else ""
             print(f"done: step {history[-1]['step']} of {config.train.steps}{resumed}, final loss {history[-1]['loss']:.4f}"
-                  f"{held_out}; metrics in {out}/metrics.jsonl, checkpoints in {out}/checkpoints")
+                  f"{held_out}; metrics in {out}/metrics.jsonl, {kept}{more}")
     if mesh is not None:
         import torch.distributed as dist
 
@@ -156,12 +165,6 @@ def _train_here(args, config, out: Path, launched: bool, stop) -> int:
         dist.barrier()
         dist.destroy_process_group()
     return 128 + (stop.signum or signal.SIGTERM) if stop.stopped_at else 0
-
-
-def _cmd_tokenize(args) -> int:
-    from pithtrain.tools.tokenize import run_tokenize
-
-    return run_tokenize(args)
 
 
 def _cmd_convert(args) -> int:
@@ -173,29 +176,19 @@ def _cmd_convert(args) -> int:
     return 0
 
 
-def _cmd_plot(args) -> int:
-    from pithtrain.tools.plot import plot_runs
-
-    print(f"wrote {plot_runs([Path(r) for r in args.runs], args.out and Path(args.out))}")
-    return 0
-
-
 def _cmd_eval(args) -> int:
-    from pithtrain.tools.hf import evaluate, load_model, load_tokens, trained_seq_len
+    from pithtrain.tools.hf import eval_setup, evaluate, load_model, load_tokens
     from pithtrain.train.loop import pick_device
 
-    if args.batch_size < 1:
-        raise UserError(f"--batch-size {args.batch_size}: must be at least 1")
-    if args.seq_len is not None and args.seq_len < 2 or args.max_tokens is not None and args.max_tokens < 2:
-        raise UserError(f"--seq-len {args.seq_len} / --max-tokens {args.max_tokens}: each must be at least 2")
-    device = pick_device(args.device or "auto", "--device")
-    seq_len, why = (args.seq_len, "--seq-len") if args.seq_len else trained_seq_len(args.checkpoint)
-    tokens = load_tokens(args.tokens, args.max_tokens, seq_len)
-    model = load_model(args.checkpoint)
-    if int(tokens.max()) >= model.cfg.vocab_size:
-        raise UserError(f"--tokens {args.tokens}: token id {int(tokens.max())} is outside the model's vocabulary "
-                        f"[0, {model.cfg.vocab_size}); tokenize with the model's tokenizer")
-    loss, count = evaluate(model, tokens, args.batch_size, device)
+    for flag, value, least in (("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2), ("--max-tokens", args.max_tokens, 2)):
+        if value is not None and value < least:
+            raise UserError(f"{flag} {value}: must be at least {least}")
+    device = pick_device(args.device, "--device")
+    seq_len, why, vocab, tokenizer = eval_setup(args.checkpoint, args.seq_len)
+    tokens = load_tokens(args.tokens, args.max_tokens, seq_len, vocab, tokenizer)
+    if tokens.shape[1] < seq_len and Path(args.tokens).is_dir():  # fewer tokens than one row: one row of them all
+        why = f"all {tokens.shape[1]} tokens taken, fewer than the {seq_len} of {why}"
+    loss, count = evaluate(load_model(args.checkpoint), tokens, args.batch_size, device)
     rows = f"rows of {tokens.shape[1]} tokens ({why if Path(args.tokens).is_dir() else 'the .npy array'})"
     print(json.dumps({"loss": loss, "tokens": count, "seq_len": tokens.shape[1]}) if args.json
           else f"eval loss {loss:.6f} over {count} tokens in {rows}")
@@ -217,7 +210,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from pithtrain.tools.tokenize import add_tokenize_args
+    from pithtrain.tools.plot import run_plot
+    from pithtrain.tools.tokenize import add_tokenize_args, run_tokenize
 
     parser = _Parser(prog="pithtrain", description="Compact Mixture-of-Experts training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -241,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("tokenize", help="text files, directories or JSONL -> token dataset")
     add_tokenize_args(p)
-    p.set_defaults(func=_cmd_tokenize)
+    p.set_defaults(func=run_tokenize)
 
     p = sub.add_parser("convert", help="HF directory <-> PithTrain checkpoint (direction from SRC)")
     p.add_argument("src", help="HF directory (config.json + safetensors), checkpoint, or run directory")
@@ -253,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plot", help="loss, eval loss, learning rate and tokens/s of runs into one PNG")
     p.add_argument("runs", nargs="+", metavar="RUN", help="run directories (or their metrics.jsonl)")
     p.add_argument("--out", help="the PNG to write; default: metrics.png in the first RUN")
-    p.set_defaults(func=_cmd_plot)
+    p.set_defaults(func=run_plot)
 
     p = sub.add_parser("eval", help="mean next-token cross-entropy over held-out tokens")
     p.add_argument("checkpoint", help="HF directory, PithTrain checkpoint, or run directory (latest)")
@@ -262,9 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, help="at most this many tokens: a dataset's last N, a .npy's first rows")
     p.add_argument("--seq-len", type=int, help="row length for a dataset directory (default: the model's training "
                    "data.seq_len, else its config.json's seq_length or max_position_embeddings)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", choices=("cpu", "cuda"), help="cpu or cuda (default: cuda when available)")
-    p.add_argument("--json", action="store_true", help='print one line {"loss": ..., "tokens": ...}')
+    p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="default auto: cuda when available")
+    p.add_argument("--json", action="store_true", help='print one line {"loss": ..., "tokens": ..., "seq_len": ...}')
     p.set_defaults(func=_cmd_eval)
     return parser
 

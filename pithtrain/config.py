@@ -242,9 +242,10 @@ def _installed(module: str) -> bool:
 
 
 def load_run_config(path: str | Path) -> RunConfig:
+    if not Path(path).is_file():
+        why = "is a directory" if str(path) and Path(path).is_dir() else "does not exist"
+        raise ConfigError(f"config file {str(path)!r} {why}; pass a run file such as examples/qwen3_tiny.py")
     path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist; pass a run file such as examples/qwen3_tiny.py")
     try:
         namespace = runpy.run_path(str(path))
     except Exception as e:  # a syntax, import or runtime error of the run file: point at its line
@@ -288,7 +289,8 @@ def _parse_value(text: str, annotation: Any, name: str) -> Any:
         if origin in (list, tuple) and not isinstance(value, list):
             raise ConfigError(f"--set {name}={text}: expected a JSON list such as [0,3]")
         return value
-    raise ConfigError(f"--set {name}: fields of type {annotation} cannot be set from the command line")
+    raise ConfigError(f"--set {name}: a {getattr(annotation, '__name__', annotation)} cannot be set from the command "
+                      "line; set it in the run file")
 
 
 def apply_override(config: RunConfig, assignment: str) -> None:
@@ -296,6 +298,8 @@ def apply_override(config: RunConfig, assignment: str) -> None:
     if "=" not in assignment:
         raise ConfigError(f"--set {assignment!r}: expected the form section.field=value, e.g. train.steps=10")
     key, text = assignment.split("=", 1)
+    if not key.strip():
+        raise ConfigError(f"--set {assignment!r}: no field named; expected section.field=value, e.g. train.steps=10")
     parts = key.strip().split(".")
     target = config
     for i, part in enumerate(parts):
@@ -447,7 +451,7 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
         (changed(o, "min_lr_ratio") and o.schedule == "constant", "optim.min_lr_ratio has no effect with optim.schedule=constant"),
         (changed(o, "momentum") and o.name == "adamw", "optim.momentum is Muon's; optim.name=adamw does not use it"),
         (changed(o, "muon_exclude") and o.name == "adamw", "optim.muon_exclude is Muon's; optim.name=adamw does not use it"),
-        (o.warmup_steps >= t.steps, f"optim.warmup_steps={o.warmup_steps} >= train.steps={t.steps}: the lr never reaches optim.lr"),
+        (o.warmup_steps > t.steps, f"optim.warmup_steps={o.warmup_steps} > train.steps={t.steps}: the lr never reaches optim.lr"),
         (changed(t, "lb_type") and t.lb_coef == 0, "train.lb_type has no effect with train.lb_coef=0 (no load-balance loss)"),
         (changed(t, "mtp_coef") and not getattr(config.model, "num_nextn_predict_layers", 0),
          "train.mtp_coef has no effect without multi-token prediction layers (model.num_nextn_predict_layers=0)"),

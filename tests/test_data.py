@@ -245,6 +245,40 @@ def test_iter_documents(tmp_path):
         list(iter_documents([str(root), str(tmp_path / "missing.txt")]))
 
 
+def test_iter_documents_follows_links_and_skips_fifos_and_datasets(tmp_path):
+    """Linked directories are read (a loop of links once), FIFOs and broken links are skipped with a warning and
+    never opened (a read would block), an earlier pithtrain dataset in the tree is skipped, and a JSON Lines text
+    may hold U+2028 or U+0085 (lines split at "\\n" only)."""
+    import os
+    import signal
+
+    other, root = tmp_path / "other", tmp_path / "corpus"
+    other.mkdir()
+    (other / "b.txt").write_text("bravo")
+    root.mkdir()
+    (root / "a.txt").write_text("alpha")
+    (root / "linked").symlink_to(other)
+    (root / "loop").symlink_to(root)
+    (root / "gone.txt").symlink_to(tmp_path / "nowhere")
+    os.mkfifo(root / "pipe")
+    (root / "c.jsonl").write_text(json.dumps({"text": "x\u2028y\u0085z"}, ensure_ascii=False) + "\n")
+    write_dataset(root / "old_dataset", [[1, 2]], 10, eos_id=0, tokenizer_file=None)
+    (root / "old_dataset" / "tokenizer.json").write_text('{\n  "pretty": "printed"\n}')  # read as JSON Lines it would fail
+
+    def timeout(*_):
+        raise TimeoutError("a read blocked")
+
+    previous = signal.signal(signal.SIGALRM, timeout)
+    signal.alarm(20)
+    try:
+        with pytest.warns(UserWarning, match=r"skipped 2 file\(s\) that are not regular files.*gone.txt"):
+            docs = list(iter_documents([str(root)]))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert docs == ["alpha", "x\u2028y\u0085z", "bravo"]
+
+
 def test_bpe_tokenize_round_trip(tmp_path):
     from tokenizers import Tokenizer
 

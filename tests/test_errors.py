@@ -58,6 +58,12 @@ CASES = [  # (id, command line, what the one line must name)
     ("set-type", "train {cfg} --set train.steps=ten", "train.steps"),
     ("set-unknown", "train {cfg} --set train.stpes=3", "stpes"),
     ("set-form", "train {cfg} --set train.steps", "train.steps"),
+    ("set-no-field", "train {cfg} --set =1", "no field named"),
+    ("set-section", "train {cfg} --set optim=1", "set it in the run file"),
+    ("file-dir", "train {tmp}", "is a directory"),
+    ("out-empty", "train {cfg} --out ''", "--out is empty"),
+    ("data-path-empty", "train {cfg} --set data.path=", "data.path is empty"),
+    ("eval-path-file", "train {cfg} --set data.eval_path={notes} --set train.eval_every=1", "is a file"),
     ("lr-inf", "train {cfg} --set optim.lr=inf", "optim.lr"),
     ("lr-nan", "train {cfg} --set optim.lr=nan", "optim.lr"),
     ("lr-negative", "train {cfg} --set optim.lr=-1", "optim.lr"),
@@ -334,6 +340,175 @@ def test_end_to_end_exit_code_and_debug_traceback(env):
     assert result.returncode != 0 and "Traceback" in result.stderr
 
 
+# ---- tokenize, convert, eval and plot: inputs that are not what they seem, and what an overwrite keeps ----
+
+TOOL_CASES = [  # (id, command line, what the one line must name)
+    ("convert-src-missing", "convert {tmp}/nowhere {tools}/c", "nowhere does not exist"),
+    ("convert-src-empty", "convert {empty_dir} {tools}/c", "empty_dir is neither an HF directory"),
+    ("convert-src-file", "convert {notes} {tools}/c", "notes.txt is a file"),
+    ("convert-src-dataset", "convert {data} {tools}/c", "data is neither an HF directory"),
+    ("convert-src-no-config", "convert {hf_noconfig} {tools}/c", "lacks the config.json"),
+    ("convert-src-no-weights", "convert {hf_noweights} {tools}/c", "lacks the *.safetensors"),
+    ("convert-src-no-meta", "convert {run_nometa} {tools}/c", "pass a checkpoint or run directory with an intact one"),
+    ("convert-dst-under-file", "convert {hf} {notes}/sub", "notes.txt/sub is a file, or lies under one"),
+    ("convert-dst-symlink", "convert {hf} {dst_link} --overwrite", "dst_link is a symbolic link"),
+    ("convert-config-list", "convert {hf_list} {tools}/c", "config.json holds a JSON list"),
+    ("eval-config-list", "eval {hf_list} --tokens {tokens}", "config.json holds a JSON list"),
+    ("eval-config-type", "eval {hf_four} --tokens {tokens}", "num_hidden_layers='four' (str): expected int; fix config.json"),
+    ("eval-seq-len-too-long", "eval {hf} --tokens {data} --seq-len 100000", "max_position_embeddings"),
+    ("eval-max-tokens-zero", "eval {hf} --tokens {data} --max-tokens 0", "--max-tokens 0: must be at least 2"),
+    ("eval-uint64-id", "eval {hf} --tokens {tokens_u64}", f"token id {2**63 + 5} is outside"),
+    ("eval-other-tokenizer-hf", "eval {hf_tok} --tokens {data_tok_b}", "hf_tok/tokenizer.json (their SHA-256 differ)"),
+    ("eval-other-tokenizer-run", "eval {run_tok} --tokens {data_tok_b}", "data_tok_a/tokenizer.json (their SHA-256 differ)"),
+    ("tokenize-tokenizer-dir", "tokenize {corpus} --tokenizer {empty_dir} --out {tools}/t", "is a directory"),
+    ("tokenize-no-text", "tokenize {empty_dir} --train-tokenizer --out {tools}/t", "no text in"),
+    ("tokenize-own-meta", "tokenize {corpus} --train-tokenizer --out {own_meta} --overwrite", "(meta.json)"),
+    ("tokenize-own-tokenizer", "tokenize {corpus} --train-tokenizer --out {own_tokenizer} --overwrite", "(tokenizer.json)"),
+    ("tokenize-out-under-file", "tokenize {corpus} --train-tokenizer --out {notes}/sub", "is not a writable directory"),
+    ("tokenize-jsonl-before-bpe", "tokenize {jsonl} --train-tokenizer --out {tools}/t", "bad.jsonl"),
+    ("plot-missing", "plot {tmp}/nowhere", "nowhere: does not exist"),
+    ("plot-loss-text", "plot {metrics_text}", "line 2: loss='high' is not a number"),
+    ("plot-loss-dict", "plot {metrics_dict}", "line 1: loss={'a': 1} is not a number"),
+    ("plot-bad-line-4", "plot {metrics_line4}", "line 4 is not JSON"),
+    ("plot-out-format", "plot {tmp}/run_good --out {tools}/x.txt", "--out"),
+]
+
+TOOL_PATCHES = {"tokenize-jsonl-before-bpe": lambda: mock.patch("pithtrain.tools.tokenize.train_bpe",
+                                                                side_effect=AssertionError("BPE ran before the input was read"))}
+
+
+@pytest.fixture(scope="module")
+def tool_env(env):
+    """The battery's files, and: HF directories lacking a file or with a bad config.json, a run whose checkpoints
+    lack meta.json, a model whose tokenizer is known (an HF export's tokenizer.json, a run's recorded SHA-256) and
+    datasets of it and of another, the user's own meta.json and tokenizer.json, metrics files with bad values."""
+    from pithtrain.train import checkpoint as ckpt
+    from pithtrain.train.data import TokenDataset, write_dataset
+
+    out, tools = dict(env), env["tmp"] / "tools"
+    tools.mkdir()
+    out["tools"] = tools
+
+    def copy(src, name):
+        out[name] = shutil.copytree(src, tools / name)
+        return out[name]
+
+    config = json.loads((env["hf"] / "config.json").read_text())
+    for name, content in (("hf_list", [1, 2]), ("hf_four", dict(config, num_hidden_layers="four"))):
+        (copy(env["hf"], name) / "config.json").write_text(json.dumps(content))
+    (copy(env["hf"], "hf_noconfig") / "config.json").unlink()
+    (copy(env["hf"], "hf_noweights") / "model.safetensors").unlink()
+    for meta in copy(env["tmp"] / "run_good", "run_nometa").glob("checkpoints/*/meta.json"):
+        meta.unlink()
+    out["dst_link"] = tools / "dst_link"
+    out["dst_link"].symlink_to(env["empty_dir"])
+    for name in ("tok_a", "tok_b"):
+        (tools / f"{name}.json").write_text(json.dumps({"stand-in": name}))
+        out[f"data_{name}"] = tools / f"data_{name}"
+        write_dataset(out[f"data_{name}"], markov_docs(np.random.default_rng(4), 64, 40), vocab_size=64, eos_id=0,
+                      tokenizer_file=str(tools / f"{name}.json"))
+    shutil.copyfile(tools / "tok_a.json", copy(env["hf"], "hf_tok") / "tokenizer.json")
+    meta_file = next(copy(env["tmp"] / "run_good", "run_tok").glob("checkpoints/*/meta.json"))
+    meta = json.loads(meta_file.read_text())
+    meta.pop("meta_crc32")
+    meta["dataset"] = TokenDataset(out["data_tok_a"]).identity  # as if the run had trained on data_tok_a
+    meta_file.write_text(json.dumps(dict(meta, meta_crc32=ckpt._json_crc(meta))))
+    out["tokens_u64"] = tools / "tokens_u64.npy"
+    np.save(out["tokens_u64"], np.array([[1, 2, 2**63 + 5]], dtype=np.uint64))
+    for name, file, content in (("own_meta", "meta.json", '{"my": "settings"}'), ("own_tokenizer", "tokenizer.json", "{}")):
+        (tools / name).mkdir()
+        (tools / name / file).write_text(content)
+        out[name] = tools / name
+    for name, text in (("metrics_text", '{"step": 1, "loss": 4.0}\n{"step": 2, "loss": "high"}\n'),
+                       ("metrics_dict", '{"step": 1, "loss": {"a": 1}}\n'),
+                       ("metrics_line4", '{"step": 1}\n{"step": 2}\n\n{\n{"step": 5}\n')):
+        out[name] = tools / f"{name}.jsonl"
+        out[name].write_text(text)
+    return out
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("case_id, line, names", TOOL_CASES, ids=[c[0] for c in TOOL_CASES])
+def test_tool_case_ends_in_one_line(tool_env, case_id, line, names):
+    with TOOL_PATCHES.get(case_id, nullcontext)():
+        code, err = run_case(tool_env, case_id, line)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: ") and names in lines[0], err
+    assert "free space" not in err and not (tool_env["tools"] / "c").exists() and not (tool_env["tools"] / "t").exists()
+    if case_id.startswith("tokenize-own-"):  # the user's file is kept as it was
+        own = tool_env[case_id.removeprefix("tokenize-").replace("-", "_")]
+        assert [p.name for p in own.iterdir()] == [names.strip("()")]
+    assert (tool_env["own_meta"] / "meta.json").read_text() == '{"my": "settings"}'
+
+
+@pytest.mark.fast
+def test_convert_overwrite_keeps_the_old_output_when_a_rename_fails(tool_env):
+    """convert --overwrite moves the old DST aside, renames the new one in, then deletes the old: a rename that fails
+    (DST a mount point: EBUSY) leaves the old DST as it was, in both directions, and no temporary directory."""
+    tools = tool_env["tools"]
+    for src, dst in ((tool_env["hf"], tools / "ow_ck"), (tool_env["tmp"] / "run_good", tools / "ow_hf")):
+        assert run_case(tool_env, "ow", f"convert {src} {dst}")[0] == 0
+        (dst / "mine.txt").write_text("the old DST")
+        before = {p.name: p.read_bytes() for p in dst.iterdir()}
+        rename = os.rename
+        for failing in (dst, dst.with_name(dst.name + ".tmp")):  # moving the old aside, or renaming the new in
+
+            def flaky(a, b, *args, **kwargs):
+                if Path(a) == failing:
+                    raise OSError(errno.EBUSY, os.strerror(errno.EBUSY), str(a))
+                return rename(a, b, *args, **kwargs)
+
+            with mock.patch("os.rename", flaky):
+                code, err = run_case(tool_env, "ow", f"convert {src} {dst} --overwrite")
+            error = err.strip().splitlines()[-1]  # after the run's note that its dataset has no tokenizer
+            assert code == 2 and error.startswith("error: ") and f"{dst}" in error and "note" not in error, err
+            assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
+            assert [p.name for p in tools.iterdir() if dst.name in p.name] == [dst.name]
+        assert run_case(tool_env, "ow", f"convert {src} {dst} --overwrite")[0] == 0
+        assert not (dst / "mine.txt").exists() and [p.name for p in tools.iterdir() if dst.name in p.name] == [dst.name]
+
+
+@pytest.mark.fast
+def test_eval_rows_and_config_kept_through_convert(tool_env, monkeypatch, capsys):
+    """An HF directory's seq_length and pad_token_id survive HF -> checkpoint -> HF, so eval of the checkpoint uses the
+    rows eval of the HF directory uses; the row length's real source is said; a bad seq_length names config.json.
+    convert to "." works; the round trip's missing tokenizer is said in words that fit."""
+    from cli_util import cli
+
+    tools = tool_env["tools"]
+    hf = shutil.copytree(tool_env["hf"], tools / "hf_rows")
+    config = json.loads((hf / "config.json").read_text())
+    (hf / "config.json").write_text(json.dumps(dict(config, seq_length=16, pad_token_id=0)))
+    cli(["convert", hf, tools / "ck_rows"], capsys)
+    back = tools / "hf_back"
+    back.mkdir()
+    monkeypatch.chdir(back)
+    _, err = cli(["convert", tools / "ck_rows", "."], capsys)
+    assert f"ck_rows was converted from {hf}" in err
+    for folder in (tools / "ck_rows", back):
+        assert {k: json.loads((folder / "config.json").read_text()).get(k) for k in ("seq_length", "pad_token_id")} == \
+            {"seq_length": 16, "pad_token_id": 0}
+    results = [json.loads(cli(["eval", m, "--tokens", tool_env["data"], "--max-tokens", "100", "--json", "--device", "auto"], capsys)[0])
+               for m in (hf, tools / "ck_rows", back)]
+    assert results[0]["seq_len"] == 16 and results[1] == results[0] == results[2]
+    out, _ = cli(["eval", tools / "ck_rows", "--tokens", tool_env["data"], "--max-tokens", "10"], capsys)
+    assert "rows of 10 tokens (all 10 tokens taken, fewer than the 16 of seq_length of" in out
+    for value in (0, -5, 1, True, "16", 10**6):
+        (hf / "config.json").write_text(json.dumps(dict(config, seq_length=value)))
+        _, err = cli(["eval", hf, "--tokens", tool_env["data"]], capsys, code=2)
+        assert err.startswith(f"error: rows of {value!r} tokens (seq_length of {hf / 'config.json'})") and err.count("\n") == 1, err
+    out, _ = cli(["eval", hf, "--tokens", tool_env["data"], "--seq-len", "8", "--max-tokens", "16"], capsys)  # no seq_length read
+    assert "rows of 8 tokens (--seq-len)" in out
+
+
+@pytest.mark.fast
+def test_plot_out_without_a_suffix_names_the_file_written(tool_env, capsys):
+    from cli_util import cli
+
+    out, _ = cli(["plot", tool_env["tmp"] / "run_good", "--out", tool_env["tools"] / "noext"], capsys)
+    assert out == f"wrote {tool_env['tools'] / 'noext.png'}\n" and (tool_env["tools"] / "noext.png").read_bytes()[:4] == b"\x89PNG"
+
+
 # ---- options that cannot take effect, datasets that are not what they claim, the newer commands ----
 
 TRUST_CASES = [  # (id, command line, what the one line must name)
@@ -354,7 +529,7 @@ TRUST_CASES = [  # (id, command line, what the one line must name)
     ("resume-meta-step-edited", "train {cfg} --out {run_meta_edited}", "CRC32"),
     ("disk-full-runtime-error", "train {cfg} --out {run_full_rt}", "write failed"),
     ("disk-read-only-runtime-error", "train {cfg} --out {run_rofs}", "EROFS"),
-    ("plot-rows-without-step", "plot {metrics_nostep}", 'row 2 has no integer "step"'),
+    ("plot-rows-without-step", "plot {metrics_nostep}", 'line 2 has no integer "step"'),
     ("plot-empty-metrics", "plot {metrics_empty}", "no metrics rows"),
     ("plot-out-directory", "plot {tmp}/run_good --out {empty_dir}", "is a directory"),
 ]

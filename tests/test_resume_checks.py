@@ -150,3 +150,47 @@ def test_hf_weights_of_another_shape_are_named(tmp_path, family):
         code, _, err = cli("eval", hf, "--tokens", tmp_path / "tokens.npy")
         shapes = f"{key} has shape {tuple(bad.shape)}, the model expects {tuple(state[key].shape)}"
         assert refused(code, err, shapes), err
+
+
+def test_a_damaged_newest_checkpoint_is_set_aside_and_the_good_ones_survive(tmp_path, dataset_dir):
+    """Checkpoints at steps 2 and 4, step 4's file truncated: the rerun falls back to step 2, renames step 4
+    STEP.damaged (kept, not counted), and pruning to one checkpoint keeps the step it just wrote, not the
+    damaged one. A run ended by --stop-after says how to go on (without it); --dry-run verifies init_from."""
+    config = write_run_file(tmp_path / "tiny.py", dataset_dir)
+    out, every = tmp_path / "run", ("--set", "train.checkpoint_every=2")
+    assert cli("train", config, "--out", out, "--steps", "4", *every)[0] == 0
+    with open(next((out / "checkpoints/step_00000004").glob("*.distcp")), "r+b") as f:
+        f.truncate(100)
+    code, printed, err = cli("train", config, "--out", out, "--steps", "4", "--stop-after", "3", *every,
+                             "--set", "train.keep_checkpoints=1")
+    assert code == 0 and "falling back to step_00000002\nnote: moved it to step_00000004.damaged" in printed, err
+    assert f"resume with: pithtrain train {config} --out {out} --steps 4 --set" in printed  # --stop-after dropped
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_00000003", "step_00000004.damaged"]
+    assert ckpt.check_checkpoint(out / "checkpoints/step_00000003") is None
+    code, printed, _ = cli("train", config, "--out", out, "--steps", "4", "--stop-after", "3", *every)
+    assert code == 0 and "raise --stop-after" in printed
+    code, _, err = cli("train", config, "--out", tmp_path / "new", "--dry-run",
+                       "--set", f"train.init_from={out}/checkpoints/step_00000004.damaged")
+    assert refused(code, err, "train.init_from=", "is damaged"), err
+    code, printed, err = cli("train", config, "--out", out, "--steps", "4", "--set", f"train.init_from={out}", *every)
+    assert code == 0 and "train.init_from is not used: the run resumes from its own" in printed, err
+
+
+def test_an_earlier_run_without_a_checkpoint_is_not_overwritten(tmp_path, dataset_dir, monkeypatch):
+    """Metrics of a run with checkpoints off: a rerun into its directory starts over, and moves them aside."""
+    config = write_run_file(tmp_path / "tiny.py", dataset_dir)
+    out = tmp_path / "run"
+    code, printed, _ = cli("train", config, "--out", out, "--steps", "1", "--set", "train.checkpoint_every=-1")
+    assert code == 0 and "no checkpoint (train.checkpoint_every=-1)" in printed.splitlines()[-1]
+    assert "resume with" not in printed
+    logged = (out / "metrics.jsonl").read_text()
+    code, printed, _ = cli("train", config, "--out", out, "--steps", "2", "--dry-run")
+    assert code == 0 and "would move that file to metrics_earlier.jsonl" in printed
+    for name in ("metrics_earlier.jsonl", "metrics_earlier_2.jsonl"):
+        code, printed, err = cli("train", config, "--out", out, "--steps", "1", "--set", "train.checkpoint_every=-1")
+        assert code == 0 and f"moved that file to {name}" in printed, err
+        assert (out / name).read_text().startswith('{"step": 1')
+    assert (out / "metrics_earlier.jsonl").read_text() == logged
+    monkeypatch.chdir(tmp_path)  # without --out a run goes to runs/MODEL_TYPE, named only after the config is valid
+    code, _, err = cli("train", write_run_file(tmp_path / "none.py", dataset_dir, "CONFIG.model = None\n"), "--dry-run")
+    assert refused(code, err, "model=None"), err

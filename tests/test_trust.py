@@ -89,7 +89,7 @@ def test_options_without_effect_are_warned_about(tmp_path, dataset_dir, capsys):
         ("optim", "min_lr_ratio", 0.5, {"optim.schedule": "constant"}, "optim.min_lr_ratio"),
         ("optim", "momentum", 0.9, {}, "optim.momentum"),
         ("optim", "muon_exclude", ["lm_head.*"], {}, "optim.muon_exclude"),
-        ("optim", "warmup_steps", 6, {}, "optim.warmup_steps"),
+        ("optim", "warmup_steps", 7, {}, "optim.warmup_steps"),  # train.steps=6
         ("train", "lb_type", "global", {"train.lb_coef": 0.0}, "train.lb_type"),
         ("train", "keep_checkpoints", 5, {"train.checkpoint_every": -1}, "train.keep_checkpoints"),
         ("train", "mtp_coef", 0.1, {}, "train.mtp_coef"),  # a Qwen3-MoE model: no MTP layers
@@ -111,6 +111,7 @@ def test_options_without_effect_are_warned_about(tmp_path, dataset_dir, capsys):
     where_they_act.optim.name, where_they_act.optim.momentum = "muon", 0.9
     where_they_act.optim.schedule, where_they_act.optim.decay_fraction = "wsd", 0.3
     where_they_act.train.eval_every, where_they_act.data.eval_samples = 2, 8
+    where_they_act.optim.warmup_steps = 6  # the lr reaches optim.lr at the last step
     assert ignored_options(where_they_act) == [] and ignored_options(base, world_size=2) == []
     hsdp = tiny_config(dataset_dir)
     hsdp.parallel.hsdp = True

@@ -30,10 +30,6 @@ def expert_modules(model: torch.nn.Module):
     return [m for name, m in model.named_modules() if name.split(".")[-1] == "experts"]
 
 
-def is_expert_param(name: str) -> bool:
-    return ".experts." in name
-
-
 @torch.no_grad()
 def keep_local_experts(model: torch.nn.Module, ep_rank: int, ep: int) -> None:
     """Slice every expert parameter to this EP rank's contiguous block of experts."""

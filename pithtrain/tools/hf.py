@@ -24,29 +24,29 @@ from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import rundir
 from pithtrain.train.checkpoint import is_hf_dir, load_model, model_config, read_hf_state  # noqa: F401 (hf.load_model)
-from pithtrain.train.data import TokenDataset
+from pithtrain.train.data import TokenDataset, _sha256
 
 SHARD_BYTES = 4 * 2**30
+CARRIED = ("seq_length", "pad_token_id")  # config.json keys beyond the model's that convert keeps, both ways
 
 
-def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, seq_len: int | None = None) -> Path:
+def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, extra: dict | None = None) -> Path:
     """config.json + safetensors (sharded at 4 GiB with an index), written to a temp dir then renamed.
     With the `dataset` the model trained on: its EOS as the bos/eos/pad ids of config.json and
     generation_config.json, and its tokenizer as files `AutoTokenizer.from_pretrained` reads.
-    `seq_len`: the training sequence length, as config.json's `seq_length` (eval's default rows)."""
+    `extra`: more keys of config.json (`seq_length`: the training sequence length, eval's default rows)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.hf_state_dict().items()}
-    shards, current, size = [], {}, 0
+    shards, size = [{}], 0
     for k in sorted(state):
         nbytes = state[k].numel() * state[k].element_size()
-        if current and size + nbytes > SHARD_BYTES:
-            shards.append(current)
-            current, size = {}, 0
-        current[k], size = state[k], size + nbytes
-    shards.append(current)
+        if shards[-1] and size + nbytes > SHARD_BYTES:
+            shards.append({})
+            size = 0
+        shards[-1][k], size = state[k], size + nbytes
     if len(shards) == 1:
         save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
     else:
@@ -57,9 +57,7 @@ def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, se
             weight_map.update({k: name for k in shard})
         total = sum(v.numel() * v.element_size() for v in state.values())
         _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
-    hf = model.cfg.to_hf()
-    if seq_len:
-        hf["seq_length"] = seq_len
+    hf = dict(model.cfg.to_hf(), **(extra or {}))
     if dataset is not None and dataset.eos_id is not None:  # documents end with EOS; BOS and padding reuse it (as GPT-2)
         ids = {f"{k}_token_id": dataset.eos_id for k in ("bos", "eos", "pad")}
         hf.update(ids)
@@ -71,8 +69,7 @@ def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, se
     os.umask(mask)
     for f in tmp.iterdir():  # safetensors writes 0600 (a private temp file, renamed): give the mode open() gives
         f.chmod(0o666 & ~mask)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    ckpt.replace_dir(tmp, out)
     return out
 
 
@@ -86,10 +83,8 @@ def write_tokenizer(dataset: TokenDataset, folder: Path, max_length: int | None)
     from tokenizers import Tokenizer
 
     shutil.copyfile(dataset.tokenizer_file, folder / "tokenizer.json")
-    special = {}
-    if dataset.eos_id is not None:
-        eos = Tokenizer.from_file(dataset.tokenizer_file).id_to_token(dataset.eos_id)
-        special = {"bos_token": eos, "eos_token": eos, "pad_token": eos}
+    eos = None if dataset.eos_id is None else Tokenizer.from_file(dataset.tokenizer_file).id_to_token(dataset.eos_id)
+    special = {} if eos is None else {f"{k}_token": eos for k in ("bos", "eos", "pad")}
     _write_json(folder / "special_tokens_map.json", special)
     _write_json(folder / "tokenizer_config.json", dict(special, tokenizer_class="PreTrainedTokenizerFast",
                                                         model_max_length=max_length, clean_up_tokenization_spaces=False))
@@ -107,6 +102,8 @@ def trained_on(ck: Path, echo=print) -> TokenDataset | None:
     if path and not recorded:
         path = data_parts(path)[0][0]
     no_tokenizer = "note: no tokenizer written: "
+    if "source" in meta:  # a checkpoint convert made of an HF directory
+        return echo(f"{no_tokenizer}{ck} was converted from {meta['source']}; copy its tokenizer files from there")
     if not recorded and not (path and os.path.isabs(path)):  # a run from before datasets were recorded
         return echo(f"{no_tokenizer}{ck / 'meta.json'} records no dataset and data.path={path!r} is relative (to a "
                     "working directory it does not name); copy the run's tokenizer.json by hand")
@@ -129,74 +126,83 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
     False: the model alone). Returns the output and what it holds (the step exported). An existing
     non-empty `dst` is replaced only with `overwrite`, and never when it is, holds or lies in `src`
     (replacing it would delete the source)."""
-    src, dst = Path(src), Path(dst)
+    src, dst = Path(src), Path(os.path.abspath(dst))  # absolute: "." has a name, and a parent to write in
     a, b = src.resolve(), dst.resolve()
+    if dst.is_symlink():
+        raise UserError(f"convert: DST {dst} is a symbolic link; pass the directory itself, or another DST")
     for path, name in ((b, f"DST {dst}"), (b.with_name(b.name + ".tmp"), f"{dst}.tmp, where DST is written first,")):
         if a == path or a in path.parents or path in a.parents:
             raise ValueError(f"convert: {name} is SRC {src}, or one holds the other; writing it would delete the "
                              f"source. Choose a DST outside {src}")
-        if path.exists() and not path.is_dir():
-            raise FileExistsError(f"convert: {name} is a file; choose another DST")
+        if not (path if path.exists() else next(p for p in path.parents if p.exists())).is_dir():
+            raise FileExistsError(f"convert: {name} is a file, or lies under one; choose another DST")
         if path.is_dir() and any(path.iterdir()) and not overwrite:
-            raise FileExistsError(f"convert: {name} exists and is not empty; choose a new DST, "
-                                  f"or pass --overwrite to replace it")
+            raise FileExistsError(f"convert: {name} exists and is not empty; choose a new DST, or pass --overwrite to replace it")
     if overwrite and (dst / rundir.LOCK).exists():
         rundir.RunLock(dst).release()  # raises while a run is writing there
     tmp = dst.with_name(dst.name + ".tmp")  # where both directions write first
     try:
         if is_hf_dir(src):
             model = load_model(src)
-            return (ckpt.write_checkpoint(dst, {"model": ckpt.canonical_model_state(model)}, {"step": 0, "source": str(src)},
-                                          model.cfg.to_hf()), "a weights-only checkpoint (step 0)")
+            hf = dict(model.cfg.to_hf(), **{k: v for k, v in read_json(src / "config.json", "").items() if k in CARRIED})
+            return (ckpt.write_checkpoint(dst, {"model": ckpt.canonical_model_state(model)}, {"step": 0, "source": str(a)}, hf),
+                    "a weights-only checkpoint (step 0)")
         ck = ckpt.resolve_checkpoint(src)
-        dataset = trained_on(ck, echo) if tokenizer else None
-        if not tokenizer:
-            echo(f"note: --no-tokenizer: {dst} holds the model alone (no tokenizer files, no token ids in config.json)")
-        meta = ckpt.read_meta(ck)
-        seq_len = meta.get("config", {}).get("data", {}).get("seq_len")
-        return write_hf_dir(load_model(ck), dst, dataset, seq_len), f"the weights of step {meta.get('step')} ({ck})"
-    except (Exception, CheckpointException) as e:  # a write that failed on the disk: no partial DST.tmp left
+        dataset = (trained_on(ck, echo) if tokenizer else
+                   echo(f"note: --no-tokenizer: {dst} holds the model alone (no tokenizer files, no token ids in config.json)"))
+        model, meta = load_model(ck), ckpt.read_meta(ck)  # the model first: it checks config.json
+        extra = {k: v for k, v in read_json(ck / "config.json", "").items() if k in CARRIED}
+        if seq_len := meta.get("config", {}).get("data", {}).get("seq_len"):
+            extra["seq_length"] = seq_len
+        return write_hf_dir(model, dst, dataset, extra), f"the weights of step {meta.get('step')} ({ck})"
+    except (Exception, CheckpointException) as e:  # no partial DST.tmp left; a write that failed on the disk says so
         failure = disk_error(ckpt.dcp_cause(e), dst, removed=tmp if tmp.exists() else None, within=tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
         if failure is None:
             raise
-        shutil.rmtree(tmp, ignore_errors=True)
         raise failure from e
 
 
-def trained_seq_len(path: str | Path) -> tuple[int, str]:
-    """eval's default row length for a model: the data.seq_len its run trained at (a checkpoint's or run
-    directory's newest meta.json), else config.json's seq_length (an export of ours), else its
-    max_position_embeddings; and where it came from."""
+def eval_setup(path: str | Path, seq_len: int | None = None) -> tuple[int, str, int, tuple[str, str] | None]:
+    """What eval of the model at `path` takes from its config files alone, before any tokens are read: the row length and
+    its source (`seq_len`, else the data.seq_len its run trained at, else config.json's seq_length, else max_position_embeddings,
+    the most it takes), the vocabulary size and the tokenizer it trained with as (SHA-256, file), None when unknown."""
     path = Path(path)
     found = path if is_hf_dir(path) or ckpt.is_checkpoint(path) else next(reversed(ckpt.list_checkpoints(path)), None)
-    if found is None:
-        return 128, "no model found to read it from"  # load_model names what is wrong with the path
-    fix = "move the checkpoint away or pass --seq-len"
-    meta = read_json(found / "meta.json", fix) if ckpt.is_checkpoint(found) else {}
-    seq_len = meta.get("config", {}).get("data", {}).get("seq_len")
-    if seq_len:
-        return seq_len, f"data.seq_len of the run, {found / 'meta.json'}"
-    hf = read_json(found / "config.json", "re-download or re-export it")
-    key = next((k for k in ("seq_length", "max_position_embeddings") if isinstance(hf.get(k), int)), None)
-    return (hf[key], f"{key} of {found / 'config.json'}; --seq-len to choose") if key else (128, "a default")
+    found = found or ckpt.resolve_checkpoint(path)  # which raises, saying what the path is instead
+    cfg, config, hf = model_config(found), found / "config.json", read_json(found / "config.json", "")  # an object: checked
+    meta = read_json(found / "meta.json", "move it away, or evaluate another checkpoint") if ckpt.is_checkpoint(found) else {}
+    trained, limit = meta.get("config", {}).get("data", {}).get("seq_len"), cfg.max_position_embeddings
+    seq_len, why = ((seq_len, "--seq-len") if seq_len else (trained, f"data.seq_len of the run, {found / 'meta.json'}") if trained
+                    else (hf["seq_length"], f"seq_length of {config}") if "seq_length" in hf else (limit, f"max_position_embeddings of {config}"))
+    if type(seq_len) is not int or not 2 <= seq_len <= limit:
+        raise UserError(f"rows of {seq_len!r} tokens ({why}): eval takes from 2 to {limit} (max_position_embeddings of {config}); "
+                        "pass --seq-len N within that")
+    recorded, own = meta.get("dataset") or {}, found / "tokenizer.json"
+    tokenizer = ((recorded["tokenizer_sha256"], str(Path(recorded["path"]) / "tokenizer.json")) if recorded.get("tokenizer_sha256")
+                 else (_sha256(own), str(own)) if own.is_file() else None)
+    return seq_len, why, cfg.vocab_size, tokenizer
 
 
 TOKEN_FORMS = ("a .npy file of token ids [batch, seq] or a dataset directory of `pithtrain tokenize` "
                "(e.g. held-out texts tokenized with --tokenizer RUN_DATA/tokenizer.json)")
 
 
-def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 128) -> torch.Tensor:
-    """Token ids [batch, seq] from a .npy array (its first rows, up to `max_tokens` tokens) or a token
-    dataset directory (its last `max_tokens` tokens, all by default, in rows of `seq_len`)."""
+def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 128, vocab=None, tokenizer=None) -> torch.Tensor:
+    """Token ids [batch, seq], each below `vocab`, from a .npy array (its first rows, up to `max_tokens` tokens)
+    or a token dataset directory (its last `max_tokens` tokens, all by default, in rows of `seq_len`), refused
+    when its tokenizer.json is not the model's (`tokenizer`: SHA-256 and file, as eval_setup gives)."""
     path = Path(path)
     if path.is_dir():
         try:
-            stream = TokenDataset(path).tokens
+            dataset = TokenDataset(path)
         except (OSError, ValueError) as e:
             raise UserError(f"--tokens {path}: {e}; --tokens takes {TOKEN_FORMS}") from None
-        stream = np.asarray(stream[-max_tokens:] if max_tokens else stream, dtype=np.int64)
-        rows = max(1, len(stream) // seq_len)
-        arr = stream[: rows * seq_len].reshape(rows, -1) if len(stream) >= seq_len else stream[None]
+        if tokenizer and dataset.tokenizer_file and dataset.identity["tokenizer_sha256"] != tokenizer[0]:
+            raise UserError(f"--tokens {path} was tokenized with {dataset.tokenizer_file}, not with the model's {tokenizer[1]} "
+                            f"(their SHA-256 differ); tokenize its texts with --tokenizer {tokenizer[1]}")
+        stream = np.asarray(dataset.tokens[-max_tokens:] if max_tokens else dataset.tokens, dtype=np.int64)
+        arr = stream[: len(stream) // seq_len * seq_len].reshape(-1, seq_len) if len(stream) >= seq_len else stream[None]
     elif not path.is_file():
         raise FileNotFoundError(f"--tokens {path} does not exist; it takes {TOKEN_FORMS}")
     else:
@@ -206,10 +212,12 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
             raise UserError(f"--tokens {path} is not a .npy array ({e}); it takes {TOKEN_FORMS}") from None
         if max_tokens and arr.ndim == 2:
             arr = arr[: max(1, max_tokens // max(arr.shape[1], 1))]
-    integer = np.issubdtype(arr.dtype, np.integer)
-    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 2 or not integer or arr.min() < 0:
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 2 or not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0:
         raise UserError(f"{path}: expected non-negative integer token ids of shape [batch, seq] with batch >= 1 and "
                         f"seq >= 2, got {arr.dtype} {arr.shape}; --tokens takes {TOKEN_FORMS}")
+    if vocab and int(arr.max()) >= vocab:  # before the int64 cast: a uint64 id past 2**63 keeps its value
+        raise UserError(f"--tokens {path}: token id {int(arr.max())} is outside the model's vocabulary [0, {vocab}); "
+                        "tokenize with the model's tokenizer")
     return torch.from_numpy(arr.astype(np.int64))
 
 

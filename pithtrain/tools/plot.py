@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from pithtrain.config import UserError, disk_error
-from pithtrain.train.metrics import read_metrics
 
 PANELS = (("loss", "loss (dashed: eval_loss)"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
 
@@ -14,28 +14,37 @@ PANELS = (("loss", "loss (dashed: eval_loss)"), ("lr", "learning rate"), ("token
 def _rows(run: Path) -> list[dict]:
     path = run if run.is_file() else run / "metrics.jsonl"
     if not path.is_file():
-        raise UserError(f"{run}: no metrics.jsonl there; pass run directories written by pithtrain train")
-    try:
-        rows = read_metrics(path)
-    except ValueError as e:  # a line that is not JSON
-        raise UserError(f"{path}: not a metrics file ({e})") from None
-    fix = "pass a metrics.jsonl of pithtrain train"
+        raise UserError(f"{run}: {'no metrics.jsonl there' if run.exists() else 'does not exist'}; pass run directories "
+                        "written by pithtrain train")
+    rows, fix = [], "pass a metrics.jsonl of pithtrain train"
+    # as train/metrics.read_metrics: a last line without its newline was cut short by a killed run
+    for number, line in enumerate(path.read_text(errors="replace").split("\n")[:-1], 1):
+        if not line.strip():
+            continue
+        try:
+            m = json.loads(line)
+        except ValueError as e:
+            raise UserError(f"{path}: line {number} is not JSON ({e.msg}); {fix}") from None
+        if not isinstance(m, dict) or not isinstance(m.get("step"), int):
+            raise UserError(f"{path}: line {number} has no integer \"step\"; {fix}")
+        if bad := next((k for k in ("loss", "eval_loss", "lr", "tokens_per_s") if k in m and type(m[k]) not in (int, float)), None):
+            raise UserError(f"{path}: line {number}: {bad}={m[bad]!r} is not a number; {fix}")
+        rows.append(m)
     if not rows:
         raise UserError(f"{path}: no metrics rows (the run logged no step yet); {fix}")
-    bad = next((i for i, m in enumerate(rows, 1) if not isinstance(m, dict) or not isinstance(m.get("step"), int)), None)
-    if bad is not None:
-        raise UserError(f"{path}: row {bad} has no integer \"step\"; {fix}")
     return rows
 
 
-def plot_runs(runs: list[Path], out: Path | None = None) -> Path:
-    """Draw the runs' metrics.jsonl into `out` (default: metrics.png in the first run); returns the path."""
+def run_plot(args) -> int:
+    """`pithtrain plot`: the runs' metrics.jsonl drawn into --out (default: metrics.png in the first run)."""
+    runs = [Path(run) for run in args.runs]
     rows = [(run, _rows(run)) for run in runs]  # every input is checked before anything is drawn
-    out = out or (runs[0] if runs[0].is_dir() else runs[0].parent) / "metrics.png"
+    out = Path(args.out) if args.out else (runs[0] if runs[0].is_dir() else runs[0].parent) / "metrics.png"
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
         raise UserError(f"--out {out}: {out.parent} is not a writable directory; choose another path")
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; name the PNG file to write, e.g. {out / 'metrics.png'}")
+    out = out if out.suffix else out.with_name(out.name + ".png")  # as matplotlib names it
     try:
         import matplotlib
     except ImportError:
@@ -59,9 +68,12 @@ def plot_runs(runs: list[Path], out: Path | None = None) -> Path:
     fig.tight_layout()
     try:
         fig.savefig(out)
+    except ValueError as e:  # a format matplotlib does not write (nothing written)
+        raise UserError(f"--out {out}: {e}; name a .png file") from None
     except OSError as e:
         out.unlink(missing_ok=True)  # a partial image
         raise disk_error(e, out, then="plot again") or e
     finally:
         plt.close(fig)
-    return out
+    print(f"wrote {out}")
+    return 0

@@ -2,12 +2,12 @@
 
 Reads plain-text files, directories, JSON Lines, parquet and `datasets`' save_to_disk directories, optionally trains a byte-level BPE tokenizer
 on them first, tokenizes with Hugging Face `tokenizers` and writes the dataset. `--stdlib` uses
-Python's own standard library sources as a ready-made corpus that needs no download.
-"""
+Python's own standard library sources as a ready-made corpus that needs no download."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -22,7 +22,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from pithtrain.config import UserError, disk_error
-from pithtrain.train.data import TokenDataset, check_output_dir, dtype_for_vocab, write_dataset
+from pithtrain.train.data import TokenDataset, check_output_dir, dtype_for_vocab, is_dataset, write_dataset
 
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # common names of an end-of-document token
@@ -30,9 +30,14 @@ _JSON_LINES_SUFFIXES = (".jsonl", ".json")
 
 
 def _walk_files(root: Path) -> Iterator[Path]:
-    """Files under `root`, recursively, sorted, skipping hidden files and directories; a directory of
-    `datasets`' save_to_disk (a Dataset) comes as itself, and a DatasetDict's is refused."""
-    for dirpath, dirnames, filenames in os.walk(root):
+    """Files under `root`, recursively, sorted, linked directories once each, skipping hidden ones and pithtrain datasets;
+    a directory of `datasets`' save_to_disk (a Dataset) comes as itself, and a DatasetDict's is refused."""
+    seen = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        if os.path.realpath(dirpath) in seen or is_dataset(dirpath):  # a loop of links, or an earlier output
+            dirnames[:] = []
+            continue
+        seen.add(os.path.realpath(dirpath))
         if "dataset_dict.json" in filenames:
             raise UserError(f"input {dirpath} is a Hugging Face DatasetDict (splits {', '.join(sorted(dirnames))}); "
                             f"pass one split's directory, e.g. {Path(dirpath) / 'train'}")
@@ -51,62 +56,46 @@ def _input_files(paths: list[Path]) -> Iterator[Path]:
         yield from _walk_files(path) if path.is_dir() else [path]
 
 
-def check_readers(inputs: list[str], text_field: str) -> None:
-    """Before any work: every parquet file and save_to_disk directory opens and has the text column."""
-    for file in _input_files([Path(p) for p in inputs]):
-        if file.is_dir() or file.suffix.lower() == ".parquet":
-            _table_batches(file, text_field)
-
-
 def _table_batches(file: Path, text_field: str) -> Iterator[list]:
     """The text column of a parquet file (pyarrow) or a save_to_disk directory (`datasets`), batch by
     batch: bounded memory. A missing reader library or column is an error naming the file."""
     module = "datasets" if file.is_dir() else "pyarrow"
     try:
-        if file.is_dir():
-            from datasets import load_from_disk
-        else:
-            import pyarrow.parquet as pq
+        reader = importlib.import_module("datasets" if file.is_dir() else "pyarrow.parquet")
     except ImportError:
-        kind = "a Hugging Face dataset (save_to_disk)" if file.is_dir() else "parquet"
-        raise UserError(f"input {file} is {kind}: reading it needs the {module} package; pip install {module} "
-                        "(or pip install -e '.[data]')") from None
+        raise UserError(f"input {file} is {'a Hugging Face dataset (save_to_disk)' if file.is_dir() else 'parquet'}: reading it "
+                        f"needs the {module} package; pip install {module} (or pip install -e '.[data]')") from None
     try:
-        table = load_from_disk(str(file)) if file.is_dir() else pq.ParquetFile(file)
+        table = reader.load_from_disk(str(file)) if file.is_dir() else reader.ParquetFile(file)
     except Exception as e:  # the libraries' errors name no file
         raise ValueError(f"{file}: not a readable {module} dataset ({e})") from None
     columns = table.column_names if file.is_dir() else table.schema_arrow.names
     if text_field not in columns:
         raise ValueError(f"{file}: no column {text_field!r} (it has {', '.join(columns)}); pass --text-field")
+    kind = str(getattr(f := table.features[text_field], "dtype", type(f).__name__) if file.is_dir() else table.schema_arrow.field(text_field).type)
+    if kind not in ("string", "large_string", "string_view"):  # checked once: its batches then hold strings or None
+        raise ValueError(f"{file}: column {text_field!r} holds {kind}, expected strings; pass --text-field with the column that holds the text")
     if file.is_dir():
         return (batch[text_field] for batch in table.iter(1024))
     return (batch.column(0).to_pylist() for batch in table.iter_batches(1024, columns=[text_field]))
-
-
-def _texts(where, values, text_field: str) -> Iterator[str]:
-    """The non-empty strings of a text column; anything else but a missing value is an error naming `where`."""
-    for value in values:
-        if value is not None and not isinstance(value, str):
-            raise ValueError(f"{where}: column {text_field!r} holds {type(value).__name__}, expected strings; "
-                             "pass --text-field with the column that holds the text")
-        if value:
-            yield value
 
 
 def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
     """Documents from files and directories: JSON Lines files (.jsonl/.json) give obj[text_field]
     per line, parquet files and `datasets`' save_to_disk directories their column text_field, any
     other file gives its whole text. Non-UTF-8 (binary) files and empty documents are skipped; the
-    number of skipped files is reported with a warning."""
+    number of skipped files is reported with a warning, as are FIFOs, devices and broken links (never read)."""
     paths = [Path(p) for p in inputs]
-    for path in paths:  # check all up front so a typo fails before hours of work
-        if not path.exists():
-            raise FileNotFoundError(f"input {path} not found")
-    skipped = []
+    if missing := next((path for path in paths if not path.exists()), None):  # all up front: a typo fails before hours of work
+        raise FileNotFoundError(f"input {missing} not found")
+    skipped, special = [], []
     for file in _input_files(paths):
         if file.is_dir() or file.suffix.lower() == ".parquet":
-            for batch in _table_batches(file, text_field):  # a column batch by batch: bounded memory
-                yield from _texts(file, batch, text_field)
+            for batch in _table_batches(file, text_field):  # a column batch by batch (of strings): bounded memory
+                yield from (text for text in batch if text)
+            continue
+        if not file.is_file():  # reading a FIFO or a device would block or never end
+            special.append(file)
             continue
         try:
             text = file.read_bytes().decode("utf-8")
@@ -117,12 +106,13 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
             yield from _json_lines_texts(file, text, text_field)
         elif text:
             yield text
-    if skipped:
-        warnings.warn(f"skipped {len(skipped)} file(s) that are not UTF-8 text, e.g. {skipped[0]}", stacklevel=2)
+    for files, what in ((skipped, "that are not UTF-8 text"), (special, "that are not regular files (FIFOs, devices, broken links)")):
+        if files:
+            warnings.warn(f"skipped {len(files)} file(s) {what}, e.g. {files[0]}", stacklevel=2)
 
 
 def _json_lines_texts(file: Path, text: str, text_field: str) -> Iterator[str]:
-    for line_no, line in enumerate(text.splitlines(), 1):
+    for line_no, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 and others may be inside a text
         if not line.strip():
             continue
         try:
@@ -131,8 +121,7 @@ def _json_lines_texts(file: Path, text: str, text_field: str) -> Iterator[str]:
             raise ValueError(f"{file}:{line_no}: not valid JSON ({e.msg}); expected one JSON object per line") from None
         if not isinstance(obj, dict) or text_field not in obj:
             raise ValueError(f"{file}:{line_no}: no field {text_field!r}; pass --text-field with the field that holds the text")
-        value = obj[text_field]
-        if not isinstance(value, str):
+        if not isinstance(value := obj[text_field], str):
             raise ValueError(f"{file}:{line_no}: field {text_field!r} is {type(value).__name__}, expected a string")
         if value:
             yield value
@@ -144,17 +133,13 @@ def stdlib_corpus_files(max_bytes: int = 20_000_000) -> list[str]:
     base = sys.base_prefix
     stdlib = Path(sysconfig.get_paths(vars={"base": base, "installed_base": base, "platbase": base})["stdlib"])
     files, total = [], 0
-    if stdlib.is_dir():
-        for dirpath, dirnames, filenames in os.walk(stdlib):
-            dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__") and not d.startswith("."))
-            for name in sorted(filenames):
-                if not name.endswith(".py"):
-                    continue
-                if total >= max_bytes:
-                    return files
-                file = os.path.join(dirpath, name)
-                files.append(file)
-                total += os.path.getsize(file)
+    for dirpath, dirnames, filenames in os.walk(stdlib):  # nothing if it is missing
+        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__") and not d.startswith("."))
+        for name in sorted(name for name in filenames if name.endswith(".py")):
+            if total >= max_bytes:
+                return files
+            files.append(os.path.join(dirpath, name))
+            total += os.path.getsize(files[-1])
     if not files:
         raise FileNotFoundError(f"no .py files found in the standard library directory {stdlib}; pass text files as INPUT instead of --stdlib")
     return files
@@ -164,8 +149,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_file: str, eos_token: s
     """Train a byte-level BPE tokenizer on `texts` and save it as `out_file` (tokenizer.json).
 
     Byte-level means every string round-trips exactly through encode/decode. `eos_token` is the
-    only special token and gets id 0; the 256 byte symbols follow, then the learned merges.
-    """
+    only special token and gets id 0; the 256 byte symbols follow, then the learned merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -174,7 +158,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_file: str, eos_token: s
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token], initial_alphabet=alphabet, show_progress=False)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eos_token], initial_alphabet=alphabet, show_progress=sys.stderr.isatty())
     tokenizer.train_from_iterator(texts, trainer=trainer)
     if tokenizer.get_vocab_size() < vocab_size:  # BPE stops when no pair occurs twice: a tiny corpus
         warnings.warn(f"the corpus only supported {tokenizer.get_vocab_size()} of the {vocab_size} requested tokens; use more text", stacklevel=2)
@@ -191,43 +175,28 @@ class Progress:
     """One status line on stderr, redrawn at most ~10x/s on a terminal (every 30 s otherwise)."""
 
     def __init__(self, enabled: bool = True, stream=None):
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
+        self.stream, self.enabled = stream or sys.stderr, enabled
         self.interval = 0.1 if getattr(self.stream, "isatty", lambda: False)() else 30.0
-        self.docs = self.bytes = self.tokens = 0
+        self.docs = self.bytes = self.tokens = 0  # done so far
         self.start = self.last = time.perf_counter()
         self.width = 0  # of the last line drawn, so a shorter redraw can blank its tail
 
     def update(self, docs: int, nbytes: int, tokens: int) -> None:
-        self.docs += docs
-        self.bytes += nbytes
-        self.tokens += tokens
-        now = time.perf_counter()
-        if self.enabled and now - self.last >= self.interval:
-            self.last = now
-            self._draw(now, end="\r" if self.interval < 1 else "\n")
+        self.docs, self.bytes, self.tokens = self.docs + docs, self.bytes + nbytes, self.tokens + tokens
+        if self.enabled and time.perf_counter() - self.last >= self.interval:
+            self._draw(end="\r" if self.interval < 1 else "\n")
 
     def close(self) -> None:
         if self.enabled:
-            self._draw(time.perf_counter(), end="\n")
+            self._draw(end="\n")
 
-    def _draw(self, now: float, end: str) -> None:
-        elapsed = max(now - self.start, 1e-9)
-        line = (
-            f"tokenize: {self.docs:,} docs ({self.docs / elapsed:,.0f}/s)  {self.bytes / 1e6:,.1f} MB "
-            f"({self.bytes / 1e6 / elapsed:,.1f} MB/s)  {self.tokens:,} tokens  {elapsed:.1f}s"
-        )
-        self.stream.write(line.ljust(self.width) + end)
+    def _draw(self, end: str) -> None:
+        self.last = time.perf_counter()
+        elapsed = max(self.last - self.start, 1e-9)
+        line = (f"tokenize: {self.docs:,} docs ({self.docs / elapsed:,.0f}/s)  {self.bytes / 1e6:,.1f} MB "
+                f"({self.bytes / 1e6 / elapsed:,.1f} MB/s)  {self.tokens:,} tokens  {elapsed:.1f}s")
+        print(line.ljust(self.width), end=end, file=self.stream, flush=True)
         self.width = len(line)
-        self.stream.flush()
-
-
-def _find_eos_id(tokenizer) -> int | None:
-    for token in _EOS_CANDIDATES:
-        token_id = tokenizer.token_to_id(token)
-        if token_id is not None:
-            return token_id
-    return None
 
 
 def _batched(texts: Iterable[str], size: int, max_chars: int = 1 << 22) -> Iterator[list[str]]:
@@ -243,21 +212,17 @@ def _batched(texts: Iterable[str], size: int, max_chars: int = 1 << 22) -> Itera
         yield batch
 
 
-def tokenize_to_dataset(
-    inputs: list[str], tokenizer_file: str, out_dir: str, text_field: str = "text", batch_size: int = 1000, progress: bool = True
-) -> dict:
+def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, text_field: str = "text", batch_size: int = 1000,
+                        progress: bool = True) -> dict:
     """Tokenize every document of `inputs` with `tokenizer_file` into a dataset at `out_dir`; returns its meta.
 
     Special tokens (BOS etc.) are not added; documents are separated only by the EOS token
-    (`<|endoftext|>` or another common EOS name found in the vocabulary; none if absent).
-    """
+    (`<|endoftext|>` or another common EOS name found in the vocabulary; none if absent)."""
     from tokenizers import Tokenizer
 
-    if not Path(tokenizer_file).is_file():
-        raise FileNotFoundError(f"tokenizer file {tokenizer_file} not found")
     try:
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
-    except Exception as e:  # tokenizers raises plain Exceptions
+    except Exception as e:  # tokenizers raises plain Exceptions (a missing file too)
         raise UserError(f"{tokenizer_file} is not a tokenizer ({e}); pass a tokenizer.json of Hugging Face tokenizers") from None
     # ids may have gaps: the dataset's vocabulary must hold the largest, not just count them
     vocab_size = max(tokenizer.get_vocab_size(), 1 + max(tokenizer.get_vocab().values(), default=-1))
@@ -274,7 +239,8 @@ def tokenize_to_dataset(
             yield from arrays
 
     try:
-        return write_dataset(out_dir, token_arrays(), vocab_size, _find_eos_id(tokenizer), tokenizer_file=str(tokenizer_file))
+        eos_id = next((i for token in _EOS_CANDIDATES if (i := tokenizer.token_to_id(token)) is not None), None)
+        return write_dataset(out_dir, token_arrays(), vocab_size, eos_id, tokenizer_file=str(tokenizer_file))
     finally:
         status.close()
 
@@ -299,7 +265,7 @@ def add_tokenize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-tokenizer", action="store_true", help="train a byte-level BPE on the inputs first (saved as OUT/tokenizer.json)")
     parser.add_argument("--vocab-size", type=int, metavar="N", help="vocabulary size for --train-tokenizer (default 4096)")
     parser.add_argument("--stdlib", action="store_true", help="add Python's standard library sources as inputs")
-    parser.add_argument("--max-bytes", type=int, default=20_000_000, help="with --stdlib: take at most this many bytes (default 20 MB)")
+    parser.add_argument("--max-bytes", type=int, default=20_000_000, help="with --stdlib: whole files up to about this many bytes (default 20 MB)")
     parser.add_argument("--text-field", default="text", help="JSON Lines field or parquet/dataset column holding the text (default: text)")
 
 
@@ -316,24 +282,29 @@ def _argument_error(args) -> str | None:
     if args.stdlib and args.max_bytes < 1:
         return f"--max-bytes {args.max_bytes}: must be at least 1"
     if args.tokenizer and not Path(args.tokenizer).is_file():
-        return f"--tokenizer {args.tokenizer} not found"
-    missing = [p for p in args.inputs if not Path(p).exists()]
-    if missing:
-        return f"input {missing[0]} not found"
+        return f"--tokenizer {args.tokenizer} {'is a directory: pass its tokenizer.json' if Path(args.tokenizer).is_dir() else 'not found'}"
+    if missing := next((p for p in args.inputs if not Path(p).exists()), None):
+        return f"input {missing} not found"
     try:
         check_output_dir(args.out)
     except FileExistsError as e:
         return f"--out: {e}"
     if Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
         return f"--out {args.out} already holds a dataset; choose a new directory, or pass --overwrite to replace it"
-    check_readers(args.inputs, args.text_field)
+    above = next(p for p in Path(os.path.abspath(args.out)).parents if p.exists())  # where the dataset is made, then renamed
+    if not above.is_dir() or not os.access(above, os.W_OK):
+        return f"--out {args.out}: {above} is not a writable directory; choose another --out"
+    for file in _input_files([Path(p) for p in args.inputs]):  # every parquet file and save_to_disk directory opens,
+        if file.is_dir() or file.suffix.lower() == ".parquet":  # with a text column of strings
+            _table_batches(file, args.text_field)
+    if not args.stdlib and next(iter_documents(args.inputs, args.text_field), None) is None:
+        return f"no text in {', '.join(args.inputs)}: no files there, or only empty, hidden or non-UTF-8 ones or pithtrain datasets"
     return None
 
 
 def run_tokenize(args) -> int:
     """Run `pithtrain tokenize`; bad arguments raise a UserError before any work."""
-    error = _argument_error(args)
-    if error:
+    if error := _argument_error(args):
         raise UserError(f"pithtrain tokenize: {error}")
     started = time.perf_counter()
     inputs = list(args.inputs) + (stdlib_corpus_files(args.max_bytes) if args.stdlib else [])
@@ -346,10 +317,8 @@ def run_tokenize(args) -> int:
             tokenizer_file = train_bpe(iter_documents(inputs, args.text_field), vocab_size, os.path.join(scratch, "tokenizer.json"))
         meta = tokenize_to_dataset(inputs, tokenizer_file, args.out, text_field=args.text_field)
     entropy = unigram_entropy(TokenDataset(args.out))
-    print(
-        f"wrote {args.out}: {meta['num_docs']:,} docs, {meta['num_tokens']:,} tokens ({meta['dtype']}), "
-        f"vocab {meta['vocab_size']}, eos_id {meta['eos_id']}\n"
-        f"unigram entropy {entropy:.4f} nats/token ({entropy / math.log(2):.3f} bits): a trained model's loss should go below this\n"
-        f"elapsed {time.perf_counter() - started:.1f}s"
-    )
+    print(f"wrote {args.out}: {meta['num_docs']:,} docs, {meta['num_tokens']:,} tokens ({meta['dtype']}), "
+          f"vocab {meta['vocab_size']}, eos_id {meta['eos_id']}\n"
+          f"unigram entropy {entropy:.4f} nats/token ({entropy / math.log(2):.3f} bits): a trained model's loss should go below this\n"
+          f"elapsed {time.perf_counter() - started:.1f}s")
     return 0

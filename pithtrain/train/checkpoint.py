@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from pithtrain.config import UserError, check_types, read_json
 from pithtrain.models import config_from_hf
 
-_STEP_DIR = re.compile(r"^step_(\d+)$")
+_STEP_DIR = re.compile(r"^step_(\d{8,})$")  # what save_checkpoint names, not a user's step_2
 
 
 def _is_main() -> bool:
@@ -106,12 +106,27 @@ def write_checkpoint(final: str | Path, state: dict, meta: dict, hf_config: dict
         for f in tmp.iterdir():  # make the data durable before the rename publishes it
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
-        if final.exists():
-            _remove(final)
-        os.rename(tmp, final)
+        replace_dir(tmp, final)
         _fsync_dir(final.parent)
     _barrier()
     return final
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Rename the finished directory `tmp` to `final`; one there moves aside, back if that fails, else it is deleted."""
+    old, moved = final.with_name(f".{final.name}.old-{os.getpid()}"), final.exists()
+    try:
+        if moved:
+            os.rename(final, old)
+    except OSError as e:  # a mount point (EBUSY), or a directory we may not move
+        raise UserError(f"cannot replace {final}: moving it aside failed ({e.strerror}); it is left as it was; write elsewhere") from None
+    try:
+        os.rename(tmp, final)
+    except BaseException:
+        if moved:
+            os.rename(old, final)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -172,23 +187,30 @@ def check_checkpoint(ckpt: str | Path, rank: int = 0, world: int = 1) -> str | N
     return None
 
 
-def newest_intact(run_dir, report=print) -> Path | None:
+def newest_intact(run_dir, report=print, fix: str = "move or delete that directory to start over, or choose another --out",
+                  set_aside: bool = False) -> Path | None:
     """The newest checkpoint of a run that passes check_checkpoint (all ranks verify, each a share of
     the files); damaged ones are reported by name and skipped. Raises when checkpoints exist but none
-    is intact, rather than let a run start over them."""
+    is intact, rather than let a run start over them. `set_aside` (a run resuming): the damaged complete
+    ones are renamed STEP.damaged, kept for the user but no longer counted when old checkpoints are pruned."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     bad = []
     for _, path in reversed(_step_dirs(run_dir)):
         problem = next((p for p in _all_ranks(check_checkpoint(path, rank, world)) if p), None)
         if problem is None:
             for damaged, why in bad if rank == 0 else ():  # said only when there is one to fall back to
+                moved = damaged.with_name(f"{damaged.name}.damaged")
+                while moved.exists():
+                    moved = moved.with_name(moved.name + "_")
                 report(f"warning: checkpoint {damaged} is damaged ({why}); falling back to {path.name}")
+                if set_aside and (damaged / "meta.json").exists():  # without it: a deletion cut short, pruned anyway
+                    damaged.rename(moved)
+                    report(f"note: moved it to {moved.name}, kept for you and no longer counted as a checkpoint")
             return path
         bad.append((path, problem))
     if bad:
         listed = "; ".join(f"{path.name}: {why}" for path, why in bad)
-        raise ValueError(f"{Path(run_dir) / 'checkpoints'}: no intact checkpoint ({listed}); "
-                         f"move or delete that directory to start over, or choose another --out")
+        raise ValueError(f"{Path(run_dir) / 'checkpoints'}: no intact checkpoint ({listed}); {fix}")
     return None
 
 
@@ -214,9 +236,13 @@ def resolve_checkpoint(path: str | Path) -> Path:
         if problem := check_checkpoint(path):
             raise ValueError(f"checkpoint {path} is damaged: {problem}; use another checkpoint of its run")
         return path
-    found = newest_intact(path, report=lambda line: print(line, file=sys.stderr))
-    if found is None:
-        raise FileNotFoundError(f"{path} is neither a checkpoint nor a run directory with checkpoints")
+    found = newest_intact(path, lambda line: print(line, file=sys.stderr), "pass a checkpoint or run directory with an intact one")
+    if found is None:  # say what the path is instead
+        missing = [name for name in ("config.json", "*.safetensors") if not any(path.glob(name))]
+        what = ("does not exist" if not path.exists() else "is a file" if not path.is_dir() else "is a run directory without checkpoints"
+                if (path / "checkpoints").is_dir() else f"lacks the {missing[0]} of an HF directory" if len(missing) == 1 else
+                "is neither an HF directory (config.json + *.safetensors) nor a checkpoint or run directory with checkpoints")
+        raise UserError(f"{path} {what}; pass an HF directory, a checkpoint or a run directory")
     return found
 
 
@@ -362,12 +388,14 @@ def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
 def model_config(path: Path):
     """The family config of the HF `config.json` in directory `path`, type-checked and validated."""
     hf = read_json(path / "config.json", "re-download or re-export it")
+    if not isinstance(hf, dict):
+        raise UserError(f"{path / 'config.json'} holds a JSON {type(hf).__name__}, not an object; re-download or re-export it")
     try:
         cfg = config_from_hf(hf)
         check_types(cfg, "model.")
         cfg.validate()
     except (TypeError, ValueError) as e:  # a field of the wrong type or value (ConfigError is a ValueError)
-        raise UserError(f"{path / 'config.json'}: {e}") from None
+        raise UserError(f"{path / 'config.json'}: {str(e).replace('the run file or --set', 'config.json')}") from None
     return cfg
 
 
@@ -378,8 +406,6 @@ def load_model(path: str | Path):
         model = model_config(path).build_model()
         model.load_hf_state_dict(read_hf_state(path))
         return model
-    if not path.exists():
-        raise FileNotFoundError(f"{path} does not exist; pass an HF directory, a checkpoint or a run directory")
     ck = resolve_checkpoint(path)
     model = model_config(ck).build_model()
     try:

@@ -48,14 +48,22 @@ def dtype_for_vocab(vocab_size: int) -> np.dtype:
     raise ValueError(f"vocab_size {vocab_size} does not fit in uint32 token ids")
 
 
+def is_dataset(path) -> bool:
+    """Whether directory `path` holds a pithtrain dataset: its meta.json says so (format)."""
+    try:
+        return json.loads((Path(path) / META_FILE).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):  # no meta.json, not JSON, not a JSON object
+        return False
+
+
 def check_output_dir(path) -> None:
-    """Refuse to overwrite a directory that holds anything besides a previous dataset."""
+    """Refuse to overwrite a directory that holds anything besides a previous dataset (its meta.json marks one)."""
     path = Path(path)
     if not path.exists():
         return
     if not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory; choose another output path")
-    foreign = sorted(p.name for p in path.iterdir() if p.name not in DATASET_FILES)
+    foreign = sorted(p.name for p in path.iterdir() if p.name not in DATASET_FILES or not is_dataset(path))
     if foreign:
         raise FileExistsError(
             f"{path} already holds files that are not part of a pithtrain dataset ({', '.join(foreign[:5])}); "
@@ -173,7 +181,8 @@ class TokenDataset:
     def __init__(self, path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise FileNotFoundError(f"dataset directory {self.path} not found; create it with `pithtrain tokenize`")
+            raise FileNotFoundError(f"dataset directory {self.path} {'is a file' if self.path.exists() else 'not found'}; "
+                                    "create one with `pithtrain tokenize`")
         meta_path = self.path / META_FILE
         if not meta_path.is_file():
             raise FileNotFoundError(f"{meta_path} not found: {self.path} is not a pithtrain dataset; {_RETOKENIZE}")

@@ -286,7 +286,8 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
             part.train()
     model.train()
     if echo and start == end:
-        print(f"nothing to do: {out_dir} is already at step {start}; raise --steps to train further", flush=True)
+        limit = "--stop-after" if stop_after is not None and stop_after < t.steps else "--steps"
+        print(f"nothing to do: {out_dir} is already at step {start}; raise {limit} to train further", flush=True)
     return run
 
 
@@ -468,16 +469,28 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
         except OSError as e:
             raise UserError(f"--out {out_dir}: cannot write the run directory ({e}); choose another --out") from None
     d = config.data
+    if not d.path:
+        raise UserError("data.path is empty; set it to a dataset directory of `pithtrain tokenize` (--set data.path=DIR)")
     loader = open_training_data(d.path, d.seq_len, config.train.global_batch_size, d.seed, d.pack_documents,
                                 0 if d.eval_path else d.eval_samples, config.model.vocab_size)
     _ = loader.dataset.identity  # hashed now: checkpoints record the dataset the run started on
     check_model_size(config.model)
     check_muon_takes_some(config)
-    found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None)
+    found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None,
+                               set_aside=create and echo)
+    logged, n = out_dir / "metrics.jsonl", 1
+    if found is None and logged.is_file() and logged.stat().st_size:  # an earlier run's steps, nothing to resume
+        while (kept := out_dir / f"metrics_earlier{f'_{n}' if n > 1 else ''}.jsonl").exists():
+            n += 1
+        if create and echo:  # the run, on its writing rank; a dry run only says so
+            logged.rename(kept)
+        if echo:
+            print(f"note: {logged} holds an earlier run's steps, with no checkpoint to resume from: this run starts at "
+                  f"step 0; {'moved' if create else 'would move'} that file to {kept.name}", flush=True)
     if found is not None:  # the newest checkpoint whose files pass their checksums
         check_resume(config, found, stop_after, echo, loader.dataset)
     elif config.train.init_from:
-        check_init_from(config, echo)
+        check_init_from(config, echo, verify=not create)  # a run verifies the checkpoint as it loads it
     return loader, eval_windows(config, loader), found
 
 
@@ -487,11 +500,17 @@ NOT_ARCHITECTURE = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer
                     "bias_update_speed", "architectures", "dtype")
 
 
-def check_init_from(config: RunConfig, echo: bool) -> None:
+def check_init_from(config: RunConfig, echo: bool, verify: bool = False) -> None:
     """train.init_from's model has the run's architecture (every HF config field but NOT_ARCHITECTURE's;
-    those keep the run's values), read from its config.json alone; says where the weights come from."""
+    those keep the run's values), read from its config.json alone; says where the weights come from.
+    `verify` (--dry-run): a checkpoint's files against their checksums too, as loading it would."""
     path = Path(config.train.init_from)
     source = path if ckpt.is_hf_dir(path) or ckpt.is_checkpoint(path) else next(reversed(ckpt.list_checkpoints(path)), None)
+    if verify and source is not None and not ckpt.is_hf_dir(source):
+        try:
+            source = ckpt.resolve_checkpoint(path)
+        except (OSError, ValueError) as e:
+            raise UserError(f"train.init_from={path}: {e}") from None
     if source is None:
         raise UserError(f"train.init_from={path}: neither an HF directory (config.json and *.safetensors) nor a checkpoint "
                         "or a run directory with one; fix the path or set it to ''")
@@ -657,8 +676,11 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
     warned = [k for k in changed if k.startswith(WARNED)]
     if echo and warned:
         print(f"warning: resuming at step {step} with {show(warned)}: applied from here on", flush=True)
-    if echo and len(warned) < len(changed):
-        print(f"note: also changed: {show(k for k in changed if k not in warned)}", flush=True)
+    if echo and "train.init_from" in changed:
+        print(f"note: train.init_from is not used: the run resumes from its own {checkpoint}; train into a new --out "
+              "to start from it", flush=True)
+    if echo and len(warned) < len(changed) - ("train.init_from" in changed):
+        print(f"note: also changed: {show(k for k in changed if k not in warned and k != 'train.init_from')}", flush=True)
 
 
 def _flat(config: dict) -> dict:
