@@ -6,7 +6,6 @@ import pytest
 from pithtrain.parallel.pipeline import (
     Op,
     _parts,
-    dualpipev_bubble_formula,
     dualpipev_schedule,
     rank_chunks,
     simulate,
@@ -14,6 +13,12 @@ from pithtrain.parallel.pipeline import (
 )
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
+
+def dualpipev_bubble_formula(pp: int, cost_f: float, cost_b: float, cost_w: float) -> float:
+    """DualPipe's published bubble, (PP/2 - 1)(F&B + B - 3W), for DualPipeV's 2*pp virtual stages:
+    (pp - 1)(F&B + B - 3W) per rank, with F&B the time of an overlapped forward+backward pair."""
+    return (pp - 1) * ((cost_f + cost_b + cost_w) + (cost_b + cost_w) - 3 * cost_w)
 
 
 @pytest.mark.parametrize("pp", [1, 2, 4, 8])

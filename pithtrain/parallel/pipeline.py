@@ -231,12 +231,6 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
     return {"makespan": makespan, "bubble_fraction": 1 - work / (pp * makespan)}
 
 
-def dualpipev_bubble_formula(pp: int, cost_f: float, cost_b: float, cost_w: float) -> float:
-    """DualPipe's published bubble, (PP/2 - 1)(F&B + B - 3W), for DualPipeV's 2*pp virtual stages:
-    (pp - 1)(F&B + B - 3W) per rank, with F&B the time of an overlapped forward+backward pair."""
-    return (pp - 1) * ((cost_f + cost_b + cost_w) + (cost_b + cost_w) - 3 * cost_w)
-
-
 # ---------------------------------------------------------------------------------------------
 # Execution on a (pp, dp, cp, ep) mesh.
 
