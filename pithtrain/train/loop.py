@@ -272,6 +272,8 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
             f"{f' (+{len(evaluation[1])} for eval)' if evaluation else ''} | {t.steps} steps of {t.global_batch_size} samples | {sizes}",
             flush=True,
         )
+    if echo and t.compile and start < t.steps:
+        print("note: train.compile: the first step compiles the stages and takes longer (seconds to minutes)", flush=True)
     n_moe = sum(config.model.is_moe_layer(i) for i in range(config.model.num_hidden_layers + config.model.num_nextn_predict_layers))
     end = t.steps if stop_after is None else min(t.steps, stop_after)
     run = Run(config, mesh, out_dir, dtype, echo, loader, evaluation, found, model, chunks, optimizer, dispatcher,
