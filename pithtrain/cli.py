@@ -10,6 +10,7 @@ import shlex
 import shutil
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 from pithtrain.config import UserError, config_help
@@ -283,6 +284,7 @@ def _main(argv: list[str] | None = None) -> int:
     stderr and exit code 2; anything else is a bug and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.getLogger().addFilter(_not_dcp)
+    warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"  # one line, without its source line
     from pithtrain.launch import SafeStdout
 
     sys.stdout = SafeStdout(sys.stdout)  # a reader that goes away (`| head -1`) must not end the run

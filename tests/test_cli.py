@@ -125,3 +125,18 @@ def test_python_dash_m_entry_point():
     out = subprocess.run([sys.executable, "-m", "pithtrain", "--help"], capture_output=True, text=True, check=True).stdout
     for command in ("train", "tokenize", "convert", "eval"):
         assert command in out
+
+
+def test_a_warning_is_one_line_said_once(tmp_path):
+    """A skipped binary file is read by both passes over the inputs (BPE, then tokenizing): one warning
+    line for it, without Python's category and source line."""
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.txt").write_text("some text to train a tokenizer on " * 20)
+    (tmp_path / "in" / "b.bin").write_bytes(bytes([0xFF, 0xFE, 0x00]) * 10)
+    done = subprocess.run([sys.executable, "-m", "pithtrain", "tokenize", tmp_path / "in", "--train-tokenizer",
+                           "--vocab-size", "300", "--out", tmp_path / "out"], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__))))
+    warned = [line for line in done.stderr.splitlines() if "skipped 1 file" in line]
+    assert done.returncode == 0 and warned == [f"warning: skipped 1 file(s) that are not UTF-8 text, e.g. "
+                                               f"{tmp_path / 'in' / 'b.bin'}"], done.stderr
+    assert "UserWarning" not in done.stderr

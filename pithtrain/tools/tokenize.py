@@ -108,7 +108,7 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
             yield text
     for files, what in ((skipped, "that are not UTF-8 text"), (special, "that are not regular files (FIFOs, devices, broken links)")):
         if files:
-            warnings.warn(f"skipped {len(files)} file(s) {what}, e.g. {files[0]}", stacklevel=2)
+            warnings.warn(f"skipped {len(files)} file(s) {what}, e.g. {files[0]}")  # here: said once for both passes
 
 
 def _json_lines_texts(file: Path, text: str, text_field: str) -> Iterator[str]:
