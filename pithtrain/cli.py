@@ -95,14 +95,23 @@ def _check_only(args, config, out: Path, world: int) -> int:
     print(f"config:\n{describe(config)}", flush=True)
     loader, _, found = check_run(config, out, args.stop_after, echo=True, create=False)
     p = config.parallel
-    stages = [f"{r['total']:.1f} GiB" if r["total"] >= 1 else f"{r['total'] * 1024:.0f} MiB" for r in estimate(config, world)]
+    peaks = [r["total"] for r in estimate(config, world)]
+    stages = [f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.0f} MiB" for gib in peaks]
     counts = model_sizes(config.model)
     print(f"model {config.model.model_type}: {count_text(counts[0])} parameters | {size_text(config, loader, counts)}\n"
           f"estimated peak memory per GPU (bf16; the estimate-memory skill): {', '.join(stages)}"
           f"{' (pipeline stage 0, 1, ...)' if len(stages) > 1 else ''}\n"
+          + (f"warning: the estimate exceeds this machine's GPU ({has:.1f} GiB): see docs/guide.md, Memory planning\n"
+             if (has := _gpu_gib()) and max(peaks) > has else "") +
           f"dry run ok: {world} process(es), mesh pp={p.pp} dp={world // (p.pp * p.cp * p.ep)} cp={p.cp} ep={p.ep}; "
           f"{f'would resume from {found}' if found else 'would start at step 0'} in {out}; nothing was written")
     return 0
+
+
+def _gpu_gib() -> float | None:
+    import torch
+
+    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
 
 
 def _drop_unused(out: Path) -> None:
@@ -187,11 +196,11 @@ def _cmd_eval(args) -> int:
     device = pick_device(args.device, "--device")
     seq_len, why, vocab, tokenizer = eval_setup(args.checkpoint, args.seq_len)
     tokens = load_tokens(args.tokens, args.max_tokens, seq_len, vocab, tokenizer)
-    if tokens.shape[1] < seq_len and Path(args.tokens).is_dir():  # fewer tokens than one row: one row of them all
-        why = f"all {tokens.shape[1]} tokens taken, fewer than the {seq_len} of {why}"
+    if tokens.shape[1] <= seq_len and Path(args.tokens).is_dir():  # fewer tokens than one window: one row of them all
+        why = f"all {tokens.shape[1]} tokens taken, fewer than the {seq_len} + 1 of {why}"
     loss, count = evaluate(load_model(args.checkpoint), tokens, args.batch_size, device)
-    rows = f"rows of {tokens.shape[1]} tokens ({why if Path(args.tokens).is_dir() else 'the .npy array'})"
-    print(json.dumps({"loss": loss, "tokens": count, "seq_len": tokens.shape[1]}) if args.json
+    rows = f"rows of {tokens.shape[1] - 1} predicted tokens ({why if Path(args.tokens).is_dir() else 'the .npy array'})"
+    print(json.dumps({"loss": loss, "tokens": count, "seq_len": tokens.shape[1] - 1}) if args.json
           else f"eval loss {loss:.6f} over {count} tokens in {rows}")
     return 0
 

@@ -92,11 +92,11 @@ class DataConfig:
     seq_len: int = 256  # tokens per sample
     pack_documents: bool = False  # attention restricted to each document (cu_seqlens-style)
     seed: int = 1234  # sample order
-    # validation (train.eval_every): the first eval_samples windows of eval_path (a dataset; 0: all
-    # of them), or, with eval_path empty, the LAST eval_samples windows of `path`, which training
+    # validation (train.eval_every): the first eval_samples windows of eval_path (a dataset; 0: as many
+    # whole global batches as it holds), or, with eval_path empty, the LAST eval_samples windows of `path`, which training
     # then never reads (0: none held out, the training order of older runs)
     eval_path: str = ""  # held-out dataset for train.eval_every; '' holds out the last eval_samples of path
-    eval_samples: int = 0  # held-out samples for train.eval_every (0 with eval_path: all of it)
+    eval_samples: int = 0  # held-out samples for train.eval_every (0 with eval_path: all its whole global batches)
     eval_on_train: bool = False  # allow data.eval_path to be data.path itself (its eval loss is then a training loss)
 
 
@@ -281,7 +281,7 @@ def _parse_value(text: str, annotation: Any, name: str) -> Any:
             raise ConfigError(f"--set {name}={text}: expected {annotation.__name__}") from None
     if origin in (list, tuple) or annotation is Any:
         try:
-            value = json.loads(text)
+            value = json.loads(text, object_pairs_hook=lambda pairs: _unique(pairs, name))
         except json.JSONDecodeError:
             if annotation is Any:
                 return text
@@ -291,6 +291,14 @@ def _parse_value(text: str, annotation: Any, name: str) -> Any:
         return value
     raise ConfigError(f"--set {name}: a {getattr(annotation, '__name__', annotation)} cannot be set from the command "
                       "line; set it in the run file")
+
+
+def _unique(pairs: list, name: str) -> dict:
+    """A JSON object of --set whose keys are distinct: json.loads would keep the last of a repeated one."""
+    keys = [k for k, _ in pairs]
+    if twice := next((k for k in keys if keys.count(k) > 1), None):
+        raise ConfigError(f"--set {name}: {twice!r} appears twice in its JSON object; name each key once")
+    return dict(pairs)
 
 
 def apply_override(config: RunConfig, assignment: str) -> None:

@@ -67,13 +67,14 @@ def test_tokenize_train_convert_eval(tmp_path, capsys):
     ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).item()
     assert results["hf"]["loss"] == pytest.approx(ref, rel=1e-5)
 
-    # eval on a dataset directory: its last --max-tokens tokens in rows of --seq-len, the same loss as that .npy
-    stream = np.fromfile(data / "tokens.bin", dtype=np.uint16)[-60:].astype(np.int64).reshape(3, 20)
-    np.save(tmp_path / "tail.npy", stream)
+    # eval on a dataset directory: its last --max-tokens tokens in training's windows of --seq-len + 1 tokens (each
+    # starting at the previous one's last), the same loss as those windows as a .npy
+    stream = np.fromfile(data / "tokens.bin", dtype=np.uint16)[-60:].astype(np.int64)
+    np.save(tmp_path / "tail.npy", np.stack([stream[0:21], stream[20:41]]))
     tail = json.loads(run_cli(["eval", str(hf_dir), "--tokens", str(tmp_path / "tail.npy"), "--json"], capsys))
     from_dir = json.loads(run_cli(["eval", str(hf_dir), "--tokens", str(data), "--max-tokens", "60", "--seq-len", "20",
                                    "--json"], capsys))
-    assert from_dir == tail and from_dir["tokens"] == 57
+    assert from_dir == tail and from_dir["tokens"] == 40 and from_dir["seq_len"] == 20
 
     # the run's dataset gone: the model is exported anyway, with one line saying why there is no tokenizer
     data.rename(tmp_path / "moved")

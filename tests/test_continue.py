@@ -58,7 +58,7 @@ def test_init_from_our_export_continues_from_its_loss(tmp_path, dataset_dir, cap
     # eval of a dataset directory: rows of the run's data.seq_len (128), from the run, its export or --seq-len
     for source, why in ((tmp_path / "a", "data.seq_len of the run"), (tmp_path / "hf", "seq_length of")):
         out, _ = cli(["eval", source, "--tokens", dataset_dir, "--max-tokens", "1280"], capsys)
-        assert "in rows of 128 tokens" in out and why in out, out
+        assert "in rows of 128 predicted tokens" in out and why in out, out
     out, _ = cli(["eval", tmp_path / "hf", "--tokens", dataset_dir, "--seq-len", "20", "--max-tokens", "200", "--json"], capsys)
     assert json.loads(out)["seq_len"] == 20
 

@@ -299,3 +299,22 @@ def test_from_hf_reads_deepseek_published_config_layout():
     assert DeepseekV2Config.from_hf(cfg.to_hf()) == cfg
     with contextlib.redirect_stderr(io.StringIO()), pytest.raises(ConfigError, match="mlp_bias"):
         DeepseekV2Config.from_hf({**published, "mlp_bias": True})
+
+
+def test_convert_says_which_options_transformers_deepseek_v2_does_not_read(tmp_path):
+    """An export of a config whose routing transformers' deepseek_v2 ignores (to_hf) warns; a plain one does not."""
+    from pithtrain.tools.hf import convert
+    from pithtrain.train import checkpoint as ckpt
+
+    for overrides, unread in (({}, []), ({"norm_topk_prob": True, "scoring_func": "sigmoid"},
+                                         ["scoring_func='sigmoid'", "norm_topk_prob=True"])):
+        cfg = DeepseekV2Config(**{**BASE, "q_lora_rank": None, **overrides})
+        assert cfg.transformers_ignores() == unread
+        model = cfg.build_model()
+        model.init_weights(0)
+        ck = ckpt.write_checkpoint(tmp_path / f"ck{len(unread)}", {"model": ckpt.canonical_model_state(model)},
+                                   {"step": 0}, cfg.to_hf())
+        said = []
+        convert(ck, tmp_path / f"hf{len(unread)}", echo=said.append)
+        warned = [line for line in said if "does not read" in line]
+        assert len(warned) == bool(unread) and all(option in warned[0] for option in unread), said

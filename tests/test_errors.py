@@ -63,7 +63,9 @@ CASES = [  # (id, command line, what the one line must name)
     ("file-dir", "train {tmp}", "is a directory"),
     ("out-empty", "train {cfg} --out ''", "--out is empty"),
     ("data-path-empty", "train {cfg} --set data.path=", "data.path is empty"),
+    ("data-path-twice", """train {cfg} --set 'data.path={{"{data}": 0.7, "{data}": 0.3}}'""", "appears twice"),
     ("eval-path-file", "train {cfg} --set data.eval_path={notes} --set train.eval_every=1", "is a file"),
+    ("eval-path-npy", "train {cfg} --set data.eval_path={tokens} --set train.eval_every=1", "for `pithtrain eval --tokens`"),
     ("lr-inf", "train {cfg} --set optim.lr=inf", "optim.lr"),
     ("lr-nan", "train {cfg} --set optim.lr=nan", "optim.lr"),
     ("lr-negative", "train {cfg} --set optim.lr=-1", "optim.lr"),
@@ -492,13 +494,13 @@ def test_eval_rows_and_config_kept_through_convert(tool_env, monkeypatch, capsys
                for m in (hf, tools / "ck_rows", back)]
     assert results[0]["seq_len"] == 16 and results[1] == results[0] == results[2]
     out, _ = cli(["eval", tools / "ck_rows", "--tokens", tool_env["data"], "--max-tokens", "10"], capsys)
-    assert "rows of 10 tokens (all 10 tokens taken, fewer than the 16 of seq_length of" in out
+    assert "rows of 9 predicted tokens (all 10 tokens taken, fewer than the 16 + 1 of seq_length of" in out
     for value in (0, -5, 1, True, "16", 10**6):
         (hf / "config.json").write_text(json.dumps(dict(config, seq_length=value)))
         _, err = cli(["eval", hf, "--tokens", tool_env["data"]], capsys, code=2)
         assert err.startswith(f"error: rows of {value!r} tokens (seq_length of {hf / 'config.json'})") and err.count("\n") == 1, err
     out, _ = cli(["eval", hf, "--tokens", tool_env["data"], "--seq-len", "8", "--max-tokens", "16"], capsys)  # no seq_length read
-    assert "rows of 8 tokens (--seq-len)" in out
+    assert "rows of 8 predicted tokens (--seq-len)" in out
 
 
 @pytest.mark.fast

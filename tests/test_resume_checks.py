@@ -194,3 +194,33 @@ def test_an_earlier_run_without_a_checkpoint_is_not_overwritten(tmp_path, datase
     monkeypatch.chdir(tmp_path)  # without --out a run goes to runs/MODEL_TYPE, named only after the config is valid
     code, _, err = cli("train", write_run_file(tmp_path / "none.py", dataset_dir, "CONFIG.model = None\n"), "--dry-run")
     assert refused(code, err, "model=None"), err
+
+
+def test_eval_of_the_eval_dataset_gives_the_training_eval_loss(tmp_path, dataset_dir):
+    """`pithtrain eval RUN --tokens DATA` reads DATA in training's windows (seq_len + 1 tokens, seq_len labels):
+    its loss is the eval_loss the run logged for data.eval_path=DATA (8 windows: one whole global batch)."""
+    from pithtrain.train.data import write_dataset
+
+    held = tmp_path / "held"
+    write_dataset(held, [np.random.default_rng(3).integers(1, 64, 8 * 32).tolist()], vocab_size=64, eos_id=0)  # 8*32+1
+    config = write_run_file(tmp_path / "tiny.py", dataset_dir)
+    out = tmp_path / "run"
+    code, _, err = cli("train", config, "--out", out, "--steps", "1", "--set", f"data.eval_path={held}",
+                       "--set", "train.eval_every=1")
+    assert code == 0, err
+    code, printed, err = cli("eval", out, "--tokens", held, "--json")
+    logged = read_metrics(out / "metrics.jsonl")[-1]["eval_loss"]
+    assert code == 0 and json.loads(printed)["tokens"] == 8 * 32, err
+    assert json.loads(printed)["loss"] == pytest.approx(logged, rel=1e-6)
+
+
+def test_dry_run_warns_when_the_estimate_exceeds_the_gpu(tmp_path, dataset_dir, monkeypatch):
+    from types import SimpleNamespace
+
+    config = write_run_file(tmp_path / "tiny.py", dataset_dir)
+    code, printed, _ = cli("train", config, "--out", tmp_path / "run", "--dry-run", "--set", "train.device=cpu")
+    assert code == 0 and "exceeds" not in printed  # no GPU here: nothing to compare with
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=1024))
+    code, printed, err = cli("train", config, "--out", tmp_path / "run", "--dry-run", "--set", "train.device=cpu")
+    assert code == 0 and "warning: the estimate exceeds this machine's GPU (0.0 GiB)" in printed, err

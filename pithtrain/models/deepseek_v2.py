@@ -205,6 +205,14 @@ class DeepseekV2Config:
         out.update(model_type=self.model_type, architectures=["DeepseekV2ForCausalLM"], dtype="float32")
         return out
 
+    def transformers_ignores(self) -> list[str]:
+        """The options set here that transformers' deepseek_v2 does not read (to_hf): its model of an export differs."""
+        if self.model_type != "deepseek_v2":
+            return []  # transformers' deepseek_v3 reads them all
+        unread = [f"{k}={getattr(self, k)!r}" for k, read in (("scoring_func", "softmax"), ("moe_layer_freq", 1),
+                                                               ("norm_topk_prob", False)) if getattr(self, k) != read]
+        return unread + (["topk_method='noaux_tc' (its correction bias)"] if self.topk_method == "noaux_tc" else [])
+
     def build_model(self, layer_ids=None, embed: bool = True, head: bool = True) -> "DeepseekV2Model":
         return DeepseekV2Model(self, layer_ids, embed, head)
 

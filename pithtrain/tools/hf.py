@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint import CheckpointException
 
 from pithtrain.config import UserError, data_parts, disk_error, read_json
+from pithtrain.models.deepseek_v2 import DeepseekV2Config
 from pithtrain.ops.core import cross_entropy_sum
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train import checkpoint as ckpt
@@ -140,6 +141,9 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
             raise FileExistsError(f"convert: {name} exists and is not empty; choose a new DST, or pass --overwrite to replace it")
     if overwrite and (dst / rundir.LOCK).exists():
         rundir.RunLock(dst).release()  # raises while a run is writing there
+    if overwrite and b.is_dir() and any(b.iterdir()) and not (is_hf_dir(b) or ckpt.is_checkpoint(b)):
+        raise UserError(f"convert --overwrite: DST {dst} is neither an HF export nor a checkpoint (it holds "
+                        f"{', '.join(sorted(p.name for p in b.iterdir())[:4])}); --overwrite replaces only those: choose another DST")
     tmp = dst.with_name(dst.name + ".tmp")  # where both directions write first
     try:
         if is_hf_dir(src):
@@ -151,6 +155,9 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         dataset = (trained_on(ck, echo) if tokenizer else
                    echo(f"note: --no-tokenizer: {dst} holds the model alone (no tokenizer files, no token ids in config.json)"))
         model, meta = load_model(ck), ckpt.read_meta(ck)  # the model first: it checks config.json
+        if isinstance(model.cfg, DeepseekV2Config) and (unread := model.cfg.transformers_ignores()):
+            echo(f"warning: transformers' deepseek_v2 does not read {', '.join(unread)}: it computes another model from "
+                 f"this export than PithTrain does (PithTrain's `eval` and `convert` back are exact)")
         extra = {k: v for k, v in read_json(ck / "config.json", "").items() if k in CARRIED}
         if seq_len := meta.get("config", {}).get("data", {}).get("seq_len"):
             extra["seq_length"] = seq_len
@@ -202,7 +209,8 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
             raise UserError(f"--tokens {path} was tokenized with {dataset.tokenizer_file}, not with the model's {tokenizer[1]} "
                             f"(their SHA-256 differ); tokenize its texts with --tokenizer {tokenizer[1]}")
         stream = np.asarray(dataset.tokens[-max_tokens:] if max_tokens else dataset.tokens, dtype=np.int64)
-        arr = stream[: len(stream) // seq_len * seq_len].reshape(-1, seq_len) if len(stream) >= seq_len else stream[None]
+        # training's windows: seq_len + 1 tokens, each seq_len after the last, seq_len labels (data.BatchLoader)
+        arr = np.lib.stride_tricks.sliding_window_view(stream, seq_len + 1)[::seq_len] if len(stream) > seq_len else stream[None]
     elif not path.is_file():
         raise FileNotFoundError(f"--tokens {path} does not exist; it takes {TOKEN_FORMS}")
     else:

@@ -181,8 +181,10 @@ class TokenDataset:
     def __init__(self, path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise FileNotFoundError(f"dataset directory {self.path} {'is a file' if self.path.exists() else 'not found'}; "
-                                    "create one with `pithtrain tokenize`")
+            what = ("is a .npy array (those are for `pithtrain eval --tokens`)" if self.path.suffix == ".npy" else "is a file"
+                    ) if self.path.exists() else "not found"
+            raise FileNotFoundError(f"dataset directory {self.path} {what}; create one with `pithtrain tokenize`"
+                                    + (" (the examples' data/stdlib: `make data`)" if self.path.name == "stdlib" else ""))
         meta_path = self.path / META_FILE
         if not meta_path.is_file():
             raise FileNotFoundError(f"{meta_path} not found: {self.path} is not a pithtrain dataset; {_RETOKENIZE}")
