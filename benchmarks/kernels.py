@@ -11,8 +11,7 @@ in one kernel) against the SwiGLU kernel, then fp8.quantize; `expand` (LocalDisp
 against the Triton gather it replaced, and `weighted_combine` at that size too (the rows outgrow the L2);
 the dispatch's stable sorts with narrow keys (`core.stable_argsort_ids`) against int64's; the routers' `topk_ids`
 against torch.topk; `qk_norm_rope` against what Inductor compiles from its
-reference, at several tiles; `cross_entropy_sum ..., lanes` with the forward's other loop (kernels.CE_LANE_STATS
-flipped), and its backward alone at several chunks a program (kernels.CE_BWD_TILES), with and without the FP8 head's
+reference, at several tiles; `cross_entropy_sum`'s backward alone at several chunks a program (kernels.CE_BWD_TILES), with and without the FP8 head's
 copy. `--only a,b` times those ops alone. One benchmarks/results.jsonl line with every op's figures.
 """
 
@@ -117,19 +116,6 @@ def cases():
            [torch.randn(8192, 151936, device=dev, dtype=bf16), labels])
     yield ("cross_entropy_sum", "[8192, 201088] bf16", core.cross_entropy_sum, kernels.cross_entropy_sum,
            [torch.randn(8192, 201088, device=dev, dtype=bf16), labels_oss])
-    yield ("cross_entropy_sum", "[8192, 151936] bf16, lanes", core.cross_entropy_sum, lanes(kernels.cross_entropy_sum),
-           [torch.randn(8192, 151936, device=dev, dtype=bf16), labels])
-
-
-def lanes(fn):
-    """fn with kernels.CE_LANE_STATS flipped for the call (the forward's other loop)."""
-    def flipped(*args):
-        kernels.CE_LANE_STATS = not kernels.CE_LANE_STATS
-        try:
-            return fn(*args)
-        finally:
-            kernels.CE_LANE_STATS = not kernels.CE_LANE_STATS
-    return flipped
 
 
 def main():

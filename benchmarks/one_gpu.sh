@@ -27,7 +27,7 @@ T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformer
 runs=(
     "python -m pytest -q tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled tests/gpu/test_fp8_gpu.py::test_fp8_head_takes_the_cross_entropy_backwards_fp8_gradient tests/gpu/test_fp8_gpu.py::test_activation_quantization_in_the_activation_kernel tests/gpu/test_fp8_gpu.py::test_dispatch_quantizes_the_tokens_for_the_expanded_rows"   # host descriptors, persistent programs, the per-lane CE loop, the FP8 head's dy
     "python benchmarks/grouped_gemm.py --wgrad --tokens 16384 --repeats 20"        # 32: the weight gradient's variants at Qwen3 width (cutlass alone: the floor)
-    "python benchmarks/kernels.py --repeats 20 --only cross_entropy_sum,qk_norm_rope"   # CE_LANE_STATS against the chunk loop; qk_norm_rope's tiles (set QK_NORM_ROPE_TILES)
+    "python benchmarks/kernels.py --repeats 20 --only cross_entropy_sum,qk_norm_rope"   # the CE backward chunk sweep (set CE_BWD_TILES); qk_norm_rope's tiles (set QK_NORM_ROPE_TILES)
     "$T --layers 9 --steps 7 --batch 4 --accum 8"                                   # 32: >= 60% MFU, with the step boundary overlapped
     "$T --layers 9 --steps 18 --batch 4 --accum 8 --wgrad-host on --wgrad-per-sm 1 --ab wgrad-host,wgrad-persistent"   # 32: A both on (a 60% reading), B host off, C a program an item (per-sm and tiles as run 2 favours)
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x

@@ -130,9 +130,7 @@ def test_triton_expert_bias_add(interpreter, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("lanes", [False, True])  # kernels.CE_LANE_STATS: the forward's two loops
-def test_triton_cross_entropy(interpreter, monkeypatch, dtype, lanes):
-    monkeypatch.setattr(kernels, "CE_LANE_STATS", lanes)
+def test_triton_cross_entropy(interpreter, dtype):
     torch.manual_seed(9)
     wide = (torch.randn(6, 9100) * 3).to(dtype)
     logits = wide[:, :9000]  # rows strided (not contiguous), more than two vocabulary chunks
@@ -141,8 +139,8 @@ def test_triton_cross_entropy(interpreter, monkeypatch, dtype, lanes):
     check_kernel(lambda z: kernels._CrossEntropySum.apply(z, labels) * 0.7,
                  lambda z: core.cross_entropy_sum(z, labels) * 0.7, [logits], torch.tensor(1.0),
                  1e-5 if dtype == torch.float32 else 1e-2)
-    # the per-lane running max and sum: -inf logits (a masked vocabulary, whole chunks of them), a chunk's
-    # lanes all -inf after the first, and a spike far above the rest, against float64's logsumexp
+    # -inf logits (a masked vocabulary, whole chunks of them), a chunk all -inf after the first, and a spike
+    # far above the rest, against float64's logsumexp
     spiky = (torch.randn(4, 9000) * 40).to(dtype)
     spiky[0, :5000], spiky[1, 4096:], spiky[2, 100], spiky[3, 8999] = float("-inf"), float("-inf"), 500.0, 300.0
     spiky_labels = torch.tensor([6000, 5, 100, 3])
@@ -538,7 +536,7 @@ def test_fp8_head_input_gradient_quantized_by_the_cross_entropy_backward(interpr
     backward (the row amax from the forward: the largest other probability or 1 - p_label, times |grad|), and the
     head's input gradient takes it. The kernels against quantize_reference of the fp32 d logits, bit for bit (q into
     fp32 as in the cases above: the interpreter rounds to FP8 its own way), with an ignored row and a row whose label
-    is its argmax, in both forward loops; through the head, its gradients against the path that quantizes d logits
+    is its argmax; through the head, its gradients against the path that quantizes d logits
     itself (the slot dropped): the copy is taken, then let go."""
     torch.manual_seed(12)
     rows, hidden, vocab = 6, 32, 4512  # multiples of 16 (the FP8 GEMMs); more than one chunk each way
@@ -548,15 +546,13 @@ def test_fp8_head_input_gradient_quantized_by_the_cross_entropy_backward(interpr
     p = torch.softmax(logits.double(), -1)
     d64 = 0.3 * (p - torch.nn.functional.one_hot(labels.clamp(min=0), vocab))
     d64[2] = 0
-    for lanes in (False, True):
-        monkeypatch.setattr(kernels, "CE_LANE_STATS", lanes)
-        losses, lse, amax = kernels._ce_fwd_amax(logits, labels)
-        assert torch.allclose(amax.double() * 0.3, d64.abs().amax(-1), rtol=1e-6, atol=0) and amax[2] == 0
-        d, q, scale = logits.clone(), torch.empty(rows, vocab), torch.empty(rows)
-        kernels._launch_ce_bwd(d, labels, lse, torch.tensor([0.3]), d, (amax, q, scale))
-        want_q, want_s = fp8.quantize_reference(d)  # fp32 logits: d is the kernel's fp32 d
-        assert torch.equal(scale, want_s) and torch.equal(q.to(fp8.FP8).view(torch.uint8), want_q.view(torch.uint8))
-        assert torch.allclose(d.double(), d64, atol=1e-6)
+    losses, lse, amax = kernels._ce_fwd_amax(logits, labels)
+    assert torch.allclose(amax.double() * 0.3, d64.abs().amax(-1), rtol=1e-6, atol=0) and amax[2] == 0
+    d, q, scale = logits.clone(), torch.empty(rows, vocab), torch.empty(rows)
+    kernels._launch_ce_bwd(d, labels, lse, torch.tensor([0.3]), d, (amax, q, scale))
+    want_q, want_s = fp8.quantize_reference(d)  # fp32 logits: d is the kernel's fp32 d
+    assert torch.equal(scale, want_s) and torch.equal(q.to(fp8.FP8).view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.allclose(d.double(), d64, atol=1e-6)
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
     w = torch.nn.Parameter(torch.randn(vocab, hidden) * 0.2)
     x = torch.randn(rows, hidden)

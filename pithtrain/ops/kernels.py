@@ -742,17 +742,12 @@ def expert_bias_add(x: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -
 # ---------------------------------------------------------------------------------------------------
 
 
-# The forward's per-lane running max and sum, against reductions over each chunk (kernels.py times both).
-CE_LANE_STATS = False
-
-
 @_Kernel
-def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, amax_ptr, vocab, row_stride, LANES: tl.constexpr,
+def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, amax_ptr, vocab, row_stride,
                    AMAX: tl.constexpr, BLOCK_V: tl.constexpr):
-    """One program per row: log-sum-exp over the vocabulary in chunks, in fp32, with online max rescaling.
-    LANES: each lane keeps its own running max and sum, so the loop has no reduction across the program
-    (the chunks stream like a copy), still one exp an element: with d = x - max, e = exp(-|d|) rescales
-    the sum (d > 0) or is the term. Otherwise the chunk's max and sum each iteration. AMAX: also the
+    """One program per row: log-sum-exp over the vocabulary in chunks, in fp32, with online max rescaling
+    (the chunk's max and sum each iteration; the max shifted by 0 while it is -inf, a chunk of -inf logits,
+    where exp(-inf - -inf) would be NaN). AMAX: also the
     row's largest |softmax - onehot(label)|, max(p of the largest other logit, 1 - p_label) (0 on an
     ignored row): the backward's row scale for an FP8 copy of d logits, known before any of it is written."""
     row = tl.program_id(0)
@@ -761,31 +756,17 @@ def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, amax_ptr, vocab, r
     label = tl.load(labels_ptr + row)
     x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
     other = tl.where(cols == label, float("-inf"), x)  # AMAX: the largest logit but the label's
-    if LANES:
-        m = x
-        total = tl.where(cols < vocab, 1.0, 0.0)
-        for v0 in range(BLOCK_V, vocab, BLOCK_V):
-            x = tl.load(base + v0 + cols, mask=v0 + cols < vocab, other=float("-inf")).to(tl.float32)
-            d = x - m
-            e = tl.exp(-tl.abs(tl.where(x == float("-inf"), float("-inf"), d)))  # a -inf logit adds exp(-inf) = 0
-            total = tl.where(d > 0, total * e + 1.0, total + e)
-            m = tl.maximum(m, x)
-            if AMAX:
-                other = tl.maximum(other, tl.where(v0 + cols == label, float("-inf"), x))
-        m_row = tl.max(m, axis=0)
-        lse = m_row + tl.log(tl.sum(total * tl.exp(m - m_row), axis=0))
-    else:  # the max shifted by 0 while it is -inf (a chunk of -inf logits): exp(-inf - -inf) would be NaN
-        m = tl.max(x, axis=0)
-        total = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
-        for v0 in range(BLOCK_V, vocab, BLOCK_V):
-            x = tl.load(base + v0 + cols, mask=v0 + cols < vocab, other=float("-inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
-            m = m_new
-            if AMAX:
-                other = tl.maximum(other, tl.where(v0 + cols == label, float("-inf"), x))
-        lse = m + tl.log(total)
+    m = tl.max(x, axis=0)
+    total = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+    for v0 in range(BLOCK_V, vocab, BLOCK_V):
+        x = tl.load(base + v0 + cols, mask=v0 + cols < vocab, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.max(x, axis=0))
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
+        m = m_new
+        if AMAX:
+            other = tl.maximum(other, tl.where(v0 + cols == label, float("-inf"), x))
+    lse = m + tl.log(total)
     valid = label != -100
     target = tl.load(base + label, mask=valid, other=0.0).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - target, 0.0))
@@ -823,7 +804,7 @@ def _launch_ce_fwd(logits, labels, amax=None) -> tuple[torch.Tensor, torch.Tenso
     lse = torch.empty_like(losses)
     if rows:
         _ce_fwd_kernel[(rows,)](logits, labels, losses, lse, lse if amax is None else amax, vocab, logits.stride(0),
-                                LANES=CE_LANE_STATS, AMAX=amax is not None, BLOCK_V=min(4096, _pow2(vocab)),
+                                AMAX=amax is not None, BLOCK_V=min(4096, _pow2(vocab)),
                                 num_warps=8)
     return losses, lse
 
