@@ -43,6 +43,12 @@ def _cmd_train(args) -> int:
         die_with_launcher(int(os.environ["PITHTRAIN_LAUNCHER"]))
     config = train_config(args)
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # a worker under torchrun/srun/our launcher
+    if launched:
+        if not (os.environ["RANK"].isdigit() and os.environ["WORLD_SIZE"].isdigit()
+                and int(os.environ["RANK"]) < int(os.environ["WORLD_SIZE"])):
+            raise UserError(f"RANK={os.environ['RANK']!r} WORLD_SIZE={os.environ['WORLD_SIZE']!r}: expected integers, "
+                            "RANK < WORLD_SIZE; fix the launcher's environment")
+        signal.signal(signal.SIGINT, signal.SIG_DFL)  # until the mesh is up (a rendezvous blocks Python's handlers)
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     validate(config, world_size=world)  # refuse an impossible mesh before any process starts
     if args.out is not None and not args.out.strip():
@@ -63,7 +69,7 @@ def _cmd_train(args) -> int:
             pick_device(config.train.device)
             check_run(config, out, args.stop_after)  # paths, data, resume: once, here
             return launch_local(args.argv, args.nproc)
-        return _train_here(args, config, out, launched, GracefulStop(loud=os.environ.get("RANK", "0") == "0"))
+        return _train_here(args, config, out, launched, GracefulStop)
     finally:
         if lock is not None:
             if created:
@@ -133,18 +139,27 @@ def _drop_unused(out: Path) -> None:
         pass
 
 
-def _train_here(args, config, out: Path, launched: bool, stop) -> int:
+def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
     from pithtrain.train.loop import train
 
-    try:
-        mesh = None
-        if launched:
-            from pithtrain.parallel.mesh import init_mesh
-            from pithtrain.train.loop import pick_device
+    mesh = None
+    if launched:
+        import torch.distributed
 
-            device = pick_device(config.train.device)
+        from pithtrain.parallel.mesh import init_mesh
+        from pithtrain.train.loop import pick_device
+
+        device = pick_device(config.train.device)
+        try:
             mesh = init_mesh(config.parallel.pp, config.parallel.cp, config.parallel.ep, device.type,
                              config.parallel.timeout_s, config.parallel.hsdp)
+        except torch.distributed.DistError as e:  # DistStoreError, DistNetworkError: peers that never came, a port in use
+            raise UserError(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: the rendezvous at "
+                            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} failed ({str(e).splitlines()[0]}); "
+                            "start every rank with the same MASTER_ADDR and a free MASTER_PORT, or raise "
+                            "parallel.timeout_s") from None
+    stop = graceful(loud=os.environ.get("RANK", "0") == "0")
+    try:
         history = train(config, out, stop_after=args.stop_after, mesh=mesh, stop=stop)
     finally:
         stop.restore()

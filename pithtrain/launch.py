@@ -31,7 +31,7 @@ class GracefulStop:
     def _handle(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if self.signum:
-            _say(f"{name} again: aborting now; the run resumes from its last checkpoint\n")
+            _say(f"{name} again: aborting now; a rerun resumes from the last checkpoint written, if any\n")
             os._exit(128 + signum)
         self.signum = signum
         if self.loud:
@@ -135,9 +135,11 @@ def launch_local(argv: list[str], nproc: int) -> int:
                 os.kill(proc.pid, signal.SIGKILL)
             proc.returncode = codes.get(proc.pid, -signal.SIGKILL)  # reaped here; Popen must not wait for it
     if len(signals) > 1:
-        print(f"error: aborted by a second {signal.Signals(signals[-1]).name}; the run resumes from its last checkpoint",
-              file=sys.stderr)
+        print(f"error: aborted by a second {signal.Signals(signals[-1]).name}; a rerun resumes from the last checkpoint "
+              "written, if any", file=sys.stderr)
         return 128 + signals[-1]
+    if signals and all(code == -signals[0] for code in codes.values()):  # ended by the signal itself: still starting
+        print(f"stopped by {signal.Signals(signals[0]).name} while the workers started; nothing was trained", file=sys.stderr)
     if first is not None:
         code = codes[first]
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}; its error is above"

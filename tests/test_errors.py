@@ -63,6 +63,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("file-dir", "train {tmp}", "is a directory"),
     ("out-empty", "train {cfg} --out ''", "--out is empty"),
     ("data-path-empty", "train {cfg} --set data.path=", "data.path is empty"),
+    ("pp-empty-rank", "train {cfg} --nproc 4 --pp 4 --set train.micro_batch_size=1 --dry-run", "use at least 5 layers"),
+    ("env-rank", "train {cfg}", "RANK='5' WORLD_SIZE='2'"),
     ("data-path-twice", """train {cfg} --set 'data.path={{"{data}": 0.7, "{data}": 0.3}}'""", "appears twice"),
     ("eval-path-file", "train {cfg} --set data.eval_path={notes} --set train.eval_every=1", "is a file"),
     ("eval-path-npy", "train {cfg} --set data.eval_path={tokens} --set train.eval_every=1", "for `pithtrain eval --tokens`"),
@@ -197,7 +199,8 @@ def _disk_full():
 PATCHES = {"disk-full": _disk_full, "wandb-missing": lambda: mock.patch.dict(sys.modules, {"wandb": None}),
            "env-debug-memory": lambda: mock.patch.dict(os.environ, {"PITHTRAIN_DEBUG_MEMORY": "last"}),
            "env-debug-norms": lambda: mock.patch.dict(os.environ, {"PITHTRAIN_DEBUG_NORMS": "5-2"}),
-           "env-profile-steps": lambda: mock.patch.dict(os.environ, {"PITHTRAIN_PROFILE_STEPS": "3"})}
+           "env-profile-steps": lambda: mock.patch.dict(os.environ, {"PITHTRAIN_PROFILE_STEPS": "3"}),
+           "env-rank": lambda: mock.patch.dict(os.environ, {"RANK": "5", "WORLD_SIZE": "2"})}
 
 
 def make_env(tmp: Path) -> dict:
@@ -639,3 +642,28 @@ def test_trust_case_ends_in_one_line(trust_env, case_id, line, names):
         assert [p.name for p in (run / "checkpoints").iterdir()] == ["step_00000001"] and "step_00000001" in lines[0]
     if case_id == "plot-out-directory":
         assert list(trust_env["empty_dir"].iterdir()) == []
+
+
+def test_a_rank_whose_peers_never_come(env):
+    """One rank of two started by hand: its rendezvous fails in one line after parallel.timeout_s, and a
+    SIGTERM while it waits ends it at once (a blocking rendezvous runs no Python signal handler)."""
+    import signal
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    args = [sys.executable, "-m", "pithtrain", "train", env["cfg"], "--ep", "2"]
+    done = subprocess.run([*args, "--out", env["tmp"] / "alone", "--set", "parallel.timeout_s=2"], env=ranks,
+                          capture_output=True, text=True, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and "the rendezvous at 127.0.0.1" in lines[0], done.stderr
+    waiting = subprocess.Popen([*args, "--out", env["tmp"] / "waits", "--set", "parallel.timeout_s=60"], env=ranks,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert waiting.stdout.readline().startswith("config:")
+    time.sleep(2)  # into the rendezvous
+    start = time.monotonic()
+    waiting.send_signal(signal.SIGTERM)
+    assert waiting.wait(timeout=30) == -signal.SIGTERM and time.monotonic() - start < 10

@@ -60,6 +60,12 @@ def rank_chunks(pp: int, rank: int) -> tuple[int, int]:
     return rank, 2 * pp - 1 - rank
 
 
+def ranks_without_layers(num_layers: int, pp: int) -> list[int]:
+    """Pipeline ranks that split_layers gives no layer (rank 0 holds the embedding and the head anyway)."""
+    chunks = split_layers(num_layers, pp)
+    return [r for r in range(1, pp) if not any(chunks[c] for c in rank_chunks(pp, r))]
+
+
 @dataclass(frozen=True)
 class Op:
     kind: str  # "F", "B", "W", or a pair on the two chunks: "FB", "FF", "BB", "BW"

@@ -35,7 +35,7 @@ from pithtrain.parallel.context import shard_micro_batch
 from pithtrain.parallel.expert import AllToAllDispatch, ExpertEngine, LocalDispatch
 from pithtrain.parallel.fsdp import expert_modules, global_grad_norm, keep_local_experts, shard_model
 from pithtrain.parallel.mesh import Mesh
-from pithtrain.parallel.pipeline import ChunkPair, PipelineRunner, build_chunks, dualpipev_schedule
+from pithtrain.parallel.pipeline import ChunkPair, PipelineRunner, build_chunks, dualpipev_schedule, ranks_without_layers
 from pithtrain.protocol import LossTerms, StepSums, all_layers, named_range
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
@@ -477,6 +477,11 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
                                 0 if d.eval_path else d.eval_samples, config.model.vocab_size)
     _ = loader.dataset.identity  # hashed now: checkpoints record the dataset the run started on
     check_model_size(config.model)
+    layers, pp = config.model.num_hidden_layers, config.parallel.pp
+    if idle := ranks_without_layers(layers, pp):  # nothing to train there: its optimizer would refuse an empty list
+        least = next(n for n in range(layers, 4 * pp) if not ranks_without_layers(n, pp))
+        raise UserError(f"parallel.pp={pp}: with model.num_hidden_layers={layers} pipeline rank(s) "
+                        f"{', '.join(map(str, idle))} hold no layer; use at least {least} layers or fewer stages")
     check_muon_takes_some(config)
     found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None,
                                set_aside=create and echo)
