@@ -7,12 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-from ate_bench import transcripts
-from ate_bench.tasks import TaskError, load_tasks
+from ate_bench import grading, transcripts
+from ate_bench.tasks import UsageError, load_tasks
 
-
-class UsageError(Exception):
-    pass
+CHECKOUT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")  # what a framework checkout has at its top
 
 
 def _pairs(values: list[str], flag: str, example: str) -> dict[str, str]:
@@ -21,24 +19,41 @@ def _pairs(values: list[str], flag: str, example: str) -> dict[str, str]:
         name, sep, rest = v.partition("=")
         if not sep or not name or not rest:
             raise UsageError(f"{flag} {v!r}: write NAME=VALUE, e.g. {flag} {example}")
+        if name in out:
+            raise UsageError(f"{flag} {name}=...: given twice ({out[name]}, {rest}); give each name once")
         out[name] = rest
     return out
 
 
+def _check_template(template: str, flag: str, known: tuple[str, ...]) -> None:
+    unknown = sorted(grading.placeholders(template) - set(known))
+    if unknown:
+        raise UsageError(f"{flag}: unknown placeholder {', '.join('{%s}' % u for u in unknown)}; the known ones are "
+                         f"{', '.join('{%s}' % k for k in known)} (write shell variables as $VAR or ${{VAR}})")
+
+
 def cmd_run(args) -> int:
+    from ate_bench.runner import AGENT_FIELDS, run_one
+
     frameworks = _pairs(args.framework, "--framework", "pithtrain=/path/to/PithTrain")
     if not frameworks:
         raise UsageError("--framework: give at least one, e.g. --framework pithtrain=/path/to/PithTrain")
     for name, path in frameworks.items():
         if not Path(path).is_dir():
             raise UsageError(f"--framework {name}={path}: no such directory; give the framework's checkout")
+        if not any((Path(path) / m).exists() for m in CHECKOUT_MARKERS):
+            raise UsageError(f"--framework {name}={path}: does not look like a source checkout (none of "
+                             f"{', '.join(CHECKOUT_MARKERS)} at its top); give the repository's root directory")
     keysets = _pairs(args.keys, "--keys", "myfork=pithtrain")
     for name in keysets:
         if name not in frameworks:
             raise UsageError(f"--keys {name}=...: {name} is not a --framework name; use one of {', '.join(frameworks)}")
-    if "{prompt" not in args.agent:
+    _check_template(args.agent, "--agent", AGENT_FIELDS)
+    if not grading.placeholders(args.agent) & {"prompt", "prompt_file"}:
         raise UsageError("--agent: the command must contain {prompt} or {prompt_file}, e.g. "
                          "--agent \"claude -p {prompt} --output-format stream-json --verbose\"")
+    if args.judge:
+        _check_template(args.judge, "--judge", grading.JUDGE_FIELDS)
     if args.repeats < 1 or args.time_limit <= 0:
         raise UsageError("--repeats must be >= 1 and --time-limit > 0 (seconds)")
     out = Path(args.out)
@@ -51,17 +66,24 @@ def cmd_run(args) -> int:
         raise UsageError(f"--tasks {' '.join(map(repr, args.tasks))}: names no task; give task ids or categories "
                          "(see `python -m ate_bench list`), or leave --tasks out for all")
     tasks = load_tasks(select)
+    earlier = [f"{name}/{t.id}/r{k}" for t in tasks for name in frameworks for k in range(args.repeats)
+               if (out / name / t.id / f"r{k}").exists()]
+    if earlier and not args.overwrite:
+        raise UsageError(f"--out {out}: already holds {len(earlier)} of these sessions ({', '.join(earlier[:3])}"
+                         f"{', ...' if len(earlier) > 3 else ''}); pass --overwrite to replace them, or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
     manifest = out / "ate_bench.json"  # marks the directory; the frameworks in the order first run (the report's)
     known = json.loads(manifest.read_text()).get("frameworks", []) if manifest.exists() else []
     manifest.write_text(json.dumps({"kind": "ate-bench results", "frameworks": known + [f for f in frameworks if f not in known]}) + "\n")
-    from ate_bench.runner import run_one
-
+    noted = set()
     for task in tasks:
         for name, path in frameworks.items():
             for k in range(args.repeats):
                 r = run_one(task, name, Path(path).resolve(), keysets.get(name, name), k, out.resolve(), args.agent,
                             args.format, args.time_limit, args.grade_timeout, args.judge)
+                if r.get("not_copied") and name not in noted:
+                    noted.add(name)
+                    print(f"note: --framework {name}={path}: special files not copied: {', '.join(r['not_copied'])}", file=sys.stderr)
                 print(f"{task.id:24s} {name:12s} r{k} {r['status']:11s} {r['grade']:8s} turns={r['turns']} "
                       f"out={r['output_tokens']} {r['session_seconds']:.1f}s  {r['note']}", flush=True)
     from ate_bench.report import write_report
@@ -100,7 +122,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--keys", action="append", default=[], metavar="NAME=KEYSET",
                    help="grade NAME with another framework's keys/verifiers/tests, e.g. a fork: myfork=pithtrain")
     r.add_argument("--tasks", action="append", metavar="IDS", help="task ids or categories, comma separated (default: all)")
-    r.add_argument("--agent", required=True, help="agent command template: {prompt}, {prompt_file}, {workdir} are filled in")
+    r.add_argument("--agent", required=True, help="agent command template: {prompt}, {prompt_file}, {workdir} are filled in "
+                   "(shell-quoted); $VAR and ${VAR} are the shell's")
     r.add_argument("--format", required=True, choices=transcripts.FORMATS, help="the agent's transcript format (its stdout)")
     r.add_argument("--repeats", type=int, default=1)
     r.add_argument("--time-limit", type=float, default=1800.0, help="seconds per session; the agent is killed after it")
@@ -108,6 +131,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--judge", help="grading command for tasks without a key for the framework: "
                    "{prompt_file} {answer_file} {workdir} {task} {framework}; exit 0 passes")
     r.add_argument("--out", required=True, help="results directory (new, or an earlier ATE-Bench one)")
+    r.add_argument("--overwrite", action="store_true", help="replace sessions --out already holds for these tasks, "
+                   "frameworks and repeats (refused without it)")
     r.set_defaults(func=cmd_run)
     rep = sub.add_parser("report", help="report.md and report.png of a results directory")
     rep.add_argument("dir")
@@ -121,6 +146,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
-    except (UsageError, TaskError, OSError) as e:  # OSError: a directory or file that could not be written or read
-        print(f"ate_bench: error: {' '.join(str(e).split())}", file=sys.stderr)
+    except (UsageError, OSError) as e:  # OSError: a directory or file that could not be written or read
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

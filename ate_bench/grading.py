@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +21,38 @@ from ate_bench.tasks import Task
 
 # never copied: version control (a fresh repository is made), environments, caches, earlier run outputs
 COPY_IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", "*.pyc", ".pytest_cache", "runs")
+# a command template's {name}; ${VAR} (a shell variable) and other braces ({}, {a,b}, awk's {print $1}) pass as written
+PLACEHOLDER = re.compile(r"\$\{[^}]*\}|\{\{|\}\}|\{(\w+)\}")
+JUDGE_FIELDS = ("prompt_file", "answer_file", "workdir", "task", "framework")
+
+
+def placeholders(template: str) -> set[str]:
+    return {m.group(1) for m in PLACEHOLDER.finditer(template) if m.group(1)}
+
+
+def fill(template: str, **values: str) -> str:
+    """`template` with its {name}s replaced by `values` ({{ and }} give a brace, as in str.format)."""
+    return PLACEHOLDER.sub(lambda m: values[m.group(1)] if m.group(1) else {"{{": "{", "}}": "}"}.get(m.group(0), m.group(0)), template)
+
+
+def copy_tree(src: Path, dst: Path, ignore=COPY_IGNORE) -> list[Path]:
+    """shutil.copytree keeping symlinks and leaving out special files (named pipes, sockets, devices), which it returns."""
+    special = []
+
+    def skip(folder, names):
+        left_out = set(ignore(folder, names))
+        for n in set(names) - left_out:
+            try:
+                mode = os.lstat(os.path.join(folder, n)).st_mode
+            except OSError:
+                continue  # gone or unreadable: copytree reports it
+            if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode) or stat.S_ISLNK(mode)):
+                left_out.add(n)
+                special.append(Path(folder, n))
+        return left_out
+
+    shutil.copytree(src, dst, ignore=skip, symlinks=True)
+    return sorted(special)
 
 
 def normalize(text: str) -> str:
@@ -64,7 +97,7 @@ def run_acceptance(test_file: Path, workdir: Path, grade_dir: Path, timeout: flo
     drop the acceptance test in and run it there; it passes when pytest passes."""
     if grade_dir.exists():
         shutil.rmtree(grade_dir)
-    shutil.copytree(workdir, grade_dir, ignore=COPY_IGNORE, symlinks=True)
+    copy_tree(workdir, grade_dir)
     dest = grade_dir / "ate_acceptance" / test_file.name
     dest.parent.mkdir(exist_ok=True)
     shutil.copy(test_file, dest)
@@ -82,8 +115,8 @@ def run_judge(judge: str, task: Task, framework: str, workdir: Path, answer_file
     """`--judge "CMD {prompt_file} {answer_file} {workdir} {task} {framework}"`: exit 0 passes;
     a last stdout line `score=<0..1>` is recorded."""
     prompt_file = answer_file.parent / "prompt.txt"
-    cmd = judge.format(prompt_file=shlex.quote(str(prompt_file)), answer_file=shlex.quote(str(answer_file)),
-                       workdir=shlex.quote(str(workdir)), task=task.id, framework=framework)
+    cmd = fill(judge, prompt_file=shlex.quote(str(prompt_file)), answer_file=shlex.quote(str(answer_file)),
+               workdir=shlex.quote(str(workdir)), task=shlex.quote(task.id), framework=shlex.quote(framework))
     try:
         p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=timeout, cwd=workdir)
     except subprocess.TimeoutExpired:

@@ -40,18 +40,19 @@ def load_results(out: Path) -> list[dict]:
     return results
 
 
-def _mean(values) -> float:
+def _mean(values) -> float | None:
     values = list(values)
-    return sum(values) / len(values) if values else 0.0
+    return sum(values) / len(values) if values else None
 
 
-def _fmt(x: float) -> str:
-    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
 def summarize(results: list[dict]) -> dict:
-    """{(framework, category): {metric: mean, "pass_rate": ..., "graded": n, "runs": n}}, categories
-    plus "all"."""
+    """{(framework, category): {metric: mean, "pass_rate": ..., "graded": n, "runs": n, "agent_errors": n}},
+    categories plus "all". The cost means leave out agent_error sessions (the agent failed, e.g. an API error:
+    not what the framework cost); the pass rate counts them as the fails they are graded."""
     cells = defaultdict(list)
     for r in results:
         cells[(r["framework"], r["category"])].append(r)
@@ -59,8 +60,9 @@ def summarize(results: list[dict]) -> dict:
     summary = {}
     for key, rs in cells.items():
         graded = [r for r in rs if r["grade"] != "ungraded"]
-        row = {m: _mean(r[m] for r in rs) for m, _ in METRICS}
-        row.update(pass_rate=_mean(r["grade"] == "pass" for r in graded) if graded else None, graded=len(graded), runs=len(rs))
+        row = {m: _mean(r[m] for r in rs if r["status"] != "agent_error") for m, _ in METRICS}
+        row.update(pass_rate=_mean(r["grade"] == "pass" for r in graded), graded=len(graded), runs=len(rs),
+                   agent_errors=sum(r["status"] == "agent_error" for r in rs))
         summary[key] = row
     return summary
 
@@ -79,7 +81,8 @@ def markdown(results: list[dict], baseline: str | None = None, frameworks: list[
     summary = summarize(results)
     cats = [c for c in CATEGORIES if any(r["category"] == c for r in results)] + ["all"]
     lines = ["# ATE-Bench report", "", f"{len(results)} sessions; frameworks: {', '.join(frameworks)}; "
-             f"ratios are framework / {base} (below 1: cheaper than {base}).", "",
+             f"ratios are framework / {base} (below 1: cheaper than {base}). The cost means leave out sessions whose "
+             "agent exited with an error (agent_error; graded fail in the pass rate).", "",
              "## Cost and grade per category (means over tasks and repeats)", "",
              "| category | framework | " + " | ".join(t for _, t in METRICS) + " | pass rate | runs |",
              "|---|---|" + "---|" * (len(METRICS) + 2)]
@@ -89,7 +92,8 @@ def markdown(results: list[dict], baseline: str | None = None, frameworks: list[
             if row is None:
                 continue
             rate = "-" if row["pass_rate"] is None else f"{row['pass_rate']:.0%} of {row['graded']}"
-            lines.append(f"| {cat} | {fw} | " + " | ".join(_fmt(row[m]) for m, _ in METRICS) + f" | {rate} | {row['runs']} |")
+            runs = f"{row['runs']}" + (f" ({row['agent_errors']} agent_error)" if row["agent_errors"] else "")
+            lines.append(f"| {cat} | {fw} | " + " | ".join(_fmt(row[m]) for m, _ in METRICS) + f" | {rate} | {runs} |")
     others = [fw for fw in frameworks if fw != base]
     if others:
         lines += ["", f"## Ratios to {base} (over the tasks both ran)", "", "| category | framework | " + " | ".join(t for _, t in METRICS) + " |",
@@ -100,7 +104,7 @@ def markdown(results: list[dict], baseline: str | None = None, frameworks: list[
             for cat in cats:
                 row, ref = paired.get((fw, cat)), paired.get((base, cat))
                 if row and ref:
-                    ratio = [f"{row[m] / ref[m]:.2f}" if ref[m] else "-" for m, _ in METRICS]
+                    ratio = [f"{row[m] / ref[m]:.2f}" if ref[m] and row[m] is not None else "-" for m, _ in METRICS]
                     lines.append(f"| {cat} | {fw} | " + " | ".join(ratio) + " |")
     lines += ["", "## Grades per task", "", "| task | category | " + " | ".join(frameworks) + " |",
               "|---|---|" + "---|" * len(frameworks)]

@@ -9,6 +9,7 @@ result.json (the metrics and the grade). The framework checkout itself is never 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -19,11 +20,12 @@ from pathlib import Path
 
 from ate_bench import transcripts
 from ate_bench.gpu import GpuSampler
-from ate_bench.grading import COPY_IGNORE, dump, grade
-from ate_bench.tasks import Task
+from ate_bench.grading import COPY_IGNORE, copy_tree, dump, fill, grade
+from ate_bench.tasks import Task, UsageError
 
 FOOTER = ("\n\nYou are working in a copy of the framework's repository (your working directory); change it as the task "
           "needs. End with your final answer as your last message.")
+AGENT_FIELDS = ("prompt", "prompt_file", "workdir")  # the --agent template's placeholders
 
 
 def _git(work: Path, *args: str) -> str:
@@ -31,19 +33,20 @@ def _git(work: Path, *args: str) -> str:
                           cwd=work, capture_output=True, text=True).stdout
 
 
-def fresh_copy(checkout: Path, work: Path) -> None:
+def fresh_copy(checkout: Path, work: Path) -> list[Path]:
     """A standalone copy: no .git of the original (a worktree's .git file would point back into
-    it); a new repository with the starting state committed instead."""
+    it); a new repository with the starting state committed instead. Returns the special files left out."""
     inside = set(work.resolve().parents)
 
     def ignore(folder, names):  # and the results directory, when it lies in the checkout (README's --out ate_runs/...)
         return set(COPY_IGNORE(folder, names)) | {n for n in names if Path(folder, n).resolve() in inside}
 
-    shutil.copytree(checkout, work, ignore=ignore, symlinks=True)
+    special = copy_tree(checkout, work, ignore)
     if shutil.which("git"):
         _git(work, "init", "-q")
         _git(work, "add", "-A")
         _git(work, "commit", "-q", "-m", "ATE-Bench start", "--no-verify")
+    return special
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -63,8 +66,7 @@ def _kill_group(proc: subprocess.Popen) -> None:
 def run_agent(template: str, prompt: str, run_dir: Path, work: Path, time_limit: float, env: dict | None = None) -> dict:
     prompt_file = run_dir / "prompt.txt"
     prompt_file.write_text(prompt)
-    cmd = template.format(prompt=shlex.quote(prompt), prompt_file=shlex.quote(str(prompt_file)),
-                          workdir=shlex.quote(str(work)))
+    cmd = fill(template, prompt=shlex.quote(prompt), prompt_file=shlex.quote(str(prompt_file)), workdir=shlex.quote(str(work)))
     start = time.monotonic()
     with open(run_dir / "transcript.jsonl", "w") as out, open(run_dir / "agent.stderr", "w") as err:
         proc = subprocess.Popen(["bash", "-c", cmd], cwd=work, stdout=out, stderr=err, stdin=subprocess.DEVNULL,
@@ -87,12 +89,26 @@ def run_one(task: Task, framework: str, checkout: Path, keyset: str, repeat: int
             time_limit: float, grade_timeout: float, judge: str | None = None) -> dict:
     run_dir = out / framework / task.id / f"r{repeat}"
     if run_dir.exists():
-        shutil.rmtree(run_dir)  # the benchmark's own output: a rerun of the same cell replaces it
+        shutil.rmtree(run_dir)  # run --overwrite: the CLI refuses an existing session without it
     run_dir.mkdir(parents=True)
     work = run_dir / "work"
-    fresh_copy(checkout, work)
+    try:
+        special = fresh_copy(checkout, work)
+    except OSError as e:
+        shutil.rmtree(run_dir, ignore_errors=True)  # the half-made session
+        if not isinstance(e, shutil.Error):
+            raise
+        errors = e.args[0]  # (src, dst, why) per file
+        raise UsageError(f"--framework {framework}={checkout}: cannot copy {errors[0][0]} ({errors[0][2]})"
+                         + (f" and {len(errors) - 1} more" if len(errors) > 1 else "") + "; fix it or move it out of the checkout") from None
     session = run_agent(agent, task.prompt_for(keyset) + FOOTER, run_dir, work, time_limit,
                         env={"ATE_TASK": task.id, "ATE_FRAMEWORK": framework, "ATE_CHECKOUT": str(checkout)})
+    if session["exit_code"] == 127:  # bash: the agent's command (or one it ran) was not found; no session to record
+        stderr = (run_dir / "agent.stderr").read_text(errors="replace")
+        found = re.search(r": ([^:\n]+): (command not found|No such file or directory)", stderr)
+        what = ": ".join(found.groups()) if found else f"{agent.split()[0]}: command not found"
+        shutil.rmtree(run_dir, ignore_errors=True)
+        raise UsageError(f"--agent: {what}; install it, or give its path (or a PATH=...) in the --agent command")
     parsed = transcripts.parse(fmt, (run_dir / "transcript.jsonl").read_text(errors="replace"))
     if shutil.which("git") and (work / ".git").is_dir():
         _git(work, "add", "-A")
@@ -101,6 +117,8 @@ def run_one(task: Task, framework: str, checkout: Path, keyset: str, repeat: int
               "format": fmt, **session, **asdict(parsed),
               "mean_context_tokens": round(sum(parsed.context_tokens) / len(parsed.context_tokens)) if parsed.context_tokens else 0,
               "max_context_tokens": max(parsed.context_tokens, default=0)}
+    if special:
+        result["not_copied"] = [str(f.relative_to(checkout)) for f in special]
     if session["status"] == "timeout":
         result.update(grade="fail", score=0.0, note=f"agent stopped at the time limit ({time_limit:g} s)")
     else:

@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ate_bench import cli, grading, transcripts  # noqa: E402
+from ate_bench import cli, grading, report, tasks, transcripts  # noqa: E402
 from ate_bench.gpu import GpuSampler, utilization_reader  # noqa: E402
 from ate_bench.tasks import load_tasks  # noqa: E402
 
@@ -38,6 +38,7 @@ def fake_framework(tmp_path, name="fw") -> Path:
     d = tmp_path / name
     (d / "src").mkdir(parents=True)
     (d / "src" / "core.py").write_text("x = 1\n")
+    (d / "pyproject.toml").write_text(f'[project]\nname = "{name}"\n')  # what marks a checkout
     return d
 
 
@@ -147,7 +148,7 @@ def test_runner_metrics_grades_failures_and_report(tmp_path, capsys):
     script(scripts, "fork", format="codex-json", turns=[[2000, 100], [4000, 100], [6000, 100]], answer="it is in src/core.py")
     pit, fork = fake_framework(tmp_path, "pit"), fake_framework(tmp_path, "fork")
     out = tmp_path / "results"
-    agent = f"{PY} {STANDIN} {scripts}/$ATE_FRAMEWORK.json {{prompt_file}}"
+    agent = f"{PY} {STANDIN} {scripts}/${{ATE_FRAMEWORK}}.json {{prompt_file}}"  # ${...}: the shell's
     code, stdout, _ = run(["run", "--framework", f"pithtrain={pit}", "--framework", f"fork={fork}", "--keys", "fork=pithtrain",
                            "--tasks", "qa_device_mesh", "--agent", agent, "--format", "claude-stream-json", "--out", out], capsys)
     assert code == 0, stdout
@@ -161,7 +162,7 @@ def test_runner_metrics_grades_failures_and_report(tmp_path, capsys):
     assert result(out, "fork", "qa_device_mesh")["grade"] == "fail"
 
     code, _, _ = run(["run", "--framework", f"fork={fork}", "--keys", "fork=pithtrain", "--tasks", "qa_device_mesh",
-                      "--agent", agent, "--format", "codex-json", "--out", out], capsys)
+                      "--agent", agent, "--format", "codex-json", "--out", out, "--overwrite"], capsys)
     bad = result(out, "fork", "qa_device_mesh")
     assert (bad["grade"], bad["turns"], bad["output_tokens"], bad["context_tokens"]) == ("fail", 3, 300, [12000])
     assert "missing" in bad["note"]
@@ -191,6 +192,7 @@ def test_runner_metrics_grades_failures_and_report(tmp_path, capsys):
             "--format", "claude-stream-json", "--out", out]
     run(base, capsys)
     assert result(out, "other", "qa_device_mesh")["grade"] == "ungraded"
+    base.append("--overwrite")
     run(base + ["--judge", "grep -q core.py {answer_file} && echo score=0.8"], capsys)
     assert (result(out, "other", "qa_device_mesh")["grade"], result(out, "other", "qa_device_mesh")["score"]) == ("pass", 0.8)
     run(base + ["--judge", "grep -q init_mesh {answer_file}"], capsys)
@@ -199,7 +201,8 @@ def test_runner_metrics_grades_failures_and_report(tmp_path, capsys):
     code, stdout, _ = run(["report", out], capsys)
     assert code == 0 and (out / "report.png").stat().st_size > 1000
     assert "| qa_compile_boundaries | understand | fail (timeout) | - | - |" in stdout
-    assert "| understand | pithtrain | 1 | 76.7 | 1,000 |" in stdout  # means over its three sessions
+    # means over its ok and timeout sessions: the agent_error one (1 turn, 100 tokens) is left out
+    assert "| understand | pithtrain | 1 | 65 | 1,000 |" in stdout and "| 3 (1 agent_error) |" in stdout
     # ratios over the tasks both ran (qa_device_mesh): 3/2 turns, 300/130 tokens, 12000/2000 context
     ratio = re.search(r"\| understand \| fork \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|", stdout.split("## Ratios")[1])
     assert ratio and ratio.groups() == ("1.50", "2.31", "6.00")
@@ -344,6 +347,13 @@ def test_memory_verifier(tmp_path):
     (["--framework", "pithtrain=.", "--tasks", "qa_nothing"], "--tasks"),
     (["--framework", "pithtrain=.", "--out", "AGENTS.md"], "--out"),
     (["--framework", "pithtrain=.", "--out", "pithtrain"], "--out"),  # someone's directory: never written into
+    (["--framework", "a=.", "--framework", "a=ate_bench"], "--framework a=...: given twice"),
+    (["--framework", "a=.", "--framework", "b=.", "--keys", "b=pithtrain", "--keys", "b=a"], "--keys b=...: given twice"),
+    (["--framework", "pithtrain=ate_bench"], "does not look like a source checkout"),  # no .git, pyproject.toml, setup.py
+    (["--framework", "pithtrain=.", "--agent", "x {prompt_files}"], "--agent: unknown placeholder {prompt_files}; the known"),
+    (["--framework", "pithtrain=.", "--agent", "x {prompt} ${HOME} {HOME} {0}"], "unknown placeholder {0}, {HOME};"),
+    (["--framework", "pithtrain=.", "--agent", "x ${prompt}"], "--agent: the command must contain {prompt}"),
+    (["--framework", "pithtrain=.", "--judge", "j {answer}"], "--judge: unknown placeholder {answer}"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, capsys, args, flag):
     base = {"--agent": "x {prompt}", "--format": "generic-jsonl", "--out": str(tmp_path / "o")}
@@ -351,7 +361,8 @@ def test_cli_bad_input_is_one_line(tmp_path, capsys, args, flag):
         base.pop(args[i], None)
     extra = [s for kv in base.items() for s in kv]
     code, _, err = run(["run", *args, *extra], capsys)
-    assert code == 2 and err.count("\n") == 1 and flag in err, err
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: ") and flag in err, err
+    assert not (tmp_path / "o").exists()  # refused before anything is made
     code, _, err = run(["report", str(tmp_path)], capsys)
     assert code == 2 and "result.json" in err and err.count("\n") == 1
 
@@ -385,3 +396,104 @@ def test_readme_run_with_out_inside_the_checkout_blank_tasks_and_a_bad_result(tm
         path.write_text(bad)
         code, _, err = run(["report", results], capsys)
         assert code == 2 and err.count("\n") == 1 and str(path) in err and "Traceback" not in err, err
+
+
+GOOD_TASK = 'category = "understand"\nprompt = "Where?"\n[keys.pithtrain]\nfacts = ["mesh.py", ["init_mesh", "Mesh"]]\n'
+
+
+@pytest.mark.fast
+def test_task_files_are_checked_field_by_field(tmp_path, capsys, monkeypatch):
+    """A bad field of a task file is one line naming the file and the field, at `list` and at `run` before
+    anything is made, not a fact per character, a grade that always fails or a traceback after the session."""
+    monkeypatch.setattr(tasks, "TASKS_DIR", tmp_path / "tasks")
+    task = tmp_path / "tasks" / "qa_x.toml"
+    task.parent.mkdir()
+    task.write_text(GOOD_TASK)
+    assert run(["list"], capsys)[0] == 0 and tasks.load_tasks()[0].keys == {"pithtrain": [["mesh.py"], ["init_mesh", "Mesh"]]}
+    qa = 'category = "understand"\nprompt = "q"\n'
+    bad = {qa + '[keys.pithtrain]\nfacts = "parallel/mesh.py"\n': "keys.pithtrain.facts must",
+           qa + '[keys.pithtrain]\nfacts = [[1, 2]]\n': "keys.pithtrain.facts[0] must",
+           qa + '[keys.pithtrain]\nfacts = []\n': "keys.pithtrain.facts must",
+           qa + '[keys.pithtrain]\nfacts = [["mesh.py"], ["()"]]\n': "keys.pithtrain.facts[1] must",  # would match anything
+           qa + '[keys.pithtrain]\nfact = [["mesh.py"]]\n': "keys.pithtrain must",
+           qa + "keys = 3\n": "keys must",
+           qa + "[interface]\npithtrain = 5\n": "interface.pithtrain must",
+           qa + '[verifier]\npithtrain = "v.py"\n': "[verifier] grades operate tasks only",
+           'category = "operate"\nprompt = "q"\n[verifier]\npithtrain = 1\n': "verifier.pithtrain must",
+           'category = "learn"\nprompt = "q"\n': "category must",
+           'category = "understand"\nprompt = " "\n': "prompt must",
+           qa + 'promt = "q"\n': "unknown field promt",
+           'category = "understand"\nprompt = "q\xe9"\n'.encode("latin-1"): "not UTF-8"}
+    out = tmp_path / "out"
+    for text, want in bad.items():
+        task.write_bytes(text if isinstance(text, bytes) else text.encode())
+        for args in (["list"], ["run", "--framework", f"pithtrain={ROOT}", "--agent", "x {prompt}", "--format", "generic-jsonl", "--out", out]):
+            code, _, err = run(args, capsys)
+            assert code == 2 and err.count("\n") == 1 and f"error: {task}: {want}" in err, (text, err)
+    assert not out.exists()
+
+
+@pytest.mark.fast
+def test_command_templates_fill_known_names_and_leave_the_shell_its_braces():
+    t = "a {prompt} ${HOME} $PATH {} {a,b} awk '{print $1}' {{prompt}}"
+    assert grading.placeholders(t) == {"prompt"}
+    assert grading.fill(t, prompt="'P'") == "a 'P' ${HOME} $PATH {} {a,b} awk '{print $1}' {prompt}"
+
+
+def test_special_files_are_left_out_and_earlier_sessions_kept(tmp_path, capsys):
+    fw = fake_framework(tmp_path)
+    os.mkfifo(fw / "src" / "pipe")
+    agent = script(tmp_path, "a", answer=MESH_ANSWER)
+    out, session = tmp_path / "results", tmp_path / "results" / "pithtrain" / "qa_device_mesh" / "r0"
+    args = ["run", "--framework", f"pithtrain={fw}", "--tasks", "qa_device_mesh", "--agent", f"{PY} {STANDIN} {agent} {{prompt}}",
+            "--format", "claude-stream-json", "--out", out]
+    code, _, err = run(args, capsys)
+    assert code == 0 and f"note: --framework pithtrain={fw}: special files not copied: src/pipe" in err, err
+    assert (session / "work" / "src" / "core.py").is_file() and not (session / "work" / "src" / "pipe").exists()
+    assert result(out, "pithtrain", "qa_device_mesh")["not_copied"] == ["src/pipe"]
+    (session / "mine.txt").write_text("notes")
+    code, _, err = run(args + ["--repeats", "2"], capsys)
+    assert code == 2 and err.count("\n") == 1 and "pithtrain/qa_device_mesh/r0); pass --overwrite" in err, err
+    assert (session / "mine.txt").exists() and not (session.parent / "r1").exists()
+    code, _, _ = run(args + ["--overwrite"], capsys)
+    assert code == 0 and not (session / "mine.txt").exists() and result(out, "pithtrain", "qa_device_mesh")["grade"] == "pass"
+
+
+@pytest.mark.fast
+def test_a_checkout_that_cannot_be_copied_is_one_line(tmp_path, capsys, monkeypatch):
+    fw, out = fake_framework(tmp_path), tmp_path / "results"
+
+    def fails(src, dst, **kw):  # what copytree raises for unreadable files (root reads them all)
+        Path(dst).mkdir(parents=True)
+        raise shutil.Error([(f"{src}/secret", f"{dst}/secret", "[Errno 13] Permission denied"), (f"{src}/b", f"{dst}/b", "x")])
+    monkeypatch.setattr(grading.shutil, "copytree", fails)
+    code, _, err = run(["run", "--framework", f"pithtrain={fw}", "--tasks", "qa_device_mesh", "--agent", "x {prompt}",
+                        "--format", "generic-jsonl", "--out", out], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    fw = fw.resolve()
+    assert err.startswith(f"error: --framework pithtrain={fw}: cannot copy {fw}/secret ([Errno 13] Permission denied) and 1 more;")
+    assert not (out / "pithtrain" / "qa_device_mesh" / "r0").exists()  # the half-made session is not left behind
+
+
+def test_a_missing_agent_command_stops_the_run(tmp_path, capsys):
+    fw, out = fake_framework(tmp_path), tmp_path / "results"
+    for agent, want in (("no-such-agent-7 -p {prompt}", "no-such-agent-7: command not found"),
+                        ("PATH=/nowhere:$PATH ./no-agent.sh {prompt_file}", "./no-agent.sh: No such file or directory")):
+        code, stdout, err = run(["run", "--framework", f"pithtrain={fw}", "--tasks", "qa_device_mesh,qa_logging", "--repeats", "2",
+                                 "--agent", agent, "--format", "claude-stream-json", "--out", out], capsys)
+        assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: --agent: {want}; install it"), err
+        assert stdout == "" and not list(out.glob("*/*/r*"))  # stopped at the first session, which is not kept
+
+
+@pytest.mark.fast
+def test_report_leaves_agent_errors_out_of_the_cost_means():
+    def session(fw, status, turns, grade):
+        return {"task": "qa_x", "category": "understand", "framework": fw, "repeat": 0, "status": status, "grade": grade,
+                "note": "", "turns": turns, "output_tokens": 10 * turns, "mean_context_tokens": 100 * turns,
+                "session_seconds": 1.0, "gpu_seconds": 0.0}
+    results = [session("a", "ok", 4, "pass"), session("a", "agent_error", 0, "fail"), session("a", "timeout", 8, "fail"),
+               session("b", "agent_error", 0, "fail")]
+    md = report.markdown(results)
+    assert "| understand | a | 6 | 60 | 600 | 1 | 0 | 33% of 3 | 3 (1 agent_error) |" in md
+    assert "| understand | b | - | - | - | - | - | 0% of 1 | 1 (1 agent_error) |" in md
+    assert "| understand | b | - | - | - | - | - |" in md.split("## Ratios")[1]
