@@ -25,6 +25,8 @@ def train_config(args):
     for assignment in args.set or []:
         apply_override(config, assignment)
     if args.steps is not None:
+        if any(a.split("=", 1)[0].strip() == "train.steps" for a in args.set or []) and config.train.steps != args.steps:
+            raise UserError(f"--steps {args.steps} and --set train.steps={config.train.steps} disagree; give one of them")
         config.train.steps = args.steps
     for name in ("pp", "cp", "ep"):
         if getattr(args, name) is not None:

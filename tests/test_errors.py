@@ -59,6 +59,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("set-unknown", "train {cfg} --set train.stpes=3", "stpes"),
     ("set-form", "train {cfg} --set train.steps", "train.steps"),
     ("set-no-field", "train {cfg} --set =1", "no field named"),
+    ("steps-twice", "train {cfg} --steps 3 --set train.steps=4", "--steps 3 and --set train.steps=4 disagree"),
     ("set-section", "train {cfg} --set optim=1", "set it in the run file"),
     ("file-dir", "train {tmp}", "is a directory"),
     ("out-empty", "train {cfg} --out ''", "--out is empty"),
