@@ -259,8 +259,7 @@ def load_run_config(path: str | Path) -> RunConfig:
 
 
 def _parse_value(text: str, annotation: Any, name: str) -> Any:
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
     if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
         if text.lower() in ("none", "null") and type(None) in args:
             return None
@@ -500,10 +499,8 @@ def check_model_common(model) -> None:
 def validate(config: RunConfig, world_size: int = 1) -> None:
     """Refuse an invalid config before any work starts; each message names the field and the fix."""
     t, o, d, p = config.train, config.optim, config.data, config.parallel
-    _check(
-        dataclasses.is_dataclass(config.model) and hasattr(config.model, "validate"),
-        f"model={config.model!r}: expected a model family config such as Qwen3MoeConfig(...)",
-    )
+    _check(dataclasses.is_dataclass(config.model) and hasattr(config.model, "validate"),
+           f"model={config.model!r}: expected a model family config such as Qwen3MoeConfig(...)")
     check_types(config)
     config.model.validate()
     check_model_common(config.model)
@@ -553,60 +550,41 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     for name in ("pp", "cp", "ep"):
         _check(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)}: must be at least 1")
     model_parallel = p.pp * p.cp * p.ep
-    _check(
-        world_size % model_parallel == 0,
-        f"mesh pp={p.pp} x cp={p.cp} x ep={p.ep} = {model_parallel} does not divide the {world_size} processes; "
-        f"choose --nproc as a multiple of {model_parallel}, or lower parallel.pp, parallel.cp or parallel.ep",
-    )
+    _check(world_size % model_parallel == 0,
+           f"mesh pp={p.pp} x cp={p.cp} x ep={p.ep} = {model_parallel} does not divide the {world_size} processes; "
+           f"choose --nproc as a multiple of {model_parallel}, or lower parallel.pp, parallel.cp or parallel.ep")
     dp = world_size // model_parallel
     num_experts = config.model.num_routed_experts()
-    _check(
-        num_experts % p.ep == 0,
-        f"parallel.ep={p.ep} does not divide the {num_experts} experts; choose ep among the divisors of {num_experts}",
-    )
+    _check(num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide the {num_experts} experts; "
+           f"choose ep among the divisors of {num_experts}")
     data_ranks = dp * p.ep  # cp ranks share samples; ep ranks hold different samples
-    _check(
-        t.global_batch_size % (t.micro_batch_size * data_ranks) == 0,
-        f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size "
-        f"({t.micro_batch_size}) x data-parallel ranks ({data_ranks} = dp {dp} x ep {p.ep}); "
-        f"use a multiple of {t.micro_batch_size * data_ranks}",
-    )
-    _check(
-        not t.init_from or os.path.exists(t.init_from),  # False, not an error, for a name too long
-        f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''",
-    )
+    _check(t.global_batch_size % (t.micro_batch_size * data_ranks) == 0,
+           f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size "
+           f"({t.micro_batch_size}) x data-parallel ranks ({data_ranks} = dp {dp} x ep {p.ep}); "
+           f"use a multiple of {t.micro_batch_size * data_ranks}")
+    _check(not t.init_from or os.path.exists(t.init_from),  # False, not an error, for a name too long
+           f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''")
     _check(d.eval_samples % (t.micro_batch_size * data_ranks) == 0,
            f"data.eval_samples={d.eval_samples} is not divisible by train.micro_batch_size ({t.micro_batch_size}) x "
            f"data-parallel ranks ({data_ranks}); use a multiple of {t.micro_batch_size * data_ranks}")
     micro_per_rank = t.global_batch_size // max(1, t.micro_batch_size * data_ranks)
-    _check(
-        p.pp == 1 or micro_per_rank >= 2 * p.pp,
-        f"parallel.pp={p.pp} needs at least 2*pp = {2 * p.pp} micro-batches per data rank and step, got "
-        f"{micro_per_rank}; raise train.global_batch_size or lower train.micro_batch_size",
-    )
+    _check(p.pp == 1 or micro_per_rank >= 2 * p.pp,
+           f"parallel.pp={p.pp} needs at least 2*pp = {2 * p.pp} micro-batches per data rank and step, got "
+           f"{micro_per_rank}; raise train.global_batch_size or lower train.micro_batch_size")
     mtp, per_chunk = config.model.num_nextn_predict_layers, max(1, config.model.num_hidden_layers // (2 * p.pp))
-    _check(
-        p.pp == 1 or mtp <= per_chunk,
-        f"model.num_nextn_predict_layers={mtp} with parallel.pp={p.pp}: the MTP layers run beside the head on the "
-        f"last pipeline chunk, sized for about {per_chunk} decoder layer(s); more would stall the pipeline there; "
-        f"use at most {per_chunk} MTP layer(s) or a smaller parallel.pp",
-    )
-    _check(
-        p.pp == 1 or not getattr(config.model, "tie_word_embeddings", False),
-        "model.tie_word_embeddings with parallel.pp > 1 is not supported yet; untie the embeddings",
-    )
-    _check(
-        not (t.compile and p.cp > 1),
-        "train.compile with parallel.cp > 1 is not supported: ring attention communicates inside stage 1; "
-        "set train.compile=false",
-    )
+    _check(p.pp == 1 or mtp <= per_chunk,
+           f"model.num_nextn_predict_layers={mtp} with parallel.pp={p.pp}: the MTP layers run beside the head on the "
+           f"last pipeline chunk, sized for about {per_chunk} decoder layer(s); more would stall the pipeline there; "
+           f"use at most {per_chunk} MTP layer(s) or a smaller parallel.pp")
+    _check(p.pp == 1 or not getattr(config.model, "tie_word_embeddings", False),
+           "model.tie_word_embeddings with parallel.pp > 1 is not supported yet; untie the embeddings")
+    _check(not (t.compile and p.cp > 1), "train.compile with parallel.cp > 1 is not supported: ring attention "
+           "communicates inside stage 1; set train.compile=false")
     _check(d.seq_len >= 2, f"data.seq_len={d.seq_len}: must be at least 2")
     max_len = config.model.max_position_embeddings
-    _check(
-        d.seq_len <= max_len,
-        f"data.seq_len={d.seq_len} is longer than the model supports (model.max_position_embeddings={max_len}); "
-        f"lower data.seq_len or raise model.max_position_embeddings",
-    )
+    _check(d.seq_len <= max_len,
+           f"data.seq_len={d.seq_len} is longer than the model supports (model.max_position_embeddings={max_len}); "
+           f"lower data.seq_len or raise model.max_position_embeddings")
     _check(d.seq_len % (2 * p.cp) == 0 or p.cp == 1, f"data.seq_len={d.seq_len} must be divisible by 2*cp={2 * p.cp}")
     _check(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")

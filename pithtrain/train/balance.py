@@ -52,9 +52,8 @@ class LoadBalance:
         probs = scores / scores.sum(-1, keepdim=True)
         if self.lb_type == "seq":
             ids = routing.topk_ids.view(batch, seq * topk)
-            counts = torch.zeros(batch, num_experts, device=ids.device).scatter_add_(
-                1, ids, torch.ones_like(ids, dtype=torch.float)
-            )
+            counts = torch.zeros(batch, num_experts, device=ids.device)
+            counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float))
             f = counts / (seq * topk)
             p = probs.view(batch, seq, num_experts).mean(1)
             if self.cp_group is not None:  # whole sequences: every CP rank holds `seq` of their tokens

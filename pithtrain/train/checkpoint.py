@@ -349,11 +349,9 @@ def load_training_state(ckpt: str | Path, model: torch.nn.Module, optimizer, mes
         set_model_state_dict(model, model_sd)
         optimizer.state.clear()  # get_state_dict made the state with a zero step: start truly fresh
         return meta
-    set_state_dict(
-        model, optimizer, model_state_dict=model_sd,
-        optim_state_dict={"state": _join_optim(state["optim"]["state"], optim_sd["state"], mesh),
-                          "param_groups": optim_sd["param_groups"]},
-    )
+    set_state_dict(model, optimizer, model_state_dict=model_sd,
+                   optim_state_dict={"state": _join_optim(state["optim"]["state"], optim_sd["state"], mesh),
+                                     "param_groups": optim_sd["param_groups"]})
     return meta
 
 

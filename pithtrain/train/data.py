@@ -65,19 +65,12 @@ def check_output_dir(path) -> None:
         raise FileExistsError(f"{path} exists and is not a directory; choose another output path")
     foreign = sorted(p.name for p in path.iterdir() if p.name not in DATASET_FILES or not is_dataset(path))
     if foreign:
-        raise FileExistsError(
-            f"{path} already holds files that are not part of a pithtrain dataset ({', '.join(foreign[:5])}); "
-            "choose an empty or new output directory"
-        )
+        raise FileExistsError(f"{path} already holds files that are not part of a pithtrain dataset "
+                              f"({', '.join(foreign[:5])}); choose an empty or new output directory")
 
 
-def write_dataset(
-    path,
-    docs: Iterable[Sequence[int] | np.ndarray],
-    vocab_size: int,
-    eos_id: int | None,
-    tokenizer_file: str | None = None,
-) -> dict:
+def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: int, eos_id: int | None,
+                  tokenizer_file: str | None = None) -> dict:
     """Stream `docs` (lists/arrays of token ids) into a dataset directory at `path`; returns its meta.
 
     EOS (if not None) is appended after every document. The dataset is built in a hidden temporary
@@ -110,10 +103,8 @@ def write_dataset(
                     low, high = int(ids.min()), int(ids.max())
                     if low < 0 or high >= vocab_size:
                         bad = low if low < 0 else high
-                        raise ValueError(
-                            f"document {index}: token id {bad} is outside the vocabulary [0, {vocab_size}); "
-                            "check that vocab_size matches the tokenizer"
-                        )
+                        raise ValueError(f"document {index}: token id {bad} is outside the vocabulary "
+                                         f"[0, {vocab_size}); check that vocab_size matches the tokenizer")
                     max_token_id = max(max_token_id, high)
                     buffer.append(ids.astype(dtype, copy=False))
                 if eos is not None:
@@ -134,16 +125,9 @@ def write_dataset(
         np.save(tmp / OFFSETS_FILE, np.frombuffer(offsets, dtype=np.int64))
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
-        meta = {
-            "format": FORMAT,
-            "dtype": dtype.name,
-            "vocab_size": int(vocab_size),
-            "num_tokens": num_tokens,
-            "num_docs": len(offsets) - 1,
-            "eos_id": eos_id,
-            "max_token_id": max_token_id,
-            "tokenizer": None if tokenizer_file is None else TOKENIZER_FILE,
-        }
+        meta = {"format": FORMAT, "dtype": dtype.name, "vocab_size": int(vocab_size), "num_tokens": num_tokens,
+                "num_docs": len(offsets) - 1, "eos_id": eos_id, "max_token_id": max_token_id,
+                "tokenizer": None if tokenizer_file is None else TOKENIZER_FILE}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         _install(tmp, path)
     except BaseException as e:
@@ -214,28 +198,18 @@ class TokenDataset:
         size, expected = tokens_path.stat().st_size, self.num_tokens * dtype.itemsize
         if size != expected:
             kind = "truncated" if size < expected else "larger than expected"
-            raise ValueError(
-                f"{tokens_path} is {kind} (size mismatch: {size} bytes, meta.json says {self.num_tokens} "
-                f"{dtype.name} tokens = {expected} bytes); {_RETOKENIZE}"
-            )
+            raise ValueError(f"{tokens_path} is {kind} (size mismatch: {size} bytes, meta.json says {self.num_tokens} "
+                             f"{dtype.name} tokens = {expected} bytes); {_RETOKENIZE}")
         self.tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(self.num_tokens,))
 
         offsets_path = self.path / OFFSETS_FILE
         if not offsets_path.is_file():
             raise FileNotFoundError(f"{offsets_path} not found; {_RETOKENIZE}")
         offsets = np.load(offsets_path)
-        if (
-            offsets.ndim != 1
-            or offsets.dtype != np.int64
-            or len(offsets) != self.num_docs + 1
-            or offsets[0] != 0
-            or offsets[-1] != self.num_tokens
-            or np.any(np.diff(offsets) < 0)
-        ):
-            raise ValueError(
-                f"{offsets_path} is inconsistent (need int64 of length num_docs+1 = {self.num_docs + 1}, "
-                f"non-decreasing from 0 to num_tokens = {self.num_tokens}); {_RETOKENIZE}"
-            )
+        if (offsets.ndim != 1 or offsets.dtype != np.int64 or len(offsets) != self.num_docs + 1
+                or offsets[0] != 0 or offsets[-1] != self.num_tokens or np.any(np.diff(offsets) < 0)):
+            raise ValueError(f"{offsets_path} is inconsistent (need int64 of length num_docs+1 = {self.num_docs + 1}, "
+                             f"non-decreasing from 0 to num_tokens = {self.num_tokens}); {_RETOKENIZE}")
         self.doc_offsets = offsets
 
         self.tokenizer_file = None
@@ -260,16 +234,12 @@ class TokenDataset:
         chunks = range(0, self.num_tokens, _SCAN_TOKENS)
         high = max((int(self.tokens[i : i + _SCAN_TOKENS].max()) for i in chunks), default=-1)
         if high != self.max_token_id:
-            raise UserError(
-                f"{self.path / TOKENS_FILE} holds token id {high} but {META_FILE} says max_token_id is "
-                f"{self.max_token_id}: the files do not belong together; {_RETOKENIZE}"
-            )
+            raise UserError(f"{self.path / TOKENS_FILE} holds token id {high} but {META_FILE} says max_token_id is "
+                            f"{self.max_token_id}: the files do not belong together; {_RETOKENIZE}")
         if self.max_token_id >= model_vocab_size:
-            raise UserError(
-                f"dataset {self.path} contains token id {self.max_token_id} but the model's vocab_size is "
-                f"{model_vocab_size}; set model vocab_size >= {self.max_token_id + 1} "
-                f"(the tokenizer's vocab_size is {self.vocab_size}) or re-tokenize with a smaller tokenizer"
-            )
+            raise UserError(f"dataset {self.path} contains token id {self.max_token_id} but the model's vocab_size is "
+                            f"{model_vocab_size}; set model vocab_size >= {self.max_token_id + 1} (the tokenizer's "
+                            f"vocab_size is {self.vocab_size}) or re-tokenize with a smaller tokenizer")
 
     def __repr__(self) -> str:
         return f"TokenDataset({str(self.path)!r}, num_tokens={self.num_tokens}, num_docs={self.num_docs}, vocab_size={self.vocab_size})"

@@ -160,15 +160,8 @@ class Stepped(NamedTuple):
     halt: bool  # a stop was requested on some rank: end after this step
 
 
-def train(
-    config: RunConfig,
-    out_dir: str | Path,
-    steps: int | None = None,
-    echo: bool = True,
-    stop_after: int | None = None,
-    mesh: Mesh | None = None,
-    stop=None,
-) -> list[dict]:
+def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo: bool = True,
+          stop_after: int | None = None, mesh: Mesh | None = None, stop=None) -> list[dict]:
     """Train (resuming from the newest intact checkpoint in out_dir); returns this run's per-step metrics.
     `stop_after` ends the run early (with a checkpoint) without changing the schedule of `train.steps`.
     `mesh` is None for one process; launched runs pass the mesh built by `init_mesh`. `stop` (see
@@ -258,20 +251,18 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
     optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
     count_group = mesh.data_group if t.lb_type == "global" else None
     balance = LoadBalance(t.lb_type, count_group, cp_group=mesh.cp_group) if t.lb_coef > 0 else None
-    num_experts = config.model.num_routed_experts()
-    dispatcher = AllToAllDispatch(mesh.ep_group, num_experts) if mesh.ep > 1 else LocalDispatch()
+    dispatcher = AllToAllDispatch(mesh.ep_group, config.model.num_routed_experts()) if mesh.ep > 1 else LocalDispatch()
 
     start = resume(config, model, optimizer, mesh, found, out_dir, echo)
     log = MetricsLog(out_dir, t.tensorboard, enabled=mesh.is_main, wandb_project=t.wandb_project, config=run_dict(config),
                      start=start)
     if echo and start == 0:
-        print(
-            f"model {config.model.model_type}: {count_text(n_total)} parameters"
-            f"{f' ({count_text(n_held)} held by this rank)' if n_held != n_total else ''} | mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | "
-            f"device {device}{threads} | compute {dtype} | {loader.num_samples} samples of {config.data.seq_len} tokens"
-            f"{f' (+{len(evaluation[1])} for eval)' if evaluation else ''} | {t.steps} steps of {t.global_batch_size} samples | {sizes}",
-            flush=True,
-        )
+        print(f"model {config.model.model_type}: {count_text(n_total)} parameters"
+              f"{f' ({count_text(n_held)} held by this rank)' if n_held != n_total else ''} | "
+              f"mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | device {device}{threads} | "
+              f"compute {dtype} | {loader.num_samples} samples of {config.data.seq_len} tokens"
+              f"{f' (+{len(evaluation[1])} for eval)' if evaluation else ''} | "
+              f"{t.steps} steps of {t.global_batch_size} samples | {sizes}", flush=True)
     if echo and t.compile and start < t.steps:
         print("note: train.compile: the first step compiles the stages and takes longer (seconds to minutes)", flush=True)
     n_moe = sum(config.model.is_moe_layer(i) for i in range(config.model.num_hidden_layers + config.model.num_nextn_predict_layers))
@@ -279,11 +270,9 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
     run = Run(config, mesh, out_dir, dtype, echo, loader, evaluation, found, model, chunks, optimizer, dispatcher,
               balance, log, start, end, n_moe, norms, int(memory_step), capture)
     if chunks is not None:
-        run.runner = PipelineRunner(
-            *chunks, mesh, run.new_engine,
-            lambda micro: (micro["position_ids"], micro.get("doc_ids"), micro.get("cp")),
-            act_dtype=dtype,
-        )
+        run.runner = PipelineRunner(*chunks, mesh, run.new_engine,
+                                    lambda micro: (micro["position_ids"], micro.get("doc_ids"), micro.get("cp")),
+                                    act_dtype=dtype)
         for part in chunks:
             part.train()
     model.train()
@@ -411,10 +400,9 @@ def train_step(run: Run, step: int, stop) -> Stepped:
         run.norms.grads(model.named_parameters())
     grad_norm = global_grad_norm(params, mesh)
     if not math.isfinite(loss) or not math.isfinite(grad_norm):
-        raise FloatingPointError(
-            f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {step + 1}; the last good checkpoint "
-            f"is kept. Lower optim.lr, raise optim.warmup_steps or check the data, then resume."
-        )
+        raise FloatingPointError(f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {step + 1}; the last "
+                                 "good checkpoint is kept. Lower optim.lr, raise optim.warmup_steps or check "
+                                 "the data, then resume.")
     with named_range("pithtrain::optimizer"):
         optimizer_step(run.optimizer, params, o.grad_clip, grad_norm)  # clips first
     run.optimizer.zero_grad(set_to_none=True)
@@ -428,8 +416,7 @@ def train_step(run: Run, step: int, stop) -> Stepped:
     metrics = StepSums.metrics(aux_sums, n_micro_global)
     if depths:  # the mean token cross-entropy over every depth's labels
         metrics["mtp_loss"] = mtp_sum / max(n_mtp_label, 1)
-    return Stepped(loss, metrics, lr, grad_norm, n_label,
-                   batch["input_ids"].numel(), balance_ep, halt)
+    return Stepped(loss, metrics, lr, grad_norm, n_label, batch["input_ids"].numel(), balance_ep, halt)
 
 
 def write_instruments(run: Run, step: int, memory, profiler) -> None:
@@ -770,10 +757,8 @@ def drain(device: torch.device) -> None:
 
 def start_profiler(device: torch.device):
     """torch.profiler over one step (CPU ops, and CUDA kernels on GPUs); see the capture-profile skill."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    profiler = torch.profiler.profile(activities=activities, record_shapes=False)
+    cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+    profiler = torch.profiler.profile(activities=[cpu, cuda] if device.type == "cuda" else [cpu], record_shapes=False)
     profiler.start()
     return profiler
 
@@ -854,13 +839,12 @@ def model_sizes(cfg) -> tuple[int, int]:
 def size_text(config: RunConfig, loader, counts: tuple[int, int]) -> str:
     """The end of the startup line, which --dry-run prints too: parameters active per token (`counts`:
     model_sizes), tokens per step, steps per epoch."""
-    active = counts[1]
     if isinstance(loader, BlendLoader):
         epochs = ": " + ", ".join(f"{n:.1f} of {part.dataset.path}" for n, part in zip(loader.steps_per_epoch(), loader.parts))
     else:
         epochs = f" {loader.num_samples / loader.global_batch_size:.1f}"
-    return (f"{count_text(active)} parameters active per token, {config.train.global_batch_size * config.data.seq_len:,} "
-            f"tokens per step, steps per epoch{epochs}")
+    return (f"{count_text(counts[1])} parameters active per token, "
+            f"{config.train.global_batch_size * config.data.seq_len:,} tokens per step, steps per epoch{epochs}")
 
 
 def count_text(n: int) -> str:

@@ -27,22 +27,16 @@ MULTI_GPU_OVERHEAD = 0.12  # 2 H200s, ep2, three widths: keeps the estimate 4-15
 def param_counts(cfg, layer_ids, embed: bool, head: bool) -> tuple[int, int]:
     """(dense, expert) parameter counts of one model chunk, from a meta-device build."""
     with torch.device("meta"):
-        model = cfg.build_model(layer_ids, embed=embed, head=head)
-    dense = expert = 0
-    for name, p in model.named_parameters():
-        if ".experts." in name:
-            expert += p.numel()
-        else:
-            dense += p.numel()
-    return dense, expert
+        named = list(cfg.build_model(layer_ids, embed=embed, head=head).named_parameters())
+    expert = sum(p.numel() for name, p in named if ".experts." in name)
+    return sum(p.numel() for _, p in named) - expert, expert
 
 
 def layer_activation_bytes(cfg, layer_id: int, seq: int, recompute: str = "off") -> float:
     """Bytes saved for backward per token by one layer (bf16, before the calibration factor).
     train.recompute: selective drops the experts' SwiGLU output (top-k x I); full keeps of stages
     1 (norms, attention, shared experts or dense MLP, router) and 3 (experts) only their inputs."""
-    h = cfg.hidden_size
-    heads = cfg.num_attention_heads
+    h, heads = cfg.hidden_size, cfg.num_attention_heads
     if cfg.model_type in ("deepseek_v2", "deepseek_v3"):  # MLA
         q = k = heads * (cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
         v = o = heads * cfg.v_head_dim
@@ -79,8 +73,7 @@ def estimate(config, world: int) -> list[dict]:
     cfg, p, t = config.model, config.parallel, config.train
     pp, cp, ep = p.pp, p.cp, p.ep
     dp = world // (pp * cp * ep)
-    data_ranks = dp * ep
-    micro_per_rank = t.global_batch_size // (t.micro_batch_size * data_ranks)
+    micro_per_rank = t.global_batch_size // (t.micro_batch_size * dp * ep)  # per data rank: dp x ep of them
     pipeline = runs_dualpipev(config, world)
     tokens = t.micro_batch_size * config.data.seq_len // cp
     if pipeline:
@@ -95,9 +88,8 @@ def estimate(config, world: int) -> list[dict]:
         ranks = [[(list(range(cfg.num_hidden_layers)), True, True, 1)]]
     out = []
     for chunks in ranks:
-        dense = expert = 0
+        dense = expert = table = 0  # table: embedding and head parameters, never FP8
         act = 0.0
-        table = 0  # embedding and head parameters: never FP8
         for layer_ids, embed, head, in_flight in chunks:
             d, e = param_counts(cfg, layer_ids, embed, head)
             dense, expert = dense + d, expert + e
@@ -107,14 +99,8 @@ def estimate(config, world: int) -> list[dict]:
             per_token = sum(layer_activation_bytes(cfg, i, config.data.seq_len, t.recompute) for i in [*layer_ids, *mtp])
             per_token = per_token * ACTIVATION_FACTOR + (HEAD_BYTES_PER_LOGIT * cfg.vocab_size * (1 + len(mtp)) if head else 0.0)
             act += in_flight * tokens * per_token
-        local_dense = dense / (dp * cp * ep)
-        local_expert = expert / ep / (dp * cp)
-        local = local_dense + local_expert
-        parts = {
-            "master weights (fp32)": 4 * local,
-            "gradients (fp32)": 4 * local,
-            "AdamW moments (fp32)": 8 * local,
-        }
+        local = dense / (dp * cp * ep) + expert / ep / (dp * cp)
+        parts = {"master weights (fp32)": 4 * local, "gradients (fp32)": 4 * local, "AdamW moments (fp32)": 8 * local}
         fp8 = config.train.fp8 != "off"
         if fp8:  # ops/fp8.py: two 1-byte layouts of every FP8 weight (experts, projections), per step
             parts["FP8 weight caches (2 layouts)"] = 2 * (expert / (1 if world == 1 else ep) + dense - table)

@@ -31,9 +31,8 @@ def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConf
                  if muon else {})
               for key, ps in groups.items()]
     fused = device_type == "cuda"  # the fused kernel is the fastest on GPUs; foreach on the CPU
-    return (Muon if muon else torch.optim.AdamW)(
-        groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, fused=fused or None, foreach=None if fused else True
-    )
+    return (Muon if muon else torch.optim.AdamW)(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                                 fused=fused or None, foreach=None if fused else True)
 
 
 def takes_muon(name: str, p: torch.Tensor, exclude) -> bool:
