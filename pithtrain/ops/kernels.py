@@ -1243,8 +1243,9 @@ def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, exp
 # (benchmarks/grouped_gemm.py --wgrad --sweep), +0.46% in training (docs/performance.md, Kernels).
 WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=32, num_warps=4, num_stages=4)
 # The descriptors made once a launch on the host, not by each of ~25k programs (written to global memory and
-# fenced before their first load): train_throughput.py --ab wgrad-host.
-WGRAD_HOST_DESCRIPTORS = False
+# fenced before their first load): 2.02 against 2.11 ms (gate_up) and 1.11 against 1.16 (down) at Qwen3 width on
+# an H100 (benchmarks/grouped_gemm.py --wgrad, 2026-12-05); train_throughput.py --ab wgrad-host.
+WGRAD_HOST_DESCRIPTORS = True
 # Persistent programs an SM looping over the items (None: a program an item): --ab wgrad-persistent.
 WGRAD_PROGRAMS_PER_SM: int | None = None
 
