@@ -92,9 +92,9 @@ class DataConfig:
     seq_len: int = 256  # tokens per sample
     pack_documents: bool = False  # attention restricted to each document (cu_seqlens-style)
     seed: int = 1234  # sample order
-    # validation (train.eval_every): the first eval_samples windows of eval_path (a dataset; 0: as many
-    # whole global batches as it holds), or, with eval_path empty, the LAST eval_samples windows of `path`, which training
-    # then never reads (0: none held out, the training order of older runs)
+    # validation (train.eval_every): the first eval_samples windows of eval_path (a dataset; 0: as many whole
+    # global batches as it holds), or, with eval_path empty, the LAST eval_samples windows of `path`, which
+    # training then never reads (0: none held out, the training order of older runs)
     eval_path: str = ""  # held-out dataset for train.eval_every; '' holds out the last eval_samples of path
     eval_samples: int = 0  # held-out samples for train.eval_every (0 with eval_path: all its whole global batches)
     eval_on_train: bool = False  # allow data.eval_path to be data.path itself (its eval loss is then a training loss)
@@ -348,18 +348,18 @@ def _has_type(value: Any, hint: Any) -> bool:
     return isinstance(value, origin or hint)
 
 
-def check_types(obj: Any, prefix: str = "") -> None:
+def check_types(obj: Any, prefix: str = "", fix: str = "fix the run file or --set") -> None:
     """Every field of a config dataclass, nested ones included, holds a value of its annotated type.
     A run file is Python, so `steps="10"` or `lr=float("inf")` reach here without --set's parsing."""
     hints = typing.get_type_hints(type(obj))
     for f in dataclasses.fields(obj):
         value, name = getattr(obj, f.name), prefix + f.name
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
-            check_types(value, name + ".")
+            check_types(value, name + ".", fix)
         elif not _has_type(value, hints[f.name]):
             hint = hints[f.name]
             expected = "a finite float" if hint is float else hint.__name__ if isinstance(hint, type) else str(hint)
-            raise ConfigError(f"{name}={value!r} ({type(value).__name__}): expected {expected}; fix the run file or --set")
+            raise ConfigError(f"{name}={value!r} ({type(value).__name__}): expected {expected}; {fix}")
 
 
 def check_positive(obj: Any, names: str, prefix: str = "model.") -> None:

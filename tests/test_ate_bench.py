@@ -482,7 +482,7 @@ def test_a_missing_agent_command_stops_the_run(tmp_path, capsys):
         code, stdout, err = run(["run", "--framework", f"pithtrain={fw}", "--tasks", "qa_device_mesh,qa_logging", "--repeats", "2",
                                  "--agent", agent, "--format", "claude-stream-json", "--out", out], capsys)
         assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: --agent: {want}; install it"), err
-        assert stdout == "" and not list(out.glob("*/*/r*"))  # stopped at the first session, which is not kept
+        assert stdout == "" and not list(out.glob("*/*/r*"))  # stopped at the first agent run, which is not kept
 
 
 @pytest.mark.fast

@@ -804,8 +804,7 @@ def _launch_ce_fwd(logits, labels, amax=None) -> tuple[torch.Tensor, torch.Tenso
     lse = torch.empty_like(losses)
     if rows:
         _ce_fwd_kernel[(rows,)](logits, labels, losses, lse, lse if amax is None else amax, vocab, logits.stride(0),
-                                AMAX=amax is not None, BLOCK_V=min(4096, _pow2(vocab)),
-                                num_warps=8)
+                                AMAX=amax is not None, BLOCK_V=min(4096, _pow2(vocab)), num_warps=8)
     return losses, lse
 
 

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from pithtrain.config import UserError, disk_error
+from pithtrain.train.metrics import read_metrics
 
 PANELS = (("loss", "loss (dashed: eval_loss)"), ("lr", "learning rate"), ("tokens_per_s", "tokens/s"))
 
@@ -16,23 +16,19 @@ def _rows(run: Path) -> list[dict]:
     if not path.is_file():
         raise UserError(f"{run}: {'no metrics.jsonl there' if run.exists() else 'does not exist'}; pass run directories "
                         "written by pithtrain train")
-    rows, fix = [], "pass a metrics.jsonl of pithtrain train"
-    # as train/metrics.read_metrics: a last line without its newline was cut short by a killed run
-    for number, line in enumerate(path.read_text(errors="replace").split("\n")[:-1], 1):
-        if not line.strip():
-            continue
-        try:
-            m = json.loads(line)
-        except ValueError as e:
-            raise UserError(f"{path}: line {number} is not JSON ({e.msg}); {fix}") from None
+    fix = "pass a metrics.jsonl of pithtrain train"
+    try:
+        rows = read_metrics(path, numbered=True)
+    except ValueError as e:
+        raise UserError(f"{path}: {e}; {fix}") from None
+    for number, m in rows:
         if not isinstance(m, dict) or not isinstance(m.get("step"), int):
             raise UserError(f"{path}: line {number} has no integer \"step\"; {fix}")
         if bad := next((k for k in ("loss", "eval_loss", "lr", "tokens_per_s") if k in m and type(m[k]) not in (int, float)), None):
             raise UserError(f"{path}: line {number}: {bad}={m[bad]!r} is not a number; {fix}")
-        rows.append(m)
     if not rows:
         raise UserError(f"{path}: no metrics rows (the run logged no step yet); {fix}")
-    return rows
+    return [m for _, m in rows]
 
 
 def run_plot(args) -> int:

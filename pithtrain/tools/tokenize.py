@@ -72,7 +72,8 @@ def _table_batches(file: Path, text_field: str) -> Iterator[list]:
     columns = table.column_names if file.is_dir() else table.schema_arrow.names
     if text_field not in columns:
         raise ValueError(f"{file}: no column {text_field!r} (it has {', '.join(columns)}); pass --text-field")
-    kind = str(getattr(f := table.features[text_field], "dtype", type(f).__name__) if file.is_dir() else table.schema_arrow.field(text_field).type)
+    feature = table.features[text_field] if file.is_dir() else table.schema_arrow.field(text_field).type
+    kind = str(getattr(feature, "dtype", type(feature).__name__) if file.is_dir() else feature)
     if kind not in ("string", "large_string", "string_view"):  # checked once: its batches then hold strings or None
         raise ValueError(f"{file}: column {text_field!r} holds {kind}, expected strings; pass --text-field with the column that holds the text")
     if file.is_dir():

@@ -199,11 +199,11 @@ def newest_intact(run_dir, report=print, fix: str = "move or delete that directo
         problem = next((p for p in _all_ranks(check_checkpoint(path, rank, world)) if p), None)
         if problem is None:
             for damaged, why in bad if rank == 0 else ():  # said only when there is one to fall back to
-                moved = damaged.with_name(f"{damaged.name}.damaged")
-                while moved.exists():
-                    moved = moved.with_name(moved.name + "_")
                 report(f"warning: checkpoint {damaged} is damaged ({why}); falling back to {path.name}")
                 if set_aside and (damaged / "meta.json").exists():  # without it: a deletion cut short, pruned anyway
+                    moved = damaged.with_name(f"{damaged.name}.damaged")
+                    while moved.exists():
+                        moved = moved.with_name(moved.name + "_")
                     damaged.rename(moved)
                     report(f"note: moved it to {moved.name}, kept for you and no longer counted as a checkpoint")
             return path
@@ -390,10 +390,10 @@ def model_config(path: Path):
         raise UserError(f"{path / 'config.json'} holds a JSON {type(hf).__name__}, not an object; re-download or re-export it")
     try:
         cfg = config_from_hf(hf)
-        check_types(cfg, "model.")
+        check_types(cfg, "model.", "fix config.json")
         cfg.validate()
     except (TypeError, ValueError) as e:  # a field of the wrong type or value (ConfigError is a ValueError)
-        raise UserError(f"{path / 'config.json'}: {str(e).replace('the run file or --set', 'config.json')}") from None
+        raise UserError(f"{path / 'config.json'}: {e}") from None
     return cfg
 
 

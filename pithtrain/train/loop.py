@@ -667,14 +667,14 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
         if value is not None and value < step:
             raise UserError(f"the run is already at step {step} ({checkpoint}), past {name}={value}; ask for "
                             f"at least {step} steps or train into a new --out")
+    if changed.pop("train.init_from", None) and echo:  # a resume loads its own checkpoint, never init_from's
+        print(f"note: train.init_from is not used: the run resumes from its own {checkpoint}; train into a new --out "
+              "to start from it", flush=True)
     warned = [k for k in changed if k.startswith(WARNED)]
     if echo and warned:
         print(f"warning: resuming at step {step} with {show(warned)}: applied from here on", flush=True)
-    if echo and "train.init_from" in changed:
-        print(f"note: train.init_from is not used: the run resumes from its own {checkpoint}; train into a new --out "
-              "to start from it", flush=True)
-    if echo and len(warned) < len(changed) - ("train.init_from" in changed):
-        print(f"note: also changed: {show(k for k in changed if k not in warned and k != 'train.init_from')}", flush=True)
+    if echo and len(warned) < len(changed):
+        print(f"note: also changed: {show(k for k in changed if k not in warned)}", flush=True)
 
 
 def _flat(config: dict) -> dict:

@@ -111,8 +111,13 @@ def _wandb_run(project: str, out_dir: Path, config: dict | None):
                       resume="allow")
 
 
-def read_metrics(path: str | Path) -> list[dict]:
-    lines = Path(path).read_text().splitlines(keepends=True)
-    if lines and not lines[-1].endswith("\n"):
-        lines.pop()  # a line cut short by a killed run
-    return [json.loads(line) for line in lines if line.strip()]
+def read_metrics(path: str | Path, numbered: bool = False) -> list:
+    """The rows of a metrics.jsonl (`numbered`: as (line number, row)); a last line without its newline was cut
+    short by a killed run: dropped. A line that is not JSON is a ValueError naming its number."""
+    rows = []
+    for number, line in enumerate(Path(path).read_text(errors="replace").split("\n")[:-1], 1):
+        try:
+            rows += [(number, json.loads(line))] if line.strip() else []
+        except ValueError as e:
+            raise ValueError(f"line {number} is not JSON ({e.msg})") from None
+    return rows if numbered else [row for _, row in rows]
