@@ -8,8 +8,8 @@ same FLOPs. Balanced routing (every expert gets tokens*k/E rows).
 training does it, balanced and skewed routing: torch._grouped_mm + kernels.add_into against the fused
 kernels.wgrad_into (the add in the GEMM's epilogue; grouped_gemm.FUSED_WGRAD): as training runs it (tensor-
 descriptor (TMA) loads, the add a bulk reduce in L2), with the descriptors made on the host or by each
-program, assigning (no old values read), as persistent programs looping over the work items (one an SM; two at
-3 stages), with the epilogue's load-add-store instead, and with plain pointer loads. `--host on|off` sets
+program, assigning (no old values read), with the epilogue's load-add-store instead, and with plain pointer
+loads. `--host on|off` sets
 kernels.WGRAD_HOST_DESCRIPTORS for the sweep. Records a line in benchmarks/results.jsonl. `--sweep` also times
 tiles of the fused kernel (both routings, both shapes, `--rounds` passes over the tiles) and records the best over both
 (`sweep_best_both`, for train_throughput.py --wgrad-config).
@@ -61,12 +61,6 @@ def wgrad(args):
                     "fused host descriptors": lambda: kernels.wgrad_into(grad, x, dy, counts, False, host=True),
                     "fused device descriptors": lambda: kernels.wgrad_into(grad, x, dy, counts, False, host=False),
                     "fused assign": lambda: kernels.wgrad_into(grad, x, dy, counts, True),  # no old values read
-                    "fused host persistent 1/SM": lambda: kernels.wgrad_into(grad, x, dy, counts, False, host=True,
-                                                                             per_sm=1),
-                    # persistent programs keep the epilogue's 64 KB apart from the pipeline's (131 KB at 4 stages,
-                    # one program an SM): at 3 stages (115 KB) two fit an SM
-                    "fused host persistent 2/SM 3 stages": lambda: kernels.wgrad_into(
-                        grad, x, dy, counts, False, host=True, per_sm=2, cfg=dict(kernels.WGRAD_INTO_CONFIG, num_stages=3)),
                     "fused load-add-store": lambda: kernels.wgrad_into(grad, x, dy, counts, False, reduce=False),
                     "fused pointer loads": lambda: kernels.wgrad_into(grad, x, dy, counts, False, tma=False)}
             ref = kernels.add_into(grad.clone(), grouped_weight_grad(x, dy, counts, args.experts))

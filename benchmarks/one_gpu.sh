@@ -1,39 +1,34 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites, most needed first: a session's device time (30
-# minutes, the machine's start included) holds some seven of them. Runs 1-7 are new (8e30237 and after, not yet
-# run): 1 the GPU checks of the weight gradient's host descriptors and persistent programs, of the cross-entropy
-# forward's per-lane loop and of the FP8 head's gradient copy; 2-3 their kernel timings (and qk_norm_rope's tiles);
-# 4 plain bf16 at 9 layers since train_step leaves its optimizer running into the next step (the 60% MFU reading;
-# compare line 130: 78,657 tok/s, and the GPU idle 13-24 ms a step outside the profiled window then); 5 the two
-# weight-gradient switches against the default in one run (set A to what run 2 favours); 6 FP8 + FP8 head against
-# bf16 (the 1.15x); 7 the FP8 copies made by their producers (the cross-entropy and activation backwards, the
-# dispatch) against quantize passes. Runs 8-16 ran on
-# 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 8 the GPU checks of then; 9 the DeepSeek-V3-width peer
-# (carry .peers) and 10 the two profiles by kernel category; 11 MLA's v unpadded against padded; 12-13 the switches
-# at 9 layers, several arms to a run (one compile serves them all); 14 plain bf16 with stage_ms and its profile
-# digest; 15 the kernels; 16 MLA's SDPA backends; 17 MLA at DeepSeek-V2-Lite width; 18 the Qwen3 peer at its
-# deepest; 19 MLA with documents; 20-21 FP8 alone and the `rowwise` recipe; 22 GPT-OSS-20B at 6 layers; then the
-# memory estimate's six shapes (Qwen3 width 4 layers at micro-batch 2 and 4, 8 and 9 layers at 4, DeepSeek-V2-Lite
-# and GPT-OSS-20B 4 layers at 2: refit tools/memory's activation terms to their peaks, then tests/test_skills.py's),
-# Muon, the GPU tests. Judge an A/B line with the ab-test-switch skill (`ab_switch.py --from-results FILE --line N
-# --arm B|C|D`). Each run appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT
-# redirect and stamp it on a machine without .git).
+# minutes, the machine's start included) holds some seven of them. Runs 1-5 wait for an H200 (9 layers need ~129 GiB;
+# the kernels they carry were measured on an H100, lines 132-135): 1 plain bf16 at 9 layers with the step boundary
+# overlapped, the host-descriptor weight gradient and qk_norm_rope's 128-row backward tile (the 60% MFU reading;
+# compare line 130: 78,657 tok/s); 2 FP8 + FP8 head against bf16 (the 1.15x); 3 the FP8 copies made by their
+# producers (the cross-entropy and activation backwards, the dispatch) against quantize passes; 4 the host
+# descriptors against in-kernel ones (arm A another 60% reading); 5 GPT-OSS-20B at 6 layers. Runs 6-18 ran on
+# 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 6 the GPU checks of then; 7 the DeepSeek-V3-width peer
+# (carry .peers) and 8 the two profiles by kernel category; 9 MLA's v unpadded against padded; 10-11 the switches
+# at 9 layers, several arms to a run (one compile serves them all); 12 plain bf16 with stage_ms and its profile
+# digest; 13 the kernels; 14 MLA's SDPA backends; 15 MLA at DeepSeek-V2-Lite width; 16 the Qwen3 peer at its
+# deepest; 17 MLA with documents; 18-19 FP8 alone and the `rowwise` recipe; then the memory estimate's six shapes
+# (Qwen3 width 4 layers at micro-batch 2 and 4, 8 and 9 layers at 4, DeepSeek-V2-Lite and GPT-OSS-20B 4 layers at
+# 2: refit tools/memory's activation terms to their peaks, then tests/test_skills.py's), Muon, the GPU tests.
+# Judge an A/B line with the ab-test-switch skill (`ab_switch.py --from-results FILE --line N --arm B|C|D`). Each
+# run appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on
+# a machine without .git).
 # One device call runs at most 10 minutes: split the plan over calls with FIRST and LAST (1-based run numbers),
-# about two 9-layer runs a call (e.g. 1 3, then 4 5, then 6 7, then 9 10 carrying .peers, ...):
+# about two 9-layer runs a call (e.g. 1 2, then 3 4, then 7 8 carrying .peers, ...):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
-    "python -m pytest -q tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled tests/gpu/test_fp8_gpu.py::test_fp8_head_takes_the_cross_entropy_backwards_fp8_gradient tests/gpu/test_fp8_gpu.py::test_activation_quantization_in_the_activation_kernel tests/gpu/test_fp8_gpu.py::test_dispatch_quantizes_the_tokens_for_the_expanded_rows"   # host descriptors, persistent programs, the per-lane CE loop, the FP8 head's dy
-    "python benchmarks/grouped_gemm.py --wgrad --tokens 16384 --repeats 20"        # 32: the weight gradient's variants at Qwen3 width (cutlass alone: the floor)
-    "python benchmarks/kernels.py --repeats 20 --only cross_entropy_sum,qk_norm_rope"   # the CE backward chunk sweep (set CE_BWD_TILES); qk_norm_rope's tiles (set QK_NORM_ROPE_TILES)
-    "$T --layers 9 --steps 7 --batch 4 --accum 8"                                   # 32: >= 60% MFU, with the step boundary overlapped
-    "$T --layers 9 --steps 18 --batch 4 --accum 8 --wgrad-host on --wgrad-per-sm 1 --ab wgrad-host,wgrad-persistent"   # 32: A both on (a 60% reading), B host off, C a program an item (per-sm and tiles as run 2 favours)
-    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x
+    "$T --layers 9 --steps 7 --batch 4 --accum 8"                                   # 32: >= 60% MFU
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x; A bf16, B FP8 + FP8 head
     "$T --layers 9 --steps 20 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad,glu-fp8-grad,expand-fp8"   # 32: FP8 copies from their producers (the CE and activation backwards, the dispatch) against quantize passes
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab wgrad-host"                 # 32: A a 60% reading, B the descriptors made in the kernel
+    "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (130.0 GiB estimated); compiles ~2 min
     "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer tests/gpu/test_kernels_gpu.py::test_permute_unpermute tests/gpu/test_kernels_gpu.py::test_local_dispatch_round_trip_on_cuda_matches_the_cpu tests/gpu/test_fp8_gpu.py::test_stacked_projections_compiled_match_the_linears_alone tests/gpu/test_kernels_gpu.py::test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled"   # the new GPU checks, BN=32 tiles, expand and the per-token combine backward included
-    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x; A bf16, B FP8 + FP8 head, in one run
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
     "python .agents/skills/capture-profile/profile_step.py --trace /tmp/dsv3/torchtitan.json --trace /tmp/dsv3/pithtrain.json"   # where each side's step goes, by kernel category
     "$T --family moonlight --layers 10 --steps 12 --batch 4 --accum 8 --ab mla-v"     # 32: DeepSeek-V3 width; A: v unpadded (cuDNN), B: padded, in one run
@@ -47,7 +42,6 @@ runs=(
     "python benchmarks/attention.py --mla --docs 8 --batches 4 --repeats 10"        # packed documents: is unpadded v with the mask faster too (models pad it today)?
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --ab fp8"   # 14: FP8 alone against bf16 at the same depth
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise --fp8-head --ab fp8"   # 32: every GEMM's weight gradient in FP8 too (0.92x at 2d14d3e, before the fixes since)
-    "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (130.0 GiB estimated); compiles ~2 min
     "$T --layers 8 --steps 5 --batch 4 --accum 8"                                   # 18 and 14: Qwen3 width, 8 layers
     "$T --layers 4 --steps 5 --batch 4 --accum 8"                                   # the memory estimate's Qwen3 4 layers at micro-batch 4
     "$T --layers 8 --steps 5 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad"          # 14

@@ -210,14 +210,13 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
 
 ARMS = "ABCDEFG"  # the arms' letters: A as the flags set the switches, then one a flipped switch
 AB_SWITCHES = ("fp8", "fused-proj", "fused-wgrad", "mla-v", "wgrad-config", "triton-adamw", "bf16-activations", "qk-norm-rope",
-               "wgrad-host", "wgrad-persistent", "ce-fp8-grad", "glu-fp8-grad", "expand-fp8")
+               "wgrad-host", "ce-fp8-grad", "glu-fp8-grad", "expand-fp8")
 
 
 def ab_arms(args, parser):
     """--ab: ({switch: what arm A runs}, [(switch, what its arm runs)], the arms' setters, each given the loop's Run).
     Arm A runs every switch as this run's flags set it; each further arm (B, C, ...) flips one switch, the others
-    as in A. wgrad-config: its arm runs --wgrad-config's tiles, A the kernel's default; wgrad-persistent:
-    persistent programs (--wgrad-per-sm's, else one an SM) against a program a work item; fp8 (alone): A bf16,
+    as in A. wgrad-config: its arm runs --wgrad-config's tiles, A the kernel's default; fp8 (alone): A bf16,
     B the --fp8 recipe (with --fp8-head as given)."""
     from pithtrain.models import deepseek_v2
     from pithtrain.ops import core, fp8, grouped_gemm, kernels
@@ -246,12 +245,10 @@ def ab_arms(args, parser):
              "mla-v": (deepseek_v2, "UNPADDED_V"), "wgrad-config": (kernels, "WGRAD_INTO_CONFIG"),
              "triton-adamw": (optim, "TRITON_ADAMW"), "bf16-activations": (core, "ACTIVATIONS_IN_COMPUTE_DTYPE"),
              "qk-norm-rope": (kernels, "FUSED_QK_NORM_ROPE"), "wgrad-host": (kernels, "WGRAD_HOST_DESCRIPTORS"),
-             "wgrad-persistent": (kernels, "WGRAD_PROGRAMS_PER_SM"), "ce-fp8-grad": (kernels, "CE_FP8_GRAD"),
+             "ce-fp8-grad": (kernels, "CE_FP8_GRAD"),
              "glu-fp8-grad": (fp8, "GLU_FP8_GRAD"), "expand-fp8": (grouped_gemm, "EXPAND_FP8")}
     a_values = {s: getattr(*where[s]) for s in switches}
     flipped = {s: args.wgrad_config if s == "wgrad-config" else not a_values[s] for s in switches}
-    if "wgrad-persistent" in switches:  # one program an SM (two do not fit at 4 stages) against one an item, or back
-        flipped["wgrad-persistent"] = None if a_values["wgrad-persistent"] else 1
 
     def setter(flip=None):
         def set_arm(run):
@@ -378,8 +375,6 @@ def main():
                         "(the tiles of benchmarks/grouped_gemm.py --wgrad --sweep)")
     parser.add_argument("--wgrad-host", choices=["on", "off"], help="kernels.WGRAD_HOST_DESCRIPTORS for this run "
                         "(default: the module's): the fused weight gradient's tensor descriptors made on the host")
-    parser.add_argument("--wgrad-per-sm", type=int, help="kernels.WGRAD_PROGRAMS_PER_SM for this run (default: the "
-                        "module's; 0: a program a work item): persistent programs of the fused weight gradient")
     parser.add_argument("--mla-v", default="unpadded", choices=["unpadded", "padded"], help="DeepSeek families: "
                         "MLA's v head (128) handed to SDPA as it is, or padded to q and k's 192 (deepseek_v2.UNPADDED_V)")
     parser.add_argument("--fused-proj", default="on", choices=["on", "off"], help="fp8.FUSED_PROJECTIONS: q, k and "
@@ -390,8 +385,7 @@ def main():
                         "as one Triton pass a parameter (the clip coefficient and the experts' bf16 copy in the pass)")
     parser.add_argument("--ab", metavar="SWITCH[,SWITCH...]", help=f"A/B in one run ({', '.join(AB_SWITCHES)}): "
                         "arm A with the switches as the flags set them, then one arm per switch with it flipped "
-                        "(wgrad-config: --wgrad-config's tiles against the default; wgrad-persistent: persistent "
-                        "programs against one an item; fp8, alone: A bf16, B --fp8 "
+                        "(wgrad-config: --wgrad-config's tiles against the default; fp8, alone: A bf16, B --fp8 "
                         "[--fp8-head]), taking turns step by step; each arm's median after its first two steps and "
                         "its ratio to A in one line. Same process, model and data: drift and call-to-call noise "
                         "cancel, and one compile serves every arm (with triton-adamw each step waits for its "
@@ -413,10 +407,6 @@ def main():
     core.ACTIVATIONS_IN_COMPUTE_DTYPE = args.bf16_activations == "on"
     if args.wgrad_host:  # arm A's (an --ab wgrad-host arm flips it)
         kernels.WGRAD_HOST_DESCRIPTORS = args.wgrad_host == "on"
-    if args.wgrad_per_sm is not None:
-        if args.wgrad_per_sm < 0:
-            parser.error(f"--wgrad-per-sm {args.wgrad_per_sm}: give 0 (a program a work item) or programs an SM (1, 2)")
-        kernels.WGRAD_PROGRAMS_PER_SM = args.wgrad_per_sm or None
     arms = None
     if args.ab is not None:  # an empty --ab is refused there, not taken for none
         arm_a, flips, arms = ab_arms(args, parser)
@@ -465,7 +455,7 @@ def main():
 
     warm = measured(runs_a)
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "wgrad_host": kernels.WGRAD_HOST_DESCRIPTORS, "wgrad_per_sm": kernels.WGRAD_PROGRAMS_PER_SM, "ce_fp8_grad": kernels.CE_FP8_GRAD, "glu_fp8_grad": fp8.GLU_FP8_GRAD, "expand_fp8": grouped_gemm.EXPAND_FP8, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "wgrad_host": kernels.WGRAD_HOST_DESCRIPTORS, "ce_fp8_grad": kernels.CE_FP8_GRAD, "glu_fp8_grad": fp8.GLU_FP8_GRAD, "expand_fp8": grouped_gemm.EXPAND_FP8, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in runs_a) / 2**30,

@@ -681,8 +681,7 @@ def test_train_throughput_refuses_bad_ab_switches_before_any_gpu_work(monkeypatc
              ("--fp8 rowwise_bf16_wgrad --ab ce-fp8-grad --steps 12", "--fp8-head"),
              ("--ab glu-fp8-grad,expand-fp8 --steps 12", "give --fp8 rowwise_bf16_wgrad"),
              ("--ab wgrad-host,wgrad-host --steps 12", "distinct switches"),
-             ("--wgrad-per-sm -1", "--wgrad-per-sm -1: give 0"),
-             ("--ab wgrad-host,wgrad-persistent --steps 8", "needs --steps >= 12"),
+             ("--ab wgrad-host,triton-adamw --steps 8", "needs --steps >= 12"),
              ("--fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad,glu-fp8-grad,expand-fp8 --steps 20", "CUDA GPU")]
     for argv, says in cases:
         monkeypatch.setattr(sys, "argv", ["train_throughput.py", *argv.split()])

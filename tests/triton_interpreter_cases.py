@@ -340,8 +340,6 @@ def test_triton_weight_grad_into(interpreter, dtype, assign, tma):
     assert (grad[0] == 0).all() if assign else torch.equal(grad[3], before[3])
     again = kernels.wgrad_into(before.clone(), x, dy, counts, assign, cfg=cfg, tma=bool(tma), host=host)
     assert torch.equal(again, grad)  # no atomics: bit-identical
-    persistent = kernels.wgrad_into(before.clone(), x, dy, counts, assign, cfg=cfg, tma=bool(tma), host=host, per_sm=1)
-    assert torch.equal(persistent, grad)  # 2 programs (the interpreter's SMs) over all 6 x 9 items: the same sums
     if host:  # a first expert shorter than a tile: its partial tile starts before row 0 (zeros there)
         counts = torch.tensor([3, 0, 30, 7])
         x, dy = x[:40], dy[:40]

@@ -69,15 +69,8 @@ class _Kernel:
             import triton.language
 
             tl = self.fn.__globals__["tl"] = triton.language  # the kernel's own module may be another (ops/fp8.py)
-            for name, value in list(self.fn.__globals__.items()):  # its device functions, jitted in place
-                if isinstance(value, _DeviceFunction):
-                    self.fn.__globals__[name] = triton.jit(value.fn)
             self.jitted = triton.jit(self.fn)
         return self.jitted[grid]
-
-
-class _DeviceFunction:  # a Triton function called (inlined) by kernels, jit-compiled at the first launch
-    def __init__(self, fn): self.fn = fn  # noqa: E704
 
 
 def _pow2(n: int) -> int:
@@ -1161,11 +1154,19 @@ def add_into(dst: torch.Tensor, src: torch.Tensor, assign: bool = False) -> torc
     return dst
 
 
-@_DeviceFunction
-def _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, e, tile, experts, k_dim, m_dim, x_stride,
-                dy_stride, ASSIGN: tl.constexpr, TMA: tl.constexpr, HOST: tl.constexpr, REDUCE: tl.constexpr,
-                BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """_wgrad_into_kernel's work item: tile `tile` (K block, M block) of expert e's gradient."""
+@_Kernel
+def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, experts, k_dim, m_dim, x_stride,
+                       dy_stride, ASSIGN: tl.constexpr, TMA: tl.constexpr, HOST: tl.constexpr, REDUCE: tl.constexpr,
+                       BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """grad[e] (+)= x[rows of e]^T @ dy[rows of e] in fp32, a program per (K block, M block) of expert e: its
+    rows in order, the add in the epilogue. TMA (Hopper): x and dy tiles through tensor descriptors bounded to
+    the expert's rows (zero-filled past them), x transposed in shared memory; else pointer loads. HOST (with
+    TMA): descriptors made on the host over all rows, so the expert's partial tile is read as the BN rows
+    ending at its end, the ones before it masked out of dy. REDUCE (Hopper): the tile leaves through a
+    descriptor of grad, added in L2 by a bulk reduce (cp.reduce.async.bulk) without waiting for the old
+    values; one add an element a launch: the load-add-store's sums, bit for bit. (Persistent programs
+    looping over the items measured slower: docs/performance.md, Kernels.)"""
+    tile, e = tl.program_id(0), tl.program_id(1)
     m_tiles = tl.cdiv(m_dim, BM)
     k0 = tile // m_tiles * BK
     m0 = tile % m_tiles * BM
@@ -1216,29 +1217,6 @@ def _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, e, tile, e
         tl.store(grad_ptr + offs, acc, mask=mask)
 
 
-@_Kernel
-def _wgrad_into_kernel(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, experts, k_dim, m_dim, x_stride,
-                       dy_stride, ASSIGN: tl.constexpr, TMA: tl.constexpr, HOST: tl.constexpr, REDUCE: tl.constexpr,
-                       PERSISTENT: tl.constexpr, BK: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    """grad[e] (+)= x[rows of e]^T @ dy[rows of e] in fp32, a work item per (K block, M block) of expert e
-    (_wgrad_tile): its rows in order, the add in the epilogue. A program an item (grid tiles x experts), or
-    PERSISTENT programs taking items p, p + programs, ... (no launch between items). TMA (Hopper): x and dy
-    tiles through tensor descriptors bounded to the expert's rows (zero-filled past them), x transposed in
-    shared memory; else pointer loads. HOST (with TMA): descriptors made on the host over all rows, so the
-    expert's partial tile is read as the BN rows ending at its end, the ones before it masked out of dy.
-    REDUCE (Hopper): the tile leaves through a descriptor of grad, added in L2 by a bulk reduce
-    (cp.reduce.async.bulk) without waiting for the old values; one add an element a launch: the
-    load-add-store's sums, bit for bit."""
-    if PERSISTENT:
-        tiles = tl.cdiv(k_dim, BK) * tl.cdiv(m_dim, BM)
-        for item in range(tl.program_id(0), experts * tiles, tl.num_programs(0)):
-            _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, item // tiles, item % tiles, experts,
-                        k_dim, m_dim, x_stride, dy_stride, ASSIGN, TMA, HOST, REDUCE, BK, BM, BN)
-    else:
-        _wgrad_tile(x_ptr, dy_ptr, ends_ptr, grad_ptr, x_td, dy_td, g_td, tl.program_id(1), tl.program_id(0), experts,
-                    k_dim, m_dim, x_stride, dy_stride, ASSIGN, TMA, HOST, REDUCE, BK, BM, BN)
-
-
 # Tiles of grad (BK x BM) and rows a step (BN): 1-7% ahead of BN=64 / 3 stages in interleaved sweeps
 # (benchmarks/grouped_gemm.py --wgrad --sweep), +0.46% in training (docs/performance.md, Kernels).
 WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=32, num_warps=4, num_stages=4)
@@ -1246,8 +1224,6 @@ WGRAD_INTO_CONFIG = dict(BK=128, BM=128, BN=32, num_warps=4, num_stages=4)
 # fenced before their first load): 2.02 against 2.11 ms (gate_up) and 1.11 against 1.16 (down) at Qwen3 width on
 # an H100 (benchmarks/grouped_gemm.py --wgrad, 2026-12-05); train_throughput.py --ab wgrad-host.
 WGRAD_HOST_DESCRIPTORS = True
-# Persistent programs an SM looping over the items (None: a program an item): --ab wgrad-persistent.
-WGRAD_PROGRAMS_PER_SM: int | None = None
 
 
 def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -1262,11 +1238,6 @@ def _tma_ok(*tensors: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _sm_count(device: torch.device) -> int:  # the GPU's SMs (persistent launches); 2 for the CPU's interpreter
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 2
-
-
-@functools.cache
 def _device_descriptors(device: torch.device) -> bool:
     import triton.language  # binds `triton` too
 
@@ -1277,14 +1248,13 @@ def _device_descriptors(device: torch.device) -> bool:
 
 def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: torch.Tensor, assign: bool,
                cfg: dict | None = None, tma: bool | None = None, reduce: bool | None = None,
-               host: bool | None = None, per_sm: int | None = -1) -> torch.Tensor:
+               host: bool | None = None) -> torch.Tensor:
     """grad[e] += x_e^T @ dy_e (= with `assign`) in place, for fp32 grad [E, K, M] contiguous and x [N, K],
     dy [N, M] rows grouped by expert (counts [E]): the Triton launch (CUDA, or the interpreter). The
     row offsets are a cumsum on the device (no host sync); an expert with no rows gets zeros (assign).
     `tma`: the tensor-descriptor loads; `reduce`: the epilogue through a descriptor of grad (defaults:
     where the GPU and the alignment allow them; the interpreter has no bulk reduce); `host` (with tma):
-    those descriptors made on the host (default WGRAD_HOST_DESCRIPTORS); `per_sm`: persistent programs per SM
-    (None: a program an item; default WGRAD_PROGRAMS_PER_SM)."""
+    those descriptors made on the host (default WGRAD_HOST_DESCRIPTORS)."""
     x, dy = (t if t.stride(-1) == 1 else t.contiguous() for t in (x, dy))
     cfg = cfg or WGRAD_INTO_CONFIG
     tma = _tma_ok(x, dy) if tma is None else tma
@@ -1303,12 +1273,10 @@ def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: to
         triton.set_allocator(_scratch)
     experts, k_dim, m_dim = grad.shape
     if grad.numel():
-        tiles = _cdiv(k_dim, cfg["BK"]) * _cdiv(m_dim, cfg["BM"])
-        per_sm = WGRAD_PROGRAMS_PER_SM if per_sm == -1 else per_sm
-        grid = (min(tiles * experts, per_sm * _sm_count(x.device)),) if per_sm else (tiles, experts)
+        grid = (_cdiv(k_dim, cfg["BK"]) * _cdiv(m_dim, cfg["BM"]), experts)
         _wgrad_into_kernel[grid](x, dy, counts.cumsum(0).to(x.device, torch.int32), grad, *tds, experts, k_dim,
                                  m_dim, x.stride(0), dy.stride(0), ASSIGN=assign, TMA=tma, HOST=host, REDUCE=reduce,
-                                 PERSISTENT=bool(per_sm), **cfg)
+                                 **cfg)
     return grad
 
 

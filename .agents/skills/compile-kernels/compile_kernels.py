@@ -94,9 +94,6 @@ def compile_all(path: str, arch: int) -> int:
         kernel = getattr(module, entry["kernel"])
         fn = getattr(kernel, "fn", kernel)  # a _Kernel's plain function, or the function itself
         fn.__globals__["tl"] = triton.language
-        for name, value in list(fn.__globals__.items()):  # its device functions (kernels._DeviceFunction)
-            if type(value).__name__ == "_DeviceFunction":
-                fn.__globals__[name] = JITFunction(value.fn)
         real, constexprs = JITFunction(fn), entry["constexprs"]
         try:
             src = ASTSource(real, entry["signature"],
