@@ -304,18 +304,16 @@ def test_estimate_memory_counts_the_parameters_each_rank_really_holds(pp, ep, da
 
 def test_estimate_memory_matches_the_measured_h200_peaks_and_fails_clearly():
     script = ".agents/skills/estimate-memory/estimate_memory.py"
-    # (config, overrides, GPUs, measured peak GiB on H200: docs/performance.md, Memory)
+    # (config, overrides, measured peak GiB: docs/performance.md, Memory; benchmarks/results.jsonl's lines)
     qwen, ds, oss = "benchmarks/qwen3_width.py", "examples/deepseek_v2_lite.py", "examples/gpt_oss_20b.py"
     four = ["model.num_hidden_layers=4", "train.micro_batch_size=2"]
     one_gpu = [
-        (qwen, ["train.micro_batch_size=2"], 61.3),
-        (qwen, ["train.micro_batch_size=4"], 70.8),
-        (qwen, ["train.micro_batch_size=4", "model.num_hidden_layers=8"], 122.1),
-        (qwen, ["train.micro_batch_size=4", "model.num_hidden_layers=9"], 134.9),
-        (ds, four, 45.6),
-        (oss, four + ["model.layer_types=None"], 86.0),
+        (qwen, ["train.micro_batch_size=2"], 58.7),  # line 135 (H100)
+        (qwen, ["train.micro_batch_size=4", "model.num_hidden_layers=9"], 129.3),  # line 130 (H200)
+        (ds, ["train.micro_batch_size=4", "model.num_hidden_layers=10"], 124.6),  # line 131 (H200)
     ]
-    # two GPUs (ep2, 8 micro-batches per GPU): the estimate stays above the peak, within 20%
+    # two GPUs (ep2, 8 micro-batches per GPU): peaks of 2026-11-30, before the changes that took ~4% off the one-GPU
+    # ones (the loss's gradient over the logits, the bf16 residual stream): within -10% and +20% of them
     two_gpus = [(qwen, ["train.micro_batch_size=4", "train.global_batch_size=64"], 76.2),
                 (ds, four + ["train.global_batch_size=32"], 37.7),
                 (oss, four + ["model.layer_types=None", "train.global_batch_size=32"], 67.2)]
@@ -332,10 +330,10 @@ def test_estimate_memory_matches_the_measured_h200_peaks_and_fails_clearly():
             if world == 1:
                 assert total == pytest.approx(peak, rel=0.02), (path, sets, total, peak)
             else:
-                assert peak <= total <= 1.2 * peak, (path, sets, total, peak)
+                assert 0.9 * peak <= total <= 1.2 * peak, (path, sets, total, peak)
     ok = subprocess.run([sys.executable, script, "benchmarks/qwen3_width.py", "--set", "train.micro_batch_size=2",
                          "--set", "train.global_batch_size=8"], capture_output=True, text=True)
-    assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("PASS: 61."), ok.stdout + ok.stderr
+    assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("PASS: 58."), ok.stdout + ok.stderr
     small = run_script(script, "benchmarks/qwen3_width.py", "--gpu-mem", "40")  # main() here: no second process
     assert small.returncode == 1 and "FAIL:" in small.stdout and "micro_batch_size" in small.stdout
     bad = run_script(script, "benchmarks/qwen3_width.py", "--nproc", "3", "--ep", "2")
