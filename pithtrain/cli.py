@@ -163,6 +163,12 @@ def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
     stop = graceful(loud=os.environ.get("RANK", "0") == "0")
     try:
         history = train(config, out, stop_after=args.stop_after, mesh=mesh, stop=stop)
+    except RuntimeError as e:  # gloo's; NCCL's watchdog aborts the process itself
+        if mesh is None or "Timed out" not in str(e):
+            raise
+        raise UserError(f"rank {mesh.rank}: no answer in a collective within parallel.timeout_s="
+                        f"{config.parallel.timeout_s:g}: another rank hangs or stopped (the first rank to exit is "
+                        "blamed, maybe this one); the same command resumes from the last checkpoint") from None
     finally:
         stop.restore()
     if mesh is None or mesh.is_main:

@@ -558,10 +558,12 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide the {num_experts} experts; "
            f"choose ep among the divisors of {num_experts}")
     data_ranks = dp * p.ep  # cp ranks share samples; ep ranks hold different samples
+    fits = [m for m in range(t.micro_batch_size, 0, -1) if t.global_batch_size % (m * data_ranks) == 0]
     _check(t.global_batch_size % (t.micro_batch_size * data_ranks) == 0,
            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size "
-           f"({t.micro_batch_size}) x data-parallel ranks ({data_ranks} = dp {dp} x ep {p.ep}); "
-           f"use a multiple of {t.micro_batch_size * data_ranks}")
+           f"({t.micro_batch_size}) x data-parallel ranks ({data_ranks} = dp {dp} x ep {p.ep}); use a multiple of "
+           f"{t.micro_batch_size * data_ranks}" + (f", or train.micro_batch_size={fits[0]} (a resumed run keeps its "
+                                                   "global batch)" if fits else ""))
     _check(not t.init_from or os.path.exists(t.init_from),  # False, not an error, for a name too long
            f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''")
     _check(d.eval_samples % (t.micro_batch_size * data_ranks) == 0,
@@ -585,7 +587,8 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(d.seq_len <= max_len,
            f"data.seq_len={d.seq_len} is longer than the model supports (model.max_position_embeddings={max_len}); "
            f"lower data.seq_len or raise model.max_position_embeddings")
-    _check(d.seq_len % (2 * p.cp) == 0 or p.cp == 1, f"data.seq_len={d.seq_len} must be divisible by 2*cp={2 * p.cp}")
+    _check(d.seq_len % (2 * p.cp) == 0 or p.cp == 1, f"data.seq_len={d.seq_len} must be divisible by 2*cp={2 * p.cp}; use "
+           f"{d.seq_len // (2 * p.cp) * 2 * p.cp or 2 * p.cp} or {(d.seq_len // (2 * p.cp) + 1) * 2 * p.cp}")
     _check(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
     _check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
     _check(o.schedule in ("cosine", "wsd", "constant"), f"optim.schedule={o.schedule!r}: use cosine, wsd or constant")

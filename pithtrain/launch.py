@@ -143,6 +143,7 @@ def launch_local(argv: list[str], nproc: int) -> int:
     if first is not None:
         code = codes[first]
         how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}; its error is above"
-        print(f"error: rank {ranks[first]} (pid {first}) failed first ({how}); the other ranks were stopped", file=sys.stderr)
+        print(f"error: rank {ranks[first]} (pid {first}) failed first ({how}); the other ranks were stopped; the same "
+              "command resumes from the last checkpoint written, if any", file=sys.stderr)
         return max(code, 1)  # 2 stays 2: a bad input the worker reported
     return 128 + signals[0] if signals and any(codes.values()) else next((c for c in codes.values() if c), 0)

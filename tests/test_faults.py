@@ -163,3 +163,19 @@ loop.lr_at = lr_at
     assert err.strip().splitlines()[-1].startswith("error: rank 1 (pid "), err
     assert "failed first (exit code 1; its error is above); the other ranks were stopped" in err
     assert time.perf_counter() - started < 90
+    # rank 1 hangs in step 2: rank 0 gives up after parallel.timeout_s, in one line saying a rank hangs
+    hangs = write_config(tmp_path / "hangs.py", dataset_dir, """
+import os, time, pithtrain.train.loop as loop
+CONFIG.parallel.timeout_s = 10
+_lr_at = loop.lr_at
+def lr_at(step, *a):
+    if os.environ["RANK"] == "1" and step == 1:
+        time.sleep(120)
+    return _lr_at(step, *a)
+loop.lr_at = lr_at
+""", steps=6)
+    proc = spawn(["train", hangs, "--nproc", "2", "--ep", "2", "--out", tmp_path / "hung"])
+    out, err = proc.communicate(timeout=100)
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    assert "error: rank 0: no answer in a collective within parallel.timeout_s=10: another rank hangs" in err, err
+    assert "error: rank 0 (pid " in err.strip().splitlines()[-1] and "resumes from the last checkpoint" in err

@@ -271,6 +271,10 @@ def test_pipeline_other_families_and_aux_free_bias_do_not_depend_on_the_mesh(run
         assert torch.allclose(got_w[key], ref_w[key], rtol=1e-5, atol=1e-5), (name, key)
     for key in biases:  # updated from integer loads summed over ranks and micro-batches: exact
         assert torch.equal(got_w[key], ref_w[key]), (name, key)
+    if name in ("pp2ep2", "recompute_pp2ep2"):  # the same data ranks and routing as pp1ep2: the same EP balance,
+        balance = [m["ep_load_balance"] for m in runs.metrics(name)]  # over both stages' MoE layers
+        assert balance == pytest.approx([m["ep_load_balance"] for m in runs.metrics("pp1ep2")], rel=1e-9)
+        assert all(0.5 <= b < 1 for b in balance), balance
 
 
 V3_MESHES = [*[("v3_ref", name) for name in ["v3_ep2", "v3_dp2ep2", "v3_cp2ep2"]], ("v3_deep_ref", "v3_pp2ep2")]

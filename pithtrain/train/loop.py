@@ -665,8 +665,8 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
     step = meta["step"]
     for name, value in (("train.steps", config.train.steps), ("--stop-after", stop_after)):
         if value is not None and value < step:
-            raise UserError(f"the run is already at step {step} ({checkpoint}), past {name}={value}; ask for "
-                            f"at least {step} steps or train into a new --out")
+            raise UserError(f"the run is already at step {step} ({checkpoint}), past {name}={value}; give "
+                            f"{name} >= {step} or train into a new --out")
     if changed.pop("train.init_from", None) and echo:  # a resume loads its own checkpoint, never init_from's
         print(f"note: train.init_from is not used: the run resumes from its own {checkpoint}; train into a new --out "
               "to start from it", flush=True)
@@ -809,21 +809,25 @@ def update_routing_biases(biases: dict, step_loads: dict, mesh: Mesh, model_cfg)
 
 @torch.no_grad()
 def ep_load_balance(step_loads: dict, mesh: Mesh) -> float:
-    """How evenly routing spread this step's expert work over the EP ranks (`rank_balance` of
-    the loads of the whole EP group)."""
-    if not step_loads:
-        return 1.0
-    loads = torch.stack([step_loads[i] for i in sorted(step_loads)])
-    torch.distributed.all_reduce(loads, group=mesh.ep_group)
-    return rank_balance(loads, mesh.ep)
+    """How evenly routing spread this step's expert work over the EP ranks (`rank_balance` of the loads of the
+    whole EP group), over every stage's MoE layers (a stage may hold none)."""
+    sums = torch.zeros(2, dtype=torch.float64, device=mesh.device)
+    if step_loads:
+        loads = torch.stack([step_loads[i] for i in sorted(step_loads)])
+        torch.distributed.all_reduce(loads, group=mesh.ep_group)
+        sums = rank_balance(loads, mesh.ep, parts=True)
+    if mesh.pp > 1:  # every rank's sums: each EP group's counted once a member, the same on both sides of the ratio
+        torch.distributed.all_reduce(sums)
+    return float(sums[0] / sums[1]) if sums[1] else 1.0
 
 
-def rank_balance(loads: torch.Tensor, ep: int) -> float:
+def rank_balance(loads: torch.Tensor, ep: int, parts: bool = False) -> float | torch.Tensor:
     """loads [layers, experts] -> sum over layers of the mean EP rank's load / sum over layers of
-    the busiest rank's load (1.0 = even). Each layer's all-to-alls make every rank wait for the
-    busiest, so this bounds how well the expert stage scales."""
+    the busiest rank's load (1.0 = even; `parts`: the two sums). Each layer's all-to-alls make every rank
+    wait for the busiest, so this bounds how well the expert stage scales."""
     per_rank = loads.view(loads.shape[0], ep, -1).sum(-1).double()
-    return float(per_rank.mean(1).sum() / per_rank.max(1).values.sum().clamp(min=1))
+    sums = torch.stack([per_rank.mean(1).sum(), per_rank.max(1).values.sum()])
+    return sums if parts else float(sums[0] / sums[1].clamp(min=1))
 
 
 def model_sizes(cfg) -> tuple[int, int]:
