@@ -475,6 +475,15 @@ def test_convert_overwrite_keeps_the_old_output_when_a_rename_fails(tool_env):
 
 
 @pytest.mark.fast
+def test_eval_names_a_dataset_tokenized_again_in_place(tool_env):
+    from pithtrain.config import UserError
+    from pithtrain.tools import hf
+
+    data = tool_env["data_tok_a"]  # the run recorded another SHA-256 for this very tokenizer.json
+    with pytest.raises(UserError, match=r"data_tok_a/tokenizer.json is no longer the tokenizer the model trained with .* re-tokenized"):
+        hf.load_tokens(data, 100, 16, tokenizer=("0" * 64, str(Path(data) / "tokenizer.json")))
+
+
 def test_eval_rows_and_config_kept_through_convert(tool_env, monkeypatch, capsys):
     """An HF directory's seq_length and pad_token_id survive HF -> checkpoint -> HF, so eval of the checkpoint uses the
     rows eval of the HF directory uses; the row length's real source is said; a bad seq_length names config.json.

@@ -298,6 +298,7 @@ def test_config_errors_name_the_field():
     for bad, field_name in ((dict(layer_types=["full_attention"]), "layer_types"),
                             (dict(num_experts_per_tok=200), "num_experts_per_tok"),
                             (dict(sliding_window=None), "sliding_window"),
-                            (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1.0}), "rope_type")):
+                            (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1.0}), "rope_type"),
+                            (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), r"\['rope_theta'\]='1e4'")):
         with pytest.raises(ConfigError, match=field_name):
             GptOssConfig(**bad).validate()

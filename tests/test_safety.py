@@ -45,10 +45,14 @@ def test_convert_never_deletes_its_source_or_an_unrelated_directory(tmp_path, da
     lock = RunLock(run)  # a run writing there: even --overwrite must not replace it
     one_line_error(cli(["convert", hf, run, "--overwrite"], capsys, code=2)[1], f"in use by pid {os.getpid()}")
     lock.release()
-    for dst, held in ((run, "checkpoints"), (data, "tokens.bin")):  # not an export or a checkpoint: never replaced
-        one_line_error(cli(["convert", hf, dst, "--overwrite"], capsys, code=2)[1], "neither an HF export nor a checkpoint",
-                       held)
+    (hf / "README.md").write_text("a model card")  # an export with a user's file in it: not replaced either
+    before[hf] = files_of(hf)
+    for dst, held in ((run, "checkpoints"), (data, "tokens.bin"), (hf, "README.md")):  # not only an export: kept
+        one_line_error(cli(["convert", run if dst == hf else hf, dst, "--overwrite"], capsys, code=2)[1],
+                       "is not only an HF export or a checkpoint", held, "move the rest out")
     assert {p: files_of(p) for p in (run, hf, ck, data)} == before
+    (hf / "README.md").unlink()
+    del before[hf]["README.md"]
     cli(["convert", run, hf, "--overwrite"], capsys)
     assert files_of(hf) == before[hf]  # same weights written again
 

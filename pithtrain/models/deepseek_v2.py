@@ -163,6 +163,8 @@ class DeepseekV2Config:
                       f"{experts // groups} per group; use fewer groups")
         rope = self.rope_scaling or {}
         rope_type = rope.get("type", rope.get("rope_type", "default"))
+        text = next((k for k, v in rope.items() if "type" not in k and not isinstance(v, (int, float, type(None)))), None)
+        check(text is None, f"model.rope_scaling['{text}']={rope.get(text)!r}: must be a number")
         check(rope_type in ("default", "yarn"),
               f"model.rope_scaling type {rope_type!r} is not supported; use None (plain RoPE) or type 'yarn'")
         if rope_type == "yarn":
@@ -257,9 +259,10 @@ class DeepseekV3Config(DeepseekV2Config):
             if getattr(self, name) != value:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}: deepseek_v3 routes with {name}={value!r} "
                                   f"(what HF's DeepseekV3 does); use DeepseekV2Config (deepseek_v2) for other routing")
-        if self.moe_layer_freq != 1:
-            raise ConfigError(f"model.moe_layer_freq={self.moe_layer_freq}: deepseek_v3 makes every layer from "
-                              f"first_k_dense_replace on MoE; set it to 1")
+        if self.moe_layer_freq != 1 or self.n_routed_experts < 1:
+            raise ConfigError(f"model.moe_layer_freq={self.moe_layer_freq}, n_routed_experts={self.n_routed_experts}: "
+                              "deepseek_v3 makes every layer from first_k_dense_replace on MoE (transformers' too); set "
+                              "moe_layer_freq=1 and n_routed_experts >= 1 (first_k_dense_replace: the dense layers)")
         if not 0 <= self.num_nextn_predict_layers <= 8:
             raise ConfigError(f"model.num_nextn_predict_layers={self.num_nextn_predict_layers}: must be in [0, 8] "
                               f"(DeepSeek-V3 uses 1; 0 turns multi-token prediction off)")

@@ -142,6 +142,8 @@ class GptOssConfig:
         check(self.swiglu_limit > 0, f"model.swiglu_limit={self.swiglu_limit}: must be > 0")
         rope = self.rope_parameters
         kind = rope.get("rope_type")
+        text = next((k for k, v in rope.items() if k != "rope_type" and not isinstance(v, (int, float, type(None)))), None)
+        check(text is None, f"model.rope_parameters['{text}']={rope.get(text)!r}: must be a number")
         check(kind in ("yarn", "default"), f"model.rope_parameters rope_type={kind!r}: use 'yarn' (GPT-OSS) or 'default'")
         check(rope.get("rope_theta", 0) > 0, "model.rope_parameters needs rope_theta > 0")
         if kind == "yarn":

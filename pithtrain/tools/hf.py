@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from pithtrain.train.data import TokenDataset, _sha256
 
 SHARD_BYTES = 4 * 2**30
 CARRIED = ("seq_length", "pad_token_id")  # config.json keys beyond the model's that convert keeps, both ways
+EXPORT_NAMES = (r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|model\.safetensors\.index|meta)"
+                r"\.json|model(-\d+-of-\d+)?\.safetensors|\.metadata|__\d+_\d+\.distcp")  # what convert writes
 
 
 def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, extra: dict | None = None) -> Path:
@@ -141,9 +144,12 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
             raise FileExistsError(f"convert: {name} exists and is not empty; choose a new DST, or pass --overwrite to replace it")
     if overwrite and (dst / rundir.LOCK).exists():
         rundir.RunLock(dst).release()  # raises while a run is writing there
-    if overwrite and b.is_dir() and any(b.iterdir()) and not (is_hf_dir(b) or ckpt.is_checkpoint(b)):
-        raise UserError(f"convert --overwrite: DST {dst} is neither an HF export nor a checkpoint (it holds "
-                        f"{', '.join(sorted(p.name for p in b.iterdir())[:4])}); --overwrite replaces only those: choose another DST")
+    held = sorted(p.name for p in b.iterdir()) if overwrite and b.is_dir() else []
+    foreign = [name for name in held if not re.fullmatch(EXPORT_NAMES, name)]  # a model card, notes: never deleted
+    if held and (foreign or not (is_hf_dir(b) or ckpt.is_checkpoint(b))):
+        raise UserError(f"convert --overwrite: DST {dst} is not only an HF export or a checkpoint (it holds "
+                        f"{', '.join((foreign or held)[:4])}); --overwrite replaces only those: move the rest out, or "
+                        "choose another DST")
     tmp = dst.with_name(dst.name + ".tmp")  # where both directions write first
     try:
         if is_hf_dir(src):
@@ -206,6 +212,10 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
         except (OSError, ValueError) as e:
             raise UserError(f"--tokens {path}: {e}; --tokens takes {TOKEN_FORMS}") from None
         if tokenizer and dataset.tokenizer_file and dataset.identity["tokenizer_sha256"] != tokenizer[0]:
+            if os.path.realpath(dataset.tokenizer_file) == os.path.realpath(tokenizer[1]):  # re-tokenized in place
+                raise UserError(f"{tokenizer[1]} is no longer the tokenizer the model trained with (its SHA-256 differs "
+                                "from the one its run recorded): the dataset was re-tokenized since; restore that dataset, or "
+                                "evaluate with --tokens of texts tokenized by the old tokenizer.json")
             raise UserError(f"--tokens {path} was tokenized with {dataset.tokenizer_file}, not with the model's {tokenizer[1]} "
                             f"(their SHA-256 differ); tokenize its texts with --tokenizer {tokenizer[1]}")
         stream = np.asarray(dataset.tokens[-max_tokens:] if max_tokens else dataset.tokens, dtype=np.int64)
