@@ -185,6 +185,14 @@ def test_mtp_round_trip_is_exact_and_the_export_loads(tmp_path):
         cfg0.build_model().load_hf_state_dict(state)
     assert f"layer(s) {n}" in err.getvalue() and "multi-token prediction" in err.getvalue()
     assert len(err.getvalue().strip().splitlines()) == 1
+    from pithtrain.config import RunConfig, TrainConfig, UserError
+    from pithtrain.train.loop import check_init_from
+
+    run = RunConfig(model=cfg0, train=TrainConfig(init_from=str(out)))
+    check_init_from(run, echo=False)  # train.init_from with MTP off: the source's MTP layer is left out
+    run.model = DeepseekV3Config.from_hf({**json.loads((path / "config.json").read_text()), "num_nextn_predict_layers": 2})
+    with pytest.raises(UserError, match=r"num_nextn_predict_layers \(1 there, 2 in the run\)"):
+        check_init_from(run, echo=False)  # a depth the source lacks: refused
 
 
 def rms(x, w, eps):

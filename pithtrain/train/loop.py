@@ -511,6 +511,8 @@ def check_init_from(config: RunConfig, echo: bool, verify: bool = False) -> None
     theirs, ours = ckpt.model_config(source).to_hf(), config.model.to_hf()
     differ = [k for k in sorted(theirs.keys() | ours.keys()) if theirs.get(k) != ours.get(k)]
     wrong = ["model_type"] if "model_type" in differ else [k for k in differ if k not in NOT_ARCHITECTURE]
+    if ours.get("num_nextn_predict_layers") == 0:  # the source's multi-token prediction layers are left out on load
+        wrong = [k for k in wrong if k != "num_nextn_predict_layers"]
     if wrong:
         raise UserError(f"train.init_from={path}: its model differs from the run's in " + ", ".join(
             f"model.{k} ({theirs.get(k)!r} there, {ours.get(k)!r} in the run)" for k in wrong) +
