@@ -2,6 +2,7 @@
 loss (fp32), gradients of every parameter kind against a float64 HF run, packed documents, the HF
 round trip (export loads with AutoModelForCausalLM and generates), the multimodal checkpoint layout."""
 
+import dataclasses
 import json
 
 import pytest
@@ -125,6 +126,19 @@ def test_round_trip_export_loads_and_generates(hf_model, tmp_path):
     out = loaded.generate(ids[:1], max_new_tokens=5, do_sample=False)
     assert out.shape == (1, 16)
     assert Qwen3_5MoeConfig.from_hf(model.cfg.to_hf()) == model.cfg
+    # no full-attention layer: transformers cannot run the export (its masks come from one), so convert says so
+    from pithtrain.tools.hf import convert
+    from pithtrain.train import checkpoint as ckpt
+
+    assert model.cfg.transformers_ignores() == []
+    linear = dataclasses.replace(model.cfg, layer_types=["linear_attention"] * 4)
+    ck = ckpt.write_checkpoint(tmp_path / "ck", {"model": ckpt.canonical_model_state(linear.build_model())}, {"step": 0},
+                               linear.to_hf())
+    said = []
+    convert(ck, tmp_path / "linear", echo=said.append)
+    assert [line for line in said if "does not read a model without full_attention layers" in line], said
+    with pytest.raises(ValueError, match="Attention layers"):
+        AutoModelForCausalLM.from_pretrained(str(tmp_path / "linear"), experts_implementation="eager")(ids)
 
 
 @pytest.mark.fast

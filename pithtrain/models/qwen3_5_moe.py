@@ -151,6 +151,10 @@ class Qwen3_5MoeConfig:
             values["eos_token_id"] = values["eos_token_id"][0]
         return cls(**values)
 
+    def transformers_ignores(self) -> list[str]:  # hf.convert warns: transformers' masks come from a full layer
+        full = any(self.layer_type(i) == "full_attention" for i in range(self.num_hidden_layers))
+        return [] if full else ["a model without full_attention layers"]
+
     def to_hf(self) -> dict:
         out = asdict(self)
         out["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
