@@ -172,6 +172,10 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_good_ones_survive(tmp_
     code, _, err = cli("train", config, "--out", tmp_path / "new", "--dry-run",
                        "--set", f"train.init_from={out}/checkpoints/step_00000004.damaged")
     assert refused(code, err, "train.init_from=", "is damaged"), err
+    assert cli("convert", out, tmp_path / "hf")[0] == 0  # an HF directory whose index names a shard that is not there
+    (tmp_path / "hf/model.safetensors.index.json").write_text('{"weight_map": {"lm_head.weight": "model-2-of-2.safetensors"}}')
+    code, _, err = cli("train", config, "--out", tmp_path / "new", "--dry-run", "--set", f"train.init_from={tmp_path / 'hf'}")
+    assert refused(code, err, "model-2-of-2.safetensors, a shard its model.safetensors.index.json names, is missing"), err
     code, printed, err = cli("train", config, "--out", out, "--steps", "4", "--set", f"train.init_from={out}", *every)
     assert code == 0 and "train.init_from is not used: the run resumes from its own" in printed, err
 

@@ -505,6 +505,11 @@ def check_init_from(config: RunConfig, echo: bool, verify: bool = False) -> None
             source = ckpt.resolve_checkpoint(path)
         except (OSError, ValueError) as e:
             raise UserError(f"train.init_from={path}: {e}") from None
+    elif verify and source is not None and (index := source / "model.safetensors.index.json").is_file():
+        shards = set(read_json(index, "re-download or re-export it").get("weight_map", {}).values())
+        if missing := sorted(f for f in shards if not (source / f).is_file()):
+            raise UserError(f"train.init_from={path}: {missing[0]}, a shard its {index.name} names, is missing; "
+                            "re-download or re-export it")
     if source is None:
         raise UserError(f"train.init_from={path}: neither an HF directory (config.json and *.safetensors) nor a checkpoint "
                         "or a run directory with one; fix the path or set it to ''")
