@@ -130,7 +130,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 compute on GPU, fp32 on CPU) | fp32 | bf16
     lb_coef: float = 1e-3  # MoE load-balance loss coefficient; 0 disables
     mtp_coef: float = 0.3  # multi-token prediction loss weight (model.num_nextn_predict_layers > 0; DeepSeek-V3's 0.3, later 0.1); 0: logged, not trained
-    lb_type: str = "micro"  # micro | global | seq (load-balance loss statistics scope)
+    lb_type: str = "micro"  # micro | global (over the data ranks: changes with the mesh) | seq: lb statistics scope
     log_every: int = 1  # print a metrics line every N steps (and always the first 3); metrics.jsonl gets every step
     eval_every: int = 0  # held-out loss (data.eval_path / data.eval_samples) every N steps and at the end; 0: off
     checkpoint_every: int = 0  # 0: only at the end; -1: never (benchmarks)
