@@ -320,7 +320,8 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, x, cp: ContextParallel):
         ctx.cp = cp
         flat = torch.empty(cp.cp * x.numel(), dtype=x.dtype, device=x.device)
-        dist.all_gather_into_tensor(flat, x.contiguous().flatten(), group=cp.group)  # gloo: flat output only
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the new name since torch 2.13
+        gather(flat, x.contiguous().flatten(), group=cp.group)  # gloo: flat output only
         return zigzag_merge(list(flat.view(cp.cp, *x.shape).unbind(0)))
 
     @staticmethod

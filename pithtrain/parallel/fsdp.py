@@ -82,7 +82,9 @@ def _fsdp_meshes(mesh: Mesh):
         return mesh.dense_mesh, mesh.expert_mesh
     dm = mesh.device_mesh
     dm["cp", "ep"]._flatten("cp_ep")
-    return dm["dp", "cp_ep"], dm["dp", "cp"]
+    with warnings.catch_warnings():  # torch 2.13 announces a change to this slicing; the GPU image's 2.11 has no other
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")
+        return dm["dp", "cp_ep"], dm["dp", "cp"]
 
 
 @torch.no_grad()
@@ -142,7 +144,8 @@ def add_grad(param: torch.nn.Parameter, full_grad: torch.Tensor) -> None:
             padded = full_grad.new_zeros((chunk * n, *full_grad.shape[1:]))
             padded[: full_grad.shape[0]] = full_grad
             out = full_grad.new_empty((chunk, *full_grad.shape[1:]))
-            dist.reduce_scatter_tensor(out, padded, group=group)
+            scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # the new name since torch 2.13
+            scatter(out, padded, group=group)
             full_grad = out[: local_shape[0]]
         else:
             raise NotImplementedError(f"deferred gradient for placement {placement}")
