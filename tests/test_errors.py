@@ -362,6 +362,7 @@ TOOL_CASES = [  # (id, command line, what the one line must name)
     ("eval-config-list", "eval {hf_list} --tokens {tokens}", "config.json holds a JSON list"),
     ("eval-config-type", "eval {hf_four} --tokens {tokens}", "num_hidden_layers='four' (str): expected int; fix config.json"),
     ("eval-seq-len-too-long", "eval {hf} --tokens {data} --seq-len 100000", "max_position_embeddings"),
+    ("convert-tensor-missing", "convert {hf_short} {tools}/c", "hf_short: HF checkpoint is missing model."),
     ("eval-max-tokens-zero", "eval {hf} --tokens {data} --max-tokens 0", "--max-tokens 0: must be at least 2"),
     ("eval-uint64-id", "eval {hf} --tokens {tokens_u64}", f"token id {2**63 + 5} is outside"),
     ("eval-other-tokenizer-hf", "eval {hf_tok} --tokens {data_tok_b}", "hf_tok/tokenizer.json (their SHA-256 differ)"),
@@ -390,6 +391,7 @@ def tool_env(env):
     datasets of it and of another, the user's own meta.json and tokenizer.json, metrics files with bad values."""
     from pithtrain.train import checkpoint as ckpt
     from pithtrain.train.data import TokenDataset, write_dataset
+    from safetensors.torch import load_file, save_file
 
     out, tools = dict(env), env["tmp"] / "tools"
     tools.mkdir()
@@ -404,6 +406,8 @@ def tool_env(env):
         (copy(env["hf"], name) / "config.json").write_text(json.dumps(content))
     (copy(env["hf"], "hf_noconfig") / "config.json").unlink()
     (copy(env["hf"], "hf_noweights") / "model.safetensors").unlink()
+    weights = load_file(env["hf"] / "model.safetensors")
+    save_file({k: v for k, v in weights.items() if k != max(weights)}, copy(env["hf"], "hf_short") / "model.safetensors")
     for meta in copy(env["tmp"] / "run_good", "run_nometa").glob("checkpoints/*/meta.json"):
         meta.unlink()
     out["dst_link"] = tools / "dst_link"
@@ -454,7 +458,7 @@ def test_convert_overwrite_keeps_the_old_output_when_a_rename_fails(tool_env):
     tools = tool_env["tools"]
     for src, dst in ((tool_env["hf"], tools / "ow_ck"), (tool_env["tmp"] / "run_good", tools / "ow_hf")):
         assert run_case(tool_env, "ow", f"convert {src} {dst}")[0] == 0
-        (dst / "mine.txt").write_text("the old DST")
+        (dst / "model-00009-of-00009.safetensors").write_text("the old DST")  # a stale shard: replaced
         before = {p.name: p.read_bytes() for p in dst.iterdir()}
         rename = os.rename
         for failing in (dst, dst.with_name(dst.name + ".tmp")):  # moving the old aside, or renaming the new in
@@ -471,7 +475,7 @@ def test_convert_overwrite_keeps_the_old_output_when_a_rename_fails(tool_env):
             assert {p.name: p.read_bytes() for p in dst.iterdir()} == before
             assert [p.name for p in tools.iterdir() if dst.name in p.name] == [dst.name]
         assert run_case(tool_env, "ow", f"convert {src} {dst} --overwrite")[0] == 0
-        assert not (dst / "mine.txt").exists() and [p.name for p in tools.iterdir() if dst.name in p.name] == [dst.name]
+        assert not (dst / "model-00009-of-00009.safetensors").exists() and [p.name for p in tools.iterdir() if dst.name in p.name] == [dst.name]
 
 
 @pytest.mark.fast

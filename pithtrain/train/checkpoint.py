@@ -402,7 +402,10 @@ def load_model(path: str | Path):
     path = Path(path)
     if is_hf_dir(path):
         model = model_config(path).build_model()
-        model.load_hf_state_dict(read_hf_state(path))
+        try:
+            model.load_hf_state_dict(read_hf_state(path))
+        except UserError as e:  # a missing, extra or misshapen tensor: which directory
+            raise UserError(f"{path}: {e}") from None
         return model
     ck = resolve_checkpoint(path)
     model = model_config(ck).build_model()
