@@ -461,7 +461,8 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
         (o.warmup_steps > t.steps, f"optim.warmup_steps={o.warmup_steps} > train.steps={t.steps}: the lr never reaches optim.lr"),
         (changed(t, "lb_type") and t.lb_coef == 0, "train.lb_type has no effect with train.lb_coef=0 (no load-balance loss)"),
         (changed(t, "mtp_coef") and not getattr(config.model, "num_nextn_predict_layers", 0),
-         "train.mtp_coef has no effect without multi-token prediction layers (model.num_nextn_predict_layers=0)"),
+         "train.mtp_coef has no effect without multi-token prediction layers (" + ("model.num_nextn_predict_layers=0)" if
+         "num_nextn_predict_layers" in {f.name for f in dataclasses.fields(config.model)} else f"{config.model.model_type} has none)")),
         (changed(t, "keep_checkpoints") and t.checkpoint_every == -1,
          "train.keep_checkpoints has no effect with train.checkpoint_every=-1 (no checkpoints)"),
         (changed(t, "seed") and bool(t.init_from), "train.seed initialises the weights that train.init_from replaces"),
@@ -552,7 +553,8 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     model_parallel = p.pp * p.cp * p.ep
     _check(world_size % model_parallel == 0,
            f"mesh pp={p.pp} x cp={p.cp} x ep={p.ep} = {model_parallel} does not divide the {world_size} processes; "
-           f"choose --nproc as a multiple of {model_parallel}, or lower parallel.pp, parallel.cp or parallel.ep")
+           f"choose --nproc as a multiple of {model_parallel} (torchrun: its --nnodes x --nproc-per-node), or lower "
+           "parallel.pp, parallel.cp or parallel.ep")
     dp = world_size // model_parallel
     num_experts = config.model.num_routed_experts()
     _check(num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide the {num_experts} experts; "

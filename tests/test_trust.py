@@ -92,7 +92,8 @@ def test_options_without_effect_are_warned_about(tmp_path, dataset_dir, capsys):
         ("optim", "warmup_steps", 7, {}, "optim.warmup_steps"),  # train.steps=6
         ("train", "lb_type", "global", {"train.lb_coef": 0.0}, "train.lb_type"),
         ("train", "keep_checkpoints", 5, {"train.checkpoint_every": -1}, "train.keep_checkpoints"),
-        ("train", "mtp_coef", 0.1, {}, "train.mtp_coef"),  # a Qwen3-MoE model: no MTP layers
+        ("train", "mtp_coef", 0.1, {}, "train.mtp_coef has no effect without multi-token prediction layers (qwen3_moe "
+         "has none)"),  # a Qwen3-MoE model: no MTP layers, nor a field for them
         ("train", "seed", 3, {"train.init_from": str(tmp_path)}, "train.seed"),
         ("data", "eval_path", str(dataset_dir), {}, "data.eval_path"),
         ("data", "eval_samples", 8, {}, "data.eval_samples=8"),
