@@ -560,7 +560,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide the {num_experts} experts; "
            f"choose ep among the divisors of {num_experts}")
     data_ranks = dp * p.ep  # cp ranks share samples; ep ranks hold different samples
-    fits = [m for m in range(t.micro_batch_size, 0, -1) if t.global_batch_size % (m * data_ranks) == 0]
+    fits = [m for m in range(min(t.micro_batch_size, 1024), 0, -1) if t.global_batch_size % (m * data_ranks) == 0]
     _check(t.global_batch_size % (t.micro_batch_size * data_ranks) == 0,
            f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size "
            f"({t.micro_batch_size}) x data-parallel ranks ({data_ranks} = dp {dp} x ep {p.ep}); use a multiple of "

@@ -259,10 +259,10 @@ class DeepseekV3Config(DeepseekV2Config):
             if getattr(self, name) != value:
                 raise ConfigError(f"model.{name}={getattr(self, name)!r}: deepseek_v3 routes with {name}={value!r} "
                                   f"(what HF's DeepseekV3 does); use DeepseekV2Config (deepseek_v2) for other routing")
-        if self.moe_layer_freq != 1 or self.n_routed_experts < 1:
-            raise ConfigError(f"model.moe_layer_freq={self.moe_layer_freq}, n_routed_experts={self.n_routed_experts}: "
-                              "deepseek_v3 makes every layer from first_k_dense_replace on MoE (transformers' too); set "
-                              "moe_layer_freq=1 and n_routed_experts >= 1 (first_k_dense_replace: the dense layers)")
+        for name, ok in (("moe_layer_freq", self.moe_layer_freq == 1), ("n_routed_experts", self.n_routed_experts >= 1)):
+            if not ok:
+                raise ConfigError(f"model.{name}={getattr(self, name)}: deepseek_v3 makes every layer from first_k_dense_"
+                                  "replace on MoE (transformers' too); set moe_layer_freq=1 and n_routed_experts >= 1")
         if not 0 <= self.num_nextn_predict_layers <= 8:
             raise ConfigError(f"model.num_nextn_predict_layers={self.num_nextn_predict_layers}: must be in [0, 8] "
                               f"(DeepSeek-V3 uses 1; 0 turns multi-token prediction off)")
