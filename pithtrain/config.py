@@ -279,14 +279,15 @@ def _parse_value(text: str, annotation: Any, name: str) -> Any:
         except ValueError:
             raise ConfigError(f"--set {name}={text}: expected {annotation.__name__}") from None
     if origin in (list, tuple) or annotation is Any:
+        example = '["embed*"]' if str in typing.get_args(annotation) else "[0,3]"
         try:
             value = json.loads(text, object_pairs_hook=lambda pairs: _unique(pairs, name))
         except json.JSONDecodeError:
             if annotation is Any:
                 return text
-            raise ConfigError(f"--set {name}={text}: expected a JSON list such as [0,3]") from None
+            raise ConfigError(f"--set {name}={text}: expected a JSON list such as {example}") from None
         if origin in (list, tuple) and not isinstance(value, list):
-            raise ConfigError(f"--set {name}={text}: expected a JSON list such as [0,3]")
+            raise ConfigError(f"--set {name}={text}: expected a JSON list such as {example}")
         return value
     raise ConfigError(f"--set {name}: a {getattr(annotation, '__name__', annotation)} cannot be set from the command "
                       "line; set it in the run file")
@@ -453,12 +454,15 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
     def changed(section, name):
         return getattr(section, name) != _default(next(f for f in dataclasses.fields(section) if f.name == name))
 
+    decay = max(1, round(o.decay_fraction * t.steps))  # wsd's decay steps (train/optim.lr_at)
     found = [
         (changed(o, "decay_fraction") and o.schedule != "wsd", f"optim.decay_fraction applies only to optim.schedule=wsd (not {o.schedule})"),
         (changed(o, "min_lr_ratio") and o.schedule == "constant", "optim.min_lr_ratio has no effect with optim.schedule=constant"),
         (changed(o, "momentum") and o.name == "adamw", "optim.momentum is Muon's; optim.name=adamw does not use it"),
         (changed(o, "muon_exclude") and o.name == "adamw", "optim.muon_exclude is Muon's; optim.name=adamw does not use it"),
         (o.warmup_steps > t.steps, f"optim.warmup_steps={o.warmup_steps} > train.steps={t.steps}: the lr never reaches optim.lr"),
+        (o.schedule == "wsd" and t.steps - decay < o.warmup_steps <= t.steps,
+         f"optim.warmup_steps={o.warmup_steps} runs into wsd's decay (the last {decay} steps): the lr falls from its peak at once"),
         (changed(t, "lb_type") and t.lb_coef == 0, "train.lb_type has no effect with train.lb_coef=0 (no load-balance loss)"),
         (changed(t, "mtp_coef") and not getattr(config.model, "num_nextn_predict_layers", 0),
          "train.mtp_coef has no effect without multi-token prediction layers (" + ("model.num_nextn_predict_layers=0)" if
@@ -598,6 +602,6 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(0 < o.decay_fraction <= 1, f"optim.decay_fraction={o.decay_fraction}: must be in (0, 1]")
     _check(o.weight_decay >= 0, f"optim.weight_decay={o.weight_decay}: must be >= 0")
     _check(o.grad_clip >= 0, f"optim.grad_clip={o.grad_clip}: must be >= 0 (0 disables clipping)")
-    _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+    _check(0 <= o.beta1 < 1 and 0 <= o.beta2 < 1, f"optim.beta1={o.beta1}, optim.beta2={o.beta2}: both must be in [0, 1)")
     _check(o.name in ("adamw", "muon"), f"optim.name={o.name!r}: use adamw or muon")
     _check(0 <= o.momentum < 1, f"optim.momentum={o.momentum}: must be in [0, 1)")

@@ -73,6 +73,11 @@ def test_round_trip(tmp_path, vocab_size, eos_id):
         assert span == list(doc) + ([] if eos_id is None else [eos_id])
     assert ds.tokenizer_file is None
     assert (tmp_path / "ds" / "tokens.bin").stat().st_size == len(tokens) * ds.tokens.dtype.itemsize
+    meta_file = tmp_path / "ds" / "meta.json"  # emptied by hand: said in words, not numpy's about mmap
+    meta_file.write_text(json.dumps(dict(json.loads(meta_file.read_text()), num_tokens=0)))
+    (tmp_path / "ds" / "tokens.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="ds holds no tokens"):
+        TokenDataset(tmp_path / "ds")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]  # no temp dir left behind
 
 

@@ -537,9 +537,14 @@ TRUST_CASES = [  # (id, command line, what the one line must name)
      "optim.muon_exclude"),
     ("profile-step-past-end", "train {cfg} --set train.profile_step=3", "train.profile_step=3: there is no such step"),
     ("profile-step-negative", "train {cfg} --set train.profile_step=-1", "train.profile_step=-1"),
+    ("profile-step-before-resume", "train {cfg} --out {run_profile} --set train.profile_step=1", "resumes after step 1"),
     ("timeout-huge", "train {cfg} --set parallel.timeout_s=1e300", "parallel.timeout_s"),
     ("eval-path-is-data-path", "train {cfg} --set train.eval_every=1 --set data.eval_path={data}", "data.eval_on_train=true"),
-    ("eval-path-copy-of-data", "train {cfg} --set train.eval_every=1 --set data.eval_path={data_copy}", "is the training dataset"),
+    ("eval-path-copy-of-data", "train {cfg} --set train.eval_every=1 --set data.eval_path={data_copy}", "is a training dataset"),
+    ("eval-path-in-blend", "train {cfg} --set 'data.path=[1,\"{data_tok}\",1,\"{data_tok_2}\"]' --set train.eval_every=1 "
+     "--set data.eval_path={data_tok_2}", "is a training dataset"),
+    ("eval-path-blend-other-tokenizer", "train {cfg} --set 'data.path=[1,\"{data_tok}\",1,\"{data_tok_2}\"]' --set "
+     "train.eval_every=1 --set data.eval_path={data_tok_other}", "tokenize it with --tokenizer"),
     ("eval-path-other-tokenizer", "train {cfg} --set data.path={data_tok} --set train.eval_every=1 --set data.eval_path={data_tok_other}",
      "another tokenizer"),
     ("wandb-no-credentials", "train {cfg} --set train.wandb_project=moe", "WANDB_MODE=offline"),
@@ -618,13 +623,13 @@ def trust_env(env):
 
     tmp = env["tmp"]
     out = dict(env)
-    for name, tokenizer in (("data_tok", "tokenizer A"), ("data_tok_other", "tokenizer B")):
+    for name, tokenizer in (("data_tok", "tokenizer A"), ("data_tok_other", "tokenizer B"), ("data_tok_2", "tokenizer A")):
         (tmp / f"{name}.json").write_text(json.dumps({"stand-in": tokenizer}))
         out[name] = tmp / name
         write_dataset(out[name], markov_docs(np.random.default_rng(len(name)), 64, 80), vocab_size=64, eos_id=0,
                       tokenizer_file=str(tmp / f"{name}.json"))
     out["data_copy"] = shutil.copytree(env["data"], tmp / "data_copy")
-    for name in ("run_held", "run_meta_edited", "run_full_rt", "run_rofs"):
+    for name in ("run_held", "run_meta_edited", "run_full_rt", "run_rofs", "run_profile"):
         out[name] = shutil.copytree(tmp / "run_good", tmp / name)
     meta = out["run_meta_edited"] / "checkpoints/step_00000001/meta.json"
     text = meta.read_text()

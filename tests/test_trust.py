@@ -73,7 +73,7 @@ def test_eval_path_checks_and_the_opt_in(tmp_path, dataset_dir, capsys):
     config = write_run_file(tmp_path / "tiny.py", dataset_dir, "CONFIG.train.eval_every = 1\n"
                             f"CONFIG.data.eval_path = {str(dataset_dir)!r}\n")
     _, err = cli(["train", config, "--dry-run", "--out", tmp_path / "run"], capsys, code=2)
-    one_line_error(err, "is the training dataset", "data.eval_on_train=true")
+    one_line_error(err, "is a training dataset", "data.eval_on_train=true")
     out, _ = cli(["train", config, "--dry-run", "--out", tmp_path / "run", "--set", "data.eval_on_train=true"], capsys)
     assert "dry run ok" in out and not out.startswith("warning")
 
@@ -90,6 +90,7 @@ def test_options_without_effect_are_warned_about(tmp_path, dataset_dir, capsys):
         ("optim", "momentum", 0.9, {}, "optim.momentum"),
         ("optim", "muon_exclude", ["lm_head.*"], {}, "optim.muon_exclude"),
         ("optim", "warmup_steps", 7, {}, "optim.warmup_steps"),  # train.steps=6
+        ("optim", "warmup_steps", 6, {"optim.schedule": "wsd"}, "optim.warmup_steps=6 runs into wsd's decay (the last 1"),
         ("train", "lb_type", "global", {"train.lb_coef": 0.0}, "train.lb_type"),
         ("train", "keep_checkpoints", 5, {"train.checkpoint_every": -1}, "train.keep_checkpoints"),
         ("train", "mtp_coef", 0.1, {}, "train.mtp_coef has no effect without multi-token prediction layers (qwen3_moe "
@@ -112,8 +113,15 @@ def test_options_without_effect_are_warned_about(tmp_path, dataset_dir, capsys):
     where_they_act.optim.name, where_they_act.optim.momentum = "muon", 0.9
     where_they_act.optim.schedule, where_they_act.optim.decay_fraction = "wsd", 0.3
     where_they_act.train.eval_every, where_they_act.data.eval_samples = 2, 8
-    where_they_act.optim.warmup_steps = 6  # the lr reaches optim.lr at the last step
+    where_they_act.optim.warmup_steps = 4  # wsd's decay: the last 2 of the 6 steps
     assert ignored_options(where_they_act) == [] and ignored_options(base, world_size=2) == []
+    base.optim.warmup_steps = 6  # cosine: the lr reaches optim.lr at the last step
+    assert ignored_options(base) == []
+    from pithtrain.train.loop import check_muon_takes_some
+
+    base.optim.name, base.optim.muon_exclude = "muon", ["embed_tokens.*", "embed_token.*", "*norm*"]
+    check_muon_takes_some(base, echo=True)  # a pattern that matches nothing (a typo) is said, the others not
+    assert "warning: optim.muon_exclude ['embed_token.*'] match no parameter" in capsys.readouterr().out
     hsdp = tiny_config(dataset_dir)
     hsdp.parallel.hsdp = True
     assert ignored_options(hsdp, world_size=2) == []  # dp=2: replicas to replicate over

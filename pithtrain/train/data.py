@@ -200,6 +200,8 @@ class TokenDataset:
             kind = "truncated" if size < expected else "larger than expected"
             raise ValueError(f"{tokens_path} is {kind} (size mismatch: {size} bytes, meta.json says {self.num_tokens} "
                              f"{dtype.name} tokens = {expected} bytes); {_RETOKENIZE}")
+        if not self.num_tokens:  # np.memmap refuses an empty file with words about mmap
+            raise ValueError(f"{self.path} holds no tokens (meta.json says 0); {_RETOKENIZE} from some text")
         self.tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(self.num_tokens,))
 
         offsets_path = self.path / OFFSETS_FILE
@@ -238,7 +240,7 @@ class TokenDataset:
                             f"{self.max_token_id}: the files do not belong together; {_RETOKENIZE}")
         if self.max_token_id >= model_vocab_size:
             raise UserError(f"dataset {self.path} contains token id {self.max_token_id} but the model's vocab_size is "
-                            f"{model_vocab_size}; set model vocab_size >= {self.max_token_id + 1} (the tokenizer's "
+                            f"{model_vocab_size}; set model.vocab_size >= {self.max_token_id + 1} (the tokenizer's "
                             f"vocab_size is {self.vocab_size}) or re-tokenize with a smaller tokenizer")
 
     def __repr__(self) -> str:

@@ -17,6 +17,7 @@ import os
 import shutil
 import tempfile
 import time
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,8 +27,8 @@ import torch.utils.checkpoint
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 
-from pithtrain.config import (ConfigError, RunConfig, UserError, data_parts, disk_error, ignored_options, read_json,
-                               run_dict, runs_dualpipev, validate)
+from pithtrain.config import (MUON_EXCLUDE, ConfigError, RunConfig, UserError, data_parts, disk_error, ignored_options,
+                               read_json, run_dict, runs_dualpipev, validate)
 from pithtrain.models.routing import update_correction_bias
 from pithtrain.ops.fp8 import enable_fp8
 from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
@@ -469,7 +470,7 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
         least = next(n for n in range(layers, 4 * pp) if not ranks_without_layers(n, pp))
         raise UserError(f"parallel.pp={pp}: with model.num_hidden_layers={layers} pipeline rank(s) "
                         f"{', '.join(map(str, idle))} hold no layer; use at least {least} layers or fewer stages")
-    check_muon_takes_some(config)
+    check_muon_takes_some(config, echo)
     found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None,
                                set_aside=create and echo)
     logged, n = out_dir / "metrics.jsonl", 1
@@ -546,12 +547,17 @@ def check_model_size(model_cfg) -> None:
                         f"({sizes}); fix it")
 
 
-def check_muon_takes_some(config: RunConfig) -> None:
-    """optim.name=muon with every matrix excluded by optim.muon_exclude would be an AdamW run."""
+def check_muon_takes_some(config: RunConfig, echo: bool = False) -> None:
+    """optim.name=muon with every matrix excluded by optim.muon_exclude would be an AdamW run; a pattern that
+    matches no parameter (a typo) is said."""
     if config.optim.name != "muon":
         return
     with torch.device("meta"):  # names and shapes, without memory
         params = list(config.model.build_model().named_parameters())
+    unused = [pat for pat in config.optim.muon_exclude if pat not in MUON_EXCLUDE  # the defaults cover every family
+              and not any(fnmatchcase(name, pat) for name, _ in params)]
+    if echo and unused:
+        print(f"warning: optim.muon_exclude {unused} match no parameter (names are like {params[-1][0]}): a typo?", flush=True)
     if not any(takes_muon(name, p, config.optim.muon_exclude) for name, p in params):
         raise ConfigError(f"optim.name=muon, but optim.muon_exclude={config.optim.muon_exclude} excludes every weight "
                           "matrix: the run would be AdamW; narrow optim.muon_exclude or set optim.name=adamw")
@@ -569,14 +575,16 @@ def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, n
         dataset.check_vocab(config.model.vocab_size)
     except (OSError, ValueError) as e:
         raise UserError(f"data.eval_path={d.eval_path!r}: {e}") from None
-    ours, theirs = loader.dataset.identity, dataset.identity
-    if not d.eval_on_train and (theirs["path"] == ours["path"] or theirs["content_sha256"] == ours["content_sha256"]):
-        raise UserError(f"data.eval_path={d.eval_path!r} is the training dataset (data.path={d.path!r}): its loss "
+    ours, theirs = loader.dataset.identity, dataset.identity  # a blend's: the first dataset's (one tokenizer)
+    trained = [part.dataset.identity for part in getattr(loader, "parts", [loader])]  # each dataset of a blend
+    if not d.eval_on_train and any(theirs["path"] == t["path"] or theirs["content_sha256"] == t["content_sha256"]
+                                   for t in trained):
+        raise UserError(f"data.eval_path={d.eval_path!r} is a training dataset (data.path={d.path!r}): its loss "
                         "would be a training loss; use a held-out dataset, data.eval_samples=N without data.eval_path, "
                         "or set data.eval_on_train=true to evaluate on the training data")
     if None not in (theirs["tokenizer_sha256"], ours["tokenizer_sha256"]) and theirs["tokenizer_sha256"] != ours["tokenizer_sha256"]:
         raise UserError(f"data.eval_path={d.eval_path!r} was tokenized with another tokenizer than data.path={d.path!r} "
-                        f"(their tokenizer.json differ); tokenize it with --tokenizer {Path(d.path) / 'tokenizer.json'}")
+                        f"(their tokenizer.json differ); tokenize it with --tokenizer {ours['path']}/tokenizer.json")
     total = (dataset.num_tokens - 1) // d.seq_len
     n = d.eval_samples or total // batch * batch
     if not 0 < n <= total:
@@ -674,6 +682,9 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
         if value is not None and value < step:
             raise UserError(f"the run is already at step {step} ({checkpoint}), past {name}={value}; give "
                             f"{name} >= {step} or train into a new --out")
+    if 0 < config.train.profile_step <= step:  # else silently never taken
+        raise UserError(f"train.profile_step={config.train.profile_step}: the run resumes after step {step} ({checkpoint}); "
+                        f"give a later step")
     if changed.pop("train.init_from", None) and echo:  # a resume loads its own checkpoint, never init_from's
         print(f"note: train.init_from is not used: the run resumes from its own {checkpoint}; train into a new --out "
               "to start from it", flush=True)
