@@ -309,7 +309,9 @@ def test_estimate_memory_matches_the_measured_h200_peaks_and_fails_clearly():
     four = ["model.num_hidden_layers=4", "train.micro_batch_size=2"]
     one_gpu = [
         (qwen, ["train.micro_batch_size=2"], 58.7),  # line 135 (H100)
+        (qwen, ["train.micro_batch_size=4"], 65.7),  # line 137 (H100)
         (qwen, ["train.micro_batch_size=4", "model.num_hidden_layers=9"], 129.3),  # line 130 (H200)
+        (ds, four, 43.9),  # line 138 (H100)
         (ds, ["train.micro_batch_size=4", "model.num_hidden_layers=10"], 124.6),  # line 131 (H200)
     ]
     # two GPUs (ep2, 8 micro-batches per GPU): peaks of 2026-11-30, before the changes that took ~4% off the one-GPU

@@ -16,7 +16,7 @@ from pithtrain.parallel.pipeline import rank_chunks, split_layers
 
 GIB = 2**30
 # Fitted (least squares, relative) to the one-GPU peaks since the loss's gradient went over the logits and the
-# residual stream went bf16 (tests/test_skills.py's shapes, docs/performance.md Memory): within 1%.
+# residual stream went bf16 (tests/test_skills.py's five shapes, docs/performance.md Memory): within 1.7%.
 ACTIVATION_FACTOR = 0.90  # on layer_activation_bytes
 HEAD_BYTES_PER_LOGIT = 2.3  # per token and vocabulary entry: the bf16 logits, their gradient in place, the loss's chunks
 # 2 H200s, ep2, three widths: 0.12 kept the fit before those changes 4-15% above the peaks then; raised to stay
