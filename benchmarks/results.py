@@ -1,6 +1,7 @@
 """Append one benchmark result to benchmarks/results.jsonl: date, machine, commit, command and figures.
 
-The GPU machine gets a copy of the tree without .git: pass the commit as PITHTRAIN_COMMIT; write
+The GPU machine gets a copy of the working tree whose git, if any, may name an older commit than the files
+hold: pass this machine's `git rev-parse --short HEAD` there as PITHTRAIN_COMMIT (not a rev-parse run there); write
 elsewhere with PITHTRAIN_RESULTS (e.g. $OUT/results.jsonl, appended to the repository's file after).
 """
 
