@@ -206,6 +206,8 @@ def test_read_errors(tmp_path):
 
     with pytest.raises(ValueError, match="fewer than one global batch of 1000"):
         BatchLoader(ds, 8, 1000, seed=0)
+    with pytest.raises(ValueError, match="not one sample: in a blend .* leave it out of the blend"):
+        BatchLoader(ds, 10**6, 1, seed=0, stream=(1,))  # a blend's dataset: no global batch of its own to shrink
 
     tokens_file = ds.path / "tokens.bin"
     tokens_file.write_bytes(tokens_file.read_bytes()[:-2])

@@ -268,8 +268,10 @@ class BatchLoader:
             raise ValueError(
                 f"{dataset.path}: its {dataset.num_tokens} tokens give {self.num_samples + held_out} samples of seq_len {seq_len}"
                 + (f", {held_out} of them held out for eval (data.eval_samples)," if held_out else ",")
-                + f" fewer than one global batch of {global_batch_size} left to train on; "
-                "use more data or a smaller data.seq_len / train.global_batch_size" + (" / data.eval_samples" if held_out else "")
+                + (f" fewer than one global batch of {global_batch_size} left to train on; use more data or a smaller "
+                   "data.seq_len / train.global_batch_size" + (" / data.eval_samples" if held_out else "") if not stream else
+                   " not one sample: in a blend (data.path) it needs one; use more data or a smaller data.seq_len, or "
+                   "leave it out of the blend")
             )
         self._perms: dict[int, np.ndarray] = {}  # at most two epochs: a batch can straddle a boundary
 
