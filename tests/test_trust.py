@@ -76,6 +76,9 @@ def test_eval_path_checks_and_the_opt_in(tmp_path, dataset_dir, capsys):
     one_line_error(err, "is a training dataset", "data.eval_on_train=true")
     out, _ = cli(["train", config, "--dry-run", "--out", tmp_path / "run", "--set", "data.eval_on_train=true"], capsys)
     assert "dry run ok" in out and not out.startswith("warning")
+    _, err = cli(["train", config, "--dry-run", "--out", tmp_path / "run", "--set", "data.eval_on_train=true", "--set",
+                  "data.eval_samples=65536"], capsys, code=2)  # more than the eval set holds: the fix says how many
+    one_line_error(err, "fewer than data.eval_samples=65536; use a larger eval set, or data.eval_samples of at most")
 
 
 @pytest.mark.fast

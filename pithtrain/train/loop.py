@@ -589,8 +589,8 @@ def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, n
     n = d.eval_samples or total // batch * batch
     if not 0 < n <= total:
         raise UserError(f"data.eval_path={d.eval_path!r}: {total} samples of {d.seq_len} tokens, fewer than "
-                        f"{f'data.eval_samples={n}' if d.eval_samples else f'one global batch ({batch})'}; "
-                        "use a larger eval set or set data.eval_samples lower")
+                        f"{f'data.eval_samples={n}' if d.eval_samples else f'one global batch ({batch})'}; use a larger "
+                        f"eval set, or data.eval_samples of at most {total} (a multiple of the micro-batches)")
     return BatchLoader(dataset, d.seq_len, 1, 0, d.pack_documents), np.arange(n)
 
 
