@@ -273,7 +273,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="HF directory <-> PithTrain checkpoint (direction from SRC)")
     p.add_argument("src", help="HF directory (config.json + safetensors), checkpoint, or run directory")
     p.add_argument("dst", help="output: a checkpoint directory (from HF) or an HF directory (from PithTrain)")
-    p.add_argument("--overwrite", action="store_true", help="replace DST if it exists (never SRC or a directory holding it)")
+    p.add_argument("--overwrite", action="store_true", help="replace DST if it is an HF export or checkpoint (never SRC, "
+                   "a directory holding it, or other files)")
     p.add_argument("--no-tokenizer", action="store_true", help="to HF: export the model alone, without the run's tokenizer")
     p.set_defaults(func=_cmd_convert)
 
