@@ -279,7 +279,7 @@ def _parse_value(text: str, annotation: Any, name: str) -> Any:
         except ValueError:
             raise ConfigError(f"--set {name}={text}: expected {annotation.__name__}") from None
     if origin in (list, tuple) or annotation is Any:
-        example = '["embed*"]' if str in typing.get_args(annotation) else "[0,3]"
+        example = '["embed*"]' if str in args else "[0,3]"
         try:
             value = json.loads(text, object_pairs_hook=lambda pairs: _unique(pairs, name))
         except json.JSONDecodeError:
@@ -369,6 +369,12 @@ def check_positive(obj: Any, names: str, prefix: str = "model.") -> None:
         value = getattr(obj, name)
         if value is not None and not value > 0:
             raise ConfigError(f"{prefix}{name}={value}: must be > 0")
+
+
+def check_numbers(mapping: dict, field: str, skip: str = "type") -> None:
+    """Each value of a dict field (RoPE settings) is a number or None; keys containing `skip` are names."""
+    if text := next((k for k, v in mapping.items() if skip not in k and not isinstance(v, (int, float, type(None)))), None):
+        raise ConfigError(f"{field}['{text}']={mapping[text]!r}: must be a number")
 
 
 def runs_dualpipev(config: RunConfig, world_size: int) -> bool:
@@ -564,12 +570,12 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     _check(num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide the {num_experts} experts; "
            f"choose ep among the divisors of {num_experts}")
     data_ranks = dp * p.ep  # cp ranks share samples; ep ranks hold different samples
-    fits = [m for m in range(min(t.micro_batch_size, 1024), 0, -1) if t.global_batch_size % (m * data_ranks) == 0]
-    _check(t.global_batch_size % (t.micro_batch_size * data_ranks) == 0,
-           f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size "
-           f"({t.micro_batch_size}) x data-parallel ranks ({data_ranks} = dp {dp} x ep {p.ep}); use a multiple of "
-           f"{t.micro_batch_size * data_ranks}" + (f", or train.micro_batch_size={fits[0]} (a resumed run keeps its "
-                                                   "global batch)" if fits else ""))
+    if t.global_batch_size % (t.micro_batch_size * data_ranks):
+        fits = [m for m in range(min(t.micro_batch_size, 1024), 0, -1) if t.global_batch_size % (m * data_ranks) == 0]
+        raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size "
+                          f"({t.micro_batch_size}) x data-parallel ranks ({data_ranks} = dp {dp} x ep {p.ep}); use a "
+                          f"multiple of {t.micro_batch_size * data_ranks}" + (f", or train.micro_batch_size={fits[0]} "
+                                                                           "(a resumed run keeps its global batch)" if fits else ""))
     _check(not t.init_from or os.path.exists(t.init_from),  # False, not an error, for a name too long
            f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''")
     _check(d.eval_samples % (t.micro_batch_size * data_ranks) == 0,

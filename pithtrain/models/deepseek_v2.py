@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError, UserError, check_positive
+from pithtrain.config import ConfigError, UserError, check_numbers, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
@@ -163,8 +163,7 @@ class DeepseekV2Config:
                       f"{experts // groups} per group; use fewer groups")
         rope = self.rope_scaling or {}
         rope_type = rope.get("type", rope.get("rope_type", "default"))
-        text = next((k for k, v in rope.items() if "type" not in k and not isinstance(v, (int, float, type(None)))), None)
-        check(text is None, f"model.rope_scaling['{text}']={rope.get(text)!r}: must be a number")
+        check_numbers(rope, "model.rope_scaling")
         check(rope_type in ("default", "yarn"),
               f"model.rope_scaling type {rope_type!r} is not supported; use None (plain RoPE) or type 'yarn'")
         if rope_type == "yarn":

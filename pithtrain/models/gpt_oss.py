@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError, UserError, check_positive
+from pithtrain.config import ConfigError, UserError, check_numbers, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
 from pithtrain.ops import attention, kernels
 from pithtrain.ops.attention import sink_attention  # the SDPA path (CPU)
@@ -142,8 +142,7 @@ class GptOssConfig:
         check(self.swiglu_limit > 0, f"model.swiglu_limit={self.swiglu_limit}: must be > 0")
         rope = self.rope_parameters
         kind = rope.get("rope_type")
-        text = next((k for k, v in rope.items() if k != "rope_type" and not isinstance(v, (int, float, type(None)))), None)
-        check(text is None, f"model.rope_parameters['{text}']={rope.get(text)!r}: must be a number")
+        check_numbers(rope, "model.rope_parameters")
         check(kind in ("yarn", "default"), f"model.rope_parameters rope_type={kind!r}: use 'yarn' (GPT-OSS) or 'default'")
         check(rope.get("rope_theta", 0) > 0, "model.rope_parameters needs rope_theta > 0")
         if kind == "yarn":

@@ -1275,8 +1275,7 @@ def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: to
     if grad.numel():
         grid = (_cdiv(k_dim, cfg["BK"]) * _cdiv(m_dim, cfg["BM"]), experts)
         _wgrad_into_kernel[grid](x, dy, counts.cumsum(0).to(x.device, torch.int32), grad, *tds, experts, k_dim,
-                                 m_dim, x.stride(0), dy.stride(0), ASSIGN=assign, TMA=tma, HOST=host, REDUCE=reduce,
-                                 **cfg)
+                                 m_dim, x.stride(0), dy.stride(0), ASSIGN=assign, TMA=tma, HOST=host, REDUCE=reduce, **cfg)
     return grad
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 KV_TAG, GRAD_TAG = 0, 1  # the two rings of the backward share peers; tags keep their messages apart
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the new name since torch 2.13
 
 
 def zigzag_indices(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Tensor:
@@ -320,8 +321,7 @@ class _GatherSequence(torch.autograd.Function):
     def forward(ctx, x, cp: ContextParallel):
         ctx.cp = cp
         flat = torch.empty(cp.cp * x.numel(), dtype=x.dtype, device=x.device)
-        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the new name since torch 2.13
-        gather(flat, x.contiguous().flatten(), group=cp.group)  # gloo: flat output only
+        _all_gather(flat, x.contiguous().flatten(), group=cp.group)  # gloo: flat output only
         return zigzag_merge(list(flat.view(cp.cp, *x.shape).unbind(0)))
 
     @staticmethod

@@ -24,6 +24,8 @@ from pithtrain.ops.kernels import add_into
 from pithtrain.parallel.mesh import Mesh
 from pithtrain.protocol import all_layers
 
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # the new name since torch 2.13
+
 
 def expert_modules(model: torch.nn.Module):
     """Modules named `experts`: all their parameters are stacked with the expert index in dim 0."""
@@ -144,8 +146,7 @@ def add_grad(param: torch.nn.Parameter, full_grad: torch.Tensor) -> None:
             padded = full_grad.new_zeros((chunk * n, *full_grad.shape[1:]))
             padded[: full_grad.shape[0]] = full_grad
             out = full_grad.new_empty((chunk, *full_grad.shape[1:]))
-            scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)  # the new name since torch 2.13
-            scatter(out, padded, group=group)
+            _reduce_scatter(out, padded, group=group)
             full_grad = out[: local_shape[0]]
         else:
             raise NotImplementedError(f"deferred gradient for placement {placement}")
