@@ -13,11 +13,12 @@ caching allocator's retries, cudaMalloc and cudaFree calls a step, and the PithT
      --ab SWITCH[,SWITCH...]: arm A with the switches as set, then one arm per switch flipped, taking turns step
      by step; every arm's median and its ratio to A in one line)
 
-Model FLOPs per token = 6 * (active non-embedding parameters) + 6 * hidden * vocab (LM head)
-                        + 6 * layers * seq * head_dim * q_heads (causal attention, fwd+bwd)
-                        + 3 * the chunked Gated DeltaNet's forward FLOPs per token (Qwen3.5's linear layers:
-                          ops/delta_rule.chunked_flops, the matmuls of the chunked algorithm at chunk 64)
-                        + per MTP depth (--mtp): its layer as above and 6 * hidden * vocab for its pass through the head.
+Model FLOPs per token (pithtrain.train.metrics.flops_per_token, which the step line's TFLOP/s/GPU counts too):
+    6 * (active non-embedding parameters) + 6 * hidden * vocab (LM head)
+    + 6 * layers * seq * head_dim * q_heads (causal attention, fwd+bwd)
+    + 3 * the chunked Gated DeltaNet's forward FLOPs per token (Qwen3.5's linear layers: ops/delta_rule.chunked_flops,
+      the matmuls of the chunked algorithm at chunk 64)
+    + per MTP depth (--mtp): its layer as above and 6 * hidden * vocab for its pass through the head.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from results import record  # noqa: E402  (benchmarks/results.py: one JSON line per run)
+
+from pithtrain.train.metrics import flops_per_token  # noqa: E402  (re-exported for mfu_from_metrics.py)
 
 
 def matmul_peak_tflops(n: int = 8192, repeats: int = 20) -> float:
@@ -79,38 +82,6 @@ def family_config(family: str, layers: int):
     if family in ("gpt_oss", "qwen3_5"):
         cfg.layer_types = None  # the family's pattern over the new depth (sliding/full; 3 linear : 1 full)
     return cfg
-
-
-def flops_per_token(cfg, seq: int) -> float:
-    """6 x active non-embedding parameters (routed experts counted k/E) + causal attention (+ the gated
-    delta rule's chunked FLOPs for Qwen3.5's linear layers)."""
-    from pithtrain.ops.delta_rule import chunked_flops
-
-    with torch.device("meta"):
-        model = cfg.build_model()
-    active = 0.0
-    for name, p in model.named_parameters():
-        if name.startswith("embed_tokens"):
-            continue
-        share = cfg.num_experts_per_tok / cfg.num_routed_experts() if ".experts." in name else 1.0
-        active += p.numel() * share
-    heads = cfg.num_attention_heads
-    if cfg.model_type in ("deepseek_v2", "deepseek_v3"):
-        d_qk, d_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
-    else:
-        d_qk = d_v = getattr(cfg, "head_dim", None) or cfg.dim_per_head
-    attn = 0.0
-    # multi-token prediction (DeepSeek-V3): each depth is one more layer (its parameters are in `active`)
-    # and one more pass through the head (lm_head, counted once above)
-    active += cfg.num_nextn_predict_layers * cfg.hidden_size * cfg.vocab_size
-    for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
-        if cfg.model_type == "qwen3_5_moe_text" and cfg.layer_type(i) == "linear_attention":
-            attn += chunked_flops(1, seq, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim) / seq
-            continue
-        sliding = cfg.model_type == "gpt_oss" and cfg.layer_type(i) == "sliding_attention"
-        ctx = min(cfg.sliding_window, seq / 2) if sliding else seq / 2  # mean keys seen per query
-        attn += 2 * ctx * heads * (d_qk + d_v)  # QK^T and AV per token, forward
-    return 6 * active + 3 * attn
 
 
 # The caching allocator's calls that stall the GPU queue, counted a step: a retry (a failed allocation) frees the

@@ -31,6 +31,10 @@ def test_loss_falls_and_metrics_are_logged(tmp_path, dataset_dir):
     assert logged == history  # full-precision floats survive the JSON round trip
     for key in ("step", "loss", "lb_loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "peak_mem_bytes"):
         assert key in logged[0]
+    # TFLOP/s a GPU, counted by hand: a layer's q, k, v, o 1024 + 512 + 512 + 1024, q/k norms 16, two norms 64,
+    # router 128, experts 4 x 1536 at 2/4 active; final norm 32, head 2048; attention 3 x 2 x 16 keys x 4 heads x 16
+    flops = 6 * (2 * (3072 + 16 + 64 + 128 + 3072) + 32 + 2048) + 2 * 3 * 2 * 16 * 4 * 16
+    assert logged[3]["tflops_per_gpu"] == pytest.approx(logged[3]["tokens_per_s"] * flops / 1e12, rel=1e-9)
     assert [m["step"] for m in logged] == list(range(1, 26))
     assert 0.9 < logged[0]["lb_loss"] < 4  # E * sum f P is 1 when balanced, at most E
 
@@ -285,6 +289,9 @@ def test_progress_line_durations_and_tensorboard_tags(tmp_path):
     m = {"step": 7, "loss": 2.0, "eval_loss": 2.5, "lb_loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 2e3,
          "step_time_s": 0.1, "peak_mem_bytes": 2**30}
     line = format_line(m, 100, elapsed=75, eta=7384)
+    assert "| 2.0k tok/s | 0.100 s/step |" in line
+    line = format_line(dict(m, tflops_per_gpu=412.34), 100, elapsed=75, eta=7384)
+    assert "| 2.0k tok/s | 412.3 TFLOP/s/GPU | 0.100 s/step |" in line
     assert line.startswith("step 7/100 | loss 2.0000 | eval 2.5000 |") and line.endswith("| 1m15s elapsed, ETA 2h03m")
     assert [duration(s) for s in (0.2, 59.6, 3599, 36000)] == ["0s", "1m00s", "59m59s", "10h00m"]
     log, scalars = MetricsLog(tmp_path, tensorboard=False), []

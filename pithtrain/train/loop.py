@@ -42,7 +42,7 @@ from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, BlendLoader, TokenDataset, mtp_targets, open_training_data
 from pithtrain.train.debug import MemoryRecorder, NormLog, chosen_steps
-from pithtrain.train.metrics import MetricsLog, peak_memory_bytes, read_metrics
+from pithtrain.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, read_metrics
 from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step, takes_muon
 
 
@@ -173,6 +173,7 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
     t, device = config.train, run.mesh.device
     history, profiler, memory = [], None, None
     first_done = None  # (time, step) at the end of this run's first step: the ETA's rate excludes its warm-up
+    tflop_per_gpu = flops_per_token(config.model, config.data.seq_len) / run.mesh.world / 1e12  # a global token's share
     for step in range(run.start, run.end):
         if t.profile_step and step + 1 == t.profile_step:
             drain(device)  # the last step's optimizer may still run (train_step): keep it out of this step's trace
@@ -186,7 +187,8 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
         out = train_step(run, step, stop)
         dt = time.perf_counter() - t0
         m = {"step": step + 1, "loss": out.loss, **out.aux, "lr": out.lr, "grad_norm": out.grad_norm,
-             "tokens_per_s": out.n_tokens / dt, "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(device),
+             "tokens_per_s": out.n_tokens / dt,
+             "tflops_per_gpu": out.n_tokens / dt * tflop_per_gpu, "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(device),
              "tokens": out.n_label}
         if out.ep_balance is not None:
             m["ep_load_balance"] = out.ep_balance

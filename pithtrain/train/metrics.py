@@ -21,6 +21,32 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def flops_per_token(cfg, seq: int) -> float:
+    """Model FLOPs a token of a training step: 6 x active non-embedding parameters (routed experts counted k/E;
+    the LM head in, once a multi-token prediction depth) + causal attention (Qwen3.5's linear layers: the gated
+    delta rule's chunked FLOPs). What `tflops_per_gpu` and the benchmarks' MFU count."""
+    from pithtrain.ops.delta_rule import chunked_flops
+
+    with torch.device("meta"):
+        model = cfg.build_model()
+    active = sum(p.numel() * (cfg.num_experts_per_tok / cfg.num_routed_experts() if ".experts." in name else 1.0)
+                 for name, p in model.named_parameters() if not name.startswith("embed_tokens"))
+    active += cfg.num_nextn_predict_layers * cfg.hidden_size * cfg.vocab_size
+    if cfg.model_type in ("deepseek_v2", "deepseek_v3"):
+        d_qk, d_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
+    else:
+        d_qk = d_v = getattr(cfg, "head_dim", None) or cfg.dim_per_head
+    attn = 0.0
+    for i in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        if cfg.model_type == "qwen3_5_moe_text" and cfg.layer_type(i) == "linear_attention":
+            attn += chunked_flops(1, seq, cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim) / seq
+            continue
+        sliding = cfg.model_type == "gpt_oss" and cfg.layer_type(i) == "sliding_attention"
+        ctx = min(cfg.sliding_window, seq / 2) if sliding else seq / 2  # mean keys seen per query
+        attn += 2 * ctx * cfg.num_attention_heads * (d_qk + d_v)  # QK^T and AV per token, forward
+    return 6 * active + 3 * attn
+
+
 def duration(seconds: float) -> str:
     """45s, 3m05s, 2h03m."""
     s = int(max(seconds, 0) + 0.5)
@@ -35,7 +61,9 @@ def format_line(m: dict, total_steps: int, elapsed: float | None = None, eta: fl
             + (f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else "")
             + (f" | mtp {m['mtp_loss']:.4f}" if "mtp_loss" in m else "")
             + f" | lb {m['lb_loss']:.4f} | lr {m['lr']:.2e} | "
-            f"gnorm {m['grad_norm']:.3f} | {tps_text} tok/s | {m['step_time_s']:.3f} s/step | "
+            f"gnorm {m['grad_norm']:.3f} | {tps_text} tok/s"
+            + (f" | {m['tflops_per_gpu']:.1f} TFLOP/s/GPU" if "tflops_per_gpu" in m else "")
+            + f" | {m['step_time_s']:.3f} s/step | "
             f"mem {m['peak_mem_bytes'] / 2**30:.2f} GiB"
             + (f" | ep balance {m['ep_load_balance']:.2f}" if "ep_load_balance" in m else "") + progress)
 
