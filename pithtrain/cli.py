@@ -13,7 +13,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from pithtrain.config import UserError, config_help
+from pithtrain.config import ConfigError, UserError, config_help
 from pithtrain.models import families
 
 
@@ -328,7 +328,8 @@ def _main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, FloatingPointError) as e:
         if os.environ.get("PITHTRAIN_DEBUG"):
             raise
-        print(f"error: {' '.join(str(e).split())} (PITHTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
+        if not isinstance(e, ConfigError) or os.environ.get("LOCAL_RANK", "0") == "0":  # a config's error: once a node
+            print(f"error: {' '.join(str(e).split())} (PITHTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
     finally:
         sys.stdout = sys.stdout.stream

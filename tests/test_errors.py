@@ -334,6 +334,20 @@ def test_bad_input_ends_in_one_line(env, case_id, line, names):
         assert [p.name for p in (env["run_full"] / "checkpoints").iterdir()] == ["step_00000001"]
 
 
+@pytest.mark.fast
+def test_a_config_error_is_printed_once_a_node(env, monkeypatch):
+    """Under torchrun every rank meets the same config error: only each node's local rank 0 prints it. An error of
+    the rank itself (an unwritable --out) is still printed by every rank."""
+    lines = dict((c[0], c[1]) for c in CASES)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert run_case(env, "ep-zero", lines["ep-zero"]) == (2, "")
+    code, err = run_case(env, "out-empty", lines["out-empty"])
+    assert code == 2 and err.startswith("error: --out is empty"), err
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    code, err = run_case(env, "ep-zero", lines["ep-zero"])
+    assert code == 2 and err.startswith("error: parallel.ep"), err
+
+
 def test_end_to_end_exit_code_and_debug_traceback(env):
     lines = dict((c[0], c[1]) for c in CASES)
     base = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
