@@ -302,6 +302,22 @@ def test_progress_line_durations_and_tensorboard_tags(tmp_path):
     assert read_metrics(tmp_path / "metrics.jsonl")[0]["time"] == 1.7e9
 
 
+@pytest.mark.fast
+def test_cpu_peak_memory_is_the_steps_not_the_processes():
+    from pithtrain.train.metrics import peak_memory_bytes, reset_peak_memory
+
+    cpu = torch.device("cpu")
+    big = torch.ones(2**26)  # 256 MiB, touched
+    high = peak_memory_bytes(cpu)
+    del big
+    reset_peak_memory(cpu)
+    if not os.access("/proc/self/clear_refs", os.W_OK):
+        pytest.skip("this kernel does not let a process reset its peak resident set")
+    assert peak_memory_bytes(cpu) < high - 200 * 2**20
+    again = torch.ones(2**26)
+    assert peak_memory_bytes(cpu) > high - 50 * 2**20 and again.sum() > 0
+
+
 class _HostSyncs(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the ops that make a CUDA host wait for the GPU (.item(), nonzero, masked_select, ...), by the innermost
     pithtrain function that called them. Each one stalls the GPU's queue on a GPU run."""

@@ -42,7 +42,7 @@ from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, BlendLoader, TokenDataset, mtp_targets, open_training_data
 from pithtrain.train.debug import MemoryRecorder, NormLog, chosen_steps
-from pithtrain.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, read_metrics
+from pithtrain.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, read_metrics, reset_peak_memory
 from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step, takes_muon
 
 
@@ -357,8 +357,7 @@ def train_step(run: Run, step: int, stop) -> Stepped:
     t, o, device, model = config.train, config.optim, mesh.device, run.model
     if run.norms:
         run.norms.step = step + 1
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     lr = lr_at(step, o, t.steps)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
