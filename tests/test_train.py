@@ -105,8 +105,10 @@ def test_lr_schedules():
     cos = OptimConfig(lr=1.0, min_lr_ratio=0.1, schedule="cosine", warmup_steps=4)
     assert [lr_at(s, cos, 20) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
     assert lr_at(19, cos, 20) == pytest.approx(0.1)
-    mid = 4 + (20 - 4 - 1) / 2
-    assert lr_at(int(mid), cos, 20) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * int(mid - 4) / 15)))
+    for s in (4, 11):  # the decay starts from warmup's last step (3): lr once, then lower at once
+        assert lr_at(s, cos, 20) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - 3) / 16)))
+    flat = OptimConfig(lr=1.0, min_lr_ratio=0.1, schedule="cosine", warmup_steps=0)
+    assert lr_at(0, flat, 20) == 1.0 and lr_at(1, flat, 20) < 1.0 and lr_at(19, flat, 20) == pytest.approx(0.1)
     wsd = OptimConfig(lr=1.0, min_lr_ratio=0.0, schedule="wsd", warmup_steps=2, decay_fraction=0.25)
     values = [lr_at(s, wsd, 20) for s in range(20)]
     assert values[2:15] == [1.0] * 13 and values[-1] == 0.0

@@ -214,8 +214,8 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     if cfg.schedule == "constant":
         return cfg.lr
     if cfg.schedule == "cosine":
-        span = max(1, total_steps - cfg.warmup_steps - 1)
-        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        peak = max(cfg.warmup_steps - 1, 0)  # warmup's last step reaches lr; the decay starts right after it
+        progress = min(1.0, (step - peak) / max(1, total_steps - 1 - peak))
         return min_lr + (cfg.lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
     # wsd: warmup, stable at lr, then a linear decay to min_lr over the last decay_fraction of the steps
     decay_steps = max(1, round(cfg.decay_fraction * total_steps))
