@@ -70,6 +70,10 @@ def test_switching_the_optimizer_is_refused_unless_allowed(run, tmp_path):
     code, printed, err = cli("train", config, "--out", copy, "--set", "optim.name=muon", "--set", "optim.allow_switch=true")
     assert code == 0 and "optim.name 'adamw' -> 'muon'" in printed, err
     assert [m["step"] for m in read_metrics(copy / "metrics.jsonl")] == [1, 2]
+    code, printed, err = cli("train", config, "--out", copy, "--steps", "3", "--set", "optim.name=muon")
+    notes = [line for line in (printed + err).splitlines() if line.startswith(("warning:", "note:"))]
+    assert code == 0 and not any("allow_switch" in line for line in notes), notes  # a permission, not a setting
+    assert [m["step"] for m in read_metrics(copy / "metrics.jsonl")] == [1, 2, 3]
 
 
 def test_lr_schedule_and_steps_change_with_a_warning_then_fewer_steps_are_refused(run):

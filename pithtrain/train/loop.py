@@ -689,6 +689,7 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
     if changed.pop("train.init_from", None) and echo:  # a resume loads its own checkpoint, never init_from's
         print(f"note: train.init_from is not used: the run resumes from its own {checkpoint}; train into a new --out "
               "to start from it", flush=True)
+    changed.pop("optim.allow_switch", None)  # a permission for the one resume that switches, not a setting
     warned = [k for k in changed if k.startswith(WARNED)]
     if echo and warned:
         print(f"warning: resuming at step {step} with {show(warned)}: applied from here on", flush=True)
