@@ -35,7 +35,7 @@ def out_and_grads(fn, x, dout):
 
 
 def rel(a, b):
-    return float((a - b).detach().abs().max() / b.abs().max().clamp_min(1e-30))
+    return float((a - b).detach().abs().max() / b.detach().abs().max().clamp_min(1e-30))
 
 
 def assert_close(got, want, tol, names="o dq dk dv dg dbeta".split()):
