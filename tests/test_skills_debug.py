@@ -57,6 +57,8 @@ def test_debug_divergence_finds_the_first_bad_step_and_tensor_of_a_real_blow_up(
                        "--work", tmp_path / "w2")
     assert "first bad step: 2 (the run stopped after step 1 of 4" in again.stdout, again.stdout + again.stderr
     assert "first tensor non-finite: embed_tokens (backward)" in again.stdout
+    assert again.stdout.strip().splitlines()[-1] == ("FAIL: divergence at step 2; no factor was tested: none of "
+                                                     "--factors applies here (see 'does not apply' above)"), again.stdout
 
 
 @pytest.mark.fast
@@ -85,6 +87,11 @@ def test_debug_divergence_bisect_names_the_factor_that_changes_the_run(tmp_path,
     assert lines[-1] == "FAIL: no step diverged; the metrics change beyond --rtol with: dtype (fp32 -> bf16)", said
     healthy = run_script(DIVERGENCE, config, "--run", tmp_path / "w" / "run", "--steps", 2)
     assert healthy.returncode == 0 and healthy.stdout.strip().splitlines()[-1].startswith("PASS: no step diverged")
+    # read as a run of 4 steps, it stopped after 2 (--stop-after, a kill): its re-run goes on, so no divergence
+    stopped = run_script(DIVERGENCE, config, "--run", tmp_path / "w" / "run", "--steps", 4, "--factors", "dtype")
+    assert stopped.returncode == 0, stopped.stdout + stopped.stderr
+    assert stopped.stdout.strip().splitlines()[-1] == ("PASS: no divergence: the run stopped after step 2 of 4, and its "
+                                                       "re-run goes through step 3 with finite, steady losses"), stopped.stdout
 
 
 @pytest.mark.fast

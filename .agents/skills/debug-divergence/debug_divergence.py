@@ -176,7 +176,8 @@ def diagnose(args, factors, logged, work: Path) -> int:
     if args.run:
         found = first_bad_step(logged, args.jump)
         logged = [m["step"] for m in logged]
-        if found is None and logged[-1] < args.steps:
+        stopped_short = found is None and logged[-1] < args.steps
+        if stopped_short:
             found = logged[-1] + 1, f"the run stopped after step {logged[-1]} of {args.steps} (a non-finite step is not logged)"
     else:  # norms of every step: the script's own runs are short
         code, said = runs.train(args.config, work / "run", args.steps, args.args, args.set,
@@ -198,9 +199,15 @@ def diagnose(args, factors, logged, work: Path) -> int:
         again = divergence(base, code, said, args.jump)
         if code != 0 and again is None:
             return runs.verdict(False, "the re-run failed for another reason than divergence (its output is above)")
-        if found and (again is None or again[0] != step):
-            print(f"note: the re-run does not diverge at step {step} ({again or 'not at all'}): the run is not "
-                  f"reproducible (data, code or nondeterministic kernels changed); the norms below are the re-run's")
+        if found and again is None and stopped_short:  # the run was stopped (--stop-after, a kill), not diverged
+            return runs.verdict(True, f"no divergence: {found[1].split(' (')[0]}, and its re-run goes through step "
+                                      f"{step} with finite, steady losses")
+        if found and again is None:
+            return runs.verdict(False, f"divergence at step {step} not reproduced: its re-run does not diverge (data, "
+                                       "code or nondeterministic kernels changed since); nothing to bisect")
+        if found and again[0] != step:
+            print(f"note: the re-run diverges at step {again[0]}, not {step}: the run is not reproducible (data, code "
+                  f"or nondeterministic kernels changed); the norms below are the re-run's")
     if found:
         for path in sorted(base.glob("norms_rank*.jsonl"), key=lambda p: int(p.stem.removeprefix("norms_rank"))):
             rank = path.stem.removeprefix("norms_rank")  # each rank holds its own layers (pipeline) or shards
@@ -228,6 +235,9 @@ def diagnose(args, factors, logged, work: Path) -> int:
     for factor, change, bad, agree in results:
         diverges = f"at step {bad[0]}" if bad else "no"
         print(f"{factor:8} {change:40} {diverges:18} {({True: 'yes', False: 'NO', None: '-'})[agree]}")
+    if not results:
+        return runs.verdict(False, f"{f'divergence at step {step}' if found else 'no step diverged'}; no factor was "
+                                   "tested: none of --factors applies here (see 'does not apply' above)")
     if found:
         cured = [f"{factor} ({change})" for factor, change, bad, _ in results if bad is None]
         if cured:
