@@ -236,6 +236,19 @@ def test_add_new_model_parity_script(tmp_path):
     assert result.returncode == 0 and result.stdout.strip().endswith("PASS: 5 checks"), result.stdout + result.stderr
     assert result.stdout.count("ok   ") == 5
     assert not list((tmp_path / "tmp").glob("parity-*"))  # its HF copies removed (no --work)
+    # DeepSeek-V3 with a multi-token prediction layer (its released configs have one), which transformers does not build
+    from pithtrain.models.deepseek_v2 import DeepseekV3Config
+
+    v3 = DeepseekV3Config(vocab_size=64, hidden_size=32, intermediate_size=48,
+                          moe_intermediate_size=16, num_hidden_layers=2, num_attention_heads=4, q_lora_rank=16,
+                          kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+                          n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1,
+                          max_position_embeddings=64, num_nextn_predict_layers=1)
+    (tmp_path / "config.json").write_text(json.dumps(v3.to_hf()))
+    result = subprocess.run([sys.executable, ".agents/skills/add-new-model/check_parity.py", str(tmp_path / "config.json")],
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip().endswith("PASS: 5 checks"), result.stdout + result.stderr
+    assert "num_nextn_predict_layers 1 -> 0" in result.stdout
 
 
 @pytest.mark.fast

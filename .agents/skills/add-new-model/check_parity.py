@@ -91,6 +91,10 @@ def check(args, hf_cfg: dict, work: Path) -> int:
 
     source = args.source
     if source.is_file():  # a bare config: random weights
+        if hf_cfg.get("num_nextn_predict_layers"):  # transformers builds no MTP layer: the check covers the main model
+            print(f"note: transformers has no multi-token prediction layer: the random copy has num_nextn_predict_layers "
+                  f"{hf_cfg['num_nextn_predict_layers']} -> 0 (an HF directory with MTP weights checks them too)")
+            hf_cfg = dict(hf_cfg, num_nextn_predict_layers=0)
         try:
             config = AutoConfig.for_model(**hf_cfg)
         except (TypeError, ValueError, KeyError) as e:
@@ -107,7 +111,7 @@ def check(args, hf_cfg: dict, work: Path) -> int:
         hf, _ = hf_load(source)
         ours = load_model(source)
     except (UserError, OSError) as e:
-        return runs.verdict(False, f"{source}: {e}".splitlines()[0])
+        return runs.verdict(False, (str(e) if str(source) in str(e) else f"{source}: {e}").splitlines()[0])
     ids = torch.randint(0, ours.cfg.vocab_size, (args.batch, args.seq))
     pos = torch.arange(args.seq).expand(args.batch, args.seq)
     with torch.no_grad():
