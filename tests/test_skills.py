@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,6 +66,9 @@ def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, caps
     assert meshes.returncode == 1 and meshes.stdout.startswith("FAIL: run b (--nproc 4 --ep 2): train.global_batch_size=16 "
                                                                "is not divisible"), meshes.stdout
     assert not (tmp_path / "w").exists() and "$ " not in meshes.stdout  # nothing trained
+    shared = compare("examples/qwen3_tiny.py", "--steps", 4, "--a", "--nproc 1 --out=x", "--b", "--nproc 1", "--work", tmp_path / "w")
+    assert shared.returncode == 1 and shared.stdout.startswith("FAIL: run a (--nproc 1 --out=x): --out is the script's own")
+    assert not (tmp_path / "w").exists() and not Path("x").exists()
     for bad in ("nan", "-1"):
         assert compare("--metrics", tmp_path / "a.jsonl", tmp_path / "a.jsonl", "--rtol", bad).returncode == 2
         assert "argument --rtol: " in capsys.readouterr().err

@@ -143,7 +143,12 @@ def check_train(what: str, *args, **kwargs) -> str | None:
     from pithtrain.config import UserError, validate
 
     try:
-        parsed = build_parser().parse_args(train_args(*args, **kwargs))
+        argv = train_args(*args, **kwargs)
+        extra = shlex.split(args[3] if len(args) > 3 else kwargs.get("extra", ""))
+        owned = next((f for f in ("--out", "--steps", "--stop-after") if any(a.split("=")[0] == f for a in extra)), None)
+        if owned:  # a second --out would make the runs share one directory
+            return f"{what}: {owned} is the script's own (each run gets its directory and the same steps); leave it out"
+        parsed = build_parser().parse_args(argv)
     except (SystemExit, ValueError) as e:  # argparse's own message is above; a shlex quote error is not
         return f"{what}: not `pithtrain train` arguments{f' ({e})' if isinstance(e, ValueError) else ''}"
     try:

@@ -34,8 +34,8 @@ def compare(a, b, rtol, rtol_aux=None) -> tuple[bool, str]:
     common = sorted(set(a) & set(b))
     problems = [] if common else [f"no step to compare (A logged {len(a)} steps, B {len(b)})"]
     if common and set(a) != set(b):
-        problems.append(f"the runs logged different steps: only A {sorted(set(a) - set(b))[:10]}, "
-                        f"only B {sorted(set(b) - set(a))[:10]}")
+        only = [f"only {name} {sorted(set(x) - set(y))[:10]}" for name, x, y in (("A", a, b), ("B", b, a)) if set(x) - set(y)]
+        problems.append(f"the runs logged different steps: {', '.join(only)}")
     errors, over = {key: [] for key in KEYS}, []
     for step in common:
         for key in KEYS:
@@ -50,7 +50,8 @@ def compare(a, b, rtol, rtol_aux=None) -> tuple[bool, str]:
                 print(f"step {step:>4} {key:>9}: {va:.8f} vs {vb:.8f} (rel {err:.1e})" + ("   <-- over tolerance" if bad else ""))
     worst = {k: math.nan if any(map(math.isnan, v)) else max(v, default=0.0) for k, v in errors.items()}
     summary = ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
-    print(f"worst relative difference: {summary} (tolerance: loss {rtol:.0e}, lb_loss/grad_norm {rtol_aux:.0e})")
+    if common:
+        print(f"worst relative difference: {summary} (tolerance: loss {rtol:.0e}, lb_loss/grad_norm {rtol_aux:.0e})")
     if over:
         problems.insert(0, over[0] + (f" (+{len(over) - 1} more over tolerance above)" if len(over) > 1 else ""))
     return not problems, "; ".join(problems) or f"steps {common[0]}..{common[-1]} agree (worst relative difference: {summary})"
