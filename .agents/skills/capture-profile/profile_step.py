@@ -264,8 +264,10 @@ def print_stages(times: dict, unit: str) -> None:
 
 def report(trace: Path, events: list[dict], args, label: str) -> str | None:
     """Print one rank's analysis; None if it meets --min-overlap, else why not (starting with `label`)."""
-    result = analyse(events)
     print(f"trace {trace}")
+    if not any(e.get("ph") == "X" for e in events):
+        return f"{label}: no timed events in the trace (empty, or cut short while it was written); profile again"
+    result = analyse(events)
     for (cat, name), us in result["top"]:
         print(f"  {us / 1e3:9.2f} ms  {cat:>15}  {name}")
     print_stages(*result["stages"])
