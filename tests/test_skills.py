@@ -428,7 +428,7 @@ def test_resume_and_reshard_continues_the_curve_on_another_mesh(tmp_path, datase
 PREFLIGHT = ".agents/skills/launch-multi-node/preflight.py"
 
 
-def _preflight_checks(rank, world, data):
+def _preflight_checks(rank, world, data, out=None):
     """The preflight's checks in this worker's process group, data.path set to `data`: (exit code, output)."""
     import contextlib
     import io
@@ -441,7 +441,7 @@ def _preflight_checks(rank, world, data):
     dist.destroy_process_group = lambda: None  # the harness ends the group itself
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
-        code = tool.checks(config, SimpleNamespace(out=None), tool.pick_device("cpu"))
+        code = tool.checks(config, SimpleNamespace(out=out and str(out)), tool.pick_device("cpu"))
     return code, text.getvalue()
 
 
@@ -461,8 +461,13 @@ def test_launch_preflight_refuses_a_file_as_out_and_fails_where_no_host_has_the_
     assert code == 1 and out.strip().splitlines()[-1] == (f"FAIL: data.path '{tmp_path / 'none'}' is not a directory on any "
                                                           "host (" + out.split("  rank    0  ")[1].split()[0] + "): make the "
                                                           "dataset there (setup-benchmark-inputs) or --set data.path=DIR"), out
-    [(code, out)] = run_fn(1, _preflight_checks, tmp_path)
+    [(code, out)] = run_fn(1, _preflight_checks, tmp_path, tmp_path / "runs" / "big")  # an --out it creates, then removes
     assert code == 0 and out.strip().splitlines()[-1] == "PASS", out
+    assert not (tmp_path / "runs" / "big").exists() and (tmp_path / "runs").is_dir()  # runs/ was made by mkdir -p: kept
+    for argv, says in ((["examples/qwen3_tiny.py", "--bogus"], "unrecognized arguments: --bogus"), ([], "required: config")):
+        assert tool.main(argv) == 2
+        said = capsys.readouterr().out
+        assert said.startswith("FAIL: ") and says in said and len(said.splitlines()) == 1, said
 
 
 def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):

@@ -19,6 +19,7 @@ Rank 0 prints hosts, devices and timings; exit code 0 (PASS) or 1 (FAIL).
 
 import contextlib
 import hashlib
+import logging
 import os
 import secrets
 import socket
@@ -31,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository, 
 import torch
 
 from pithtrain.cli import build_parser, train_config
-from pithtrain.config import ConfigError, data_parts, validate
+from pithtrain.config import ConfigError, UserError, data_parts, validate
 
 NUMEL, ITERS = 4096, 3  # int64 elements per block; checked iterations per collective (the first sets up links)
 _CHILD = "PITHTRAIN_PREFLIGHT_CHILD"  # set for workers started by --nproc: a FAIL verdict exits 3
@@ -118,6 +119,8 @@ def checks(config, args, device) -> int:
                 errors.append(f"send/recv: wrong data from pipeline neighbours {bad} (iteration {it})")
     shared = Path(args.out) / ".preflight" / f"{seed:x}" if args.out else None
     if shared:
+        fresh = not Path(args.out).exists()  # seen by every rank before any creates it: removed again at the end
+        dist.barrier()
         shared.mkdir(parents=True, exist_ok=True)
         (shared / f"rank{rank}").write_text(host)
         dist.barrier()
@@ -165,7 +168,7 @@ def checks(config, args, device) -> int:
     if shared:
         (shared / f"rank{rank}").unlink()
         dist.barrier()
-        for d in (shared, shared.parent) if os.environ.get("LOCAL_RANK") == "0" else ():
+        for d in (shared, shared.parent, *([Path(args.out)] if fresh else [])) if os.environ.get("LOCAL_RANK") == "0" else ():
             with contextlib.suppress(OSError):  # empty now; another node may have removed it already
                 d.rmdir()
     dist.destroy_process_group()
@@ -180,14 +183,15 @@ def launch_local(nproc: int, argv: list) -> int:
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ[_CHILD] = "1"
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # its failure line would follow our verdict
     launch = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=0, monitor_interval=0.5)
     try:
         elastic_launch(launch, sys.executable)(os.path.abspath(__file__), *argv)
     except ChildFailedError as e:
         codes = {f.local_rank: f.exitcode for f in e.failures.values()}
-        if set(codes.values()) == {3}:
-            return 1  # the checks ran and rank 0 printed the FAIL line
+        if 3 in codes.values() and all(c == 3 or c < 0 for c in codes.values()):
+            return 1  # the checks ran and rank 0 printed the FAIL line (the launcher may stop the others first)
         print(e.format_msg(), file=sys.stderr)
         print(f"FAIL: worker processes exited with errors (rank: exit code {codes}); see their output above")
         return 1
@@ -196,7 +200,11 @@ def launch_local(nproc: int, argv: list) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = build_parser().parse_args(["train", *argv])
+    try:
+        args = build_parser().parse_args(["train", *argv])
+    except UserError as e:  # argparse's: an unknown flag, a missing CONFIG
+        print(f"FAIL: {str(e).replace('pithtrain:', 'preflight (it takes `pithtrain train` arguments):', 1)}")
+        return 2
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
