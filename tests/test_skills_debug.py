@@ -175,6 +175,10 @@ def test_debug_memory_on_a_real_cpu_step(tmp_path, dataset_dir):
     text = run_script(MEMORY, config, "--snapshot", fake / "rank0.json")
     assert text.stdout.strip() == f"FAIL: {fake / 'rank0.json'} is not JSON (Expecting property name enclosed in double " \
         "quotes: line 1 column 2 (char 1))", text.stdout
+    (fake / "rank0.pickle").write_bytes(b"\x80\x04K\x01garbage")  # a pickle protocol header, then junk
+    (fake / "rank0.json").unlink()
+    junk = run_script(MEMORY, config, "--snapshot", fake / "rank0.pickle")
+    assert junk.stdout.startswith(f"FAIL: {fake / 'rank0.pickle'} is not a CUDA allocator snapshot"), junk.stdout
     for margin in ("-1", "nan"):
         assert run_script(MEMORY, config, "--snapshot", record, "--margin", margin).returncode == 2
 

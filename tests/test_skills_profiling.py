@@ -335,6 +335,9 @@ def test_profile_kernel_roofline_of_an_ncu_csv(tmp_path):
     assert slow.returncode == 1 and "FAIL: efficiency 71.9% < 80% (memory-bound: moves 1.2x its minimum bytes" in slow.stdout
     empty = profile(_ncu_csv(tmp_path / "none.csv", []), "--flops", 1, "--min-bytes", 1)
     assert empty.returncode == 1 and "ncu measured no kernel" in empty.stdout
+    for missing, says in ((tmp_path / "absent.csv", "No such file"), (tmp_path, "Is a directory")):
+        out = profile(missing)
+        assert out.returncode == 1 and out.stdout.startswith(f"FAIL: --csv {missing}: cannot be read ({says}"), out.stdout
 
 
 @pytest.mark.fast

@@ -242,7 +242,7 @@ def judge(args, record: Path, estimate: dict, config=None, measured: int | None 
             peak, blocks = cuda_peak(pickle.loads(record.read_bytes()))
         else:
             peak, blocks = cpu_peak(runs.read_json(record)["traceEvents"])
-    except (pickle.UnpicklingError, EOFError, LookupError, TypeError, AttributeError, StopIteration) as e:
+    except (pickle.UnpicklingError, EOFError, LookupError, TypeError, AttributeError, StopIteration, ValueError, ImportError) as e:
         raise runs.BadInput(f"{record} is not {what} ({type(e).__name__}: {e})") from None
     by_stage, by_site = collections.Counter(), collections.Counter()
     for size, frames, op in blocks:

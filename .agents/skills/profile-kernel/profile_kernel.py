@@ -202,7 +202,11 @@ def main():
     if args.driver:
         return driver(args)
     if args.csv is not None:
-        kernels = read_ncu_csv(args.csv.read_text())
+        try:
+            kernels = read_ncu_csv(args.csv.read_text())
+        except (OSError, UnicodeDecodeError) as e:
+            return verdict([f"--csv {args.csv}: cannot be read ({getattr(e, 'strerror', None) or e}); give the file "
+                            "`ncu --csv --log-file` wrote"])
         if args.flops is None:
             return report_run(kernels, args.min_efficiency)
         if args.min_bytes is None:
