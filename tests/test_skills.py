@@ -551,6 +551,8 @@ def test_track_experiments_checks_every_step_is_logged(tmp_path, dataset_dir):
         assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and says in out.stdout and len(out.stdout.splitlines()) == 1, out.stdout
     (run / "run_config.json").write_text(config)
     assert check("--steps", "0").returncode == 2  # argparse: an integer >= 1
+    beyond = check("--steps", "2")
+    assert "problem: tensorboard: unexpected [3]" in beyond.stdout and "[]" not in beyond.stdout, beyond.stdout
     shutil.rmtree(run / "tensorboard")
     assert check().returncode == 0  # event files are checked when present
     gone = check("--tensorboard")

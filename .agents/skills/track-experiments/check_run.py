@@ -76,6 +76,14 @@ def wandb_problems(run: Path, logged: dict, config: dict | None) -> list:
     return problems
 
 
+def steps_differ(source: str, logged, want: set) -> str:
+    """'SOURCE: missing steps [...], unexpected [...]' for the steps a log has beyond or short of `want`."""
+    missing, unexpected = sorted(want - set(logged)), sorted(set(logged) - want)
+    more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
+    return f"{source}: " + ", ".join(part for part in (missing and f"missing steps {missing[:10]}{more}",
+                                                       unexpected and f"unexpected {unexpected[:10]}") if part)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path)
@@ -104,10 +112,7 @@ def check(args) -> int:
     want = set(range(1, steps + 1))
     logged = metrics_steps(args.run, problems)
     if logged is not None and set(logged) != want:
-        missing, unexpected = sorted(want - set(logged)), sorted(set(logged) - want)
-        more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
-        problems.append("metrics.jsonl: " + ", ".join(part for part in (missing and f"missing steps {missing[:10]}{more}",
-                                                                        unexpected and f"unexpected {unexpected[:10]}") if part))
+        problems.append(steps_differ("metrics.jsonl", logged, want))
     logged = logged or {}
     if args.tensorboard or (args.run / "tensorboard").is_dir():
         if not (args.run / "tensorboard").is_dir():
@@ -115,7 +120,7 @@ def check(args) -> int:
         else:
             losses = tensorboard_losses(args.run, problems)
             if losses and set(losses) != want:
-                problems.append(f"tensorboard: missing steps {sorted(want - set(losses))[:10]}")
+                problems.append(steps_differ("tensorboard", losses, want))
             differ = [s for s in losses if s in logged and not math.isclose(losses[s], loss_of(logged[s]), rel_tol=1e-6)]
             if differ:
                 problems.append(f"tensorboard: train/loss differs from metrics.jsonl at steps {differ[:10]}")
