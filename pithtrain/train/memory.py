@@ -115,7 +115,7 @@ def estimate(config, world: int) -> list[dict]:
         if config.train.fp8_head and any(head for *_, head, _ in chunks):  # the loss backward's FP8 copy of d logits
             parts["FP8 head's d logits copy"] = tokens * cfg.vocab_size  # (kernels.CE_FP8_GRAD; the main head's)
         if world > 1:  # all-to-all and FSDP buffers, the deferred-W queue, pipeline tape leaves
-            parts["runtime buffers (multi-GPU, calibrated +12%)"] = MULTI_GPU_OVERHEAD * sum(parts.values())
+            parts[f"runtime buffers (multi-GPU, calibrated +{MULTI_GPU_OVERHEAD:.0%})"] = MULTI_GPU_OVERHEAD * sum(parts.values())
         gib = {k: v / GIB for k, v in parts.items()}
         gib["total"] = sum(gib.values())
         out.append(gib)

@@ -10,9 +10,9 @@ parameters, kept from forward to backward in the pipeline) and, with gradient ac
 FSDP, the unsharded fp32 gradients. Activation part (calibrated): bytes per token per layer from
 the saved tensors of attention and the MoE path times a factor fitted to measured H200 peaks
 (docs/performance.md), times the micro-batches a rank holds at once (1; DualPipeV: its in-flight
-forwards). Multi-GPU runs add a calibrated 12% for communication buffers and the pipeline's
-bookkeeping. The fit is within 1.5% of the six one-GPU peaks last measured (three families);
-two-GPU estimates run 4-15% above the measured peaks.
+forwards). Multi-GPU runs add a calibrated 20% (MULTI_GPU_OVERHEAD) for communication buffers and the pipeline's
+bookkeeping. The fit is within 1.7% of the five one-GPU peaks it was fitted to (Qwen3 and DeepSeek-V2-Lite
+widths, 2026-12-05); two-GPU estimates are within -6% / +10% of the measured peaks.
 
 `--max-layers` searches the deepest `model.num_hidden_layers` that fits (the "as many layers as
 fit" of a benchmark): doubling the depth until it does not fit, then bisecting, up to the 1024

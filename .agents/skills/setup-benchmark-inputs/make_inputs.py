@@ -1,7 +1,7 @@
 """Write a dataset the benchmarks or a run need, then verify it; ends with PASS or FAIL.
 
   python .agents/skills/setup-benchmark-inputs/make_inputs.py random --family qwen3 --tokens 50000000 --out data/random_qwen3
-  python .agents/skills/setup-benchmark-inputs/make_inputs.py stdlib [--max-bytes 20000000] [--vocab-size 4096] --out data/stdlib
+  python .agents/skills/setup-benchmark-inputs/make_inputs.py stdlib [--max-bytes 20000000] [--vocab-size 4096] --out data/stdlib_20m
   python .agents/skills/setup-benchmark-inputs/make_inputs.py corpus DIR [--vocab-size 4096] --out data/mine
   python .agents/skills/setup-benchmark-inputs/make_inputs.py check --out DIR [--vocab V]   (verify only)
 
