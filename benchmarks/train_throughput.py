@@ -392,7 +392,9 @@ def main():
     if (args.batch * args.accum) % hf_batch:
         parser.error(f"--hf-batch {hf_batch} must divide --batch x --accum = {args.batch * args.accum}")
     if not torch.cuda.is_available():  # after every argument check, so a CPU run checks a command line
-        parser.error("needs a CUDA GPU: it measures a bf16 GEMM peak and trains on the GPU")
+        print("train_throughput.py: needs a CUDA GPU (it measures a bf16 GEMM peak and trains on the GPU); the "
+              "arguments are valid", file=sys.stderr)
+        sys.exit(2)
     from pithtrain.train.data import write_dataset
 
     cfg = family_config(args.family, args.layers)

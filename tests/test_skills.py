@@ -659,6 +659,10 @@ def test_ab_test_switch_judges_gain_loss_and_noise(tmp_path, monkeypatch):
     cpu = run_script(script, "triton-adamw,fused-proj", "--", "--layers", "1")
     assert cpu.returncode == 1 and cpu.stdout.splitlines()[-1] == "FAIL: benchmarks/train_throughput.py failed (its error is above)"
     assert "--steps 18 --layers 1 --ab triton-adamw,fused-proj" in cpu.stdout.splitlines()[0]
+    for args, says in ((["bogus,fused-proj"], "FAIL: bogus: not a switch of benchmarks/train_throughput.py --ab"),
+                       (["fp8", "--line", "2"], "FAIL: --line 2 picks a line of --from-results FILE")):
+        out = run_script(script, *args)  # before the benchmark starts
+        assert out.returncode == 1 and out.stdout.startswith(says) and "$ " not in out.stdout, out.stdout
     # the benchmark's own refusals of a bad --ab, before it looks for a GPU
     for ab, steps, reason in [("fp8,fused-proj", "18", "--ab fp8 runs alone"),
                               ("fused-proj,triton-adamw", "8", "needs --steps >= 12 (got 8): 3 arms")]:

@@ -129,6 +129,15 @@ def main() -> int:
     args = parser.parse_args(argv)
     if (args.switch is None) == (args.from_results is None):
         return runs.verdict(False, "give SWITCH (to run the A/B on this GPU) or --from-results FILE, one of them")
+    if args.line is not None and args.from_results is None:
+        return runs.verdict(False, f"--line {args.line} picks a line of --from-results FILE; give that file too")
+    if args.switch is not None:  # the benchmark's own list, checked here before it starts (its usage runs 17 lines)
+        sys.path.insert(0, str(Path(BENCHMARK).resolve().parent))
+        from train_throughput import AB_SWITCHES
+
+        unknown = [s for s in args.switch.split(",") if s not in AB_SWITCHES]
+        if unknown:
+            return runs.verdict(False, f"{','.join(unknown)}: not a switch of {BENCHMARK} --ab (one of {', '.join(AB_SWITCHES)})")
     if args.from_results is None:
         results = Path(os.environ.get("PITHTRAIN_RESULTS", BENCHMARK.replace("train_throughput.py", "results.jsonl")))
         before = len(results.read_text().splitlines()) if results.is_file() else 0
