@@ -502,8 +502,9 @@ def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):
     assert len(other.stdout.splitlines()) == 1
     again = make("random", "--family", "qwen3", "--tokens", 100, "--out", tmp_path / "qwen3_5", "--overwrite")
     assert again.returncode == 0 and "num_tokens=100, num_docs=1, vocab_size=151936" in again.stdout, again.stdout
-    for bad in (["check", "--out", tmp_path / "mine", "--vocab", -1], ["random", "--family", "qwen3", "--tokens", 1, "--out", tmp_path / "x"]):
-        assert make(*bad).returncode == 2
+    for bad in (["check", "--out", tmp_path / "mine", "--vocab", -1], ["random", "--family", "qwen3", "--tokens", 1, "--out", tmp_path / "x"],
+                ["random", "--family", "qwen3", "--tokens", 10, "--vocab-size", 5, "--out", tmp_path / "x"]):
+        assert make(*bad).returncode == 2 and not (tmp_path / "x").exists()
     small = make("check", "--out", tmp_path / "qwen3", "--vocab", 64)
     assert small.returncode == 1 and "model's vocab_size is 64" in small.stdout, small.stdout
     assert small.stdout.strip().endswith(f"FAIL: {tmp_path / 'qwen3'} is not a usable dataset"), small.stdout

@@ -195,6 +195,8 @@ def test_analyze_nsys_profile_fails_clearly(tmp_path):
     assert bare.returncode == 1 and "PITHTRAIN_NVTX=1" in bare.stdout, bare.stdout
     gone = analyze(tmp_path / "none.sqlite")
     assert gone.returncode == 1 and "nsys export --type sqlite" in gone.stdout, gone.stdout
+    folder = analyze(tmp_path)
+    assert folder.returncode == 1 and folder.stdout.startswith(f"FAIL: {tmp_path} is a directory, not the SQLite export")
 
 
 @pytest.mark.fast

@@ -183,7 +183,8 @@ def main():
     args = parser.parse_args()
     export = f"nsys export --type sqlite -o {args.sqlite} RUN.nsys-rep"
     if not args.sqlite.is_file():
-        return verdict([f"no file {args.sqlite} (export it: {export})"])
+        what = "is a directory, not" if args.sqlite.is_dir() else "does not exist; give"
+        return verdict([f"{args.sqlite} {what} the SQLite export of a capture (make it: {export})"])
     try:
         db = sqlite3.connect(f"file:{args.sqlite}?mode=ro", uri=True)
         missing = [f"{name} ({why})" for name, why in NEEDED.items() if name not in tables(db)]

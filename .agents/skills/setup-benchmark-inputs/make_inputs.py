@@ -86,12 +86,15 @@ def main():
     parser.add_argument("--family", choices=list(FAMILIES), help="random: the vocabulary's family")
     parser.add_argument("--tokens", type=runs.number(int, low=2), help="random: how many tokens (seq+1 per sample and step)")
     parser.add_argument("--seed", type=runs.number(int, low=0), default=0)
-    parser.add_argument("--vocab-size", type=runs.COUNT, default=4096, help="stdlib/corpus: the BPE's vocabulary")
+    parser.add_argument("--vocab-size", type=runs.COUNT, help="stdlib/corpus: the BPE's vocabulary (default 4096)")
     parser.add_argument("--max-bytes", type=runs.COUNT, default=20_000_000, help="stdlib: how much source text")
     parser.add_argument("--vocab", type=runs.COUNT, help="check: the vocabulary to expect")
     parser.add_argument("--overwrite", action="store_true", help="replace a dataset at --out (never other files)")
     args = parser.parse_args()
     vocab, tokens, tokenizer = args.vocab, None, args.kind in ("stdlib", "corpus")
+    if args.vocab_size is not None and not tokenizer:
+        parser.error(f"--vocab-size is stdlib's and corpus's (a BPE's size); {args.kind} takes "
+                     + ("its family's vocabulary (--family)" if args.kind == "random" else "--vocab to expect one"))
     if args.kind == "random":
         if not args.family or not args.tokens:
             parser.error("random needs --family and --tokens (>= 2)")
@@ -103,7 +106,7 @@ def main():
         if (args.kind == "corpus") != bool(args.corpus):
             parser.error("corpus takes DIR or files; stdlib takes none")
         inputs = args.corpus if args.kind == "corpus" else ["--stdlib", "--max-bytes", str(args.max_bytes)]
-        if not tokenize(args.out, inputs, args.vocab_size, args.overwrite):
+        if not tokenize(args.out, inputs, args.vocab_size or 4096, args.overwrite):
             print("FAIL: pithtrain tokenize did not finish (its message is above)")
             return 1
     problems = verify(args.out, vocab, tokens, tokenizer)
