@@ -166,9 +166,11 @@ def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
     except RuntimeError as e:  # gloo's; NCCL's watchdog aborts the process itself
         if mesh is None or "Timed out" not in str(e):
             raise
-        raise UserError(f"rank {mesh.rank}: no answer in a collective within parallel.timeout_s="
-                        f"{config.parallel.timeout_s:g}: another rank hangs or stopped (the first rank to exit is "
-                        "blamed, maybe this one); the same command resumes from the last checkpoint") from None
+        hung = UserError(f"rank {mesh.rank}: no answer in a collective within parallel.timeout_s="
+                         f"{config.parallel.timeout_s:g}: another rank hangs or stopped (the first rank to exit is "
+                         "blamed, maybe this one); the same command resumes from the last checkpoint")
+        hung.exit_at_once = True  # gloo's threads still wait on the hung peer: tearing them down can abort
+        raise hung from None
     finally:
         stop.restore()
     if mesh is None or mesh.is_main:
@@ -330,6 +332,10 @@ def _main(argv: list[str] | None = None) -> int:
             raise
         if not isinstance(e, ConfigError) or os.environ.get("LOCAL_RANK", "0") == "0":  # a config's error: once a node
             print(f"error: {' '.join(str(e).split())} (PITHTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
+        if getattr(e, "exit_at_once", False):  # no interpreter teardown (a process group's destructors)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(2)
         return 2
     finally:
         sys.stdout = sys.stdout.stream

@@ -193,6 +193,24 @@ def test_mtp_round_trip_is_exact_and_the_export_loads(tmp_path):
     run.model = DeepseekV3Config.from_hf({**json.loads((path / "config.json").read_text()), "num_nextn_predict_layers": 2})
     with pytest.raises(UserError, match=r"num_nextn_predict_layers \(1 there, 2 in the run\)"):
         check_init_from(run, echo=False)  # a depth the source lacks: refused
+    # transformers' own save_pretrained leaves the MTP layer out while its config.json still names it: the
+    # directory reads as one without MTP (eval, convert, init_from), said once
+    from safetensors.torch import save_file
+
+    (tmp_path / "nomtp").mkdir()
+    (tmp_path / "nomtp" / "config.json").write_text((out / "config.json").read_text())
+    save_file(plain, str(tmp_path / "nomtp" / "model.safetensors"))
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        bare = load_model(tmp_path / "nomtp")
+        run.model = cfg0
+        run.train.init_from = str(tmp_path / "nomtp")
+        check_init_from(run, echo=False)
+    assert bare.mtp is None and torch.equal(bare.reference_forward(ids), model.reference_forward(ids))
+    assert err.getvalue().count("read as model.num_nextn_predict_layers=0") == 1, err.getvalue()
+    run.model = cfg
+    with pytest.raises(UserError, match=r"num_nextn_predict_layers \(0 there, 1 in the run\)"):
+        check_init_from(run, echo=False)
 
 
 def rms(x, w, eps):

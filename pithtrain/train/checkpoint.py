@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
@@ -368,16 +368,23 @@ def is_hf_dir(path: str | Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def read_hf_state(path: str | Path) -> dict[str, torch.Tensor]:
-    path = Path(path)
-    files = sorted(path.glob("*.safetensors"))
+def _hf_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted({path / f for f in read_json(index, "re-download or re-export it")["weight_map"].values()})
+        return sorted({path / f for f in read_json(index, "re-download or re-export it")["weight_map"].values()})
+    return sorted(path.glob("*.safetensors"))
+
+
+def read_hf_state(path: str | Path, names_only: bool = False) -> dict[str, torch.Tensor]:
+    """An HF directory's tensors by name (names_only: the names alone, from the files' headers)."""
     state = {}
-    for f in files:
+    for f in _hf_files(Path(path)):
         try:
-            state.update(load_file(str(f)))
+            if names_only:
+                with safe_open(str(f), "pt") as held:
+                    state.update(dict.fromkeys(held.keys()))
+            else:
+                state.update(load_file(str(f)))
         except (SafetensorError, OSError) as e:
             raise UserError(f"{f}: cannot read its weights ({e}); re-download or re-export the HF directory") from None
     return state
@@ -394,7 +401,21 @@ def model_config(path: Path):
         cfg.validate()
     except (TypeError, ValueError) as e:  # a field of the wrong type or value (ConfigError is a ValueError)
         raise UserError(f"{path / 'config.json'}: {e}") from None
+    depth, first = cfg.num_nextn_predict_layers, cfg.num_hidden_layers
+    if depth and is_hf_dir(path):  # multi-token prediction layers sit past the last layer, when saved at all
+        names = read_hf_state(path, names_only=True)
+        held = next((k for k in range(depth) if not any(n.startswith(f"model.layers.{first + k}.") for n in names)), depth)
+        if held < depth:
+            if path not in _MTP_NOTED:
+                _MTP_NOTED.add(path)
+                print(f"note: {path}: config.json names {depth} multi-token prediction layer(s), its weights hold {held} "
+                      f"(transformers' save_pretrained leaves them out): read as model.num_nextn_predict_layers={held}",
+                      file=sys.stderr)
+            cfg.num_nextn_predict_layers = held
     return cfg
+
+
+_MTP_NOTED: set = set()  # the HF directories model_config said that of, once each
 
 
 def load_model(path: str | Path):
