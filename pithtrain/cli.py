@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -23,7 +24,16 @@ def train_config(args):
 
     config = load_run_config(args.config)
     for assignment in args.set or []:
-        apply_override(config, assignment)
+        try:
+            apply_override(config, assignment)
+        except ConfigError as e:  # a model field of another family (multi-token prediction is DeepSeek-V3's)
+            field = assignment.split("=", 1)[0].strip().removeprefix("model.")
+            owners = [c.__name__ for c in families() if "unknown field" in str(e) and assignment.startswith("model.")
+                      and field in {f.name for f in dataclasses.fields(c)}]
+            if not owners:
+                raise
+            raise ConfigError(f"--set model.{field}: {type(config.model).__name__} has no such field; "
+                              f"{' and '.join(owners)} (another model family) {'have' if len(owners) > 1 else 'has'} it") from None
     if args.steps is not None:
         if any(a.split("=", 1)[0].strip() == "train.steps" for a in args.set or []) and config.train.steps != args.steps:
             raise UserError(f"--steps {args.steps} and --set train.steps={config.train.steps} disagree; give one of them")

@@ -279,7 +279,7 @@ def _parse_value(text: str, annotation: Any, name: str) -> Any:
         except ValueError:
             raise ConfigError(f"--set {name}={text}: expected {annotation.__name__}") from None
     if origin in (list, tuple) or annotation is Any:
-        example = '["embed*"]' if str in args else "[0,3]"
+        example = '["a","b"] (double-quoted strings)' if str in args else "[0,3]"
         try:
             value = json.loads(text, object_pairs_hook=lambda pairs: _unique(pairs, name))
         except json.JSONDecodeError:

@@ -57,6 +57,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("type-lr-inf-file", "train {lr_inf}", "optim.lr"),
     ("set-type", "train {cfg} --set train.steps=ten", "train.steps"),
     ("set-unknown", "train {cfg} --set train.stpes=3", "stpes"),
+    ("set-other-family", "train {cfg} --set model.num_nextn_predict_layers=1", "DeepseekV3Config (another model family) has it"),
+    ("set-single-quotes", "train {cfg} --set \"optim.muon_exclude=['embed*']\"", '["a","b"] (double-quoted strings)'),
     ("set-form", "train {cfg} --set train.steps", "train.steps"),
     ("set-no-field", "train {cfg} --set =1", "no field named"),
     ("steps-twice", "train {cfg} --steps 3 --set train.steps=4", "--steps 3 and --set train.steps=4 disagree"),

@@ -131,6 +131,9 @@ def test_round_trip_export_loads_and_generates(hf_model, tmp_path):
     from pithtrain.train import checkpoint as ckpt
 
     assert model.cfg.transformers_ignores() == []
+    as_tuple = dataclasses.replace(model.cfg, layer_types=tuple(model.cfg.layer_types))  # a run file's tuple is fine
+    as_tuple.validate()
+    assert as_tuple.to_hf() == model.cfg.to_hf()
     linear = dataclasses.replace(model.cfg, layer_types=["linear_attention"] * 4)
     ck = ckpt.write_checkpoint(tmp_path / "ck", {"model": ckpt.canonical_model_state(linear.build_model())}, {"step": 0},
                                linear.to_hf())

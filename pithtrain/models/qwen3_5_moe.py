@@ -109,7 +109,7 @@ class Qwen3_5MoeConfig:
                              "linear_key_head_dim linear_value_head_dim linear_conv_kernel_dim num_experts "
                              "moe_intermediate_size shared_expert_intermediate_size rms_norm_eps max_position_embeddings")
         if self.layer_types is not None:
-            check(isinstance(self.layer_types, list) and len(self.layer_types) == self.num_hidden_layers,
+            check(len(self.layer_types) == self.num_hidden_layers,
                   f"model.layer_types has {len(self.layer_types)} entries, model.num_hidden_layers="
                   f"{self.num_hidden_layers}; give one per layer (or None for every "
                   f"{self.full_attention_interval}th layer full)")
