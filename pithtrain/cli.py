@@ -228,6 +228,9 @@ def _cmd_eval(args) -> int:
     for flag, value, least in (("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2), ("--max-tokens", args.max_tokens, 2)):
         if value is not None and value < least:
             raise UserError(f"{flag} {value}: must be at least {least}")
+    if args.seq_len is not None and Path(args.tokens).is_file():
+        raise UserError(f"--seq-len {args.seq_len}: {args.tokens} is a .npy array, whose rows are the windows; --seq-len "
+                        "cuts a dataset directory's tokens into rows")
     device = pick_device(args.device, "--device")
     seq_len, why, vocab, tokenizer = eval_setup(args.checkpoint, args.seq_len)
     tokens = load_tokens(args.tokens, args.max_tokens, seq_len, vocab, tokenizer)
@@ -299,7 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint", help="HF directory, PithTrain checkpoint, or run directory (latest)")
     p.add_argument("--tokens", required=True, help="a dataset directory of `pithtrain tokenize` (held-out texts "
                    "tokenized with the run's tokenizer.json), or a .npy file of token ids [batch, seq]")
-    p.add_argument("--max-tokens", type=int, help="at most this many tokens: a dataset's last N, a .npy's first rows")
+    p.add_argument("--max-tokens", type=int, help="at most this many tokens: a dataset's last training samples within N "
+                   "(data.eval_samples x seq_len + 1: the held-out ones, whose loss the run logged as eval_loss), a "
+                   ".npy's first rows")
     p.add_argument("--seq-len", type=int, help="row length for a dataset directory (default: the model's training "
                    "data.seq_len, else its config.json's seq_length or max_position_embeddings)")
     p.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")

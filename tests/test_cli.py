@@ -40,7 +40,8 @@ def test_tokenize_train_convert_eval(tmp_path, capsys):
     out = run_cli(["train", "examples/qwen3_tiny.py", "--out", str(run), "--steps", "3", "--set", f"data.path={data}",
                    "--set", f"model.vocab_size={meta['vocab_size']}", "--set", "data.seq_len=32",
                    "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=2",
-                   "--set", "train.tensorboard=false", "--set", "train.log_every=1"], capsys)
+                   "--set", "train.tensorboard=false", "--set", "train.log_every=1", "--set", "data.eval_samples=4",
+                   "--set", "train.eval_every=3"], capsys)
     assert "step 3/3 | loss" in out and "tok/s" in out
     lines = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in lines] == [1, 2, 3]
@@ -67,14 +68,18 @@ def test_tokenize_train_convert_eval(tmp_path, capsys):
     ref = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).item()
     assert results["hf"]["loss"] == pytest.approx(ref, rel=1e-5)
 
-    # eval on a dataset directory: its last --max-tokens tokens in training's windows of --seq-len + 1 tokens (each
-    # starting at the previous one's last), the same loss as those windows as a .npy
-    stream = np.fromfile(data / "tokens.bin", dtype=np.uint16)[-60:].astype(np.int64)
-    np.save(tmp_path / "tail.npy", np.stack([stream[0:21], stream[20:41]]))
+    # eval on a dataset directory: training's last samples within --max-tokens, windows of --seq-len + 1 tokens from
+    # token 0 (data.eval_samples' held-out ones: the in-training eval_loss), the same loss as those windows as a .npy
+    every = np.fromfile(data / "tokens.bin", dtype=np.uint16).astype(np.int64)
+    last = (len(every) - 1) // 20 * 20  # training's last sample is every[last - 20:last + 1]
+    assert (len(every) - 1) % 20, "a token count that does not fill the last window: the tail is not the grid"
+    np.save(tmp_path / "tail.npy", np.stack([every[last - 40:last - 19], every[last - 20:last + 1]]))
     tail = json.loads(run_cli(["eval", str(hf_dir), "--tokens", str(tmp_path / "tail.npy"), "--json"], capsys))
     from_dir = json.loads(run_cli(["eval", str(hf_dir), "--tokens", str(data), "--max-tokens", "60", "--seq-len", "20",
                                    "--json"], capsys))
     assert from_dir == tail and from_dir["tokens"] == 40 and from_dir["seq_len"] == 20
+    held_out = json.loads(run_cli(["eval", str(run), "--tokens", str(data), "--max-tokens", str(4 * 32 + 1), "--json"], capsys))
+    assert held_out["loss"] == pytest.approx(lines[-1]["eval_loss"], rel=1e-5) and held_out["tokens"] == 4 * 32
 
     # the run's dataset gone: the model is exported anyway, with one line saying why there is no tokenizer
     data.rename(tmp_path / "moved")

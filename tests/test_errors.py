@@ -95,7 +95,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("mtp-depths-negative", "train {deepseek_v3} --set model.num_nextn_predict_layers=-1", "model.num_nextn_predict_layers"),
     ("mtp-beside-the-head", "train {deepseek_v3} --nproc 4 --pp 4 --set model.num_nextn_predict_layers=8 "
      "--set train.global_batch_size=64", "model.num_nextn_predict_layers"),
-    ("mtp-absent-in-checkpoint", "eval {hf_v3_no_mtp} --tokens {tokens}", "num_nextn_predict_layers"),
+    ("eval-npy-seq-len", "eval {hf} --tokens {tokens} --seq-len 8", "--seq-len 8: "),
+    ("eval-npy-max-tokens", "eval {hf} --tokens {tokens} --max-tokens 2", "fewer than one row"),
     ("gpt-oss-eps", "train {gpt_oss} --set model.rms_norm_eps=0", "model.rms_norm_eps"),
     ("gpt-oss-experts", "train {gpt_oss} --set model.num_local_experts=0", "model.num_local_experts"),
     ("qwen3-5-layer-types", "train {qwen3_5} --set model.layer_types=" + json.dumps(["linear_attention"] * 3 + ["mamba"], separators=(",", ":")),
@@ -266,15 +267,6 @@ def make_env(tmp: Path) -> dict:
         {"model_type": "qwen3_5_moe_text", "text_config": {"hidden_size": 32}, "vision_config": {"depth": 2}}))
     (copy(hf, "hf_kimi_k25") / "config.json").write_text(json.dumps({"model_type": "kimi_k25"}))  # no text_config
     (copy(hf, "hf_llama") / "config.json").write_text(json.dumps(dict(hf_config, model_type="llama")))
-    from conftest import tiny_deepseek_v3_config  # an MTP layer asked for by config.json, absent from the weights
-    v3 = tiny_deepseek_v3_config(data).model
-    v3.num_nextn_predict_layers = 0
-    v3_model = v3.build_model()
-    v3_model.init_weights(0)
-    no_mtp = write_hf_dir(v3_model, tmp / "hf_v3_no_mtp")
-    env["hf_v3_no_mtp"] = no_mtp
-    (no_mtp / "config.json").write_text(json.dumps(dict(json.loads((no_mtp / "config.json").read_text()),
-                                                        num_nextn_predict_layers=1)))
     state = load_file(str(hf / "model.safetensors"))
     save_file(dict(state, **{"model.norm.weight": torch.ones(1)}), str(copy(hf, "hf_shape") / "model.safetensors"))
     index = {"weight_map": {k: "model-00002-of-00002.safetensors" if k == "model.norm.weight" else "model.safetensors" for k in state}}

@@ -204,7 +204,7 @@ TOKEN_FORMS = ("a .npy file of token ids [batch, seq] or a dataset directory of 
 
 def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 128, vocab=None, tokenizer=None) -> torch.Tensor:
     """Token ids [batch, seq], each below `vocab`, from a .npy array (its first rows, up to `max_tokens` tokens)
-    or a token dataset directory (its last `max_tokens` tokens, all by default, in rows of `seq_len`), refused
+    or a token dataset directory (training's samples of `seq_len` + 1 tokens: all, or the last within `max_tokens`), refused
     when its tokenizer.json is not the model's (`tokenizer`: SHA-256 and file, as eval_setup gives)."""
     path = Path(path)
     if path.is_dir():
@@ -219,8 +219,12 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
                                 "evaluate with --tokens of texts tokenized by the old tokenizer.json")
             raise UserError(f"--tokens {path} was tokenized with {dataset.tokenizer_file}, not with the model's {tokenizer[1]} "
                             f"(their SHA-256 differ); tokenize its texts with --tokenizer {tokenizer[1]}")
-        stream = np.asarray(dataset.tokens[-max_tokens:] if max_tokens else dataset.tokens, dtype=np.int64)
-        # training's windows: seq_len + 1 tokens, each seq_len after the last, seq_len labels (data.BatchLoader)
+        # training's samples: windows of seq_len + 1 tokens, each seq_len after the last from token 0 (data.BatchLoader);
+        # --max-tokens takes the last of them, as data.eval_samples holds them out (N = eval_samples x seq_len + 1)
+        samples = (len(dataset.tokens) - 1) // seq_len
+        rows = min(samples, (max_tokens - 1) // seq_len) if max_tokens else samples
+        stream = np.asarray(dataset.tokens[(samples - rows) * seq_len:samples * seq_len + 1] if rows else  # else one row:
+                            dataset.tokens[-max_tokens:] if max_tokens else dataset.tokens, dtype=np.int64)  # the last ones
         arr = np.lib.stride_tricks.sliding_window_view(stream, seq_len + 1)[::seq_len] if len(stream) > seq_len else stream[None]
     elif not path.is_file():
         raise FileNotFoundError(f"--tokens {path} does not exist; it takes {TOKEN_FORMS}")
@@ -230,7 +234,10 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
         except (ValueError, OSError, EOFError) as e:  # not an .npy file (numpy refuses pickles)
             raise UserError(f"--tokens {path} is not a .npy array ({e}); it takes {TOKEN_FORMS}") from None
         if max_tokens and arr.ndim == 2:
-            arr = arr[: max(1, max_tokens // max(arr.shape[1], 1))]
+            if max_tokens < arr.shape[1]:
+                raise UserError(f"--max-tokens {max_tokens}: fewer than one row of {path} ({arr.shape[1]} tokens); give at "
+                                f"least {arr.shape[1]}")
+            arr = arr[: max_tokens // arr.shape[1]]
     if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 2 or not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0:
         raise UserError(f"{path}: expected non-negative integer token ids of shape [batch, seq] with batch >= 1 and "
                         f"seq >= 2, got {arr.dtype} {arr.shape}; --tokens takes {TOKEN_FORMS}")

@@ -645,7 +645,7 @@ HELD_OUT = "data.eval_samples held out of data.path"
 FIXED = ("data.path", "data.seed", "data.seq_len", "train.global_batch_size", HELD_OUT)
 # Applied from the resumed step with a warning: they change the optimisation from there on. Any
 # other field (logging, checkpointing, compile, dtype, the mesh: checkpoints reshard) changes freely.
-WARNED = ("optim.", "train.steps", "train.lb_coef", "train.lb_type", "data.pack_documents")
+WARNED = ("optim.", "train.steps", "train.lb_coef", "train.lb_type", "train.mtp_coef", "data.pack_documents")
 
 
 def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = None, echo: bool = True,
