@@ -590,6 +590,9 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
            f"model.num_nextn_predict_layers={mtp} with parallel.pp={p.pp}: the MTP layers run beside the head on the "
            f"last pipeline chunk, sized for about {per_chunk} decoder layer(s); more would stall the pipeline there; "
            f"use at most {per_chunk} MTP layer(s) or a smaller parallel.pp")
+    _check(mtp < config.data.seq_len, f"model.num_nextn_predict_layers={mtp} with data.seq_len={config.data.seq_len}: "
+           f"depth k predicts the token k + 1 ahead, so depth {config.data.seq_len} and deeper have no target in a "
+           f"sample; use fewer MTP layers than data.seq_len")
     _check(p.pp == 1 or not getattr(config.model, "tie_word_embeddings", False),
            "model.tie_word_embeddings with parallel.pp > 1 is not supported yet; untie the embeddings")
     _check(not (t.compile and p.cp > 1), "train.compile with parallel.cp > 1 is not supported: ring attention "

@@ -95,6 +95,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("mtp-depths-negative", "train {deepseek_v3} --set model.num_nextn_predict_layers=-1", "model.num_nextn_predict_layers"),
     ("mtp-beside-the-head", "train {deepseek_v3} --nproc 4 --pp 4 --set model.num_nextn_predict_layers=8 "
      "--set train.global_batch_size=64", "model.num_nextn_predict_layers"),
+    ("mtp-deeper-than-the-sample", "train {deepseek_v3} --set model.num_nextn_predict_layers=8 --set data.seq_len=8",
+     "depth 8 and deeper have no target"),
     ("eval-npy-seq-len", "eval {hf} --tokens {tokens} --seq-len 8", "--seq-len 8: "),
     ("eval-npy-max-tokens", "eval {hf} --tokens {tokens} --max-tokens 2", "fewer than one row"),
     ("gpt-oss-eps", "train {gpt_oss} --set model.rms_norm_eps=0", "model.rms_norm_eps"),
@@ -102,6 +104,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("qwen3-5-layer-types", "train {qwen3_5} --set model.layer_types=" + json.dumps(["linear_attention"] * 3 + ["mamba"], separators=(",", ":")),
      "model.layer_types"),
     ("qwen3-5-layer-count", "train {qwen3_5} --set model.layer_types=" + json.dumps(["full_attention"]), "model.layer_types"),
+    ("qwen3-5-no-rotated-dims", "train {qwen3_5} --set model.partial_rotary_factor=0.01", "(it gives 0)"),
     ("qwen3-5-linear-heads", "train {qwen3_5} --set model.linear_num_key_heads=3", "model.linear_num_value_heads"),
     ("qwen3-5-conv-kernel", "train {qwen3_5} --set model.linear_conv_kernel_dim=0", "model.linear_conv_kernel_dim"),
     ("qwen3-5-multimodal-as-text", "eval {hf_mm_as_text} --tokens {tokens}", "model_type"),

@@ -121,9 +121,9 @@ class Qwen3_5MoeConfig:
         check(self.linear_num_value_heads % self.linear_num_key_heads == 0,
               f"model.linear_num_value_heads={self.linear_num_value_heads} is not divisible by "
               f"model.linear_num_key_heads={self.linear_num_key_heads}; each key head serves a whole group of value heads")
-        check(0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0,
-              f"model.partial_rotary_factor={self.partial_rotary_factor}: must be in (0, 1] and give an even number "
-              f"of rotated dims of head_dim={self.head_dim}")
+        check(0 < self.partial_rotary_factor <= 1 and self.rotary_dim % 2 == 0 and self.rotary_dim > 0,
+              f"model.partial_rotary_factor={self.partial_rotary_factor}: must be in (0, 1] and give an even, non-zero "
+              f"number of rotated dims of head_dim={self.head_dim} (it gives {self.rotary_dim})")
         check(self.hidden_act == "silu", f"model.hidden_act={self.hidden_act!r}: only 'silu' is supported")
         check(1 <= self.num_experts_per_tok <= self.num_experts,
               f"model.num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
