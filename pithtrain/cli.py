@@ -116,14 +116,18 @@ def _check_only(args, config, out: Path, world: int) -> int:
     peaks = [r["total"] for r in estimate(config, world)]
     stages = [f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.0f} MiB" for gib in peaks]
     counts = model_sizes(config.model)
+    limit, what = (has, "this machine's GPU") if (has := _gpu_gib()) else (H200_GIB, "an H200 (no GPU here)")
     print(f"model {config.model.model_type}: {count_text(counts[0])} parameters | {size_text(config, loader, counts)}\n"
           f"estimated peak memory per GPU (bf16; the estimate-memory skill): {', '.join(stages)}"
           f"{' (pipeline stage 0, 1, ...)' if len(stages) > 1 else ''}\n"
-          + (f"warning: the estimate exceeds this machine's GPU ({has:.1f} GiB): see docs/guide.md, Memory planning\n"
-             if (has := _gpu_gib()) and max(peaks) > has else "") +
+          + (f"warning: the estimate exceeds {what} ({limit:.1f} GiB): see docs/guide.md, Memory planning\n"
+             if max(peaks) > limit else "") +
           f"dry run ok: {world} process(es), mesh pp={p.pp} dp={world // (p.pp * p.cp * p.ep)} cp={p.cp} ep={p.ep}; "
           f"{f'would resume from {found}' if found else 'would start at step 0'} in {out}; nothing was written")
     return 0
+
+
+H200_GIB = 139.8  # what torch reports of an H200: the largest GPU the estimates are calibrated on
 
 
 def _gpu_gib() -> float | None:

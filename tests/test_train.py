@@ -294,6 +294,8 @@ def test_progress_line_durations_and_tensorboard_tags(tmp_path):
     assert "| 2.0k tok/s | 0.100 s/step |" in line
     line = format_line(dict(m, tflops_per_gpu=412.34), 100, elapsed=75, eta=7384)
     assert "| 2.0k tok/s | 412.3 TFLOP/s/GPU | 0.100 s/step |" in line
+    assert "| 0.001234 TFLOP/s/GPU |" in format_line(dict(m, tflops_per_gpu=0.0012341), 100)  # a CPU run's, not 0.0
+    assert format_line(m, 100, elapsed=75).endswith("| 1m15s elapsed")  # no ETA from a step that compiled
     assert line.startswith("step 7/100 | loss 2.0000 | eval 2.5000 |") and line.endswith("| 1m15s elapsed, ETA 2h03m")
     assert [duration(s) for s in (0.2, 59.6, 3599, 36000)] == ["0s", "1m00s", "59m59s", "10h00m"]
     log, scalars = MetricsLog(tmp_path, tensorboard=False), []

@@ -204,7 +204,8 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
         write_instruments(run, step, memory, profiler)
         memory = profiler = None
         shown = step - run.start < 3 or (step + 1) % t.log_every == 0 or step + 1 in (t.steps, run.end) or "eval_loss" in m
-        run.log.log(m, t.steps, echo=run.echo and shown, elapsed=now - began, eta=rate * (run.end - step - 1))
+        warming = t.compile and step + 1 == first_done[1] and step + 1 < run.end  # compiling: its time says nothing of the rest
+        run.log.log(m, t.steps, echo=run.echo and shown, elapsed=now - began, eta=None if warming else rate * (run.end - step - 1))
         if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < run.end or out.halt and t.checkpoint_every >= 0:
             run.save(step + 1)
         if out.halt:
