@@ -24,7 +24,7 @@ def test_overrides_are_type_checked(tmp_path):
         apply_override(cfg, "data.pack_documents=maybe")
     with pytest.raises(ConfigError, match=r"expected a JSON list such as \[0,3\]"):
         apply_override(cfg, "model.mlp_only_layers=0")
-    with pytest.raises(ConfigError, match=r"expected a JSON list such as \[\"embed\*\"\]"):  # of strings
+    with pytest.raises(ConfigError, match=r"expected a JSON list such as \[\"a\",\"b\"\] \(double-quoted strings\)"):
         apply_override(cfg, "optim.muon_exclude=embed*")
     with pytest.raises(ConfigError, match="unknown field 'stpes'.*steps"):
         apply_override(cfg, "train.stpes=3")

@@ -67,6 +67,8 @@ def test_init_from_our_export_continues_from_its_loss(tmp_path, dataset_dir, cap
 def test_init_from_ignores_only_fields_that_do_not_change_the_computation(tmp_path, dataset_dir):
     """Every family's tiny config against itself through an HF export (to_hf -> from_hf) with other token
     ids and init scale: accepted; one changed shape or routing field each: refused, naming it."""
+    from safetensors.torch import save_file
+
     from conftest import tiny_config, tiny_deepseek_v3_config, tiny_gpt_oss_config, tiny_qwen3_5_config
     from pithtrain.config import UserError
     from pithtrain.train.loop import check_init_from
@@ -78,7 +80,10 @@ def test_init_from_ignores_only_fields_that_do_not_change_the_computation(tmp_pa
         hf = dict(config.model.to_hf(), eos_token_id=3, bos_token_id=2, initializer_range=0.5, max_position_embeddings=4096)
         (tmp_path / "hf").mkdir(exist_ok=True)
         (tmp_path / "hf" / "config.json").write_text(json.dumps(hf))
-        (tmp_path / "hf" / "model.safetensors").write_bytes(b"")  # check_init_from reads config.json alone
+        m = config.model  # check_init_from reads config.json and the weights' names (the MTP layers they hold)
+        save_file({f"model.layers.{m.num_hidden_layers + k}.eh_proj.weight": torch.zeros(1)
+                   for k in range(m.num_nextn_predict_layers)} or {"lm_head.weight": torch.zeros(1)},
+                  str(tmp_path / "hf" / "model.safetensors"))
         config.train.init_from = str(tmp_path / "hf")
         check_init_from(config, echo=False)
         setattr(config.model, field, value)
