@@ -43,7 +43,8 @@ def test_one_training_step_matches_cpu(tmp_path, dataset_dir):
 def test_embedding_rows_into_grad_match_nn_embedding_and_repeat():
     """grouped_gemm.Embedding on CUDA at a Qwen3-sized table under bf16 autocast: two micro-batches' gradients
     added into .grad by index_put_ (sorted) equal nn.Embedding's dense gradient to fp32 rounding, and bit for
-    bit run to run."""
+    bit run to run. Its rows leave in bf16 (core.ACTIVATIONS_IN_COMPUTE_DTYPE), so the gradient reaching them is
+    dy rounded to bf16: nn.Embedding (fp32 rows) gets that rounded dy as the reference."""
     from pithtrain.ops.grouped_gemm import Embedding
 
     torch.manual_seed(0)
@@ -51,7 +52,7 @@ def test_embedding_rows_into_grad_match_nn_embedding_and_repeat():
     ids[1][:, ::2] = 7  # a token repeated 8192 times
     dys = [torch.randn(4, 4096, 2048, device="cuda") for _ in range(2)]
 
-    def grad(module):
+    def grad(module, dys):
         module.weight.grad = None
         for i, dy in zip(ids, dys):
             with torch.autocast("cuda", torch.bfloat16):  # the training's case: an fp32 master, bf16 compute
@@ -62,7 +63,7 @@ def test_embedding_rows_into_grad_match_nn_embedding_and_repeat():
     ours = Embedding(151936, 2048).cuda()
     plain = torch.nn.Embedding(151936, 2048).cuda()
     plain.weight.data.copy_(ours.weight.data)
-    first, again, ref = grad(ours).clone(), grad(ours), grad(plain)
+    first, again, ref = grad(ours, dys).clone(), grad(ours, dys), grad(plain, [dy.bfloat16().float() for dy in dys])
     with torch.autocast("cuda", torch.bfloat16):
         assert ours(ids[0]).grad_fn.name().startswith("_EmbeddingRows")
     assert ours(ids[0]).grad_fn.name() == "EmbeddingBackward0"  # outside autocast: nn.Embedding's path
