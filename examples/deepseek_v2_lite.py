@@ -2,8 +2,8 @@
 q-LoRA, 64 routed experts top-6 plus 2 shared, first layer dense, YaRN factor 40), as in its
 published config.json.
 
-Run on GPUs (about 16B parameters in all, 2.4B active per token):
-    pithtrain train examples/deepseek_v2_lite.py --out runs/dsv2_lite --set data.path=/data/my_corpus
+Run on GPUs (about 16B parameters in all, 2.4B active per token; 8 H200s at ep8: 91.9 GiB per GPU estimated):
+    pithtrain train examples/deepseek_v2_lite.py --out runs/dsv2_lite --set data.path=/data/my_corpus --nproc 8 --ep 8
 To continue pretraining the released weights, point train.init_from at the HF directory.
 """
 

@@ -9,7 +9,7 @@ vocabulary as published, not re-checked). Its multi-token-prediction module (num
 the released checkpoint's layer 61) is built, imported and exported; train.mtp_coef weights its loss. The
 released weights are FP8 block-quantized (quantization_config): dequantize them to bf16 first.
 
-For memory planning (`estimate-memory`) and the multi-node docs: 64 GPUs at ep64 estimate 620 GiB per GPU
+For memory planning (`estimate-memory`) and the multi-node docs: 64 GPUs at ep64 estimate 696 GiB per GPU
 (FAIL); 64 nodes of 8 H200s at pp32 x dp2 x ep8 (each EP group inside a node) with full recomputation
 estimate 129.9 GiB (PASS; pp16 x dp4 x ep8: 139.3 GiB, FAIL):
     python .agents/skills/estimate-memory/estimate_memory.py examples/deepseek_v3_671b.py --nproc 512 --pp 32 \

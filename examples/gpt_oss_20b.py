@@ -2,9 +2,10 @@
 128-token sliding-window and full attention, YaRN x32 over a 4096-token original context).
 
 Continued pretraining from the released weights (the hub's MXFP4 experts are dequantized on import):
-    pithtrain train examples/gpt_oss_20b.py --out runs/gpt_oss_20b \
+    pithtrain train examples/gpt_oss_20b.py --out runs/gpt_oss_20b --nproc 8 --ep 8 \
         --set data.path=/data/my_corpus --set train.init_from=/models/gpt-oss-20b
-Drop `train.init_from` to pretrain from scratch. The full model needs several GPUs.
+Drop `train.init_from` to pretrain from scratch. The full model needs several GPUs (8 H200s at ep8: 106.2 GiB per
+GPU estimated by estimate-memory).
 """
 
 from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig

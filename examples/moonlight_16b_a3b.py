@@ -8,7 +8,7 @@ max_position_embeddings 8192). With the checkpoint at hand, `pithtrain convert` 
 and needs none of this file.
 
 Run on GPUs (about 16B parameters in all, 3B active per token); 8 H200s at ep8 fit with data.seq_len=4096
-(estimate-memory: 91 GiB per GPU), not at 8192 (135 GiB):
+(estimate-memory: 95.5 GiB per GPU), not at 8192 (140.7 GiB):
     pithtrain train examples/moonlight_16b_a3b.py --out runs/moonlight --set data.path=/data/my_corpus --nproc 8 --ep 8
 To continue pretraining the released weights, point train.init_from at the HF directory.
 """

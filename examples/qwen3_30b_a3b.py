@@ -1,7 +1,9 @@
 """Qwen3-30B-A3B at its real architecture (48 layers, 128 experts, top-8, hidden 2048).
 
-Run on GPUs (the full model needs several; see docs/performance.md for the measured meshes):
-    pithtrain train examples/qwen3_30b_a3b.py --out runs/qwen3_30b --set data.path=/data/my_corpus
+Run on GPUs (the full model needs several; estimate-memory: 126.4 GiB per GPU on 16 H200s at ep8, 130.6 on 8 with
+train.recompute=full, 160.6 on 8 without, which does not fit):
+    pithtrain train examples/qwen3_30b_a3b.py --out runs/qwen3_30b --set data.path=/data/my_corpus --nproc 8 --ep 8 \
+        --set train.recompute=full
 """
 
 from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig

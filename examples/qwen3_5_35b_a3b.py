@@ -2,8 +2,9 @@
 the rest Gated DeltaNet), 256 experts top-8 plus a shared expert, hidden 2048, as the released
 config.json's text_config (`pithtrain convert` of the released checkpoint gives the same model).
 
-Run on GPUs (the full model needs several; `estimate-memory` says how many):
-    pithtrain train examples/qwen3_5_35b_a3b.py --out runs/qwen35 --set data.path=/data/my_corpus
+Run on GPUs (the full model needs several; estimate-memory: 100.4 GiB per GPU on 16 H200s at pp2 x ep8, 157.3 at
+ep8 alone, which does not fit):
+    pithtrain train examples/qwen3_5_35b_a3b.py --out runs/qwen35 --set data.path=/data/my_corpus --nproc 16 --pp 2 --ep 8
 """
 
 from pithtrain.config import DataConfig, OptimConfig, RunConfig, TrainConfig

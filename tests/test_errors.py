@@ -369,6 +369,8 @@ TOOL_CASES = [  # (id, command line, what the one line must name)
     ("convert-src-no-meta", "convert {run_nometa} {tools}/c", "pass a checkpoint or run directory with an intact one"),
     ("convert-dst-under-file", "convert {hf} {notes}/sub", "notes.txt/sub is a file, or lies under one"),
     ("convert-dst-symlink", "convert {hf} {dst_link} --overwrite", "dst_link is a symbolic link"),
+    ("convert-dst-others", "convert {hf} {tools}", "(--overwrite replaces only an HF export or a checkpoint)"),
+    ("eval-tokens-objects", "eval {hf} --tokens {tokens_objects}", "(an array of Python objects)"),
     ("convert-config-list", "convert {hf_list} {tools}/c", "config.json holds a JSON list"),
     ("eval-config-list", "eval {hf_list} --tokens {tokens}", "config.json holds a JSON list"),
     ("eval-config-type", "eval {hf_four} --tokens {tokens}", "num_hidden_layers='four' (str): expected int; fix config.json"),
@@ -436,6 +438,8 @@ def tool_env(env):
     meta_file.write_text(json.dumps(dict(meta, meta_crc32=ckpt._json_crc(meta))))
     out["tokens_u64"] = tools / "tokens_u64.npy"
     np.save(out["tokens_u64"], np.array([[1, 2, 2**63 + 5]], dtype=np.uint64))
+    out["tokens_objects"] = tools / "tokens_objects.npy"
+    np.save(out["tokens_objects"], np.array([[1, "a"]], dtype=object), allow_pickle=True)
     for name, file, content in (("own_meta", "meta.json", '{"my": "settings"}'), ("own_tokenizer", "tokenizer.json", "{}")):
         (tools / name).mkdir()
         (tools / name / file).write_text(content)

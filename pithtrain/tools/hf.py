@@ -142,7 +142,9 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         if not (path if path.exists() else next(p for p in path.parents if p.exists())).is_dir():
             raise FileExistsError(f"convert: {name} is a file, or lies under one; choose another DST")
         if path.is_dir() and any(path.iterdir()) and not overwrite:
-            raise FileExistsError(f"convert: {name} exists and is not empty; choose a new DST, or pass --overwrite to replace it")
+            ours = (is_hf_dir(path) or ckpt.is_checkpoint(path)) and all(re.fullmatch(EXPORT_NAMES, p.name) for p in path.iterdir())
+            raise FileExistsError(f"convert: {name} exists and is not empty; choose a new DST" + (
+                ", or pass --overwrite to replace it" if ours else " (--overwrite replaces only an HF export or a checkpoint)"))
     if overwrite and (dst / rundir.LOCK).exists():
         rundir.RunLock(dst).release()  # raises while a run is writing there
     held = sorted(p.name for p in b.iterdir()) if overwrite and b.is_dir() else []
@@ -232,7 +234,9 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
         try:
             arr = np.load(path)
         except (ValueError, OSError, EOFError) as e:  # not an .npy file (numpy refuses pickles)
-            raise UserError(f"--tokens {path} is not a .npy array ({e}); it takes {TOKEN_FORMS}") from None
+            why = ("an array of Python objects" if "Object arrays" in str(e) else "not a .npy file" if "pickled" in str(e)
+                   else str(e).split(". ")[0])
+            raise UserError(f"--tokens {path} is not a .npy array of token ids ({why}); it takes {TOKEN_FORMS}") from None
         if max_tokens and arr.ndim == 2:
             if max_tokens < arr.shape[1]:
                 raise UserError(f"--max-tokens {max_tokens}: fewer than one row of {path} ({arr.shape[1]} tokens); give at "
