@@ -1,7 +1,7 @@
 """A tiny Qwen3.5-MoE (hybrid: Gated DeltaNet + gated full attention) that trains on 2 CPU cores.
 
 Three linear-attention layers and one full-attention layer, 8 experts + a shared expert.
-Data: data/stdlib, which `make train` builds (the Python standard library's sources,
+Data: data/stdlib, which `make data` builds (`make train` too; the Python standard library's sources,
 byte-level BPE of 4096 tokens). Run: pithtrain train examples/qwen3_5_tiny.py --out runs/tiny35
 """
 
