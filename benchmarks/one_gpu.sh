@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites, most needed first: a session's device time (30
-# minutes, the machine's start included) holds some seven of them. Runs 1-5 wait for an H200 (9 layers need ~129 GiB;
-# the kernels they carry were measured on an H100, lines 132-135): 1 plain bf16 at 9 layers with the step boundary
-# overlapped, the host-descriptor weight gradient and qk_norm_rope's 128-row backward tile (the 60% MFU reading;
-# compare line 130: 78,657 tok/s); 2 FP8 + FP8 head against bf16 (the 1.15x); 3 the FP8 copies made by their
-# producers (the cross-entropy and activation backwards, the dispatch) against quantize passes; 4 the host
-# descriptors against in-kernel ones (arm A another 60% reading); 5 GPT-OSS-20B at 6 layers. Runs 6-18 ran on
-# 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 6 the GPU checks of then; 7 the DeepSeek-V3-width peer
+# minutes, the machine's start included) holds some seven of them. Runs 1-4 ran at b3f917d on 2026-12-05 (lines
+# 139-142, about 4 minutes a pair): 1 plain bf16 at 9 layers (the 60% MFU reading: 60.1%); 2 FP8 + FP8 head against
+# bf16 (1.107x; arm A a second 60% reading); 3 the FP8 copies made by their producers against quantize passes (the
+# cross-entropy's is off since); 4 the host descriptors against in-kernel ones (0.999x). 5, GPT-OSS-20B at 6 layers,
+# waits for an H200 (~130 GiB). Runs 6-18 ran on 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 6 the GPU checks of then; 7 the DeepSeek-V3-width peer
 # (carry .peers) and 8 the two profiles by kernel category; 9 MLA's v unpadded against padded; 10-11 the switches
 # at 9 layers, several arms to a run (one compile serves them all); 12 plain bf16 with stage_ms and its profile
 # digest; 13 the kernels; 14 MLA's SDPA backends; 15 MLA at DeepSeek-V2-Lite width; 16 the Qwen3 peer at its

@@ -845,8 +845,10 @@ def _ce_bwd_in_place(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tens
 
 
 # The FP8 head's dy copy written by the cross-entropy backward (2.5 GB more at the memory peak at 16k tokens of
-# Qwen3's vocabulary), not quantized from d logits by two more reads: train_throughput.py --ab ce-fp8-grad.
-CE_FP8_GRAD = True
+# Qwen3's vocabulary), not quantized from d logits by two more reads: train_throughput.py --ab ce-fp8-grad. Off: on
+# an H200 at Qwen3 width, 9 layers, FP8 + FP8 head, off was 0.7% faster (beyond the 0.2% noise) and 1.7 GiB lower at
+# the peak (results.jsonl line 142, b3f917d): the cross-entropy kernels slowed by more than the quantize pass saved.
+CE_FP8_GRAD = False
 
 
 def _ce_fwd_amax(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -994,8 +996,10 @@ def _qk_norm_rope_bwd_kernel(qkv_ptr, wq_ptr, wk_ptr, cos_ptr, sin_ptr, dq_ptr, 
         tl.store(out + HALF, (r * (dn2 - xh2 * dot)).to(x1.dtype), mask=m)
 
 
-# rows a program; the backward's from kernels.py's sweep (fwd+bwd less fwd: 0.29 ms at 128/8, 0.44 at 32/4; H100, line 133)
-QK_NORM_ROPE_TILES = {"fwd": dict(BLOCK_T=32, num_warps=4), "bwd": dict(BLOCK_T=128, num_warps=8)}
+# rows a program. The backward at 128 rows / 8 warps led kernels.py's sweep on an H100 (fwd+bwd less fwd: 0.29 ms
+# against 0.44, line 133), but in training on an H200 its kernel took 19.0-19.5 ms a step against 15.6 at 32 / 4
+# (Qwen3 9 layers, profiles of results.jsonl lines 139-140 against 127): 32 / 4 again.
+QK_NORM_ROPE_TILES = {"fwd": dict(BLOCK_T=32, num_warps=4), "bwd": dict(BLOCK_T=32, num_warps=4)}
 
 
 @torch.library.custom_op("pithtrain::qk_norm_rope_fwd", mutates_args=())

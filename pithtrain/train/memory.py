@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from pithtrain.config import runs_dualpipev
+from pithtrain.ops import grouped_gemm, kernels
 from pithtrain.parallel.pipeline import rank_chunks, split_layers
 
 GIB = 2**30
@@ -112,8 +113,9 @@ def estimate(config, world: int) -> list[dict]:
             if micro_per_rank > 1:  # the pipeline adds expert gradients to the shards directly
                 parts["unsharded fp32 gradients (accumulation)"] = 4 * (dense + (0 if pipeline else expert / ep))
         parts["activations"] = act
-        if config.train.fp8_head and any(head for *_, head, _ in chunks):  # the loss backward's FP8 copy of d logits
-            parts["FP8 head's d logits copy"] = tokens * cfg.vocab_size  # (kernels.CE_FP8_GRAD; the main head's)
+        if config.train.fp8_head and any(head for *_, head, _ in chunks):  # the FP8 copy of d logits: the loss
+            rows = tokens if kernels.CE_FP8_GRAD else min(tokens, grouped_gemm.HEAD_DGRAD_ROWS)  # backward's, or a block's
+            parts["FP8 head's d logits copy"] = rows * cfg.vocab_size
         if world > 1:  # all-to-all and FSDP buffers, the deferred-W queue, pipeline tape leaves
             parts[f"runtime buffers (multi-GPU, calibrated +{MULTI_GPU_OVERHEAD:.0%})"] = MULTI_GPU_OVERHEAD * sum(parts.values())
         gib = {k: v / GIB for k, v in parts.items()}
