@@ -155,6 +155,9 @@ def _drop_unused(out: Path) -> None:
         pass
 
 
+_joined_group = False  # this process is a launched worker that set up a process group (gloo's threads run)
+
+
 def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
     from pithtrain.train.loop import train
 
@@ -166,6 +169,8 @@ def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
         from pithtrain.train.loop import pick_device
 
         device = pick_device(config.train.device)
+        global _joined_group
+        _joined_group = True
         try:
             mesh = init_mesh(config.parallel.pp, config.parallel.cp, config.parallel.ep, device.type,
                              config.parallel.timeout_s, config.parallel.hsdp)
@@ -180,11 +185,9 @@ def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
     except RuntimeError as e:  # gloo's; NCCL's watchdog aborts the process itself
         if mesh is None or "Timed out" not in str(e):
             raise
-        hung = UserError(f"rank {mesh.rank}: no answer in a collective within parallel.timeout_s="
-                         f"{config.parallel.timeout_s:g}: another rank hangs or stopped (the first rank to exit is "
-                         "blamed, maybe this one); the same command resumes from the last checkpoint")
-        hung.exit_at_once = True  # gloo's threads still wait on the hung peer: tearing them down can abort
-        raise hung from None
+        raise UserError(f"rank {mesh.rank}: no answer in a collective within parallel.timeout_s="
+                        f"{config.parallel.timeout_s:g}: another rank hangs or stopped (the first rank to exit is "
+                        "blamed, maybe this one); the same command resumes from the last checkpoint") from None
     finally:
         stop.restore()
     if mesh is None or mesh.is_main:
@@ -322,7 +325,13 @@ def main(argv: list[str] | None = None) -> None:
     if "RANK" in os.environ:  # a worker under a launcher: its traceback goes to the launcher's error report
         from torch.distributed.elastic.multiprocessing.errors import record
 
-        sys.exit(record(_main)(argv))
+        code = record(_main)(argv)
+        if _joined_group:  # no interpreter teardown: gloo's threads can abort it ("terminate called without an
+            logging.shutdown()  # active exception", then SIGSEGV) after the run has ended and said so, and the
+            sys.stdout.flush()  # launcher then reports a crash
+            sys.stderr.flush()
+            os._exit(code or 0)
+        sys.exit(code)
     sys.exit(_main(argv))
 
 
@@ -351,10 +360,6 @@ def _main(argv: list[str] | None = None) -> int:
             raise
         if not isinstance(e, ConfigError) or os.environ.get("LOCAL_RANK", "0") == "0":  # a config's error: once a node
             print(f"error: {' '.join(str(e).split())} (PITHTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
-        if getattr(e, "exit_at_once", False):  # no interpreter teardown (a process group's destructors)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(2)
         return 2
     finally:
         sys.stdout = sys.stdout.stream
