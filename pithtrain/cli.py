@@ -28,8 +28,9 @@ def train_config(args):
             apply_override(config, assignment)
         except ConfigError as e:  # a model field of another family (multi-token prediction is DeepSeek-V3's)
             field = assignment.split("=", 1)[0].strip().removeprefix("model.")
-            owners = [c.__name__ for c in families() if "unknown field" in str(e) and assignment.startswith("model.")
-                      and field in {f.name for f in dataclasses.fields(c)}]
+            if "unknown field" not in str(e) or not assignment.startswith("model."):
+                raise
+            owners = [c.__name__ for c in families() if field in {f.name for f in dataclasses.fields(c)}]
             if not owners:
                 raise
             raise ConfigError(f"--set model.{field}: {type(config.model).__name__} has no such field; "

@@ -35,6 +35,14 @@ EXPORT_NAMES = (r"(config|generation_config|tokenizer|tokenizer_config|special_t
                 r"\.json|model(-\d+-of-\d+)?\.safetensors|\.metadata|__\d+_\d+\.distcp")  # what convert writes
 
 
+def _kept(path: Path) -> list[str]:
+    """What keeps convert --overwrite from replacing directory `path`: the files an export does not write (a model
+    card, notes: never deleted), or all it holds when it is neither an HF export nor a checkpoint."""
+    held = sorted(p.name for p in path.iterdir())
+    foreign = [name for name in held if not re.fullmatch(EXPORT_NAMES, name)]
+    return foreign or ([] if is_hf_dir(path) or ckpt.is_checkpoint(path) else held)
+
+
 def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, extra: dict | None = None) -> Path:
     """config.json + safetensors (sharded at 4 GiB with an index), written to a temp dir then renamed.
     With the `dataset` the model trained on: its EOS as the bos/eos/pad ids of config.json and
@@ -142,17 +150,13 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         if not (path if path.exists() else next(p for p in path.parents if p.exists())).is_dir():
             raise FileExistsError(f"convert: {name} is a file, or lies under one; choose another DST")
         if path.is_dir() and any(path.iterdir()) and not overwrite:
-            ours = (is_hf_dir(path) or ckpt.is_checkpoint(path)) and all(re.fullmatch(EXPORT_NAMES, p.name) for p in path.iterdir())
             raise FileExistsError(f"convert: {name} exists and is not empty; choose a new DST" + (
-                ", or pass --overwrite to replace it" if ours else " (--overwrite replaces only an HF export or a checkpoint)"))
+                " (--overwrite replaces only an HF export or a checkpoint)" if _kept(path) else ", or pass --overwrite to replace it"))
     if overwrite and (dst / rundir.LOCK).exists():
         rundir.RunLock(dst).release()  # raises while a run is writing there
-    held = sorted(p.name for p in b.iterdir()) if overwrite and b.is_dir() else []
-    foreign = [name for name in held if not re.fullmatch(EXPORT_NAMES, name)]  # a model card, notes: never deleted
-    if held and (foreign or not (is_hf_dir(b) or ckpt.is_checkpoint(b))):
+    if overwrite and b.is_dir() and (kept := _kept(b)):
         raise UserError(f"convert --overwrite: DST {dst} is not only an HF export or a checkpoint (it holds "
-                        f"{', '.join((foreign or held)[:4])}); --overwrite replaces only those: move the rest out, or "
-                        "choose another DST")
+                        f"{', '.join(kept[:4])}); --overwrite replaces only those: move the rest out, or choose another DST")
     tmp = dst.with_name(dst.name + ".tmp")  # where both directions write first
     try:
         if is_hf_dir(src):
@@ -225,8 +229,11 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
         # --max-tokens takes the last of them, as data.eval_samples holds them out (N = eval_samples x seq_len + 1)
         samples = (len(dataset.tokens) - 1) // seq_len
         rows = min(samples, (max_tokens - 1) // seq_len) if max_tokens else samples
-        stream = np.asarray(dataset.tokens[(samples - rows) * seq_len:samples * seq_len + 1] if rows else  # else one row:
-                            dataset.tokens[-max_tokens:] if max_tokens else dataset.tokens, dtype=np.int64)  # the last ones
+        if rows:
+            stream = dataset.tokens[(samples - rows) * seq_len:samples * seq_len + 1]
+        else:  # fewer tokens than one sample: one row of the last ones
+            stream = dataset.tokens[-max_tokens:] if max_tokens else dataset.tokens
+        stream = np.asarray(stream, dtype=np.int64)
         arr = np.lib.stride_tricks.sliding_window_view(stream, seq_len + 1)[::seq_len] if len(stream) > seq_len else stream[None]
     elif not path.is_file():
         raise FileNotFoundError(f"--tokens {path} does not exist; it takes {TOKEN_FORMS}")

@@ -42,7 +42,8 @@ from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
 from pithtrain.train.data import BatchLoader, BlendLoader, TokenDataset, mtp_targets, open_training_data
 from pithtrain.train.debug import MemoryRecorder, NormLog, chosen_steps
-from pithtrain.train.metrics import MetricsLog, flops_per_token, peak_memory_bytes, read_metrics, reset_peak_memory
+from pithtrain.train.metrics import (MetricsLog, flops_per_token, model_sizes, peak_memory_bytes, read_metrics,
+                                     reset_peak_memory)
 from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step, takes_muon
 
 
@@ -849,16 +850,6 @@ def rank_balance(loads: torch.Tensor, ep: int, parts: bool = False) -> float | t
     per_rank = loads.view(loads.shape[0], ep, -1).sum(-1).double()
     sums = torch.stack([per_rank.mean(1).sum(), per_rank.max(1).values.sum()])
     return sums if parts else float(sums[0] / sums[1].clamp(min=1))
-
-
-def model_sizes(cfg) -> tuple[int, int]:
-    """(parameters, parameters active per token: every MoE layer's top-k of its routed experts), counted
-    on the meta device (no memory)."""
-    with torch.device("meta"):
-        named = list(cfg.build_model().named_parameters())
-    routed = sum(p.numel() for name, p in named if ".experts." in name)  # [experts, ...] per layer
-    total = sum(p.numel() for _, p in named)
-    return total, total - routed + routed // max(cfg.num_routed_experts(), 1) * cfg.num_experts_per_tok
 
 
 def size_text(config: RunConfig, loader, counts: tuple[int, int]) -> str:

@@ -33,16 +33,23 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def model_sizes(cfg) -> tuple[int, int]:
+    """(parameters, parameters active per token: every MoE layer's top-k of its routed experts), counted
+    on the meta device (no memory)."""
+    with torch.device("meta"):
+        named = list(cfg.build_model().named_parameters())
+    routed = sum(p.numel() for name, p in named if ".experts." in name)  # [experts, ...] per layer
+    total = sum(p.numel() for _, p in named)
+    return total, total - routed + routed // max(cfg.num_routed_experts(), 1) * cfg.num_experts_per_tok
+
+
 def flops_per_token(cfg, seq: int) -> float:
     """Model FLOPs a token of a training step: 6 x active non-embedding parameters (routed experts counted k/E;
     the LM head in, once a multi-token prediction depth) + causal attention (Qwen3.5's linear layers: the gated
     delta rule's chunked FLOPs). What `tflops_per_gpu` and the benchmarks' MFU count."""
     from pithtrain.ops.delta_rule import chunked_flops
 
-    with torch.device("meta"):
-        model = cfg.build_model()
-    active = sum(p.numel() * (cfg.num_experts_per_tok / cfg.num_routed_experts() if ".experts." in name else 1.0)
-                 for name, p in model.named_parameters() if not name.startswith("embed_tokens"))
+    active = model_sizes(cfg)[1] - cfg.vocab_size * cfg.hidden_size  # the embedding is a lookup, not a matmul
     active += cfg.num_nextn_predict_layers * cfg.hidden_size * cfg.vocab_size
     if cfg.model_type in ("deepseek_v2", "deepseek_v3"):
         d_qk, d_v = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.v_head_dim
