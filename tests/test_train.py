@@ -315,8 +315,9 @@ def test_cpu_peak_memory_is_the_steps_not_the_processes():
     high = peak_memory_bytes(cpu)
     del big
     reset_peak_memory(cpu)
-    if not os.access("/proc/self/clear_refs", os.W_OK):
-        pytest.skip("this kernel does not let a process reset its peak resident set")
+    if not os.access("/proc/self/clear_refs", os.W_OK):  # a kernel that refuses the reset: the lifetime peak, as said
+        assert peak_memory_bytes(cpu) >= high - 50 * 2**20
+        return
     assert peak_memory_bytes(cpu) < high - 200 * 2**20
     again = torch.ones(2**26)
     assert peak_memory_bytes(cpu) > high - 50 * 2**20 and again.sum() > 0
