@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parent))  # after site-packages: a test that loads this must not shadow `kernels`
 from results import record  # noqa: E402  (benchmarks/results.py: one JSON line per run)
 
 from pithtrain.train.metrics import flops_per_token  # noqa: E402  (re-exported for mfu_from_metrics.py)

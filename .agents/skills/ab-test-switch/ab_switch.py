@@ -132,7 +132,7 @@ def main() -> int:
     if args.line is not None and args.from_results is None:
         return runs.verdict(False, f"--line {args.line} picks a line of --from-results FILE; give that file too")
     if args.switch is not None:  # the benchmark's own list, checked here before it starts (its usage runs 17 lines)
-        sys.path.insert(0, str(Path(BENCHMARK).resolve().parent))
+        sys.path.append(str(Path(BENCHMARK).resolve().parent))  # after site-packages (its `kernels`)
         from train_throughput import AB_SWITCHES
 
         unknown = [s for s in args.switch.split(",") if s not in AB_SWITCHES]
