@@ -73,18 +73,24 @@ def grouped(args, sweep: bool):
         ref = fp8.grouped_mm_reference(xq[: 4 * (rows // args.experts)], xs, wf[0][:4], wf[1][:4], counts[:4].cpu(), torch.float32)
         got = fp8.grouped_mm(xq, xs, *wf, counts, torch.float32)[: ref.shape[0]]
         print(f"{label} fp8 kernel vs reference: max rel err {((got - ref).abs().max() / ref.abs().max()).item():.2e}")
-        if sweep:
+        if sweep:  # each config's TFLOP/s (fwd, dgrad, wgrad) into the line; fwd's best per shape: fp8._GMM_SHORT_K_CONFIG's
+            fp8._GMM_SHORT_K_CONFIG = fp8._GMM_CONFIG  # one dict: the sweep sets the tiles of every contraction
+            tried = {}
             for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
                                               (128, 256, 64, 8, 4), (64, 256, 128, 4, 4), (128, 128, 64, 4, 4),
-                                              (256, 128, 128, 8, 3)):
+                                              (256, 128, 128, 8, 3), (128, 128, 128, 4, 3), (128, 128, 128, 4, 4),
+                                              (128, 64, 128, 4, 4), (64, 128, 128, 4, 4), (128, 256, 128, 8, 2),
+                                              (128, 128, 256, 8, 2), (64, 256, 128, 8, 3)):
                 cfg = dict(BM=bm, BN=bn, BK=bk, num_warps=warps, num_stages=stages)
                 fp8._GMM_CONFIG.clear(), fp8._GMM_CONFIG.update(cfg)
                 fp8._WGRAD_CONFIG.clear(), fp8._WGRAD_CONFIG.update(cfg)
                 try:
                     f, d, g = (median_ms(fn, 10) for fn in (cases["fwd_fp8"], cases["dgrad_fp8"], cases["wgrad_fp8"]))
+                    tried[str(tuple(cfg.values()))] = [round(tflops(flops, t)) for t in (f, d, g)]
                     print(f"  sweep {cfg}: fwd {tflops(flops, f):5.0f} dgrad {tflops(flops, d):5.0f} wgrad {tflops(flops, g):5.0f} TFLOP/s", flush=True)
                 except Exception as e:  # a config the compiler rejects (shared memory)
                     print(f"  sweep {cfg}: failed ({type(e).__name__})")
+            out[f"{label}_sweep_tflops"] = tried  # "(BM, BN, BK, num_warps, num_stages)": [fwd, dgrad, wgrad]
     return out
 
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from conftest import tiny_config
 from pithtrain.config import ConfigError, validate
-from pithtrain.ops import fp8, grouped_gemm
+from pithtrain.ops import fp8, grouped_gemm, kernels
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import loop
 from pithtrain.train.optim import build_optimizer, optimizer_step
@@ -226,6 +226,15 @@ def test_fp8_head(monkeypatch):
     assert model.head_fp8 is True
     fp8.enable_fp8(model, compiled=False, recipe="rowwise")
     assert model.head_fp8 is False
+    from pithtrain.protocol import all_layers
+
+    for combine_copy in (False, True):  # compiled stages (lazily: nothing compiles here); stage 5 eager for the copy
+        model = tiny_config("x").model.build_model()
+        loop.compile_stages(model)
+        monkeypatch.setattr(kernels, "COMBINE_FP8_GRAD", combine_copy)
+        fp8.enable_fp8(model, compiled=True, recipe="rowwise_bf16_wgrad")
+        layers = all_layers(model).values()
+        assert all(("stage5" in layer.__dict__) != combine_copy and "stage1" in layer.__dict__ for layer in layers)
     chunks = build_chunks(tiny_config("x").model, 2, 0, seed=0)  # rank 0 of pp2 holds the head chunk
     pair = ChunkPair(*chunks)
     fp8.enable_fp8(pair, compiled=False, recipe="rowwise", head=True)  # the pair does not hold its chunks as modules:

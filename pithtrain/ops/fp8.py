@@ -165,6 +165,22 @@ def _glu_quant_kernel(x_ptr, out_ptr, q_ptr, s_ptr, rows, inter, alpha, limit,
 
 
 @_Kernel
+def _quant_expand_kernel(x_ptr, dest_ptr, q_ptr, s_ptr, cols, TOPK: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Token row t of x quantized (_quant_rows_kernel's math, bit for bit) and stored, with its scale, at its TOPK
+    expanded rows dest[t * TOPK + j] (kernels._expand_rows_kernel's placement): each token read once."""
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK_C)
+    x = tl.load(x_ptr + t * cols + c, mask=c < cols, other=0.0).to(tl.float32)
+    s = tl.math.div_rn(tl.maximum(tl.max(tl.abs(x), 0), 1e-12), 448.0)
+    inv = tl.math.div_rn(1.0, s)
+    q = tl.clamp(x * inv, -448.0, 448.0).to(q_ptr.dtype.element_ty)
+    for j in tl.static_range(TOPK):
+        row = tl.load(dest_ptr + t * TOPK + j).to(tl.int64)
+        tl.store(q_ptr + row * cols + c, q, mask=c < cols)
+        tl.store(s_ptr + row, s)
+
+
+@_Kernel
 def _quant_wide_rows_kernel(x_ptr, q_ptr, s_ptr, cols, BLOCK_C: tl.constexpr):
     """_quant_rows_kernel for one row wider than a program holds (the LM head's gradient: a row per
     token over the vocabulary): its amax over blocks of BLOCK_C, then the blocks again (from L2)."""
@@ -432,6 +448,23 @@ def _(x, alpha, limit, clamped):
     return out, out.new_empty(out.shape, dtype=FP8), out.new_empty(out.shape[0], dtype=torch.float32)
 
 
+@torch.library.custom_op("pithtrain::fp8_quantize_expand", mutates_args=())
+def _quant_expand_cuda(x: torch.Tensor, dest: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, cols = dest.shape[0], x.shape[1]
+    q = torch.empty(rows, cols, dtype=FP8, device=x.device)
+    s = torch.empty(rows, dtype=torch.float32, device=x.device)
+    if rows and cols:
+        block_c = _pow2(cols)
+        _quant_expand_kernel[(x.shape[0],)](x, dest, q, s, cols, TOPK=rows // x.shape[0], BLOCK_C=block_c,
+                                            num_warps=8 if block_c >= 4096 else 4)
+    return q, s
+
+
+@_quant_expand_cuda.register_fake
+def _(x, dest):
+    return x.new_empty(dest.shape[0], x.shape[1], dtype=FP8), x.new_empty(dest.shape[0], dtype=torch.float32)
+
+
 _AMAX_CONFIG = dict(BR=128, BC=128, num_warps=8)  # both: benchmarks/fp8.py --wquant --sweep
 _QUANT_BOTH_CONFIG = dict(BR=64, BC=128, num_warps=4, TRANS=False)  # a tl.trans store was slow for activations
 
@@ -448,6 +481,10 @@ def _quantize_both_cuda(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: t
 
 
 _GMM_CONFIG = dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3)  # the best of benchmarks/fp8.py --sweep (H200)
+# Contractions shorter than SHORT_K (Qwen3's down projection forward, K = 768: 709 TFLOP/s where gate_up's K = 2048
+# reaches 1,087, line 5) have few steps to hide a tile's epilogue in: their own tiles (the sweep's per shape).
+SHORT_K = 1024
+_GMM_SHORT_K_CONFIG = dict(_GMM_CONFIG)
 _WGRAD_CONFIG = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4)  # the sweep's best weight-gradient tiles
 
 
@@ -457,7 +494,7 @@ def _grouped_mm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     rows, k_dim = a.shape
     groups, n_out = b.shape[0], b.shape[1]
     out = torch.empty(rows, n_out, dtype=out_dtype, device=a.device)
-    cfg = _GMM_CONFIG
+    cfg = _GMM_SHORT_K_CONFIG if k_dim < SHORT_K else _GMM_CONFIG
     if rows:
         grid = ((_cdiv(rows, cfg["BM"]) + groups) * _cdiv(n_out, cfg["BN"]),)
         _grouped_mm_kernel[grid](a, sa, b, sb, counts, out, rows, n_out, k_dim, groups,
@@ -536,8 +573,13 @@ def glu_quantized(gate_up: torch.Tensor, alpha: float = 1.0, limit: float = 0.0,
 
 def expand_quantized(x: torch.Tensor, order: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize(kernels.expand(x, order, topk)) from the T rows of x rather than the T*k expanded ones: each
-    expanded row is a copy of a token's row, so its FP8 copy and scale are the token's (bit for bit)."""
-    q, s = quantize(x.detach().reshape(-1, x.shape[-1]))
+    expanded row is a copy of a token's row, so its FP8 copy and scale are the token's (bit for bit). On CUDA
+    one kernel quantizes each token and stores it at its k rows (a quantize, then a gather of the T*k rows,
+    took 11.5 ms a step at 9 Qwen3 layers, 4 x 8 micro-batches, results.jsonl line 140)."""
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    if use_triton(x2) and not torch.compiler.is_compiling():
+        return _quant_expand_cuda(x2.contiguous(), kernels._inverse(order))
+    q, s = quantize(x2)
     src = order // topk
     return q.view(torch.uint8)[src].view(FP8), s[src]
 
@@ -767,7 +809,7 @@ def enable_fp8(model: nn.Module, compiled: bool, recipe: str = "rowwise", head: 
     """Switch the model's FP8-capable modules (ops/fp8.Linear and the `Experts` of each family, which
     declare `fp8`) to FP8, and with `head` (train.fp8_head) the LM head of the models (which declare
     `head_fp8`). With compiled stage 1s (train.compile), each layer's stage 1 first
-    refreshes its Linears' FP8 layouts in eager code. Call before FSDP wraps the stages, so that its
+    refreshes its Linears' FP8 layouts in eager code, and stage 5 runs eagerly (kernels.COMBINE_FP8_GRAD). Call before FSDP wraps the stages, so that its
     all-gather runs before the refresh."""
     for m in model.modules():
         if isinstance(m, Linear) or "fp8" in type(m).__dict__:
@@ -777,6 +819,8 @@ def enable_fp8(model: nn.Module, compiled: bool, recipe: str = "rowwise", head: 
     if compiled:
         for layer in all_layers(model).values():
             layer.stage1 = _refreshing(layer, layer.stage1)
+            if kernels.COMBINE_FP8_GRAD and "stage5" in layer.__dict__:  # the compiled one (train/loop.compile_stages)
+                del layer.stage5  # eager: its combine fills the down GEMM's FP8 slot, which a graph cannot
 
 
 def _refreshing(layer: nn.Module, stage1):

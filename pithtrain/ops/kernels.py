@@ -437,35 +437,60 @@ def weighted_combine_reference(rows: torch.Tensor, index: torch.Tensor, weights:
 
 
 @_Kernel
-def _weighted_combine_bwd_kernel(rows_ptr, source_ptr, w_ptr, dout_ptr, drows_ptr, dw_ptr, hidden,
-                                 TOPK: tl.constexpr, BLOCK_H: tl.constexpr):
+def _weighted_combine_bwd_kernel(rows_ptr, source_ptr, w_ptr, dout_ptr, drows_ptr, dw_ptr, q_ptr, s_ptr, hidden,
+                                 TOPK: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr = False):
     """Token t's pair p = t * TOPK + j is row i = source[p]: drows[i] = w[p] * dout[t] and dw[p] = <rows[i],
     dout[t]> (fp32, over column blocks in order). A program a token: dout's row comes from memory once and
-    from the cache for its other pairs (a program a row read it TOPK times, mostly from memory)."""
+    from the cache for its other pairs (a program a row read it TOPK times, mostly from memory).
+    FP8: also drows' row-wise FP8 copy, fp8.quantize's of the stored drows bit for bit, into q and s: the row's
+    largest stored value is |w| times dout's largest, rounded as drows is (rounding is monotonic), so the
+    scale is known before the row is written."""
     t = tl.program_id(0).to(tl.int64)
+    if FP8:
+        peak = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for start in range(0, hidden, BLOCK_H):
+            c = start + tl.arange(0, BLOCK_H)
+            peak = tl.maximum(peak, tl.abs(tl.load(dout_ptr + t * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)))
+        gmax = tl.max(peak, axis=0)
     for j in tl.static_range(TOPK):
         p = t * TOPK + j
         i = tl.load(source_ptr + p).to(tl.int64)
         w = tl.load(w_ptr + p).to(tl.float32)
+        if FP8:
+            top = (tl.abs(w) * gmax).to(drows_ptr.dtype.element_ty).to(tl.float32)
+            scale = tl.math.div_rn(tl.maximum(top, 1e-12), 448.0)
+            inv = tl.math.div_rn(1.0, scale)
+            tl.store(s_ptr + i, scale)
         dot = tl.zeros([BLOCK_H], dtype=tl.float32)
         for start in range(0, hidden, BLOCK_H):
             c = start + tl.arange(0, BLOCK_H)
             g = tl.load(dout_ptr + t * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
             y = tl.load(rows_ptr + i * hidden + c, mask=c < hidden, other=0.0).to(tl.float32)
-            tl.store(drows_ptr + i * hidden + c, (w * g).to(drows_ptr.dtype.element_ty), mask=c < hidden)
+            d = (w * g).to(drows_ptr.dtype.element_ty)
+            tl.store(drows_ptr + i * hidden + c, d, mask=c < hidden)
+            if FP8:
+                q = tl.clamp(d.to(tl.float32) * inv, -448.0, 448.0)
+                tl.store(q_ptr + i * hidden + c, q.to(q_ptr.dtype.element_ty), mask=c < hidden)
             dot += y * g
         tl.store(dw_ptr + p, tl.sum(dot, axis=0))
+
+
+def _launch_combine_bwd(rows, source, weights, dout, fp8_out=None):
+    """(drows, dw); fp8_out: (q, s) for drows' FP8 copy too."""
+    drows = torch.empty_like(rows)
+    dw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)  # every pair is some row's
+    if weights.numel():
+        q, s = fp8_out or (drows, dw)
+        _weighted_combine_bwd_kernel[(weights.shape[0],)](rows, source, weights, dout, drows, dw, q, s, rows.shape[1],
+                                                          TOPK=weights.shape[1], BLOCK_H=min(1024, _pow2(rows.shape[1])),
+                                                          FP8=fp8_out is not None)
+    return drows, dw
 
 
 @torch.library.custom_op("pithtrain::weighted_combine_bwd", mutates_args=())
 def _weighted_combine_bwd(rows: torch.Tensor, source: torch.Tensor, weights: torch.Tensor,
                           dout: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    drows = torch.empty_like(rows)
-    dw = torch.empty(weights.shape, dtype=torch.float32, device=weights.device)  # every pair is some row's
-    if weights.numel():
-        _weighted_combine_bwd_kernel[(weights.shape[0],)](rows, source, weights, dout, drows, dw, rows.shape[1],
-                                                          TOPK=weights.shape[1], BLOCK_H=min(1024, _pow2(rows.shape[1])))
-    return drows, dw
+    return _launch_combine_bwd(rows, source, weights, dout)
 
 
 @_weighted_combine_bwd.register_fake
@@ -473,9 +498,17 @@ def _(rows, index, weights, dout):
     return torch.empty_like(rows), weights.new_empty(weights.shape, dtype=torch.float32)
 
 
+# FP8 experts: the combine's backward writes the FP8 copy of the down projection's output gradient for its input
+# gradient, where the down GEMM's backward would quantize it again (13.3 ms a step at 9 Qwen3 layers, 4 x 8
+# micro-batches, results.jsonl line 140): train_throughput.py --ab combine-fp8-grad. The copy goes through a Python
+# slot, which a compiled graph cannot fill, so with it FP8 experts run stage 5 eagerly (fp8.enable_fp8; Qwen3's stage
+# 5 is this one autograd function, its kernels the same either way).
+COMBINE_FP8_GRAD = True
+
+
 class _WeightedCombine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, rows, index, weights, addend):
+    def forward(ctx, rows, index, weights, addend, dgrad_slot=None):
         # the row holding each (token, slot) pair: every pair comes back exactly once (both dispatchers);
         # then token t's k pairs are one segment of the weighted segment sum (permute's backward's kernel)
         index = index.contiguous()
@@ -483,7 +516,7 @@ class _WeightedCombine(torch.autograd.Function):
         num_tokens, topk = weights.shape
         ends = torch.arange(1, num_tokens + 1, dtype=torch.int32, device=index.device) * topk
         ctx.save_for_backward(rows, source, weights)
-        ctx.addend = addend is not None
+        ctx.addend, ctx.slot = addend is not None, dgrad_slot
         added = None if addend is None else addend.reshape(num_tokens, rows.shape[1]).contiguous()
         out = _segment_sum(rows.contiguous(), source, ends, weights.contiguous(), added)
         return out if addend is None else out.view(addend.shape)
@@ -491,9 +524,15 @@ class _WeightedCombine(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         rows, source, weights = ctx.saved_tensors
-        drows, dw = _weighted_combine_bwd(rows.contiguous(), source, weights.contiguous(),
-                                          dout.reshape(weights.shape[0], rows.shape[1]).contiguous())
-        return drows, None, dw.to(weights.dtype), dout if ctx.addend else None
+        args = rows.contiguous(), source, weights.contiguous(), dout.reshape(weights.shape[0], rows.shape[1]).contiguous()
+        if ctx.slot is None:
+            drows, dw = _weighted_combine_bwd(*args)
+        else:  # eager (stage 5 uncompiled): drows' FP8 copy for the down GEMM's input gradient, through its slot
+            q = torch.empty(rows.shape, dtype=torch.float8_e4m3fn, device=rows.device)
+            s = torch.empty(rows.shape[0], dtype=torch.float32, device=rows.device)
+            drows, dw = _launch_combine_bwd(*args, (q, s))
+            ctx.slot.update(q=q, s=s, ptr=drows.data_ptr())
+        return drows, None, dw.to(weights.dtype), dout if ctx.addend else None, None
 
 
 def weighted_combine(rows: torch.Tensor, index: torch.Tensor, weights: torch.Tensor,
@@ -505,7 +544,8 @@ def weighted_combine(rows: torch.Tensor, index: torch.Tensor, weights: torch.Ten
     added in the kernel's fp32 sum on GPUs (the reference rounds the sum to rows' dtype first)."""
     weights = weights.to(rows.dtype)
     if use_triton(rows):
-        return _WeightedCombine.apply(rows, index, weights, addend)
+        slot = None if torch.compiler.is_compiling() or not COMBINE_FP8_GRAD else getattr(rows, "_fp8_dgrad", None)
+        return _WeightedCombine.apply(rows, index, weights, addend, slot)
     out = weighted_combine_reference(rows, index, weights)
     return out if addend is None else addend + out.view_as(addend).to(addend.dtype)
 
@@ -740,15 +780,16 @@ def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, amax_ptr, vocab, r
                    AMAX: tl.constexpr, BLOCK_V: tl.constexpr):
     """One program per row: log-sum-exp over the vocabulary in chunks, in fp32, with online max rescaling
     (the chunk's max and sum each iteration; the max shifted by 0 while it is -inf, a chunk of -inf logits,
-    where exp(-inf - -inf) would be NaN). AMAX: also the
-    row's largest |softmax - onehot(label)|, max(p of the largest other logit, 1 - p_label) (0 on an
-    ignored row): the backward's row scale for an FP8 copy of d logits, known before any of it is written."""
+    where exp(-inf - -inf) would be NaN). AMAX: also the row's largest |softmax - onehot(label)| (0 on an
+    ignored row), the backward's row scale for an FP8 copy of d logits, known before any of it is written, from
+    the row's max m alone: 1 - p_label where the label's logit is m (every other p is at most the rest of the
+    mass, 1 - p_label), else max(exp(m - lse), 1 - p_label). No second running max over the chunks: that one
+    slowed this memory-bound kernel by 60% on an H200."""
     row = tl.program_id(0)
     base = logits_ptr + row.to(tl.int64) * row_stride
     cols = tl.arange(0, BLOCK_V)
     label = tl.load(labels_ptr + row)
     x = tl.load(base + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
-    other = tl.where(cols == label, float("-inf"), x)  # AMAX: the largest logit but the label's
     m = tl.max(x, axis=0)
     total = tl.sum(tl.exp(x - tl.where(m == float("-inf"), 0.0, m)), axis=0)
     for v0 in range(BLOCK_V, vocab, BLOCK_V):
@@ -757,15 +798,14 @@ def _ce_fwd_kernel(logits_ptr, labels_ptr, loss_ptr, lse_ptr, amax_ptr, vocab, r
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         total = total * tl.exp(m - shift) + tl.sum(tl.exp(x - shift), axis=0)
         m = m_new
-        if AMAX:
-            other = tl.maximum(other, tl.where(v0 + cols == label, float("-inf"), x))
     lse = m + tl.log(total)
     valid = label != -100
     target = tl.load(base + label, mask=valid, other=0.0).to(tl.float32)
     tl.store(loss_ptr + row, tl.where(valid, lse - target, 0.0))
     tl.store(lse_ptr + row, lse)
     if AMAX:  # the backward's exp(x - lse) and exp(target - lse) - 1, so its |d| peaks at exactly this (times |grad|)
-        peak = tl.maximum(tl.exp(tl.max(other, axis=0) - lse), 1.0 - tl.exp(target - lse))
+        rest = 1.0 - tl.exp(target - lse)
+        peak = tl.where(target == m, rest, tl.maximum(tl.exp(m - lse), rest))
         tl.store(amax_ptr + row, tl.where(valid, peak, 0.0))
 
 
@@ -845,10 +885,11 @@ def _ce_bwd_in_place(logits: torch.Tensor, labels: torch.Tensor, lse: torch.Tens
 
 
 # The FP8 head's dy copy written by the cross-entropy backward (2.5 GB more at the memory peak at 16k tokens of
-# Qwen3's vocabulary), not quantized from d logits by two more reads: train_throughput.py --ab ce-fp8-grad. Off: on
-# an H200 at Qwen3 width, 9 layers, FP8 + FP8 head, off was 0.7% faster (beyond the 0.2% noise) and 1.7 GiB lower at
-# the peak (results.jsonl line 142, b3f917d): the cross-entropy kernels slowed by more than the quantize pass saved.
-CE_FP8_GRAD = False
+# Qwen3's vocabulary), not quantized from d logits by two more reads: train_throughput.py --ab ce-fp8-grad. With
+# the forward's amax taken from a second running max, off was 0.7% faster on an H200 (Qwen3 width, 9 layers, FP8 +
+# FP8 head, results.jsonl line 142): that max slowed the forward from 12.7 to 20.5 ms a step. The amax now comes
+# from the row's max alone (_ce_fwd_kernel).
+CE_FP8_GRAD = True
 
 
 def _ce_fwd_amax(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -244,8 +244,8 @@ def test_activation_quantization_in_the_activation_kernel(inter, clamp):
 
 
 def test_dispatch_quantizes_the_tokens_for_the_expanded_rows():
-    """LocalDispatch's offer to FP8 experts on CUDA (fp8.expand_quantized: the T tokens quantized by the Triton
-    kernel, then gathered to the T*k rows) against fp8.quantize of the expanded rows: bit for bit."""
+    """LocalDispatch's offer to FP8 experts on CUDA (fp8.expand_quantized: each of the T tokens quantized and stored
+    at its k rows by one Triton kernel) against fp8.quantize of the expanded rows: bit for bit."""
     from pithtrain.parallel.expert import LocalDispatch
     from pithtrain.protocol import RoutingInfo
 
@@ -256,6 +256,30 @@ def test_dispatch_quantizes_the_tokens_for_the_expanded_rows():
     q, s = rows._fp8_rows()
     want_q, want_s = fp8.quantize(rows)
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s)
+
+
+def test_combine_backward_writes_the_down_gradients_fp8_copy():
+    """kernels.weighted_combine's backward for FP8 experts (kernels.COMBINE_FP8_GRAD) at Qwen3 width: drows and dw bit
+    for bit as without the copy, the copy in the slot bit for bit fp8.quantize's of drows (the scale from |w| times
+    dout's row max, rounded as drows is), its pointer that of the gradient the experts' output gets."""
+    from pithtrain.ops import kernels
+
+    gen = torch.Generator().manual_seed(31)
+    t, k, h = 4096, 8, 2048
+    rows = (torch.randn(t * k, h, generator=gen) * 2).to(BF16).cuda().requires_grad_()
+    index = torch.randperm(t * k, generator=gen).cuda()
+    weights = torch.rand(t, k, generator=gen).cuda().requires_grad_()
+    residual = torch.randn(t, h, generator=gen).to(BF16).cuda()
+    dout = torch.randn(t, h, generator=gen).to(BF16).cuda()
+    dout[3] = 0
+    plain = torch.autograd.grad(kernels.weighted_combine(rows, index, weights, residual), [rows, weights], dout)
+    y = rows * 1
+    y._fp8_dgrad, arrived = (slot := {}), []
+    y.register_hook(lambda g: arrived.append(g.data_ptr()))
+    got = torch.autograd.grad(kernels.weighted_combine(y, index, weights, residual), [rows, weights], dout)
+    assert torch.equal(got[0], plain[0]) and torch.equal(got[1], plain[1]) and arrived == [slot["ptr"]]
+    want_q, want_s = fp8.quantize(plain[0])
+    assert torch.equal(slot["s"], want_s) and torch.equal(slot["q"].view(torch.uint8), want_q.view(torch.uint8))
 
 
 def test_compiled_quantization_fuses_into_the_norm():
