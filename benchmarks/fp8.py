@@ -10,6 +10,7 @@ and the quantization of the head's [tokens x vocabulary] gradient alone, in GB/s
     PYTHONPATH=. python benchmarks/fp8.py [--tokens 16384 --experts 128 --topk 8 --hidden 2048 --inter 768] [--sweep]
     PYTHONPATH=. python benchmarks/fp8.py --wquant [--sweep]
     PYTHONPATH=. python benchmarks/fp8.py --head [--tokens 16384 --hidden 2048 --vocab 151936]
+    PYTHONPATH=. python benchmarks/fp8.py --glu [--tokens 16384 --topk 8 --inter 768]
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def grouped(args, sweep: bool):
         ref = fp8.grouped_mm_reference(xq[: 4 * (rows // args.experts)], xs, wf[0][:4], wf[1][:4], counts[:4].cpu(), torch.float32)
         got = fp8.grouped_mm(xq, xs, *wf, counts, torch.float32)[: ref.shape[0]]
         print(f"{label} fp8 kernel vs reference: max rel err {((got - ref).abs().max() / ref.abs().max()).item():.2e}")
-        if sweep:  # each config's TFLOP/s (fwd, dgrad, wgrad) into the line; fwd's best per shape: fp8._GMM_SHORT_K_CONFIG's
-            fp8._GMM_SHORT_K_CONFIG = fp8._GMM_CONFIG  # one dict: the sweep sets the tiles of every contraction
+        if sweep:  # each config's TFLOP/s (fwd, dgrad, wgrad) into the line (outputs narrower than fp8.NARROW_N: its own)
+            fp8._GMM_NARROW_CONFIG = fp8._GMM_CONFIG  # one dict: the sweep sets the tiles of every shape
             tried = {}
             for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
                                               (128, 256, 64, 8, 4), (64, 256, 128, 4, 4), (128, 128, 64, 4, 4),
@@ -198,6 +199,34 @@ def head(tokens: int, hidden: int, vocab: int) -> dict:
     return out
 
 
+def glu_tiles(rows: int, inter: int) -> dict:
+    """The experts' activation kernels that also write an FP8 copy (fp8.glu_quantized's forward, kernels.glu_bwd_quantized)
+    at each tile (whole rows a program, up to `values` values; num_warps), against the plain bf16 ones (the bytes they
+    move are the floor: the FP8 copy adds a byte a value). ms a call, medians of 20."""
+    from pithtrain.ops import kernels
+
+    h = (torch.randn(rows, 2 * inter, device="cuda") * 2).to(BF16)
+    dy = torch.randn(rows, inter, device="cuda").to(BF16)
+    q = torch.empty(h.shape, dtype=fp8.FP8, device="cuda")
+    out = {"glu_fwd_bf16_ms": round(median_ms(lambda: kernels._glu_fwd(h, 1.0, 0.0, False), 20), 4),
+           "glu_bwd_bf16_ms": round(median_ms(lambda: kernels._glu_bwd(h, dy, 1.0, 0.0, False), 20), 4)}
+    fwd, bwd = dict(fp8.GLU_QUANT_TILE), dict(kernels.GLU_BWD_QUANT_TILE)
+    for name, tile, run in (("fwd", fp8.GLU_QUANT_TILE, lambda: fp8._glu_quantize_cuda(h, 1.0, 0.0, False)),
+                            ("bwd", kernels.GLU_BWD_QUANT_TILE, lambda: kernels.glu_bwd_quantized(h, dy, 1.0, 0.0, False, q))):
+        default = f"{tile['values']}/{tile['num_warps']}"
+        timings = {}
+        for values in (1024, 2048, 4096, 8192, 16384):
+            for warps in (2, 4, 8):
+                tile.update(values=values, num_warps=warps)
+                timings[f"{values}/{warps}"] = round(median_ms(run, 20), 4)
+        out[f"glu_{name}_fp8_ms_by_tile"] = timings  # "values/num_warps": ms
+        best = min(timings, key=timings.get)
+        print(f"glu {name} [{rows} x {2 * inter}] with its FP8 copy: default {default} {timings[default]} ms, best {best} "
+              f"{timings[best]} ms; bf16 without it {out[f'glu_{name}_bf16_ms']} ms", flush=True)
+    fp8.GLU_QUANT_TILE.update(fwd), kernels.GLU_BWD_QUANT_TILE.update(bwd)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("tokens", 16384), ("experts", 128), ("topk", 8), ("hidden", 2048), ("inter", 768)):
@@ -206,7 +235,11 @@ def main():
     parser.add_argument("--wquant", action="store_true", help="only the weight quantization into both layouts")
     parser.add_argument("--head", action="store_true", help="only the LM head and loss, bf16 vs train.fp8_head")
     parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--glu", action="store_true", help="only the activation kernels with their FP8 copy, by tile")
     args = parser.parse_args()
+    if args.glu:
+        return record({"benchmark": "fp8_glu_tiles", "rows": args.tokens * args.topk, "inter": args.inter,
+                       **glu_tiles(args.tokens * args.topk, args.inter)})
     if args.head:
         return record({"benchmark": "fp8_head", "tokens": args.tokens, "hidden": args.hidden, "vocab": args.vocab,
                        **head(args.tokens, args.hidden, args.vocab)})

@@ -2,29 +2,31 @@
 # The one-H200 runs that docs/performance.md's target table cites, most needed first: a session's device time (30
 # minutes, the machine's start included) holds some seven of them. 1 the GPU tests of the FP8 copies' kernels (the
 # combine's, the dispatch's, the cross-entropy's amax) and of those changed since their last GPU run; 2 the FP8
-# grouped kernel's tiles per shape; 3 each FP8 copy from its producer against its quantize pass; 4 FP8 + FP8 head
-# against bf16 (the 1.15x; arm A a 60% reading); 5 GPT-OSS-20B at 6 layers (~130 GiB; compiles ~2 min), not re-run
-# since the bf16 residual stream; 6 plain bf16 at 9 layers (60.1% at b3f917d, line 139). Runs 7-19 ran on 2026-12-05
-# (lines 117-131), the rest not since 2026-12-04: 7 the GPU checks of then; 8 the DeepSeek-V3-width peer (carry
-# .peers) and 9 the two profiles by kernel category; 10 MLA's v unpadded against padded; 11-12 the switches at 9
-# layers, several arms to a run (one compile serves them all); 13 plain bf16 with stage_ms and its profile digest;
-# 14 the kernels; 15 MLA's SDPA backends; 16 MLA at DeepSeek-V2-Lite width; 17 the Qwen3 peer at its deepest; 18 MLA
-# with documents; 19-20 FP8 alone and the `rowwise` recipe; then the memory estimate's six shapes
+# grouped kernel's tiles per shape; 3 the activation's FP8-copy kernels by tile; 4 each FP8 copy from its producer
+# against its quantize pass; 5 FP8 + FP8 head against bf16 (the 1.15x; arm A a 60% reading); 6 GPT-OSS-20B at 6
+# layers (~130 GiB; compiles ~2 min), not re-run since the bf16 residual stream; 7 plain bf16 at 9 layers (60.1% at
+# b3f917d, line 139). Runs 8-20 ran on 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 8 the GPU checks
+# of then; 9 the DeepSeek-V3-width peer (carry .peers) and 10 the two profiles by kernel category; 11 MLA's v
+# unpadded against padded; 12-13 the switches at 9 layers, several arms to a run (one compile serves them all); 14
+# plain bf16 with stage_ms and its profile digest; 15 the kernels; 16 MLA's SDPA backends; 17 MLA at DeepSeek-V2-Lite
+# width; 18 the Qwen3 peer at its deepest; 19 MLA with documents; 20-21 FP8 alone and the `rowwise` recipe; then the
+# memory estimate's six shapes
 # (Qwen3 width 4 layers at micro-batch 2 and 4, 8 and 9 layers at 4, DeepSeek-V2-Lite and GPT-OSS-20B 4 layers at
 # 2: refit tools/memory's activation terms to their peaks, then tests/test_skills.py's), Muon, the GPU tests.
 # Judge an A/B line with the ab-test-switch skill (`ab_switch.py --from-results FILE --line N --arm B|C|D`). Each
 # run appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on
 # a machine without .git).
 # One device call runs at most 10 minutes: split the plan over calls with FIRST and LAST (1-based run numbers),
-# about two 9-layer runs a call (e.g. 1 3, then 4 5, then 8 9 carrying .peers, ...):
+# about two 9-layer runs a call (e.g. 1 4, then 5 6, then 9 10 carrying .peers, ...):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
     "python -m pytest -q tests/gpu/test_fp8_gpu.py tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer"   # the FP8 copies' new kernels (combine, dispatch, cross-entropy amax); the embedding test's bf16-rounded reference; qk_norm_rope at 32 rows again
-    "python benchmarks/fp8.py --sweep"                                               # 32: the grouped FP8 kernel's tiles per shape (Qwen3's down forward, K = 768, at 709 TFLOP/s; fp8.SHORT_K)
-    "$T --layers 9 --steps 20 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad,combine-fp8-grad,expand-fp8"   # 32: each FP8 copy from its producer against its quantize pass
+    "python benchmarks/fp8.py --sweep"                                               # 32: the grouped FP8 kernel's tiles per shape (fp8.NARROW_N's from line 143)
+    "python benchmarks/fp8.py --glu"                                                 # 32: the activation kernels with their FP8 copy by tile (fp8.GLU_QUANT_TILE, kernels.GLU_BWD_QUANT_TILE)
+    "$T --layers 9 --steps 20 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad,combine-fp8-grad,expand-fp8"   # 32: each FP8 copy from its producer against its quantize pass (line 144: the combine's and the dispatch's kept; the cross-entropy's even, its head product since in row blocks)
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x (1.107x at b3f917d, line 140); arm A a 60% reading
     "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (130.0 GiB estimated); compiles ~2 min
     "$T --layers 9 --steps 7 --batch 4 --accum 8"                                   # 32: >= 60% MFU

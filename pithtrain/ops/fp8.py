@@ -427,6 +427,9 @@ def _(x, counts):
     return x.new_empty(x.shape[1], width, dtype=FP8), x.new_empty(counts.shape[0], x.shape[1], dtype=torch.float32)
 
 
+GLU_QUANT_TILE = dict(values=4096, num_warps=4)  # whole rows a program, up to `values` (benchmarks/fp8.py --glu)
+
+
 @torch.library.custom_op("pithtrain::fp8_glu_quantize", mutates_args=())
 def _glu_quantize_cuda(x: torch.Tensor, alpha: float, limit: float, clamped: bool) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -436,9 +439,10 @@ def _glu_quantize_cuda(x: torch.Tensor, alpha: float, limit: float, clamped: boo
     s = torch.empty(rows, dtype=torch.float32, device=x.device)
     if rows and inter:
         block_c = _pow2(inter)
-        block_r = max(1, min(16, 4096 // block_c))
+        block_r = max(1, min(16, GLU_QUANT_TILE["values"] // block_c))
         _glu_quant_kernel[(_cdiv(rows, block_r),)](x, out, q, s, rows, inter, alpha, limit, CLAMPED=clamped,
-                                                   BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8 if block_c >= 4096 else 4)
+                                                   BLOCK_R=block_r, BLOCK_C=block_c,
+                                                   num_warps=8 if block_c >= 4096 else GLU_QUANT_TILE["num_warps"])
     return out, q, s
 
 
@@ -481,10 +485,10 @@ def _quantize_both_cuda(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: t
 
 
 _GMM_CONFIG = dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3)  # the best of benchmarks/fp8.py --sweep (H200)
-# Contractions shorter than SHORT_K (Qwen3's down projection forward, K = 768: 709 TFLOP/s where gate_up's K = 2048
-# reaches 1,087, line 5) have few steps to hide a tile's epilogue in: their own tiles (the sweep's per shape).
-SHORT_K = 1024
-_GMM_SHORT_K_CONFIG = dict(_GMM_CONFIG)
+# Narrower outputs (Qwen3's down projection's input gradient, 768 wide): taller tiles, 897 TFLOP/s against 789 with
+# the wide ones (benchmarks/fp8.py --sweep, H200, results.jsonl line 143; the wide ones lead at 1536 and 2048)
+NARROW_N = 1024
+_GMM_NARROW_CONFIG = dict(BM=256, BN=128, BK=128, num_warps=8, num_stages=3)
 _WGRAD_CONFIG = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4)  # the sweep's best weight-gradient tiles
 
 
@@ -494,7 +498,7 @@ def _grouped_mm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     rows, k_dim = a.shape
     groups, n_out = b.shape[0], b.shape[1]
     out = torch.empty(rows, n_out, dtype=out_dtype, device=a.device)
-    cfg = _GMM_SHORT_K_CONFIG if k_dim < SHORT_K else _GMM_CONFIG
+    cfg = _GMM_NARROW_CONFIG if n_out < NARROW_N else _GMM_CONFIG
     if rows:
         grid = ((_cdiv(rows, cfg["BM"]) + groups) * _cdiv(n_out, cfg["BN"]),)
         _grouped_mm_kernel[grid](a, sa, b, sb, counts, out, rows, n_out, k_dim, groups,
@@ -543,10 +547,13 @@ class _GLUQuantized(torch.autograd.Function):
         ctx.save_for_backward(x)
         ctx.args, ctx.slot = (alpha, limit, clamped), dgrad_slot
         ctx.mark_non_differentiable(q, s)
+        ctx.set_materialize_grads(False)  # no zero "gradients" of q and s made for the backward (2.2 ms a step)
         return out, q, s
 
     @staticmethod
     def backward(ctx, grad, _grad_q, _grad_s):
+        if grad is None:
+            return None, None, None, None, None
         (x,) = ctx.saved_tensors
         grad = grad.reshape(x.shape[0], x.shape[1] // 2).contiguous()
         if ctx.slot is None:

@@ -188,6 +188,9 @@ def _(x, grad, alpha, limit, clamped):
     return torch.empty_like(x)
 
 
+GLU_BWD_QUANT_TILE = dict(values=2048, num_warps=4)  # whole rows a program, up to `values` (benchmarks/fp8.py --glu)
+
+
 def glu_bwd_quantized(x: torch.Tensor, grad: torch.Tensor, alpha: float, limit: float, clamped: bool,
                       q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """_glu_bwd and the row-wise FP8 of its result, written into q (FP8, x's shape): (dx, s). Eager only."""
@@ -195,10 +198,10 @@ def glu_bwd_quantized(x: torch.Tensor, grad: torch.Tensor, alpha: float, limit: 
     dx, s = torch.empty_like(x), x.new_empty(rows, dtype=torch.float32)
     if dx.numel():
         block_c = _pow2(inter)
-        block_r = max(1, min(16, 2048 // block_c))
+        block_r = max(1, min(16, GLU_BWD_QUANT_TILE["values"] // block_c))
         _glu_bwd_kernel[(_cdiv(rows, block_r), 1)](x, grad, dx, q, s, rows, inter, alpha, limit, CLAMPED=clamped,
                                                    QUANT=True, BLOCK_R=block_r, BLOCK_C=block_c,
-                                                   num_warps=8 if block_c >= 2048 else 4)
+                                                   num_warps=8 if block_c >= 2048 else GLU_BWD_QUANT_TILE["num_warps"])
     return dx, s
 
 
