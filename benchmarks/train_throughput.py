@@ -345,6 +345,8 @@ def main():
                         "experts' weight gradient added into the fp32 .grad in the GEMM (on) or by a pass after it")
     parser.add_argument("--wgrad-config", type=json.loads, help="kernels.WGRAD_INTO_CONFIG for this run, as JSON "
                         "(the tiles of benchmarks/grouped_gemm.py --wgrad --sweep)")
+    parser.add_argument("--glu-tiles", metavar="FWD,BWD", help="FP8 experts' activation kernels' tiles for this run, "
+                        "each VALUES/WARPS (fp8.GLU_QUANT_TILE, kernels.GLU_BWD_QUANT_TILE; benchmarks/fp8.py --glu)")
     parser.add_argument("--wgrad-host", choices=["on", "off"], help="kernels.WGRAD_HOST_DESCRIPTORS for this run "
                         "(default: the module's): the fused weight gradient's tensor descriptors made on the host")
     parser.add_argument("--mla-v", default="unpadded", choices=["unpadded", "padded"], help="DeepSeek families: "
@@ -385,6 +387,14 @@ def main():
         if args.steps < 4 * len(arms):
             parser.error(f"--ab {args.ab} needs --steps >= {4 * len(arms)} (got {args.steps}): {len(arms)} arms, each "
                          "with two steps of warm-up, one to measure and one to profile (6 an arm give three measured)")
+    if args.glu_tiles:
+        try:
+            tiles = [dict(zip(("values", "num_warps"), map(int, t.split("/", 1)))) for t in args.glu_tiles.split(",")]
+        except ValueError:
+            tiles = []
+        if len(tiles) != 2 or any(len(t) != 2 or t["values"] < 1 or t["num_warps"] not in (1, 2, 4, 8, 16) for t in tiles):
+            parser.error(f"--glu-tiles takes FWD,BWD, each VALUES/WARPS with WARPS a power of two (got {args.glu_tiles!r})")
+        fp8.GLU_QUANT_TILE.update(tiles[0]), kernels.GLU_BWD_QUANT_TILE.update(tiles[1])
     if args.wgrad_config and "wgrad-config" not in (args.ab or "").split(","):
         kernels.WGRAD_INTO_CONFIG = args.wgrad_config  # every arm's tiles
     if args.profile_step is None:
@@ -429,7 +439,7 @@ def main():
 
     warm = measured(runs_a)
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "wgrad_host": kernels.WGRAD_HOST_DESCRIPTORS, "ce_fp8_grad": kernels.CE_FP8_GRAD, "combine_fp8_grad": kernels.COMBINE_FP8_GRAD, "glu_fp8_grad": fp8.GLU_FP8_GRAD, "expand_fp8": grouped_gemm.EXPAND_FP8, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "wgrad_host": kernels.WGRAD_HOST_DESCRIPTORS, "ce_fp8_grad": kernels.CE_FP8_GRAD, "combine_fp8_grad": kernels.COMBINE_FP8_GRAD, "glu_fp8_grad": fp8.GLU_FP8_GRAD, "glu_tiles": [fp8.GLU_QUANT_TILE, kernels.GLU_BWD_QUANT_TILE], "expand_fp8": grouped_gemm.EXPAND_FP8, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in runs_a) / 2**30,
