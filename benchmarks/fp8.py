@@ -74,8 +74,7 @@ def grouped(args, sweep: bool):
         ref = fp8.grouped_mm_reference(xq[: 4 * (rows // args.experts)], xs, wf[0][:4], wf[1][:4], counts[:4].cpu(), torch.float32)
         got = fp8.grouped_mm(xq, xs, *wf, counts, torch.float32)[: ref.shape[0]]
         print(f"{label} fp8 kernel vs reference: max rel err {((got - ref).abs().max() / ref.abs().max()).item():.2e}")
-        if sweep:  # each config's TFLOP/s (fwd, dgrad, wgrad) into the line (outputs narrower than fp8.NARROW_N: its own)
-            fp8._GMM_NARROW_CONFIG = fp8._GMM_CONFIG  # one dict: the sweep sets the tiles of every shape
+        if sweep:  # each config's TFLOP/s (fwd, dgrad, wgrad) into the line; equal loads (training's are not: check there)
             tried = {}
             for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
                                               (128, 256, 64, 8, 4), (64, 256, 128, 4, 4), (128, 128, 64, 4, 4),

@@ -24,7 +24,7 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segmen
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
     "python -m pytest -q tests/gpu/test_fp8_gpu.py tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer"   # the FP8 copies' new kernels (combine, dispatch, cross-entropy amax); the embedding test's bf16-rounded reference; qk_norm_rope at 32 rows again
-    "python benchmarks/fp8.py --sweep"                                               # 32: the grouped FP8 kernel's tiles per shape (fp8.NARROW_N's from line 143)
+    "python benchmarks/fp8.py --sweep"                                               # 32: the grouped FP8 kernel's tiles per shape (equal loads: a winner is checked in training, line 146)
     "python benchmarks/fp8.py --glu"                                                 # 32: the activation kernels with their FP8 copy by tile (fp8.GLU_QUANT_TILE, kernels.GLU_BWD_QUANT_TILE)
     "$T --layers 9 --steps 20 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad,combine-fp8-grad,expand-fp8"   # 32: each FP8 copy from its producer against its quantize pass (line 144: the combine's and the dispatch's kept; the cross-entropy's even, its head product since in row blocks)
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x (1.107x at b3f917d, line 140); arm A a 60% reading

@@ -427,7 +427,7 @@ def _(x, counts):
     return x.new_empty(x.shape[1], width, dtype=FP8), x.new_empty(counts.shape[0], x.shape[1], dtype=torch.float32)
 
 
-GLU_QUANT_TILE = dict(values=4096, num_warps=4)  # whole rows a program, up to `values` (benchmarks/fp8.py --glu)
+GLU_QUANT_TILE = dict(values=2048, num_warps=4)  # whole rows a program, up to `values`: benchmarks/fp8.py --glu (line 145)
 
 
 @torch.library.custom_op("pithtrain::fp8_glu_quantize", mutates_args=())
@@ -485,10 +485,9 @@ def _quantize_both_cuda(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: t
 
 
 _GMM_CONFIG = dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3)  # the best of benchmarks/fp8.py --sweep (H200)
-# Narrower outputs (Qwen3's down projection's input gradient, 768 wide): taller tiles, 897 TFLOP/s against 789 with
-# the wide ones (benchmarks/fp8.py --sweep, H200, results.jsonl line 143; the wide ones lead at 1536 and 2048)
-NARROW_N = 1024
-_GMM_NARROW_CONFIG = dict(BM=256, BN=128, BK=128, num_warps=8, num_stages=3)
+# One tile for every shape: the sweep's best for Qwen3's down input gradient (768 wide outputs), BM=256 / BN=128 at
+# 897 TFLOP/s against 789 with equal loads (line 143), made stage 3's backward GEMMs slower in training (102.5 against
+# 95.5-99.7 ms a step, line 146): a 256-row tile pads each expert's last rows twice as far.
 _WGRAD_CONFIG = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4)  # the sweep's best weight-gradient tiles
 
 
@@ -498,7 +497,7 @@ def _grouped_mm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     rows, k_dim = a.shape
     groups, n_out = b.shape[0], b.shape[1]
     out = torch.empty(rows, n_out, dtype=out_dtype, device=a.device)
-    cfg = _GMM_NARROW_CONFIG if n_out < NARROW_N else _GMM_CONFIG
+    cfg = _GMM_CONFIG
     if rows:
         grid = ((_cdiv(rows, cfg["BM"]) + groups) * _cdiv(n_out, cfg["BN"]),)
         _grouped_mm_kernel[grid](a, sa, b, sb, counts, out, rows, n_out, k_dim, groups,
