@@ -3,9 +3,9 @@
 # minutes, the machine's start included) holds some seven of them. 1 the GPU tests of the FP8 copies' kernels (the
 # combine's, the dispatch's, the cross-entropy's amax) and of those changed since their last GPU run; 2 the FP8
 # grouped kernel's tiles per shape; 3 the activation's FP8-copy kernels by tile; 4 each FP8 copy from its producer
-# against its quantize pass; 5 FP8 + FP8 head against bf16 (the 1.15x; arm A a 60% reading); 6 GPT-OSS-20B at 6
-# layers (~130 GiB; compiles ~2 min), not re-run since the bf16 residual stream; 7 plain bf16 at 9 layers (60.1% at
-# b3f917d, line 139). Runs 8-20 ran on 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 8 the GPU checks
+# against its quantize pass; 5 FP8 + FP8 head against bf16 (the 1.15x: 1.150x and 1.144x at a05ade2, lines 148-149;
+# arm A a 60% reading); 6 GPT-OSS-20B at 6 layers (123 GiB; compiles ~2 min; 62.1% at eb5b802, line 147); 7 plain
+# bf16 at 9 layers (60.1% at b3f917d, line 139). Runs 8-20 ran on 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 8 the GPU checks
 # of then; 9 the DeepSeek-V3-width peer (carry .peers) and 10 the two profiles by kernel category; 11 MLA's v
 # unpadded against padded; 12-13 the switches at 9 layers, several arms to a run (one compile serves them all); 14
 # plain bf16 with stage_ms and its profile digest; 15 the kernels; 16 MLA's SDPA backends; 17 MLA at DeepSeek-V2-Lite
@@ -27,8 +27,8 @@ runs=(
     "python benchmarks/fp8.py --sweep"                                               # 32: the grouped FP8 kernel's tiles per shape (equal loads: a winner is checked in training, line 146)
     "python benchmarks/fp8.py --glu"                                                 # 32: the activation kernels with their FP8 copy by tile (fp8.GLU_QUANT_TILE, kernels.GLU_BWD_QUANT_TILE)
     "$T --layers 9 --steps 20 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad,combine-fp8-grad,expand-fp8"   # 32: each FP8 copy from its producer against its quantize pass (line 144: the combine's and the dispatch's kept; the cross-entropy's even, its head product since in row blocks)
-    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x (1.107x at b3f917d, line 140); arm A a 60% reading
-    "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (130.0 GiB estimated); compiles ~2 min
+    "$T --layers 9 --steps 16 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x (1.150x / 1.144x at a05ade2, lines 148-149); arm A a 60% reading
+    "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (122.9 GiB, line 147); compiles ~2 min
     "$T --layers 9 --steps 7 --batch 4 --accum 8"                                   # 32: >= 60% MFU
     "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer tests/gpu/test_kernels_gpu.py::test_permute_unpermute tests/gpu/test_kernels_gpu.py::test_local_dispatch_round_trip_on_cuda_matches_the_cpu tests/gpu/test_fp8_gpu.py::test_stacked_projections_compiled_match_the_linears_alone tests/gpu/test_kernels_gpu.py::test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled"   # the new GPU checks, BN=32 tiles, expand and the per-token combine backward included
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers

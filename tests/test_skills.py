@@ -333,6 +333,7 @@ def test_estimate_memory_matches_the_measured_h200_peaks_and_fails_clearly():
         (qwen, ["train.micro_batch_size=4", "model.num_hidden_layers=9"], 129.3),  # line 130 (H200)
         (ds, four, 43.9),  # line 138 (H100)
         (ds, ["train.micro_batch_size=4", "model.num_hidden_layers=10"], 124.6),  # line 131 (H200)
+        (oss, ["train.micro_batch_size=4", "model.num_hidden_layers=6", "model.layer_types=None"], 122.9),  # line 147
     ]
     # two GPUs (ep2, 8 micro-batches per GPU): peaks of 2026-11-30, before the changes that took ~4% off the one-GPU
     # ones (the loss's gradient over the logits, the bf16 residual stream): within -10% and +20% of them
