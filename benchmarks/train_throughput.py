@@ -203,7 +203,8 @@ def ab_arms(args, parser):
         if args.fp8 == "off":
             parser.error("--ab fp8: arm B runs the --fp8 recipe; give one (e.g. --fp8 rowwise_bf16_wgrad)")
         return {"fp8": "off"}, [("fp8", {"fp8": args.fp8, "fp8_head": args.fp8_head})], [
-            lambda run: fp8_arm(run.model, False, False), lambda run: fp8_arm(run.model, args.fp8, args.fp8_head)]
+            lambda run: fp8_arm(run.model, False, False, args.compile),
+            lambda run: fp8_arm(run.model, args.fp8, args.fp8_head, args.compile)]
     if "mla-v" in switches and args.family not in ("deepseek_v2", "moonlight"):
         parser.error("--ab mla-v: MLA is the DeepSeek families' (--family deepseek_v2 or moonlight)")
     fp8_only = [s for s in switches if s in ("ce-fp8-grad", "glu-fp8-grad", "expand-fp8", "combine-fp8-grad")]
@@ -231,14 +232,22 @@ def ab_arms(args, parser):
     return a_values, [(s, flipped[s]) for s in switches], [setter()] + [setter(s) for s in switches]
 
 
-def fp8_arm(model, recipe, head: bool) -> None:
+def fp8_arm(model, recipe, head: bool, compiled: bool) -> None:
     """Switch a model set up with train.fp8 (ops/fp8.enable_fp8) to bf16 (recipe False) or back, dropping the
     experts' and the head's cached casts (bf16 copies, FP8 layouts): the other arm's would hold some 11 GB at
     Qwen3's 9 layers, and each is remade after every update anyway. The dense Linears' FP8 layouts stay (a few
-    hundred MB): compiled stages read them, and new tensors there would recompile them at every switch."""
-    from pithtrain.ops import fp8
+    hundred MB): compiled stages read them, and new tensors there would recompile them at every switch. Stage 5
+    as each mode runs it alone: compiled in bf16 (a wrapper of the same code: dynamo's graphs are reused), eager
+    under FP8 experts (enable_fp8, kernels.COMBINE_FP8_GRAD)."""
+    from pithtrain.ops import fp8, kernels
+    from pithtrain.protocol import all_layers
 
     fp8.enable_fp8(model, compiled=False, recipe=recipe, head=head)  # the flags; stage 1 keeps its set-up refresh wrapper
+    for layer in all_layers(model).values() if compiled else ():
+        if recipe and kernels.COMBINE_FP8_GRAD:
+            layer.__dict__.pop("stage5", None)
+        elif "stage5" not in layer.__dict__:
+            layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
     for m in model.modules():
         if not isinstance(m, fp8.Linear):
             m.__dict__.pop("_fp8_cache", None)
