@@ -129,6 +129,8 @@ def main():
                         "each SDPA backend alone (flash, cuDNN, efficient), to find the fastest on this GPU")
     parser.add_argument("--mla", action="store_true", help="the DeepSeek MLA shape alone: v unpadded against padded")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (it times the GPU kernels); run it on the GPU machine")
     s, figures = args.seq, {}
     if args.mla:
         record({"benchmark": "attention_mla", "seq": s, "docs": args.docs, **mla(args.batches, s, args.repeats, args.docs)})

@@ -230,12 +230,20 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("tokens", 16384), ("experts", 128), ("topk", 8), ("hidden", 2048), ("inter", 768)):
         parser.add_argument(f"--{name}", type=int, default=default)
-    parser.add_argument("--sweep", action="store_true")
-    parser.add_argument("--wquant", action="store_true", help="only the weight quantization into both layouts")
-    parser.add_argument("--head", action="store_true", help="only the LM head and loss, bf16 vs train.fp8_head")
+    parser.add_argument("--sweep", action="store_true", help="the tiles too (the grouped GEMMs'; with --wquant its kernels')")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--wquant", action="store_true", help="only the weight quantization into both layouts")
+    only.add_argument("--head", action="store_true", help="only the LM head and loss, bf16 vs train.fp8_head")
     parser.add_argument("--vocab", type=int, default=151936)
-    parser.add_argument("--glu", action="store_true", help="only the activation kernels with their FP8 copy, by tile")
+    only.add_argument("--glu", action="store_true", help="only the activation kernels with their FP8 copy, by tile")
     args = parser.parse_args()
+    if args.sweep and (args.head or args.glu):
+        parser.error("--sweep times the grouped GEMMs' (or with --wquant, the weight kernels') tiles; --head has none, "
+                     "--glu sweeps its own")
+    if min(args.tokens, args.experts, args.topk, args.hidden, args.inter) < 1:
+        parser.error("--tokens, --experts, --topk, --hidden and --inter must be at least 1")
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (it times the GPU kernels); run it on the GPU machine")
     if args.glu:
         return record({"benchmark": "fp8_glu_tiles", "rows": args.tokens * args.topk, "inter": args.inter,
                        **glu_tiles(args.tokens * args.topk, args.inter)})

@@ -59,9 +59,9 @@ runs=(
     "python benchmarks/peers/torchtitan.py --family qwen3 --layers 4 --seq 4096 --batch 2 --accum 4 --steps 6"         # 32: same-run peer vs torchtitan (needs .peers: get_torchtitan.sh; carry .peers)
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 4 --seq 4096 --batch 2 --accum 4 --steps 6"   # 32: its DeepSeek-V3 at Moonlight width
 )
-first=${1:-1} last=${2:-${#runs[@]}}
-if ! [[ $first =~ ^[0-9]+$ && $last =~ ^[0-9]+$ ]] || (( first < 1 || last > ${#runs[@]} || first > last )); then
-    echo "one_gpu.sh: FIRST and LAST must be run numbers with 1 <= FIRST <= LAST <= ${#runs[@]} (got '$first' '$last')" >&2
+first=${1-1} last=${2-${#runs[@]}}
+if (( $# > 2 )) || ! [[ $first =~ ^[1-9][0-9]*$ && $last =~ ^[1-9][0-9]*$ ]] || (( last > ${#runs[@]} || first > last )); then
+    echo "one_gpu.sh: FIRST and LAST must be run numbers with 1 <= FIRST <= LAST <= ${#runs[@]} (got: $*)" >&2
     exit 2
 fi
 for i in $(seq "$first" "$last"); do
@@ -70,6 +70,6 @@ for i in $(seq "$first" "$last"); do
     if [[ $cmd == *profile_step.py* ]]; then  # a report: its tables whole
         $cmd 2>&1 | grep -vE "^ +[0-9.]+ ms +(cpu_op|user_annotation|cuda_runtime|python_function|cuda_driver) "
     else
-        $cmd 2>&1 | grep -E "^(pithtrain:|peer_torchtitan:|mla B=|[0-9]+ passed|FAILED|.*(failed|error))"
+        $cmd 2>&1 | grep -E "^(pithtrain:|peer_torchtitan:|mla B=|[0-9]+ (passed|skipped|failed)|FAILED)|[Ee]rror|failed|needs a CUDA"
     fi
 done

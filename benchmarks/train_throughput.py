@@ -184,6 +184,20 @@ AB_SWITCHES = ("fp8", "fused-proj", "fused-wgrad", "mla-v", "wgrad-config", "tri
                "wgrad-host", "ce-fp8-grad", "glu-fp8-grad", "expand-fp8", "combine-fp8-grad")
 
 
+def wgrad_tiles(text: str) -> dict:
+    """--wgrad-config's JSON: every tile field of kernels.WGRAD_INTO_CONFIG, positive integers."""
+    keys = ("BK", "BM", "BN", "num_warps", "num_stages")
+    try:
+        tiles = json.loads(text)
+    except ValueError:
+        tiles = None
+    if not isinstance(tiles, dict) or sorted(tiles) != sorted(keys) or not all(
+            type(v) is int and v > 0 for v in tiles.values()):
+        raise argparse.ArgumentTypeError(f"give a JSON object of positive integers with exactly {', '.join(keys)} "
+                                         f"(got {text!r})")
+    return tiles
+
+
 def ab_arms(args, parser):
     """--ab: ({switch: what arm A runs}, [(switch, what its arm runs)], the arms' setters, each given the loop's Run).
     Arm A runs every switch as this run's flags set it; each further arm (B, C, ...) flips one switch, the others
@@ -196,7 +210,10 @@ def ab_arms(args, parser):
     switches = args.ab.split(",")
     unknown = [s for s in switches if s not in AB_SWITCHES]
     if unknown or len(set(switches)) < len(switches):
-        parser.error(f"--ab {args.ab}: give distinct switches of {', '.join(AB_SWITCHES)}, comma-separated")
+        parser.error(f"--ab {args.ab}: give distinct switches of {', '.join(AB_SWITCHES)}, comma-separated"
+                     + (" (no spaces)" if any(s != s.strip() for s in switches) else ""))
+    if len(switches) >= len(ARMS):
+        parser.error(f"--ab {args.ab}: at most {len(ARMS) - 1} switches a run (arms {ARMS}); split them over runs")
     if "fp8" in switches:
         if len(switches) > 1:
             parser.error("--ab fp8 runs alone: it changes the model's mode, not one switch (A/B the rest under --fp8)")
@@ -352,7 +369,7 @@ def main():
                         "Triton kernel of ops/attention.py, or SDPA with the sink as an extra key and explicit masks")
     parser.add_argument("--fused-wgrad", default="on", choices=["on", "off"], help="grouped_gemm.FUSED_WGRAD: the "
                         "experts' weight gradient added into the fp32 .grad in the GEMM (on) or by a pass after it")
-    parser.add_argument("--wgrad-config", type=json.loads, help="kernels.WGRAD_INTO_CONFIG for this run, as JSON "
+    parser.add_argument("--wgrad-config", type=wgrad_tiles, help="kernels.WGRAD_INTO_CONFIG for this run, as JSON "
                         "(the tiles of benchmarks/grouped_gemm.py --wgrad --sweep)")
     parser.add_argument("--glu-tiles", metavar="FWD,BWD", help="FP8 experts' activation kernels' tiles for this run, "
                         "each VALUES/WARPS (fp8.GLU_QUANT_TILE, kernels.GLU_BWD_QUANT_TILE; benchmarks/fp8.py --glu)")
@@ -396,18 +413,33 @@ def main():
         if args.steps < 4 * len(arms):
             parser.error(f"--ab {args.ab} needs --steps >= {4 * len(arms)} (got {args.steps}): {len(arms)} arms, each "
                          "with two steps of warm-up, one to measure and one to profile (6 an arm give three measured)")
-    if args.glu_tiles:
+    if args.glu_tiles is not None:
+        if args.fp8 == "off":
+            parser.error("--glu-tiles: the tiles of FP8 experts' activation kernels; give --fp8 rowwise_bf16_wgrad")
         try:
             tiles = [dict(zip(("values", "num_warps"), map(int, t.split("/", 1)))) for t in args.glu_tiles.split(",")]
         except ValueError:
             tiles = []
-        if len(tiles) != 2 or any(len(t) != 2 or t["values"] < 1 or t["num_warps"] not in (1, 2, 4, 8, 16) for t in tiles):
-            parser.error(f"--glu-tiles takes FWD,BWD, each VALUES/WARPS with WARPS a power of two (got {args.glu_tiles!r})")
+        if len(tiles) != 2 or any(len(t) != 2 or t["values"] < 1 or t["values"] & (t["values"] - 1)
+                                  or t["num_warps"] not in (1, 2, 4, 8, 16) for t in tiles):
+            parser.error(f"--glu-tiles takes FWD,BWD, each VALUES/WARPS with both powers of two, WARPS <= 16 (got "
+                         f"{args.glu_tiles!r})")
         fp8.GLU_QUANT_TILE.update(tiles[0]), kernels.GLU_BWD_QUANT_TILE.update(tiles[1])
     if args.wgrad_config and "wgrad-config" not in (args.ab or "").split(","):
         kernels.WGRAD_INTO_CONFIG = args.wgrad_config  # every arm's tiles
     if args.profile_step is None:
         args.profile_step = 0 if args.ab else args.steps  # --ab: the last step of each arm (pithtrain_run)
+    for flag, value, least in (("--batch", args.batch, 1), ("--accum", args.accum, 1), ("--steps", args.steps, 1),
+                               ("--layers", args.layers, 1), ("--seq", args.seq, 2), ("--hf-batch", args.hf_batch, 1),
+                               ("--mtp", args.mtp, 0)):
+        if value is not None and value < least:
+            parser.error(f"{flag} must be at least {least} (got {value})")
+    if args.fp8_head and args.fp8 == "off":
+        parser.error("--fp8-head runs the LM head's GEMMs in FP8: give --fp8 rowwise_bf16_wgrad too")
+    if args.profile_step is not None and not 0 <= args.profile_step <= args.steps:
+        parser.error(f"--profile-step must be a step of the run, 1..{args.steps} (or 0: none; got {args.profile_step})")
+    if args.mtp and args.family != "moonlight":
+        parser.error("--mtp: multi-token prediction is DeepSeek-V3's; use --family moonlight")
     hf_batch = args.hf_batch or args.batch
     if (args.batch * args.accum) % hf_batch:
         parser.error(f"--hf-batch {hf_batch} must divide --batch x --accum = {args.batch * args.accum}")
@@ -419,8 +451,6 @@ def main():
 
     cfg = family_config(args.family, args.layers)
     if args.mtp:
-        if args.family != "moonlight":
-            parser.error("--mtp: multi-token prediction is DeepSeek-V3's; use --family moonlight")
         cfg.num_nextn_predict_layers = args.mtp
     rng = np.random.default_rng(0)
     need = (args.steps + 2) * args.batch * args.accum * (args.seq + 1)
