@@ -715,7 +715,11 @@ def test_train_throughput_refuses_bad_ab_switches_before_any_gpu_work(monkeypatc
              ("--ab glu-fp8-grad,expand-fp8 --steps 12", "give --fp8 rowwise_bf16_wgrad"),
              ("--ab wgrad-host,wgrad-host --steps 12", "distinct switches"),
              ("--ab wgrad-host,triton-adamw --steps 8", "needs --steps >= 12"),
-             ("--glu-tiles 4096/4", "--glu-tiles takes FWD,BWD"), ("--glu-tiles 4096/4,2048/3", "WARPS a power of two"),
+             ("--fp8 rowwise_bf16_wgrad --glu-tiles 4096/4", "--glu-tiles takes FWD,BWD"),
+             ("--fp8 rowwise_bf16_wgrad --glu-tiles 3072/4,2048/4", "both powers of two"),
+             ("--glu-tiles 4096/4,2048/4", "give --fp8"), ("--batch 0", "--batch must be at least 1"),
+             ("--fp8-head", "give --fp8 rowwise_bf16_wgrad too"), ("--mtp 1", "use --family moonlight"),
+             ("--wgrad-config {}", "exactly BK, BM, BN"),
              ("--fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad,glu-fp8-grad,expand-fp8 --steps 20", "CUDA GPU")]
     for argv, says in cases:
         monkeypatch.setattr(sys, "argv", ["train_throughput.py", *argv.split()])
