@@ -119,7 +119,8 @@ def _check_only(args, config, out: Path, world: int) -> int:
     counts = model_sizes(config.model)
     limit, what = (has, "this machine's GPU") if (has := _gpu_gib()) else (H200_GIB, "an H200 (no GPU here)")
     print(f"model {config.model.model_type}: {count_text(counts[0])} parameters | {size_text(config, loader, counts)}\n"
-          f"estimated peak memory per GPU (bf16; the estimate-memory skill): {', '.join(stages)}"
+          f"estimated peak memory per GPU ({'bf16' if config.train.fp8 == 'off' else 'FP8 ' + config.train.fp8}; "
+          f"the estimate-memory skill): {', '.join(stages)}"
           f"{f' (pipeline stages 0 to {len(stages) - 1})' if len(stages) > 1 else ''}\n"
           + (f"warning: the estimate exceeds {what} ({limit:.1f} GiB): see docs/guide.md, Memory planning\n"
              if max(peaks) > limit else "") +

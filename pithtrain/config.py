@@ -551,6 +551,10 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
            f"train.steps={t.steps}; choose a step in 1..{t.steps}, or 0 (off)")
     _check(not t.fp8_head or t.fp8 != "off", "train.fp8_head=true needs FP8 GEMMs: set train.fp8=rowwise_bf16_wgrad "
            "(or rowwise), or train.fp8_head=false")
+    vocab, hidden = config.model.vocab_size, config.model.hidden_size
+    _check(not t.fp8_head or not (vocab % 16 or hidden % 16), f"train.fp8_head=true: the head's FP8 GEMMs take sizes "
+           f"that are multiples of 16, and model.vocab_size={vocab}, model.hidden_size={hidden}; pad the vocabulary "
+           "to a multiple of 16, or train.fp8_head=false")
     _check(not t.fp8_emulate or t.fp8 != "off", "train.fp8_emulate=true has no effect with train.fp8=off; set "
            "train.fp8=rowwise (or rowwise_bf16_wgrad), or train.fp8_emulate=false")
     _check(t.eval_every == 0 or d.eval_path or d.eval_samples,

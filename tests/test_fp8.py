@@ -335,6 +335,17 @@ def test_bad_fp8_input_is_refused(dataset_dir):
     cfg.train.fp8, cfg.train.fp8_emulate, cfg.train.fp8_head = "off", False, True
     with pytest.raises(ConfigError, match=r"train.fp8_head=true needs FP8 GEMMs: set train.fp8=rowwise_bf16_wgrad"):
         validate(cfg)
+    # sizes torch._scaled_mm refuses on a GPU are refused on the CPU too, not left to a silent bf16 head or a GPU error
+    cfg.train.fp8, cfg.train.fp8_emulate, cfg.model.vocab_size = "rowwise", True, 4097
+    with pytest.raises(ConfigError, match=r"model.vocab_size=4097, model.hidden_size=32; pad the vocabulary"):
+        validate(cfg)
+    cfg.model.vocab_size = 4096
+    assert loop.fp8_text(cfg.train) == ", FP8 rowwise + head (emulated)" and loop.fp8_text(tiny_config("x").train) == ""
+    cfg.model.hidden_size, cfg.train.fp8_head = 40, False
+    validate(cfg)
+    with pytest.raises(ConfigError, match=r"train.fp8=rowwise: .* multiples of 16, and layers.0.self_attn.q_proj "
+                                          r"\[\d+ x 40\] \(and \d+ more\) is not"):
+        fp8.enable_fp8(cfg.model.build_model(), compiled=False, recipe="rowwise")
 
 
 @pytest.mark.fast

@@ -265,7 +265,7 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
         print(f"model {config.model.model_type}: {count_text(n_total)} parameters"
               f"{f' ({count_text(n_held)} held by this rank)' if n_held != n_total else ''} | "
               f"mesh pp={mesh.pp} dp={mesh.dp} cp={mesh.cp} ep={mesh.ep} | device {device}{threads} | "
-              f"compute {dtype} | {loader.num_samples} samples of {config.data.seq_len} tokens"
+              f"compute {dtype}{fp8_text(t)} | {loader.num_samples} samples of {config.data.seq_len} tokens"
               f"{f' (+{len(evaluation[1])} for eval)' if evaluation else ''} | "
               f"{t.steps} steps of {t.global_batch_size} samples | {sizes}", flush=True)
     if echo and t.compile and start < t.steps:
@@ -725,6 +725,13 @@ def save_failed(error: BaseException, out_dir: Path, step: int, is_main: bool) -
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)
     return failure
+
+
+def fp8_text(t) -> str:
+    """The start line's FP8 part: the recipe, the head, the CPU's emulation."""
+    if t.fp8 == "off":
+        return ""
+    return f", FP8 {t.fp8}{' + head' if t.fp8_head else ''}{' (emulated)' if t.fp8_emulate else ''}"
 
 
 def compile_stages(model) -> None:
