@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites, most needed first: a session's device time (30
-# minutes, the machine's start included) holds some seven of them. 1 the GPU tests of the FP8 copies' kernels (the
-# combine's, the dispatch's, the cross-entropy's amax) and of those changed since their last GPU run; 2 the FP8
-# grouped kernel's tiles per shape; 3 the activation's FP8-copy kernels by tile; 4 each FP8 copy from its producer
-# against its quantize pass; 5 FP8 + FP8 head against bf16 (the 1.15x: 1.150x and 1.144x at a05ade2, lines 148-149;
-# arm A a 60% reading); 6 GPT-OSS-20B at 6 layers (123 GiB; compiles ~2 min; 62.1% at eb5b802, line 147); 7 plain
-# bf16 at 9 layers (60.1% at b3f917d, line 139). Runs 8-20 ran on 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 8 the GPU checks
-# of then; 9 the DeepSeek-V3-width peer (carry .peers) and 10 the two profiles by kernel category; 11 MLA's v
-# unpadded against padded; 12-13 the switches at 9 layers, several arms to a run (one compile serves them all); 14
-# plain bf16 with stage_ms and its profile digest; 15 the kernels; 16 MLA's SDPA backends; 17 MLA at DeepSeek-V2-Lite
-# width; 18 the Qwen3 peer at its deepest; 19 MLA with documents; 20-21 FP8 alone and the `rowwise` recipe; then the
+# minutes, the machine's start included) holds some seven of them. 1 FP8 + FP8 head against bf16 (the 1.15x: 1.150x
+# and 1.144x at a05ade2, lines 148-149; arm A a 60% reading); 2 compiled against eager stage 5 in bf16; 3 plain bf16
+# at 9 layers (60.1% at b3f917d, line 139); 4 the FP8 GPU tests (32 passed at eb5b802); 5 the FP8 grouped kernel's
+# tiles per shape (line 143); 6 the activation's FP8-copy kernels by tile (line 145); 7 each FP8 copy from its
+# producer against its quantize pass (line 144); 8 GPT-OSS-20B at 6 layers (123 GiB; compiles ~2 min; 62.1% at
+# eb5b802, line 147). Runs 9-21 ran on 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 9 the GPU checks
+# of then; 10 the DeepSeek-V3-width peer (carry .peers) and 11 the two profiles by kernel category; 12 MLA's v
+# unpadded against padded; 13-14 the switches at 9 layers, several arms to a run (one compile serves them all); 15
+# plain bf16 with stage_ms and its profile digest; 16 the kernels; 17 MLA's SDPA backends; 18 MLA at DeepSeek-V2-Lite
+# width; 19 the Qwen3 peer at its deepest; 20 MLA with documents; 21-22 FP8 alone and the `rowwise` recipe; then the
 # memory estimate's six shapes
 # (Qwen3 width 4 layers at micro-batch 2 and 4, 8 and 9 layers at 4, DeepSeek-V2-Lite and GPT-OSS-20B 4 layers at
 # 2: refit tools/memory's activation terms to their peaks, then tests/test_skills.py's), Muon, the GPU tests.
@@ -17,19 +17,20 @@
 # run appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on
 # a machine without .git).
 # One device call runs at most 10 minutes: split the plan over calls with FIRST and LAST (1-based run numbers),
-# about two 9-layer runs a call (e.g. 1 4, then 5 6, then 9 10 carrying .peers, ...):
+# about two 9-layer runs a call (e.g. 1 2, then 3 4, then 10 11 carrying .peers, ...):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
-    "python -m pytest -q tests/gpu/test_fp8_gpu.py tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer"   # the FP8 copies' new kernels (combine, dispatch, cross-entropy amax); the embedding test's bf16-rounded reference; qk_norm_rope at 32 rows again
+    "$T --layers 9 --steps 16 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x (1.150x / 1.144x at a05ade2, lines 148-149, both arms' stage 5 eager then; the bf16 arm compiled since 48ad075); arm A a 60% reading
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab stage5-compiled"              # 32: the host's cost of an eager stage 5 in bf16 (FP8 experts run it eagerly for the combine's FP8 copy)
+    "$T --layers 9 --steps 7 --batch 4 --accum 8"                                   # 32: >= 60% MFU
+    "python -m pytest -q tests/gpu/test_fp8_gpu.py tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer"   # passed at eb5b802 (32); again for the activation kernels' new default tiles (a05ade2)
     "python benchmarks/fp8.py --sweep"                                               # 32: the grouped FP8 kernel's tiles per shape (equal loads: a winner is checked in training, line 146)
     "python benchmarks/fp8.py --glu"                                                 # 32: the activation kernels with their FP8 copy by tile (fp8.GLU_QUANT_TILE, kernels.GLU_BWD_QUANT_TILE)
     "$T --layers 9 --steps 20 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad,combine-fp8-grad,expand-fp8"   # 32: each FP8 copy from its producer against its quantize pass (line 144: the combine's and the dispatch's kept; the cross-entropy's even, its head product since in row blocks)
-    "$T --layers 9 --steps 16 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x (1.150x / 1.144x at a05ade2, lines 148-149); arm A a 60% reading
     "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (122.9 GiB, line 147); compiles ~2 min
-    "$T --layers 9 --steps 7 --batch 4 --accum 8"                                   # 32: >= 60% MFU
     "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer tests/gpu/test_kernels_gpu.py::test_permute_unpermute tests/gpu/test_kernels_gpu.py::test_local_dispatch_round_trip_on_cuda_matches_the_cpu tests/gpu/test_fp8_gpu.py::test_stacked_projections_compiled_match_the_linears_alone tests/gpu/test_kernels_gpu.py::test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled"   # the new GPU checks, BN=32 tiles, expand and the per-token combine backward included
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
     "python .agents/skills/capture-profile/profile_step.py --trace /tmp/dsv3/torchtitan.json --trace /tmp/dsv3/pithtrain.json"   # where each side's step goes, by kernel category

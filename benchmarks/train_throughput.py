@@ -181,7 +181,8 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
 
 ARMS = "ABCDEFG"  # the arms' letters: A as the flags set the switches, then one a flipped switch
 AB_SWITCHES = ("fp8", "fused-proj", "fused-wgrad", "mla-v", "wgrad-config", "triton-adamw", "bf16-activations", "qk-norm-rope",
-               "wgrad-host", "ce-fp8-grad", "glu-fp8-grad", "expand-fp8", "combine-fp8-grad")
+               "wgrad-host", "ce-fp8-grad", "glu-fp8-grad", "expand-fp8", "combine-fp8-grad", "stage5-compiled")
+STAGE5 = argparse.Namespace(compiled=True)  # --ab stage5-compiled: its arm runs stage 5 eagerly (as FP8 experts do)
 
 
 def wgrad_tiles(text: str) -> dict:
@@ -228,6 +229,8 @@ def ab_arms(args, parser):
     if fp8_only and args.fp8 == "off" or "ce-fp8-grad" in switches and not args.fp8_head:
         parser.error(f"--ab {','.join(fp8_only)}: FP8 switches; give --fp8 rowwise_bf16_wgrad"
                      + (" --fp8-head (ce-fp8-grad is the FP8 head's)" if "ce-fp8-grad" in switches else ""))
+    if "stage5-compiled" in switches and (not args.compile or args.fp8 != "off"):
+        parser.error("--ab stage5-compiled: compiled against eager stage 5 in bf16; give --compile, not --fp8")
     if "wgrad-config" in switches and not args.wgrad_config:
         parser.error("--ab wgrad-config: its arm runs the tiles of --wgrad-config; give it as JSON")
     where = {"fused-proj": (fp8, "FUSED_PROJECTIONS"), "fused-wgrad": (grouped_gemm, "FUSED_WGRAD"),
@@ -236,7 +239,7 @@ def ab_arms(args, parser):
              "qk-norm-rope": (kernels, "FUSED_QK_NORM_ROPE"), "wgrad-host": (kernels, "WGRAD_HOST_DESCRIPTORS"),
              "ce-fp8-grad": (kernels, "CE_FP8_GRAD"),
              "glu-fp8-grad": (fp8, "GLU_FP8_GRAD"), "expand-fp8": (grouped_gemm, "EXPAND_FP8"),
-             "combine-fp8-grad": (kernels, "COMBINE_FP8_GRAD")}
+             "combine-fp8-grad": (kernels, "COMBINE_FP8_GRAD"), "stage5-compiled": (STAGE5, "compiled")}
     a_values = {s: getattr(*where[s]) for s in switches}
     flipped = {s: args.wgrad_config if s == "wgrad-config" else not a_values[s] for s in switches}
 
@@ -244,6 +247,8 @@ def ab_arms(args, parser):
         def set_arm(run):
             for s in switches:
                 setattr(*where[s], flipped[s] if s == flip else a_values[s])
+            if "stage5-compiled" in switches:
+                compiled_stage5(run.model, STAGE5.compiled)
         return set_arm
 
     return a_values, [(s, flipped[s]) for s in switches], [setter()] + [setter(s) for s in switches]
@@ -257,20 +262,27 @@ def fp8_arm(model, recipe, head: bool, compiled: bool) -> None:
     as each mode runs it alone: compiled in bf16 (a wrapper of the same code: dynamo's graphs are reused), eager
     under FP8 experts (enable_fp8, kernels.COMBINE_FP8_GRAD)."""
     from pithtrain.ops import fp8, kernels
-    from pithtrain.protocol import all_layers
 
     fp8.enable_fp8(model, compiled=False, recipe=recipe, head=head)  # the flags; stage 1 keeps its set-up refresh wrapper
-    for layer in all_layers(model).values() if compiled else ():
-        if recipe and kernels.COMBINE_FP8_GRAD:
-            layer.__dict__.pop("stage5", None)
-        elif "stage5" not in layer.__dict__:
-            layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
+    if compiled:
+        compiled_stage5(model, not (recipe and kernels.COMBINE_FP8_GRAD))
     for m in model.modules():
         if not isinstance(m, fp8.Linear):
             m.__dict__.pop("_fp8_cache", None)
     for p in model.parameters():
         for cache in ("_fp8_cache", "_head_cast", "_cast_cache"):
             p.__dict__.pop(cache, None)
+
+
+def compiled_stage5(model, compiled: bool) -> None:
+    """Every layer's stage 5 compiled (a new wrapper of the same code: dynamo's graphs are reused) or eager."""
+    from pithtrain.protocol import all_layers
+
+    for layer in all_layers(model).values():
+        if not compiled:
+            layer.__dict__.pop("stage5", None)
+        elif "stage5" not in layer.__dict__:
+            layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
 
 
 def gpu_idle_us(profile, events) -> float:
