@@ -819,8 +819,8 @@ def enable_fp8(model: nn.Module, compiled: bool, recipe: str = "rowwise", head: 
     refreshes its Linears' FP8 layouts in eager code, and stage 5 runs eagerly (kernels.COMBINE_FP8_GRAD). Call before FSDP wraps the stages, so that its
     all-gather runs before the refresh."""
     odd = [f"{name} [{m.out_features} x {m.in_features}]" for name, m in model.named_modules()
-           if isinstance(m, Linear) and (m.in_features % 16 or m.out_features % 16)]
-    if recipe and odd:  # torch._scaled_mm's rule; the CPU's emulation refuses them too, so it predicts the GPU
+           if isinstance(m, Linear) and (m.in_features % 16 or m.out_features % 16)] if recipe else []
+    if odd:  # torch._scaled_mm's rule; the CPU's emulation refuses them too, so it predicts the GPU
         raise ConfigError(f"train.fp8={recipe}: FP8 GEMMs take sizes that are multiples of 16, and {odd[0]}"
                           f"{f' (and {len(odd) - 1} more)' if len(odd) > 1 else ''} is not; change the model's sizes, "
                           "or train.fp8=off")
