@@ -450,7 +450,8 @@ def test_adamw_pass_is_torchs_with_the_clip_and_the_compute_copy(interpreter, mo
     torch.optim.AdamW with clip_grads over three steps: two groups (decay and none), clipped gradients, the state
     torch's fused path makes (1e-6); the experts' bf16 compute copy written in the pass and re-keyed, so
     compute_weight returns it, equal to a fresh cast; then a resumed optimizer's state (its step read once)
-    continues as torch's does."""
+    continues as torch's does. The FP8 weight's maxima taken in the pass (ops/fp8.optimizer_amax) are |w|'s, and
+    the FP8 layouts made from them (one read of w) equal those made with quantize_both's own amax pass."""
     import copy
 
     from torch import nn
@@ -469,6 +470,8 @@ def test_adamw_pass_is_torchs_with_the_clip_and_the_compute_copy(interpreter, mo
     make = lambda ps: torch.optim.AdamW(groups(ps), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, foreach=True)  # noqa: E731
     ours, ref = make(params), make(twins)
     monkeypatch.setattr(kernels, "use_triton", lambda t: True)
+    monkeypatch.setattr(fp8, "use_triton", lambda t: True)
+    monkeypatch.setattr(kernels, "ADAMW_AMAX_TILE", dict(BR=2, BC=16, STEPS=3))  # w's [16, 24]: several, ragged tiles
     monkeypatch.setattr(optim, "TRITON_ADAMW", True)
     if not triton:  # the optimizer's pass through kernels.adamw's PyTorch reference
         monkeypatch.setattr(kernels, "adamw", kernels.adamw_reference)
@@ -477,6 +480,8 @@ def test_adamw_pass_is_torchs_with_the_clip_and_the_compute_copy(interpreter, mo
             ours = make(params)
             ours.load_state_dict(copy.deepcopy(ref.state_dict()))
         cast = grouped_gemm.compute_weight(module, "w", torch.bfloat16)  # the experts' cast, made in a forward
+        if step == 0:  # the FP8 layouts' first quantization leaves the optimizer a buffer for the maxima
+            fp8.cached_weight(module, "w", contraction_last=False)
         grads = [torch.randn(s) * 3 for s in shapes]
         norm = torch.stack([g.norm() for g in grads]).norm().item()
         assert norm > 1.0  # the clip applies
@@ -491,11 +496,25 @@ def test_adamw_pass_is_torchs_with_the_clip_and_the_compute_copy(interpreter, mo
             for got, want in ((p, t), (a["exp_avg"], b["exp_avg"]), (a["exp_avg_sq"], b["exp_avg_sq"])):
                 torch.testing.assert_close(got.detach(), want.detach(), rtol=1e-6, atol=1e-7)
         assert grouped_gemm.compute_weight(module, "w", torch.bfloat16) is cast  # written in the pass, current
+        w = params[0].detach()
+        amax = fp8.optimizer_amax(params[0])
+        assert amax is not None and torch.equal(amax, torch.cat([w.abs().amax(-1).flatten(), w.abs().amax(-2).flatten()]))
+        amax_pass = fp8._AMAX_CONFIG
+        monkeypatch.setattr(fp8, "_AMAX_CONFIG", None)  # a second read of w would fail
+        made = fp8.cached_weight(module, "w", contraction_last=False)
+        monkeypatch.setattr(fp8, "_AMAX_CONFIG", amax_pass)
+        (q, s), (qt, st) = fp8.quantize_both(w)
+        for got, want in ((made.bwd[0], q), (made.bwd[1], s), (made.fwd[0], qt), (made.fwd[1], st)):
+            assert torch.equal(got.view(torch.uint8) if got.dtype == fp8.FP8 else got,
+                               want.view(torch.uint8) if want.dtype == fp8.FP8 else want)
         fresh = params[0].detach().to(torch.bfloat16)
         if triton:  # the interpreter rounds fp32 to bf16 toward zero, CUDA to nearest (tests/gpu: bit for bit)
             assert ((cast.detach().float() - fresh.float()).abs() <= fresh.float().abs() * 2**-7).all()
         else:
             assert torch.equal(cast.detach(), fresh)
+    with torch.no_grad():
+        params[0].mul_(1.0)  # any other in-place update: the maxima are stale
+    assert fp8.optimizer_amax(params[0]) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

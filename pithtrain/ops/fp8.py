@@ -475,11 +475,14 @@ _QUANT_BOTH_CONFIG = dict(BR=64, BC=128, num_warps=4, TRANS=False)  # a tl.trans
 
 
 @torch.library.custom_op("pithtrain::fp8_quantize_both", mutates_args=("q", "s", "qt", "st"))
-def _quantize_both_cuda(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor, st: torch.Tensor) -> None:
+def _quantize_both_cuda(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: torch.Tensor, st: torch.Tensor,
+                        amax: torch.Tensor | None = None) -> None:
     rows, cols = x.shape[-2:]
     batch = x.numel() // max(1, rows * cols)
-    amax = torch.zeros(batch * (rows + cols), dtype=torch.float32, device=x.device)
-    for cfg, amax_pass in ((_AMAX_CONFIG, True), (_QUANT_BOTH_CONFIG, False)):
+    passes = ((_QUANT_BOTH_CONFIG, False),) if amax is not None else ((_AMAX_CONFIG, True), (_QUANT_BOTH_CONFIG, False))
+    if amax is None:
+        amax = torch.zeros(batch * (rows + cols), dtype=torch.float32, device=x.device)
+    for cfg, amax_pass in passes:
         if x.numel():
             grid = (_cdiv(rows, cfg["BR"]) * _cdiv(cols, cfg["BC"]), batch)
             _quant_both_kernel[grid](x, amax, amax[batch * rows:], q, s, qt, st, rows, cols, AMAX=amax_pass, **cfg)
@@ -597,10 +600,11 @@ def _quantize_nd(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.view(w.shape), s.view(w.shape[:-1])
 
 
-def quantize_both(w: torch.Tensor, out=None):
+def quantize_both(w: torch.Tensor, out=None, amax: torch.Tensor | None = None):
     """Row-wise FP8 of w [..., R, C] along C and of its transpose [..., C, R] along R (quantize_reference's
     values): ((q, s), (qt, st)), written into `out` (same structure) if given. On CUDA two reads of w
-    (the amaxes, then both layouts at once) and no transposed fp32 copy."""
+    (the amaxes, then both layouts at once) and no transposed fp32 copy; one where `amax` (w's |.| maxima per
+    row, then per column, as the Triton AdamW leaves them: optimizer_amax) is given."""
     if not use_triton(w):
         new = (*_quantize_nd(w), *_quantize_nd(w.transpose(-1, -2).contiguous()))
         for old, value in zip((*out[0], *out[1]) if out else (), new):
@@ -609,8 +613,23 @@ def quantize_both(w: torch.Tensor, out=None):
     t_shape = (*w.shape[:-2], w.shape[-1], w.shape[-2])
     out = out or ((w.new_empty(w.shape, dtype=FP8), w.new_empty(w.shape[:-1], dtype=torch.float32)),
                   (w.new_empty(t_shape, dtype=FP8), w.new_empty(t_shape[:-1], dtype=torch.float32)))
-    _quantize_both_cuda(w.contiguous(), *out[0], *out[1])
+    _quantize_both_cuda(w.contiguous(), *out[0], *out[1], amax)
     return out
+
+
+def optimizer_amax(param: torch.Tensor) -> torch.Tensor | None:
+    """The maxima of |param| per row and per column that the Triton AdamW took in its pass (train/optim), if they
+    are of the parameter's current version; None otherwise (another update, a load, FSDP's all-gather)."""
+    made = param.__dict__.get("_fp8_amax")
+    return made[1] if made is not None and made[0] == param._version else None
+
+
+def _ask_optimizer_for_amax(param: torch.Tensor, w: torch.Tensor) -> None:
+    """Leave a buffer on a plain fp32 CUDA parameter for the Triton AdamW to fill with the new weight's maxima
+    (train/optim._triton_adamw_step): the next quantize_both then reads the weight once, not twice."""
+    if use_triton(w) and w.dtype == torch.float32 and w.dim() >= 2 and type(param) is nn.Parameter:
+        rows, cols = w.shape[-2:]
+        param.__dict__.setdefault("_fp8_amax", [None, w.new_empty(w.numel() // (rows * cols) * (rows + cols))])
 
 
 def quantize_t(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -682,9 +701,10 @@ def _cached(cache: dict, name: str, param: torch.Tensor, contraction_last: bool)
     w = param.detach()
     old = None if hit is None else (hit.fwd, hit.bwd) if contraction_last else (hit.bwd, hit.fwd)
     if old is not None and old[0][0].shape == w.shape and old[0][0].device == w.device:
-        quantize_both(w, old)  # in place: the same tensors
+        quantize_both(w, old, optimizer_amax(param))  # in place: the same tensors
         hit.key = key
         return hit
+    _ask_optimizer_for_amax(param, w)
     along_last, along_prev = quantize_both(w)
     fwd, bwd = (along_last, along_prev) if contraction_last else (along_prev, along_last)
     cache[name] = FP8Weight(fwd, bwd, key)

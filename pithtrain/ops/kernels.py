@@ -1413,9 +1413,10 @@ def muon_apply(weight: torch.Tensor, update: torch.Tensor, decay: float, step: f
 
 
 def adamw_reference(p, g, m, v, copy, lr: float, beta1: float, beta2: float, eps: float, decay: float, step: int,
-                    scale: float) -> None:
+                    scale: float, amax=None) -> None:
     """torch's AdamW update in place (decoupled decay lr * decay; bias corrections of `step`, 1-based) on the
-    gradient times `scale`; `copy` (or None) <- the new p in its dtype."""
+    gradient times `scale`; `copy` (or None) <- the new p in its dtype; `amax` (or None) <- the new |p|'s maxima
+    per row of p viewed as [B, R, C], then per column ([B * R] then [B * C], ops/fp8.quantize_both's order)."""
     g = g * scale
     p.mul_(1 - lr * decay)
     m.lerp_(g, 1 - beta1)
@@ -1424,32 +1425,64 @@ def adamw_reference(p, g, m, v, copy, lr: float, beta1: float, beta2: float, eps
     p.addcdiv_(m, denom, value=-lr / (1 - beta1**step))
     if copy is not None:
         copy.copy_(p)
+    if amax is not None:
+        a = p.detach().abs().reshape(-1, *p.shape[-2:])
+        amax.copy_(torch.cat([a.amax(-1).flatten(), a.amax(-2).flatten()]))
 
 
 @_Kernel
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, n, lr, beta1, beta2, eps, keep, step_size, bc2_sqrt, scale,
-                  COPY: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * scale
-    p = tl.load(p_ptr + offs, mask=mask) * keep
-    m = beta1 * tl.load(m_ptr + offs, mask=mask) + (1 - beta1) * g
-    v = beta2 * tl.load(v_ptr + offs, mask=mask) + (1 - beta2) * g * g
-    p -= step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
-    tl.store(p_ptr + offs, p, mask=mask)
-    tl.store(m_ptr + offs, m, mask=mask)
-    tl.store(v_ptr + offs, v, mask=mask)
-    if COPY:
-        tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty), mask=mask)
+def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, amax_ptr, batch, rows, cols, lr, beta1, beta2, eps, keep,
+                  step_size, bc2_sqrt, scale, COPY: tl.constexpr, AMAX: tl.constexpr, BR: tl.constexpr,
+                  BC: tl.constexpr, STEPS: tl.constexpr):
+    """A [STEPS * BR, BC] tile of p viewed as [batch, rows, cols] a program (a flat p: [1, 1, n], BR = 1). AMAX: also
+    the new |p|'s maxima per row into amax[:batch * rows] and per column into amax[batch * rows:] (atomic max of
+    non-negative floats: order-independent), which ops/fp8.quantize_both would otherwise read p again for."""
+    b, n_c = tl.program_id(1), tl.cdiv(cols, BC)
+    c = (tl.program_id(0) % n_c) * BC + tl.arange(0, BC)
+    col_max = tl.zeros([BC], dtype=tl.float32)
+    for i in range(STEPS):
+        r = ((tl.program_id(0) // n_c) * STEPS + i) * BR + tl.arange(0, BR)
+        mask = (r < rows)[:, None] & (c < cols)[None, :]
+        offs = b.to(tl.int64) * rows * cols + r.to(tl.int64)[:, None] * cols + c[None, :]
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * scale
+        p = tl.load(p_ptr + offs, mask=mask) * keep
+        m = beta1 * tl.load(m_ptr + offs, mask=mask) + (1 - beta1) * g
+        v = beta2 * tl.load(v_ptr + offs, mask=mask) + (1 - beta2) * g * g
+        p -= step_size * m / (tl.sqrt(v) / bc2_sqrt + eps)
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if COPY:
+            tl.store(copy_ptr + offs, p.to(copy_ptr.dtype.element_ty), mask=mask)
+        if AMAX:
+            a = tl.where(mask, tl.abs(p), 0.0)
+            tl.atomic_max(amax_ptr + b * rows + r, tl.max(a, 1), mask=r < rows)
+            col_max = tl.maximum(col_max, tl.max(a, 0))
+    if AMAX:
+        tl.atomic_max(amax_ptr + batch * rows + b * cols + c, col_max, mask=c < cols)
+
+
+ADAMW_AMAX_TILE = dict(BR=16, BC=128, STEPS=8)  # 128 x 128 values a program: as many atomics a value as quantize_both's
 
 
 def adamw(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, copy: torch.Tensor | None, lr: float,
-          beta1: float, beta2: float, eps: float, decay: float, step: int, scale: float = 1.0) -> None:
-    """adamw_reference in one pass over fp32 p, m, v (contiguous) and g: 28 bytes a value, plus the copy's."""
+          beta1: float, beta2: float, eps: float, decay: float, step: int, scale: float = 1.0,
+          amax: torch.Tensor | None = None) -> None:
+    """adamw_reference in one pass over fp32 p, m, v (contiguous) and g: 28 bytes a value, plus the copy's; `amax`
+    (an FP8 weight's, p at least 2-D) costs no extra read."""
     if not (use_triton(p) and all(t.is_contiguous() for t in (p, g, m, v)) and p.dtype == m.dtype == v.dtype == torch.float32):
-        adamw_reference(p, g, m, v, copy, lr, beta1, beta2, eps, decay, step, scale)
+        adamw_reference(p, g, m, v, copy, lr, beta1, beta2, eps, decay, step, scale, amax)
         return
-    if p.numel():
-        _adamw_kernel[(_cdiv(p.numel(), 2048),)](p, g, m, v, p if copy is None else copy, p.numel(), lr, beta1, beta2, eps,
-                                                 1 - lr * decay, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), scale,
-                                                 COPY=copy is not None, BLOCK=2048)
+    if not p.numel():
+        return
+    if amax is not None:
+        rows, cols = p.shape[-2:]
+        batch, tile = p.numel() // (rows * cols), ADAMW_AMAX_TILE
+        grid = (_cdiv(rows, tile["BR"] * tile["STEPS"]) * _cdiv(cols, tile["BC"]), batch)
+        amax.zero_()
+    else:
+        batch, rows, cols, tile = 1, 1, p.numel(), dict(BR=1, BC=2048, STEPS=1)
+        grid = (_cdiv(cols, 2048), 1)
+    _adamw_kernel[grid](p, g, m, v, p if copy is None else copy, p if amax is None else amax, batch, rows, cols, lr,
+                        beta1, beta2, eps, 1 - lr * decay, lr / (1 - beta1**step), math.sqrt(1 - beta2**step), scale,
+                        COPY=copy is not None, AMAX=amax is not None, **tile)

@@ -162,22 +162,25 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params, max_norm: float = 0
     (ops/grouped_gemm.compute_weight) is keyed by those counters."""
     if (TRITON_ADAMW and type(optimizer) is torch.optim.AdamW and params and kernels.use_triton(params[0])
             and not any(g["amsgrad"] or g["maximize"] for g in optimizer.param_groups)):
-        copies = _triton_adamw_step(optimizer, clip_coefficient(max_norm, grad_norm))
+        copies, amaxes = _triton_adamw_step(optimizer, clip_coefficient(max_norm, grad_norm))
     else:
         clip_grads(params, max_norm, grad_norm)
         optimizer.step()
-        copies = []
+        copies, amaxes = [], []
     torch.autograd.graph.increment_version(params)
     for p, cache, key in copies:  # written in the step: current for the new version
         cache[key] = (p._version, cache[key][1])
+    for p, made in amaxes:
+        made[0] = p._version
 
 
 @torch.no_grad()
 def _triton_adamw_step(optimizer: torch.optim.AdamW, scale: float) -> list:
     """torch's AdamW step (its state, as its fused path makes it: checkpoints stay interchangeable) on the gradients
-    times `scale`, one kernels.adamw pass a parameter; returns the compute copies it wrote (param, cache, key)."""
+    times `scale`, one kernels.adamw pass a parameter; returns the compute copies it wrote (param, cache, key) and the
+    FP8 weights' maxima it took (param, ops/fp8's [version, buffer])."""
     host_steps = optimizer.__dict__.setdefault("_host_steps", {})  # param -> (its step tensor, that step on the host)
-    steps, copies = [], []
+    steps, copies, amaxes = [], [], []
     for group in optimizer.param_groups:
         beta1, beta2 = group["betas"]
         for p in group["params"]:
@@ -195,15 +198,18 @@ def _triton_adamw_step(optimizer: torch.optim.AdamW, scale: float) -> list:
             host_steps[p] = (state["step"], step)
             cache = p.__dict__.get("_cast_cache", {})
             key = next((k for k, (version, _) in cache.items() if k[1] and version == p._version), None)
+            amax = p.__dict__.get("_fp8_amax")  # left by ops/fp8 on a plain parameter: the next quantization's maxima
             kernels.adamw(local(p), local(p.grad), local(state["exp_avg"]), local(state["exp_avg_sq"]),
                           None if key is None else cache[key][1], group["lr"], beta1, beta2, group["eps"],
-                          group["weight_decay"], step, scale)
+                          group["weight_decay"], step, scale, None if amax is None else amax[1])
             steps.append(state["step"])
             if key is not None:
                 copies.append((p, cache, key))
+            if amax is not None:
+                amaxes.append((p, amax))
     if steps:
         torch._foreach_add_(steps, 1.0)
-    return copies
+    return copies, amaxes
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

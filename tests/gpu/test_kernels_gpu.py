@@ -319,10 +319,11 @@ def test_head_logits_accumulates_into_the_fp32_gradient_in_the_gemm():
 def test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy(monkeypatch):
     """train/optim.TRITON_ADAMW on CUDA against torch's fused AdamW with clip_grads, three clipped steps over two
     groups: weights and moments to fp32 rounding (1e-6), the experts' bf16 compute copy written in the pass bit for
-    bit a fresh cast, and current for compute_weight."""
+    bit a fresh cast, and current for compute_weight; an FP8 weight's maxima taken in the pass exactly |w|'s (a
+    ragged [300, 77] too), its FP8 layouts made from them bit for bit those of quantize_both's own amax pass."""
     from torch import nn
 
-    from pithtrain.ops import grouped_gemm
+    from pithtrain.ops import fp8, grouped_gemm
     from pithtrain.parallel.fsdp import clip_grads
     from pithtrain.train import optim
 
@@ -339,6 +340,9 @@ def test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy(monkeypat
 
     ours, ref = make(params), make(twins)
     monkeypatch.setattr(optim, "TRITON_ADAMW", True)
+    module.v = params[2]
+    for name in ("w", "v"):  # the first quantization leaves the optimizer a buffer for the maxima
+        fp8.cached_weight(module, name, contraction_last=name == "v")
     for _ in range(3):
         cast = grouped_gemm.compute_weight(module, "w", torch.bfloat16)
         grads = [torch.randn(s, device="cuda") * 3 for s in shapes]
@@ -354,6 +358,15 @@ def test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy(monkeypat
                 assert rel_err(got.detach(), want.detach()) < 1e-6
         assert grouped_gemm.compute_weight(module, "w", torch.bfloat16) is cast
         assert torch.equal(cast.detach(), params[0].detach().to(torch.bfloat16))
+        for name, p in (("w", params[0]), ("v", params[2])):
+            w = p.detach()
+            amax = fp8.optimizer_amax(p)
+            assert amax is not None and torch.equal(amax, torch.cat([w.abs().amax(-1).flatten(), w.abs().amax(-2).flatten()]))
+            made = fp8.cached_weight(module, name, contraction_last=name == "v")
+            along_last, along_prev = fp8.quantize_both(w)
+            got = (made.fwd, made.bwd) if name == "v" else (made.bwd, made.fwd)
+            for a, b in zip((*got[0], *got[1]), (*along_last, *along_prev)):
+                assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if a.dtype == fp8.FP8 else torch.equal(a, b)
 
 
 def test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled():
