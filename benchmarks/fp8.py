@@ -11,6 +11,7 @@ and the quantization of the head's [tokens x vocabulary] gradient alone, in GB/s
     PYTHONPATH=. python benchmarks/fp8.py --wquant [--sweep]
     PYTHONPATH=. python benchmarks/fp8.py --head [--tokens 16384 --hidden 2048 --vocab 151936]
     PYTHONPATH=. python benchmarks/fp8.py --glu [--tokens 16384 --topk 8 --inter 768]
+    PYTHONPATH=. python benchmarks/fp8.py --rows [--tokens 16384]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import median_ms  # noqa: E402
 from results import record  # noqa: E402
 
-from pithtrain.ops import fp8  # noqa: E402
+from pithtrain.ops import fp8, kernels  # noqa: E402
 from pithtrain.ops.grouped_gemm import grouped_mm, grouped_weight_grad  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -165,6 +166,16 @@ def weight_quant(shapes, sweep: bool):
             same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip((*cache[0], *cache[1]), ref))
             print(f"weight {tag:16s} one pass (TRANS={trans}) bit-identical to the old path: {same}")
         fp8._QUANT_BOTH_CONFIG["TRANS"] = chosen
+        # the maxima taken by the Triton AdamW (train/optim): its pass with and without them, then one read of w
+        amax = torch.cat([w.abs().reshape(-1, *shape[-2:]).amax(-1).flatten(), w.abs().reshape(-1, *shape[-2:]).amax(-2).flatten()])
+        timed("given_amax", lambda: fp8.quantize_both(w, cache, amax))
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip((*cache[0], *cache[1]), ref))
+        print(f"weight {tag:16s} from the optimizer's maxima bit-identical to the old path: {same}")
+        p, g, m, v = w.clone(), torch.randn_like(w), torch.zeros_like(w), torch.zeros_like(w)
+        for name, buf in (("adamw", None), ("adamw_with_amax", torch.empty_like(amax))):
+            ms = median_ms(lambda: kernels.adamw(p, g, m, v, None, 1e-4, 0.9, 0.95, 1e-8, 0.1, 10, 1.0, buf), 20)
+            out[f"wquant_{tag}_{name}_ms"] = round(ms, 4)
+            print(f"weight {tag:16s} {name:24s} {ms:8.3f} ms", flush=True)
         out[f"wquant_{tag}_config"] = f"{fp8._AMAX_CONFIG} {fp8._QUANT_BOTH_CONFIG}"
         del w, cache, ref
     return out
@@ -202,8 +213,6 @@ def glu_tiles(rows: int, inter: int) -> dict:
     """The experts' activation kernels that also write an FP8 copy (fp8.glu_quantized's forward, kernels.glu_bwd_quantized)
     at each tile (whole rows a program, up to `values` values; num_warps), against the plain bf16 ones (the bytes they
     move are the floor: the FP8 copy adds a byte a value). ms a call, medians of 20."""
-    from pithtrain.ops import kernels
-
     h = (torch.randn(rows, 2 * inter, device="cuda") * 2).to(BF16)
     dy = torch.randn(rows, inter, device="cuda").to(BF16)
     q = torch.empty(h.shape, dtype=fp8.FP8, device="cuda")
@@ -226,6 +235,41 @@ def glu_tiles(rows: int, inter: int) -> dict:
     return out
 
 
+def inductor_rows(tokens: int) -> dict:
+    """Stage 1's FP8 quantizations as Inductor compiles them (train/loop.PERSISTENT_ROWS: 0, Inductor's looped
+    kernels past 1,024 values a row, against persistent ones up to 8,192): the norm and the qkv input's FP8 copy
+    (2,048 wide), the o projection's input from the attention's [B, S, H, D] (4,096), the q, k, v gradients' copy
+    (5,120); each also by the eager Triton row kernel from a materialized input. ms a call, medians of 50."""
+    import torch._inductor.config as inductor_config
+
+    from pithtrain.ops import core
+    from pithtrain.train import loop
+
+    inductor_config.force_disable_caches = True  # each width setting compiles anew
+    x, w = torch.randn(tokens, 2048, device="cuda", dtype=BF16), torch.rand(2048, device="cuda", dtype=BF16) + 0.5
+    o = torch.randn(4, tokens // 4, 32, 128, device="cuda", dtype=BF16)
+    q, k, v = (torch.randn(tokens, n, device="cuda", dtype=BF16) for n in (4096, 512, 512))
+    cases = {"norm_quant_2048": (lambda x, w: fp8.quantize(core.rms_norm(x, w, 1e-6)), (x, w)),
+             "quant_4096": (lambda o: fp8.quantize(o.reshape(-1, 4096)), (o,)),
+             "cat_quant_5120": (lambda q, k, v: fp8.quantize(torch.cat([q, k, v], -1)), (q, k, v))}
+    out, kept = {}, loop.PERSISTENT_ROWS
+    loop._persistent_rows()
+    for rows in (0, 8192):
+        loop.PERSISTENT_ROWS = rows
+        torch._dynamo.reset()
+        for name, (fn, inputs) in cases.items():
+            compiled = torch.compile(fn, fullgraph=True)
+            ms = median_ms(lambda: compiled(*inputs), 50)
+            out[f"rows_{name}_persistent{rows}_ms"] = round(ms, 4)
+            print(f"inductor {name:16s} PERSISTENT_ROWS={rows:<5d} {ms:8.4f} ms", flush=True)
+    loop.PERSISTENT_ROWS = kept
+    for name, x in (("quant_4096", o.reshape(-1, 4096)), ("cat_quant_5120", torch.cat([q, k, v], -1))):
+        ms = median_ms(lambda: fp8._quantize_cuda(x), 50)
+        out[f"rows_{name}_triton_ms"] = round(ms, 4)
+        print(f"triton   {name:16s} eager row kernel    {ms:8.4f} ms", flush=True)
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("tokens", 16384), ("experts", 128), ("topk", 8), ("hidden", 2048), ("inter", 768)):
@@ -236,14 +280,17 @@ def main():
     only.add_argument("--head", action="store_true", help="only the LM head and loss, bf16 vs train.fp8_head")
     parser.add_argument("--vocab", type=int, default=151936)
     only.add_argument("--glu", action="store_true", help="only the activation kernels with their FP8 copy, by tile")
+    only.add_argument("--rows", action="store_true", help="only stage 1's FP8 quantizations as Inductor compiles them")
     args = parser.parse_args()
-    if args.sweep and (args.head or args.glu):
-        parser.error("--sweep times the grouped GEMMs' (or with --wquant, the weight kernels') tiles; --head has none, "
+    if args.sweep and (args.head or args.glu or args.rows):
+        parser.error("--sweep times the grouped GEMMs' (or with --wquant, the weight kernels') tiles; --head and --rows have none, "
                      "--glu sweeps its own")
     if min(args.tokens, args.experts, args.topk, args.hidden, args.inter) < 1:
         parser.error("--tokens, --experts, --topk, --hidden and --inter must be at least 1")
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (it times the GPU kernels); run it on the GPU machine")
+    if args.rows:
+        return record({"benchmark": "fp8_inductor_rows", "tokens": args.tokens, **inductor_rows(args.tokens)})
     if args.glu:
         return record({"benchmark": "fp8_glu_tiles", "rows": args.tokens * args.topk, "inter": args.inter,
                        **glu_tiles(args.tokens * args.topk, args.inter)})

@@ -258,7 +258,10 @@ def fp8_arm(model, recipe, head: bool, compiled: bool) -> None:
     """Switch a model set up with train.fp8 (ops/fp8.enable_fp8) to bf16 (recipe False) or back, dropping the
     experts' and the head's cached casts (bf16 copies, FP8 layouts): the other arm's would hold some 11 GB at
     Qwen3's 9 layers, and each is remade after every update anyway. The dense Linears' FP8 layouts stay (a few
-    hundred MB): compiled stages read them, and new tensors there would recompile them at every switch. Stage 5
+    hundred MB): compiled stages read them, and new tensors there would recompile them at every switch. The FP8
+    weights' maxima buffers stay (ops/fp8.optimizer_amax): each step's optimizer takes them, and its kernels land in
+    the next step's time, so an FP8 step holds the pass that readied its weights (a bf16 step holds one too, the
+    atomics' few ms more than torch's AdamW alone: benchmarks/fp8.py --wquant). Stage 5
     as each mode runs it alone: compiled in bf16 (a wrapper of the same code: dynamo's graphs are reused), eager
     under FP8 experts (enable_fp8, kernels.COMBINE_FP8_GRAD)."""
     from pithtrain.ops import fp8, kernels
@@ -395,6 +398,8 @@ def main():
                         "ACTIVATIONS_IN_COMPUTE_DTYPE: the residual stream and norm outputs in bf16 (as under FSDP) or fp32")
     parser.add_argument("--triton-adamw", default="on", choices=["on", "off"], help="train/optim.TRITON_ADAMW: AdamW "
                         "as one Triton pass a parameter (the clip coefficient and the experts' bf16 copy in the pass)")
+    parser.add_argument("--persistent-rows", type=int, help="train/loop.PERSISTENT_ROWS for this run (default: the "
+                        "module's): compiled row reductions up to this width one persistent kernel; 0: Inductor's rule")
     parser.add_argument("--ab", metavar="SWITCH[,SWITCH...]", help=f"A/B in one run ({', '.join(AB_SWITCHES)}): "
                         "arm A with the switches as the flags set them, then one arm per switch with it flipped "
                         "(wgrad-config: --wgrad-config's tiles against the default; fp8, alone: A bf16, B --fp8 "
@@ -416,6 +421,12 @@ def main():
     from pithtrain.train import optim
 
     optim.TRITON_ADAMW = args.triton_adamw == "on"
+    from pithtrain.train import loop as train_loop
+
+    if args.persistent_rows is not None:
+        if args.persistent_rows < 0:
+            parser.error(f"--persistent-rows {args.persistent_rows}: give a row width >= 0 (0: Inductor's own rule)")
+        train_loop.PERSISTENT_ROWS = args.persistent_rows
     core.ACTIVATIONS_IN_COMPUTE_DTYPE = args.bf16_activations == "on"
     if args.wgrad_host:  # arm A's (an --ab wgrad-host arm flips it)
         kernels.WGRAD_HOST_DESCRIPTORS = args.wgrad_host == "on"
@@ -490,7 +501,7 @@ def main():
 
     warm = measured(runs_a)
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "wgrad_host": kernels.WGRAD_HOST_DESCRIPTORS, "ce_fp8_grad": kernels.CE_FP8_GRAD, "combine_fp8_grad": kernels.COMBINE_FP8_GRAD, "glu_fp8_grad": fp8.GLU_FP8_GRAD, "glu_tiles": [fp8.GLU_QUANT_TILE, kernels.GLU_BWD_QUANT_TILE], "expand_fp8": grouped_gemm.EXPAND_FP8, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "persistent_rows": train_loop.PERSISTENT_ROWS, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "wgrad_host": kernels.WGRAD_HOST_DESCRIPTORS, "ce_fp8_grad": kernels.CE_FP8_GRAD, "combine_fp8_grad": kernels.COMBINE_FP8_GRAD, "glu_fp8_grad": fp8.GLU_FP8_GRAD, "glu_tiles": [fp8.GLU_QUANT_TILE, kernels.GLU_BWD_QUANT_TILE], "expand_fp8": grouped_gemm.EXPAND_FP8, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in runs_a) / 2**30,

@@ -67,3 +67,33 @@ def test_fp8_compiles_reads_the_cache_and_matches_eager(tmp_path, dataset_dir, c
     for a, b in zip(eager, compiled):
         for key in ("loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-3), key
+
+
+def test_persistent_rows_choice(monkeypatch):
+    """train/loop.PERSISTENT_ROWS: Inductor's choices (set for this thread by compile_stages on GPUs) make an inner
+    reduction of a known width up to that a persistent kernel (5,120: stage 1's q, k, v gradients), and leave wider
+    rows, other reductions and PERSISTENT_ROWS = 0 to Inductor's own rule (1,024 a row)."""
+    import types
+
+    import sympy
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch._inductor.virtualized import V
+
+    from pithtrain.train import loop
+
+    def persistent(width, hint=ReductionHint.INNER, cooperative=False):
+        features = types.SimpleNamespace(reduction_numel=sympy.Integer(width), numel=sympy.Integer(16384),
+                                         get_reduction_hint=lambda: hint)
+        return V.choices.should_use_persistent_reduction(features, cooperative)
+
+    with V.set_graph_handler(types.SimpleNamespace(sizevars=SizeVarAllocator())):
+        assert not persistent(5120)  # Inductor's own rule
+        with loop._persistent_rows():
+            assert persistent(5120) and persistent(8192) and persistent(512)
+            assert not persistent(16384) and not persistent(5120, cooperative=True)
+            assert not persistent(5120, ReductionHint.OUTER)
+            monkeypatch.setattr(loop, "PERSISTENT_ROWS", 0)
+            assert not persistent(5120) and persistent(1024)
+        monkeypatch.setattr(loop, "PERSISTENT_ROWS", 8192)
+        assert not persistent(5120)  # the previous choices back

@@ -627,9 +627,10 @@ def optimizer_amax(param: torch.Tensor) -> torch.Tensor | None:
 def _ask_optimizer_for_amax(param: torch.Tensor, w: torch.Tensor) -> None:
     """Leave a buffer on a plain fp32 CUDA parameter for the Triton AdamW to fill with the new weight's maxima
     (train/optim._triton_adamw_step): the next quantize_both then reads the weight once, not twice."""
-    if use_triton(w) and w.dtype == torch.float32 and w.dim() >= 2 and type(param) is nn.Parameter:
+    if "_fp8_amax" not in param.__dict__ and use_triton(w) and w.dtype == torch.float32 and w.dim() >= 2 \
+            and type(param) is nn.Parameter:
         rows, cols = w.shape[-2:]
-        param.__dict__.setdefault("_fp8_amax", [None, w.new_empty(w.numel() // (rows * cols) * (rows + cols))])
+        param.__dict__["_fp8_amax"] = [None, w.new_empty(w.numel() // (rows * cols) * (rows + cols))]
 
 
 def quantize_t(x: torch.Tensor, counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -703,6 +704,7 @@ def _cached(cache: dict, name: str, param: torch.Tensor, contraction_last: bool)
     if old is not None and old[0][0].shape == w.shape and old[0][0].device == w.device:
         quantize_both(w, old, optimizer_amax(param))  # in place: the same tensors
         hit.key = key
+        _ask_optimizer_for_amax(param, w)
         return hit
     _ask_optimizer_for_amax(param, w)
     along_last, along_prev = quantize_both(w)

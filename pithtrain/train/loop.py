@@ -734,10 +734,37 @@ def fp8_text(t) -> str:
     return f", FP8 {t.fp8}{' + head' if t.fp8_head else ''}{' (emulated)' if t.fp8_emulate else ''}"
 
 
+# Inductor makes a reduction over rows wider than 1,024 values a looped kernel that reads each row again after its
+# reduction: stage 1's FP8 quantizations of 4,096- and 5,120-wide rows (the max, then the scaled copy), the norms before
+# them. Up to this width a row stays in registers and is read once (benchmarks/fp8.py --rows); 0: Inductor's choice.
+PERSISTENT_ROWS = 8192
+
+
+def _persistent_rows():
+    """Inductor's choices with PERSISTENT_ROWS: an inner reduction (along contiguous rows) of a width known at
+    compile time and at most that is one persistent kernel. Set for this thread's compilations from now on;
+    the returned context manager, if entered, puts the previous choices back as it exits."""
+    from torch._inductor.choices import InductorChoices
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    class Choices(InductorChoices):
+        @staticmethod
+        def should_use_persistent_reduction(features, cooperative_reduction, *args, **kwargs) -> bool:
+            if (PERSISTENT_ROWS and not cooperative_reduction and features.get_reduction_hint() == ReductionHint.INNER
+                    and V.graph.sizevars.statically_known_leq(features.reduction_numel, PERSISTENT_ROWS)):
+                return True
+            return InductorChoices.should_use_persistent_reduction(features, cooperative_reduction, *args, **kwargs)
+
+    return V.set_choices_handler(Choices())
+
+
 def compile_stages(model) -> None:
     """torch.compile(fullgraph=True) the dense stages (1: norms, attention, router; 5: the
     weighted sum) of every layer. The expert stage and the dispatch planning stay eager (their
     shapes depend on the routing). Layers of one family share their graphs."""
+    if torch.cuda.is_available():
+        _persistent_rows()
     for layer in all_layers(model).values():
         layer.stage1 = torch.compile(layer.stage1, fullgraph=True)
         layer.stage5 = torch.compile(layer.stage5, fullgraph=True)
