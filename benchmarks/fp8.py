@@ -75,6 +75,19 @@ def grouped(args, sweep: bool):
         ref = fp8.grouped_mm_reference(xq[: 4 * (rows // args.experts)], xs, wf[0][:4], wf[1][:4], counts[:4].cpu(), torch.float32)
         got = fp8.grouped_mm(xq, xs, *wf, counts, torch.float32)[: ref.shape[0]]
         print(f"{label} fp8 kernel vs reference: max rel err {((got - ref).abs().max() / ref.abs().max()).item():.2e}")
+        kept = fp8.GMM_PERSISTENT, fp8.GMM_PERSISTENT_MAX_K
+        for per_sm in (1, 2):  # the persistent kernel (fp8.GMM_PERSISTENT programs an SM), at every K here
+            fp8.GMM_PERSISTENT, fp8.GMM_PERSISTENT_MAX_K = per_sm, 1 << 30
+            for name in ("fwd_fp8", "dgrad_fp8"):
+                ms = median_ms(cases[name], 20)
+                out[f"{label}_{name}_persistent{per_sm}_tflops"] = round(tflops(flops, ms), 1)
+                persistent_out = cases[name]()
+                fp8.GMM_PERSISTENT = 0
+                same = torch.equal(persistent_out, cases[name]())
+                fp8.GMM_PERSISTENT = per_sm
+                print(f"{label:8s} {name:9s} persistent, {per_sm} a SM: {ms:8.3f} ms {tflops(flops, ms):6.0f} TFLOP/s"
+                      f" (bit for bit the one-tile kernel's: {same})", flush=True)
+        fp8.GMM_PERSISTENT, fp8.GMM_PERSISTENT_MAX_K = kept
         if sweep:  # each config's TFLOP/s (fwd, dgrad, wgrad) into the line; equal loads (training's are not: check there)
             tried = {}
             for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3),

@@ -295,27 +295,33 @@ def _quant_both_kernel(x_ptr, row_ptr, col_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, ro
 @_Kernel
 def _grouped_mm_kernel(a_ptr, sa_ptr, b_ptr, sb_ptr, counts_ptr, c_ptr, rows, n_out, k_dim, num_groups,
                        GROUPS_P2: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       EVEN_K: tl.constexpr):
+                       EVEN_K: tl.constexpr, PERSISTENT: tl.constexpr = False):
     """c[rows of g] = (a[rows of g] * sa) @ (b[g] * sb[g])^T; a [rows, K], b [G, n_out, K] (both
-    K-contiguous FP8), rows grouped by g. Program p owns an output tile: its group and row block
-    come from the per-group tile counts, so no host knows the counts (no sync)."""
-    pid = tl.program_id(0)
+    K-contiguous FP8), rows grouped by g. An output tile's group and row block come from the per-group
+    tile counts, so no host knows the counts (no sync). A program owns one tile (the grid: an upper bound
+    of their number); PERSISTENT: the grid is a few programs an SM, each taking every grid-th tile in one
+    flattened loop, so the next tile's loads overlap this one's epilogue (few K steps to hide it in)."""
     n_tiles = tl.cdiv(n_out, BN)
-    pid_m, pid_n = pid // n_tiles, pid % n_tiles
     idx = tl.arange(0, GROUPS_P2)
     counts = tl.load(counts_ptr + idx, mask=idx < num_groups, other=0)
     ends = tl.cumsum(counts, 0)
     tiles = (counts + BM - 1) // BM
     tile_ends = tl.cumsum(tiles, 0)
-    g = tl.sum((tile_ends <= pid_m).to(tl.int32), 0)
-    if g < num_groups:
+    total = tl.sum(tiles, 0) * n_tiles
+    if PERSISTENT:
+        first, last, step = tl.program_id(0), total, tl.num_programs(0)
+    else:
+        first, last, step = tl.program_id(0), tl.minimum(tl.program_id(0) + 1, total), 1
+    rk = tl.arange(0, BK)
+    for pid in tl.range(first, last, step, flatten=PERSISTENT):
+        pid_m, pid_n = pid // n_tiles, pid % n_tiles
+        g = tl.sum((tile_ends <= pid_m).to(tl.int32), 0)
         sel = idx == g
         row_end = tl.sum(tl.where(sel, ends, 0), 0)
         row_start = row_end - tl.sum(tl.where(sel, counts, 0), 0)
         first_tile = tl.sum(tl.where(sel, tile_ends - tiles, 0), 0)
         rm = row_start + (pid_m - first_tile) * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
-        rk = tl.arange(0, BK)
         a_ptrs = a_ptr + rm.to(tl.int64)[:, None] * k_dim + rk[None, :]
         b_ptrs = b_ptr + g.to(tl.int64) * n_out * k_dim + rn.to(tl.int64)[None, :] * k_dim + rk[:, None]
         acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -492,6 +498,9 @@ _GMM_CONFIG = dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3)  # the bes
 # One tile for every shape: the sweep's best for Qwen3's down input gradient (768 wide outputs), BM=256 / BN=128 at
 # 897 TFLOP/s against 789 with equal loads (line 143), made stage 3's backward GEMMs slower in training (102.5 against
 # 95.5-99.7 ms a step, line 146): a 256-row tile pads each expert's last rows twice as far.
+# Persistent grouped GEMMs where the contraction is short (Qwen3's down projection forward, K = 768: six K steps, the
+# epilogue exposed): programs an SM (0: one program a tile), up to this K (benchmarks/fp8.py --sweep's "persistent")
+GMM_PERSISTENT, GMM_PERSISTENT_MAX_K = 0, 1024
 _WGRAD_CONFIG = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4)  # the sweep's best weight-gradient tiles
 
 
@@ -502,11 +511,17 @@ def _grouped_mm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     groups, n_out = b.shape[0], b.shape[1]
     out = torch.empty(rows, n_out, dtype=out_dtype, device=a.device)
     cfg = _GMM_CONFIG
+    programs = (_cdiv(rows, cfg["BM"]) + groups) * _cdiv(n_out, cfg["BN"])
+    persistent = GMM_PERSISTENT if k_dim <= GMM_PERSISTENT_MAX_K else 0
     if rows:
-        grid = ((_cdiv(rows, cfg["BM"]) + groups) * _cdiv(n_out, cfg["BN"]),)
-        _grouped_mm_kernel[grid](a, sa, b, sb, counts, out, rows, n_out, k_dim, groups,
-                                 GROUPS_P2=_groups_p2(groups), EVEN_K=k_dim % cfg["BK"] == 0, **cfg)
+        grid = (min(programs, persistent * _sm_count(a.device)) if persistent else programs,)
+        _grouped_mm_kernel[grid](a, sa, b, sb, counts, out, rows, n_out, k_dim, groups, GROUPS_P2=_groups_p2(groups),
+                                 EVEN_K=k_dim % cfg["BK"] == 0, PERSISTENT=bool(persistent), **cfg)
     return out
+
+
+def _sm_count(device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 @_grouped_mm_cuda.register_fake
