@@ -75,9 +75,9 @@ def grouped(args, sweep: bool):
         ref = fp8.grouped_mm_reference(xq[: 4 * (rows // args.experts)], xs, wf[0][:4], wf[1][:4], counts[:4].cpu(), torch.float32)
         got = fp8.grouped_mm(xq, xs, *wf, counts, torch.float32)[: ref.shape[0]]
         print(f"{label} fp8 kernel vs reference: max rel err {((got - ref).abs().max() / ref.abs().max()).item():.2e}")
-        kept = fp8.GMM_PERSISTENT, fp8.GMM_PERSISTENT_MAX_K
-        for per_sm in (1, 2):  # the persistent kernel (fp8.GMM_PERSISTENT programs an SM), at every K here
-            fp8.GMM_PERSISTENT, fp8.GMM_PERSISTENT_MAX_K = per_sm, 1 << 30
+        kept = fp8.GMM_PERSISTENT
+        for per_sm in (0, 1, 2):  # fp8.GMM_PERSISTENT: programs an SM (0: one a tile)
+            fp8.GMM_PERSISTENT = per_sm
             for name in ("fwd_fp8", "dgrad_fp8"):
                 ms = median_ms(cases[name], 20)
                 out[f"{label}_{name}_persistent{per_sm}_tflops"] = round(tflops(flops, ms), 1)
@@ -87,7 +87,7 @@ def grouped(args, sweep: bool):
                 fp8.GMM_PERSISTENT = per_sm
                 print(f"{label:8s} {name:9s} persistent, {per_sm} a SM: {ms:8.3f} ms {tflops(flops, ms):6.0f} TFLOP/s"
                       f" (bit for bit the one-tile kernel's: {same})", flush=True)
-        fp8.GMM_PERSISTENT, fp8.GMM_PERSISTENT_MAX_K = kept
+        fp8.GMM_PERSISTENT = kept
         if sweep:  # each config's TFLOP/s (fwd, dgrad, wgrad) into the line; equal loads (training's are not: check there)
             tried = {}
             for bm, bn, bk, warps, stages in ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3),
@@ -185,10 +185,18 @@ def weight_quant(shapes, sweep: bool):
         same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip((*cache[0], *cache[1]), ref))
         print(f"weight {tag:16s} from the optimizer's maxima bit-identical to the old path: {same}")
         p, g, m, v = w.clone(), torch.randn_like(w), torch.zeros_like(w), torch.zeros_like(w)
-        for name, buf in (("adamw", None), ("adamw_with_amax", torch.empty_like(amax))):
-            ms = median_ms(lambda: kernels.adamw(p, g, m, v, None, 1e-4, 0.9, 0.95, 1e-8, 0.1, 10, 1.0, buf), 20)
+        copy, buf, kept = p.to(BF16), torch.empty_like(amax), dict(kernels.ADAMW_AMAX_TILE)
+        for name, c, a in (("adamw", None, None), ("adamw_copy", copy, None)):
+            ms = median_ms(lambda: kernels.adamw(p, g, m, v, c, 1e-4, 0.9, 0.95, 1e-8, 0.1, 10, 1.0, a), 20)
             out[f"wquant_{tag}_{name}_ms"] = round(ms, 4)
             print(f"weight {tag:16s} {name:24s} {ms:8.3f} ms", flush=True)
+        for br, bc, steps in ((16, 128, 8), (4, 512, 32), (8, 256, 16), (2, 512, 64), (32, 128, 4)):  # the amax tiles
+            kernels.ADAMW_AMAX_TILE.update(BR=br, BC=bc, STEPS=steps)
+            for name, c in (("adamw_with_amax", None), ("adamw_copy_with_amax", copy)):
+                ms = median_ms(lambda: kernels.adamw(p, g, m, v, c, 1e-4, 0.9, 0.95, 1e-8, 0.1, 10, 1.0, buf), 20)
+                out[f"wquant_{tag}_{name}_{br}x{bc}x{steps}_ms"] = round(ms, 4)
+                print(f"weight {tag:16s} {name:24s} {ms:8.3f} ms  tile {br} x {bc}, {steps} steps", flush=True)
+        kernels.ADAMW_AMAX_TILE.update(kept)
         out[f"wquant_{tag}_config"] = f"{fp8._AMAX_CONFIG} {fp8._QUANT_BOTH_CONFIG}"
         del w, cache, ref
     return out

@@ -181,7 +181,8 @@ def pithtrain_run(cfg, seq: int, batch: int, steps: int, data_dir: str, compile:
 
 ARMS = "ABCDEFG"  # the arms' letters: A as the flags set the switches, then one a flipped switch
 AB_SWITCHES = ("fp8", "fused-proj", "fused-wgrad", "mla-v", "wgrad-config", "triton-adamw", "bf16-activations", "qk-norm-rope",
-               "wgrad-host", "ce-fp8-grad", "glu-fp8-grad", "expand-fp8", "combine-fp8-grad", "stage5-compiled")
+               "wgrad-host", "ce-fp8-grad", "glu-fp8-grad", "expand-fp8", "combine-fp8-grad", "stage5-compiled",
+               "gmm-persistent")
 STAGE5 = argparse.Namespace(compiled=True)  # --ab stage5-compiled: its arm runs stage 5 eagerly (as FP8 experts do)
 
 
@@ -225,7 +226,8 @@ def ab_arms(args, parser):
             lambda run: fp8_arm(run.model, args.fp8, args.fp8_head, args.compile)]
     if "mla-v" in switches and args.family not in ("deepseek_v2", "moonlight"):
         parser.error("--ab mla-v: MLA is the DeepSeek families' (--family deepseek_v2 or moonlight)")
-    fp8_only = [s for s in switches if s in ("ce-fp8-grad", "glu-fp8-grad", "expand-fp8", "combine-fp8-grad")]
+    fp8_only = [s for s in switches if s in ("ce-fp8-grad", "glu-fp8-grad", "expand-fp8", "combine-fp8-grad",
+                                             "gmm-persistent")]
     if fp8_only and args.fp8 == "off" or "ce-fp8-grad" in switches and not args.fp8_head:
         parser.error(f"--ab {','.join(fp8_only)}: FP8 switches; give --fp8 rowwise_bf16_wgrad"
                      + (" --fp8-head (ce-fp8-grad is the FP8 head's)" if "ce-fp8-grad" in switches else ""))
@@ -239,7 +241,8 @@ def ab_arms(args, parser):
              "qk-norm-rope": (kernels, "FUSED_QK_NORM_ROPE"), "wgrad-host": (kernels, "WGRAD_HOST_DESCRIPTORS"),
              "ce-fp8-grad": (kernels, "CE_FP8_GRAD"),
              "glu-fp8-grad": (fp8, "GLU_FP8_GRAD"), "expand-fp8": (grouped_gemm, "EXPAND_FP8"),
-             "combine-fp8-grad": (kernels, "COMBINE_FP8_GRAD"), "stage5-compiled": (STAGE5, "compiled")}
+             "combine-fp8-grad": (kernels, "COMBINE_FP8_GRAD"), "stage5-compiled": (STAGE5, "compiled"),
+             "gmm-persistent": (fp8, "GMM_PERSISTENT")}
     a_values = {s: getattr(*where[s]) for s in switches}
     flipped = {s: args.wgrad_config if s == "wgrad-config" else not a_values[s] for s in switches}
 
@@ -501,7 +504,7 @@ def main():
 
     warm = measured(runs_a)
     tps = statistics.median(m["tokens_per_s"] for m in warm)
-    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "persistent_rows": train_loop.PERSISTENT_ROWS, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "wgrad_host": kernels.WGRAD_HOST_DESCRIPTORS, "ce_fp8_grad": kernels.CE_FP8_GRAD, "combine_fp8_grad": kernels.COMBINE_FP8_GRAD, "glu_fp8_grad": fp8.GLU_FP8_GRAD, "glu_tiles": [fp8.GLU_QUANT_TILE, kernels.GLU_BWD_QUANT_TILE], "expand_fp8": grouped_gemm.EXPAND_FP8, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
+    result = {"family": args.family, "mtp": args.mtp, "fp8": args.fp8, "fp8_head": args.fp8_head, "optim": args.optim, "recompute": args.recompute, "attention": args.attention, "mla_v": args.mla_v, "fused_wgrad": args.fused_wgrad, "fused_proj": args.fused_proj, "triton_adamw": args.triton_adamw, "persistent_rows": train_loop.PERSISTENT_ROWS, "bf16_activations": args.bf16_activations, "wgrad_config": kernels.WGRAD_INTO_CONFIG, "wgrad_host": kernels.WGRAD_HOST_DESCRIPTORS, "ce_fp8_grad": kernels.CE_FP8_GRAD, "combine_fp8_grad": kernels.COMBINE_FP8_GRAD, "glu_fp8_grad": fp8.GLU_FP8_GRAD, "glu_tiles": [fp8.GLU_QUANT_TILE, kernels.GLU_BWD_QUANT_TILE], "expand_fp8": grouped_gemm.EXPAND_FP8, "gmm_persistent": fp8.GMM_PERSISTENT, "adamw_amax_tile": kernels.ADAMW_AMAX_TILE, "compile": args.compile, "layers": args.layers, "seq": args.seq, "batch": args.batch, "accum": args.accum,
               "peak_tflops": peak, "flops_per_token": fpt,
               "pithtrain_tokens_per_s": tps, "pithtrain_tflops": tps * fpt / 1e12, "pithtrain_mfu": tps * fpt / 1e12 / peak,
               "pithtrain_peak_mem_gib": max(m["peak_mem_bytes"] for m in runs_a) / 2**30,

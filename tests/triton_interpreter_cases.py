@@ -667,7 +667,6 @@ def test_triton_fp8_grouped_mm_one_tile_a_program_and_persistent(interpreter, mo
     multiple of the tile; persistent: 4 programs (an SM on the CPU) taking every 4th tile, the same sums."""
     monkeypatch.setattr(fp8, "_GMM_CONFIG", dict(BM=32, BN=32, BK=64))
     monkeypatch.setattr(fp8, "GMM_PERSISTENT", persistent)
-    monkeypatch.setattr(fp8, "GMM_PERSISTENT_MAX_K", 1 << 30)
     gen = torch.Generator().manual_seed(7)
     counts = torch.tensor([70, 0, 5, 49], dtype=torch.int32)
     x, w = torch.randn(int(counts.sum()), 96, generator=gen), torch.randn(4, 80, 96, generator=gen)

@@ -498,9 +498,10 @@ _GMM_CONFIG = dict(BM=128, BN=256, BK=128, num_warps=8, num_stages=3)  # the bes
 # One tile for every shape: the sweep's best for Qwen3's down input gradient (768 wide outputs), BM=256 / BN=128 at
 # 897 TFLOP/s against 789 with equal loads (line 143), made stage 3's backward GEMMs slower in training (102.5 against
 # 95.5-99.7 ms a step, line 146): a 256-row tile pads each expert's last rows twice as far.
-# Persistent grouped GEMMs where the contraction is short (Qwen3's down projection forward, K = 768: six K steps, the
-# epilogue exposed): programs an SM (0: one program a tile), up to this K (benchmarks/fp8.py --sweep's "persistent")
-GMM_PERSISTENT, GMM_PERSISTENT_MAX_K = 0, 1024
+# Persistent grouped GEMMs: programs an SM (0: one program a tile). At Qwen3's expert shapes (one H200, 7f163a2,
+# benchmarks/fp8.py): gate_up forward 969 -> 1025 TFLOP/s, its input gradient 793 -> 983, down's 600 -> 674 (K = 768:
+# the epilogue has six K steps to hide in) and 821 -> 849; 2 an SM: 1016, 930, 654, 868.
+GMM_PERSISTENT = 1
 _WGRAD_CONFIG = dict(BM=128, BN=128, BK=128, num_warps=8, num_stages=4)  # the sweep's best weight-gradient tiles
 
 
@@ -512,11 +513,10 @@ def _grouped_mm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     out = torch.empty(rows, n_out, dtype=out_dtype, device=a.device)
     cfg = _GMM_CONFIG
     programs = (_cdiv(rows, cfg["BM"]) + groups) * _cdiv(n_out, cfg["BN"])
-    persistent = GMM_PERSISTENT if k_dim <= GMM_PERSISTENT_MAX_K else 0
     if rows:
-        grid = (min(programs, persistent * _sm_count(a.device)) if persistent else programs,)
+        grid = (min(programs, GMM_PERSISTENT * _sm_count(a.device)) if GMM_PERSISTENT else programs,)
         _grouped_mm_kernel[grid](a, sa, b, sb, counts, out, rows, n_out, k_dim, groups, GROUPS_P2=_groups_p2(groups),
-                                 EVEN_K=k_dim % cfg["BK"] == 0, PERSISTENT=bool(persistent), **cfg)
+                                 EVEN_K=k_dim % cfg["BK"] == 0, PERSISTENT=GMM_PERSISTENT > 0, **cfg)
     return out
 
 
@@ -721,8 +721,8 @@ def _cached(cache: dict, name: str, param: torch.Tensor, contraction_last: bool)
         hit.key = key
         _ask_optimizer_for_amax(param, w)
         return hit
+    along_last, along_prev = quantize_both(w, amax=optimizer_amax(param))
     _ask_optimizer_for_amax(param, w)
-    along_last, along_prev = quantize_both(w)
     fwd, bwd = (along_last, along_prev) if contraction_last else (along_prev, along_last)
     cache[name] = FP8Weight(fwd, bwd, key)
     return cache[name]
