@@ -661,17 +661,21 @@ def test_fp8_expert_input_gradients_quantized_by_their_producers(interpreter, mo
         assert (dx - dx_plain).norm() < 8e-2 * dx_plain.norm()
 
 
-@pytest.mark.parametrize("persistent", [0, 1])
-def test_triton_fp8_grouped_mm_one_tile_a_program_and_persistent(interpreter, monkeypatch, persistent):
+def test_triton_fp8_grouped_mm_one_tile_a_program_and_persistent(interpreter, monkeypatch):
     """fp8._grouped_mm_kernel against grouped_mm_reference: ragged groups (one empty, one under a tile), K not a
-    multiple of the tile; persistent: 4 programs (an SM on the CPU) taking every 4th tile, the same sums."""
+    multiple of the tile; fp32 outputs one tile a program; bf16 ones also persistent (fp8.GMM_PERSISTENT: 4 programs,
+    an SM's worth on the CPU, each taking every 4th tile), bit for bit the one-tile kernel's."""
     monkeypatch.setattr(fp8, "_GMM_CONFIG", dict(BM=32, BN=32, BK=64))
-    monkeypatch.setattr(fp8, "GMM_PERSISTENT", persistent)
     gen = torch.Generator().manual_seed(7)
     counts = torch.tensor([70, 0, 5, 49], dtype=torch.int32)
     x, w = torch.randn(int(counts.sum()), 96, generator=gen), torch.randn(4, 80, 96, generator=gen)
     xq, xs = fp8.quantize_reference(x)
     wq, ws = fp8.quantize_reference(w)
-    got = fp8._grouped_mm_cuda(xq, xs, wq, ws, counts, torch.float32)
     want = fp8.grouped_mm_reference(xq, xs, wq, ws, counts, torch.float32)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fp8._grouped_mm_cuda(xq, xs, wq, ws, counts, torch.float32), want, rtol=1e-5, atol=1e-4)
+    by_tile = {}
+    for persistent in (0, 1):
+        monkeypatch.setattr(fp8, "GMM_PERSISTENT", persistent)
+        by_tile[persistent] = fp8._grouped_mm_cuda(xq, xs, wq, ws, counts, torch.bfloat16)
+    assert torch.equal(by_tile[0], by_tile[1])
+    torch.testing.assert_close(by_tile[1].float(), want, rtol=1e-2, atol=1e-2)

@@ -513,10 +513,11 @@ def _grouped_mm_cuda(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: tor
     out = torch.empty(rows, n_out, dtype=out_dtype, device=a.device)
     cfg = _GMM_CONFIG
     programs = (_cdiv(rows, cfg["BM"]) + groups) * _cdiv(n_out, cfg["BN"])
+    persistent = GMM_PERSISTENT if out.element_size() <= 2 else 0  # fp32 tiles: past the shared memory, flattened
     if rows:
-        grid = (min(programs, GMM_PERSISTENT * _sm_count(a.device)) if GMM_PERSISTENT else programs,)
+        grid = (min(programs, persistent * _sm_count(a.device)) if persistent else programs,)
         _grouped_mm_kernel[grid](a, sa, b, sb, counts, out, rows, n_out, k_dim, groups, GROUPS_P2=_groups_p2(groups),
-                                 EVEN_K=k_dim % cfg["BK"] == 0, PERSISTENT=GMM_PERSISTENT > 0, **cfg)
+                                 EVEN_K=k_dim % cfg["BK"] == 0, PERSISTENT=persistent > 0, **cfg)
     return out
 
 
