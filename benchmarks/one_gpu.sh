@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # The one-H200 runs that docs/performance.md's target table cites, most needed first: a session's device time (30
-# minutes, the machine's start included) holds some seven of them. 1 FP8 + FP8 head against bf16 (the 1.15x: 1.150x
-# and 1.144x at a05ade2, lines 148-149; arm A a 60% reading); 2 compiled against eager stage 5 in bf16; 3 plain bf16
-# at 9 layers (60.1% at b3f917d, line 139); 4 the FP8 GPU tests (32 passed at eb5b802); 5 the FP8 grouped kernel's
-# tiles per shape (line 143); 6 the activation's FP8-copy kernels by tile (line 145); 7 each FP8 copy from its
-# producer against its quantize pass (line 144); 8 GPT-OSS-20B at 6 layers (123 GiB; compiles ~2 min; 62.1% at
-# eb5b802, line 147). Runs 9-21 ran on 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 9 the GPU checks
-# of then; 10 the DeepSeek-V3-width peer (carry .peers) and 11 the two profiles by kernel category; 12 MLA's v
-# unpadded against padded; 13-14 the switches at 9 layers, several arms to a run (one compile serves them all); 15
-# plain bf16 with stage_ms and its profile digest; 16 the kernels; 17 MLA's SDPA backends; 18 MLA at DeepSeek-V2-Lite
-# width; 19 the Qwen3 peer at its deepest; 20 MLA with documents; 21-22 FP8 alone and the `rowwise` recipe; then the
+# minutes, the machine's start included) holds some seven of them. 1 FP8 + FP8 head against bf16 step by step (the
+# 1.15x: 1.167x and 1.166x at 8bb0ce1, lines 156, 159); 2-3 plain FP8 + FP8 head, then plain bf16 at 9 layers (the
+# same ratio from separate runs: 1.168x and 1.167x, lines 154-155, 160-161; bf16 60.1% at b3f917d, line 139); 4 the
+# FP8 GPU tests (25 passed at 406e19a on an H100); 5 the persistent grouped GEMM in training (line 157); 6 compiled
+# against eager stage 5 in bf16; 7 the FP8 kernels, the persistent grouped GEMM beside one tile a program (line 152);
+# 8 the activation's FP8-copy kernels by tile (line 145); 9 each FP8 copy from its producer against its quantize pass
+# (line 144); 10 GPT-OSS-20B at 6 layers (123 GiB; compiles ~2 min; 62.1% at eb5b802, line 147); 11 the weight
+# quantization and the AdamW's amax tiles (line 158); 12 stage 1's quantizations as Inductor compiles them (line 151).
+# Runs 13-25 ran on 2026-12-05 (lines 117-131), the rest not since 2026-12-04: 13 the GPU checks
+# of then; 14 the DeepSeek-V3-width peer (carry .peers) and 15 the two profiles by kernel category; 16 MLA's v
+# unpadded against padded; 17-18 the switches at 9 layers, several arms to a run (one compile serves them all); 19
+# plain bf16 with stage_ms and its profile digest; 20 the kernels; 21 MLA's SDPA backends; 22 MLA at DeepSeek-V2-Lite
+# width; 23 the Qwen3 peer at its deepest; 24 MLA with documents; 25-26 FP8 alone and the `rowwise` recipe; then the
 # memory estimate's six shapes
 # (Qwen3 width 4 layers at micro-batch 2 and 4, 8 and 9 layers at 4, DeepSeek-V2-Lite and GPT-OSS-20B 4 layers at
 # 2: refit tools/memory's activation terms to their peaks, then tests/test_skills.py's), Muon, the GPU tests.
@@ -17,20 +20,24 @@
 # run appends its line to benchmarks/results.jsonl (PITHTRAIN_RESULTS and PITHTRAIN_COMMIT redirect and stamp it on
 # a machine without .git).
 # One device call runs at most 10 minutes: split the plan over calls with FIRST and LAST (1-based run numbers),
-# about two 9-layer runs a call (e.g. 1 2, then 3 4, then 10 11 carrying .peers, ...):
+# three or four 9-layer runs a call (each ~2 minutes with its compile: e.g. 1 3, then 4 6, then 14 15 carrying .peers):
 #   bash benchmarks/one_gpu.sh [FIRST [LAST]]
 set -uo pipefail
 export PYTHONPATH=. PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 T="python benchmarks/train_throughput.py --seq 4096 --compile --skip-transformers"
 runs=(
-    "$T --layers 9 --steps 16 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x (1.150x / 1.144x at a05ade2, lines 148-149, both arms' stage 5 eager then; the bf16 arm compiled since 48ad075); arm A a 60% reading
+    "$T --layers 9 --steps 16 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab fp8"   # 32: >= 1.15x (1.167x / 1.166x at 8bb0ce1, lines 156, 159); arm A a 60% reading
+    "$T --layers 9 --steps 7 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head"   # 32: FP8 alone, with run 3 the ratio from separate runs (92,682 / 92,454 at 8bb0ce1)
+    "$T --layers 9 --steps 7 --batch 4 --accum 8"                                   # 32: >= 60% MFU (60.1% at b3f917d, line 139; 59.7 / 59.6% at 8bb0ce1)
+    "python -m pytest -q tests/gpu/test_fp8_gpu.py tests/gpu/test_kernels_gpu.py::test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer"   # passed at 406e19a (H100)
+    "$T --layers 9 --steps 12 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab gmm-persistent"   # 32: one program a tile against the persistent grouped GEMM (0.987x, line 157)
     "$T --layers 9 --steps 12 --batch 4 --accum 8 --ab stage5-compiled"              # 32: the host's cost of an eager stage 5 in bf16 (FP8 experts run it eagerly for the combine's FP8 copy)
-    "$T --layers 9 --steps 7 --batch 4 --accum 8"                                   # 32: >= 60% MFU
-    "python -m pytest -q tests/gpu/test_fp8_gpu.py tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer"   # passed at eb5b802 (32); again for the activation kernels' new default tiles (a05ade2)
-    "python benchmarks/fp8.py --sweep"                                               # 32: the grouped FP8 kernel's tiles per shape (equal loads: a winner is checked in training, line 146)
+    "python benchmarks/fp8.py"                                                       # 32: the FP8 kernels, the persistent grouped GEMM beside one tile a program (line 152); --sweep: the tiles too
     "python benchmarks/fp8.py --glu"                                                 # 32: the activation kernels with their FP8 copy by tile (fp8.GLU_QUANT_TILE, kernels.GLU_BWD_QUANT_TILE)
     "$T --layers 9 --steps 20 --batch 4 --accum 8 --fp8 rowwise_bf16_wgrad --fp8-head --ab ce-fp8-grad,combine-fp8-grad,expand-fp8"   # 32: each FP8 copy from its producer against its quantize pass (line 144: the combine's and the dispatch's kept; the cross-entropy's even, its head product since in row blocks)
     "$T --family gpt_oss --layers 6 --steps 5 --batch 4 --accum 8"                  # 18: the deepest (122.9 GiB, line 147); compiles ~2 min
+    "python benchmarks/fp8.py --wquant"                                              # the weight quantization, from the AdamW's maxima too, and the AdamW's amax tiles (line 158)
+    "python benchmarks/fp8.py --rows"                                                # stage 1's FP8 quantizations as Inductor compiles them, by loop.PERSISTENT_ROWS (line 151)
     "python -m pytest -q tests/gpu/test_attention_gpu.py::test_deepseek_mla_hands_v_unpadded_to_cudnn_and_matches_padded tests/gpu/test_gpu_basics.py::test_embedding_rows_into_grad_match_nn_embedding_and_repeat tests/gpu/test_kernels_gpu.py::test_fused_weight_grad_into_against_cutlass_and_float64 tests/gpu/test_kernels_gpu.py::test_cross_entropy_gradient_in_place_equals_the_plain_one_without_a_second_buffer tests/gpu/test_kernels_gpu.py::test_permute_unpermute tests/gpu/test_kernels_gpu.py::test_local_dispatch_round_trip_on_cuda_matches_the_cpu tests/gpu/test_fp8_gpu.py::test_stacked_projections_compiled_match_the_linears_alone tests/gpu/test_kernels_gpu.py::test_triton_adamw_matches_torchs_fused_and_writes_the_compute_copy tests/gpu/test_kernels_gpu.py::test_qk_norm_rope_topk_ids_and_the_combine_with_its_residual_at_qwen3_width_compiled"   # the new GPU checks, BN=32 tiles, expand and the per-token combine backward included
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 10 --seq 4096 --batch 4 --accum 4 --steps 5 --timeout 330 --ours-reserve 150 --trace /tmp/dsv3"   # 32: 1.19x at 3d10b5e (line 111); carry .peers
     "python .agents/skills/capture-profile/profile_step.py --trace /tmp/dsv3/torchtitan.json --trace /tmp/dsv3/pithtrain.json"   # where each side's step goes, by kernel category
