@@ -138,8 +138,8 @@ def dense(shapes):
 
 
 def weight_quant(shapes, sweep: bool):
-    """cached_weight's refresh of both FP8 layouts of fp32 weights, old path vs the one-pass kernel (both
-    TRANS variants): ms, and GB/s of the traffic the one-pass kernel moves (two reads of w, both FP8
+    """cached_weight's refresh of both FP8 layouts of fp32 weights, old path vs the one-pass kernel and that
+    kernel from the AdamW's maxima: ms, and GB/s of the traffic the one-pass kernel moves (two reads of w, both FP8
     layouts written). --sweep: the tiles of its two kernels on the first weight first, then the best."""
     out = {}
     for shape in shapes:
@@ -151,8 +151,8 @@ def weight_quant(shapes, sweep: bool):
             for cfg, tiles in ((fp8._AMAX_CONFIG, ((128, 128, 8), (64, 128, 4), (128, 256, 8), (256, 128, 8), (32, 256, 4))),
                                (fp8._QUANT_BOTH_CONFIG, ((64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8), (32, 128, 4)))):
                 timings = []
-                for (br, bc, warps), trans in ((t, x) for t in tiles for x in ((True, False) if "TRANS" in cfg else (None,))):
-                    cfg.update(BR=br, BC=bc, num_warps=warps, **({} if trans is None else {"TRANS": trans}))
+                for br, bc, warps in tiles:
+                    cfg.update(BR=br, BC=bc, num_warps=warps)
                     timings.append((median_ms(one_pass, 10), dict(cfg)))
                     print(f"  sweep {cfg}: {timings[-1][0]:.3f} ms", flush=True)
                 ms, best = min(timings, key=lambda t: t[0])
@@ -172,13 +172,9 @@ def weight_quant(shapes, sweep: bool):
 
         timed("old_two_layouts", old)
         ref = [t.clone() for t in (*cache[0], *cache[1])]
-        chosen = fp8._QUANT_BOTH_CONFIG["TRANS"]
-        for trans in (chosen, not chosen):
-            fp8._QUANT_BOTH_CONFIG["TRANS"] = trans
-            timed(f"one_pass_trans{int(trans)}", one_pass)
-            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip((*cache[0], *cache[1]), ref))
-            print(f"weight {tag:16s} one pass (TRANS={trans}) bit-identical to the old path: {same}")
-        fp8._QUANT_BOTH_CONFIG["TRANS"] = chosen
+        timed("one_pass", one_pass)
+        same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip((*cache[0], *cache[1]), ref))
+        print(f"weight {tag:16s} one pass bit-identical to the old path: {same}")
         # the maxima taken by the Triton AdamW (train/optim): its pass with and without them, then one read of w
         amax = torch.cat([w.abs().reshape(-1, *shape[-2:]).amax(-1).flatten(), w.abs().reshape(-1, *shape[-2:]).amax(-2).flatten()])
         timed("given_amax", lambda: fp8.quantize_both(w, cache, amax))
