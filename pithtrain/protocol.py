@@ -26,7 +26,7 @@ import contextlib
 import os
 import zlib
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 import torch
 import torch.utils._pytree
@@ -66,16 +66,6 @@ class Combined(NamedTuple):
 # without passing through stage 5).
 torch.utils._pytree.register_dataclass(RoutingInfo)
 torch.utils._pytree.register_dataclass(Stage1Out)
-
-
-class DecoderLayer(Protocol):
-    layer_id: int
-
-    def stage1(self, x: torch.Tensor, attn) -> Stage1Out: ...
-
-    def stage3(self, tokens: torch.Tensor, counts: torch.Tensor, weight_queue=None) -> torch.Tensor: ...
-
-    def stage5(self, s1: Stage1Out, combined: Combined) -> torch.Tensor: ...
 
 
 NVTX = os.environ.get("PITHTRAIN_NVTX") == "1"  # NVTX ranges for Nsight tools (the capture-nsys-profile skill)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError, UserError, check_numbers, check_positive
+from pithtrain.config import ConfigError, UserError, check, check_numbers, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
@@ -120,10 +120,6 @@ class DeepseekV2Config:
         return self.n_routed_experts
 
     def validate(self) -> None:
-        def check(cond, message):
-            if not cond:
-                raise ConfigError(message)
-
         check_positive(self, "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
                              "num_attention_heads kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim "
                              "moe_layer_freq rms_norm_eps rope_theta max_position_embeddings")

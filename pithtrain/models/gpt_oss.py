@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError, UserError, check_numbers, check_positive
+from pithtrain.config import UserError, check, check_numbers, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
 from pithtrain.ops import attention, kernels
 from pithtrain.ops.attention import sink_attention  # the SDPA path (CPU)
@@ -109,10 +109,6 @@ class GptOssConfig:
         return self.num_local_experts
 
     def validate(self) -> None:
-        def check(cond, message):
-            if not cond:
-                raise ConfigError(message)
-
         check_positive(self, "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads "
                              "num_key_value_heads head_dim num_local_experts rms_norm_eps swiglu_alpha max_position_embeddings")
         check(

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError, UserError, check_positive
+from pithtrain.config import ConfigError, UserError, check, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
 from pithtrain.ops.delta_rule import causal_conv1d, doc_cu_seqlens, gated_delta_rule, gated_delta_rule_recurrent, l2norm
@@ -100,10 +100,6 @@ class Qwen3_5MoeConfig:
         return self.num_experts
 
     def validate(self) -> None:
-        def check(cond, message):
-            if not cond:
-                raise ConfigError(message)
-
         check_positive(self, "vocab_size hidden_size num_hidden_layers full_attention_interval num_attention_heads "
                              "num_key_value_heads head_dim rope_theta linear_num_key_heads linear_num_value_heads "
                              "linear_key_head_dim linear_value_head_dim linear_conv_kernel_dim num_experts "

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError, UserError, check_positive
+from pithtrain.config import ConfigError, UserError, check, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.ops import attention as flash  # Triton flash attention for packed documents (CUDA)
 from pithtrain.ops.core import attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
@@ -70,10 +70,6 @@ class Qwen3MoeConfig:
         return self.num_experts
 
     def validate(self) -> None:
-        def check(cond, message):
-            if not cond:
-                raise ConfigError(message)
-
         check_positive(self, "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
                              "num_attention_heads num_key_value_heads head_dim rms_norm_eps rope_theta max_position_embeddings")
         check(self.num_experts >= 0, f"model.num_experts={self.num_experts}: must be >= 0 (0: dense)")
