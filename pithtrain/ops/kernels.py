@@ -1438,7 +1438,7 @@ def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, copy_ptr, amax_ptr, batch, rows, c
     the new |p|'s maxima per row into amax[:batch * rows] and per column into amax[batch * rows:] (atomic max of
     non-negative floats: order-independent), which ops/fp8.quantize_both would otherwise read p again for."""
     b, n_c = tl.program_id(1), tl.cdiv(cols, BC)
-    c = (tl.program_id(0) % n_c) * BC + tl.arange(0, BC)
+    c = (tl.program_id(0) % n_c).to(tl.int64) * BC + tl.arange(0, BC)  # a flat p's columns pass 2^31 values
     col_max = tl.zeros([BC], dtype=tl.float32)
     for i in range(STEPS):
         r = ((tl.program_id(0) // n_c) * STEPS + i) * BR + tl.arange(0, BR)
