@@ -400,11 +400,11 @@ def data_parts(path: Any, field: str = "data.path") -> list[tuple[str, float]]:
     good = (pairs and not (isinstance(path, list) and len(path) % 2)
             and all(isinstance(p, str) and p and _has_type(w, float) and w > 0 for p, w in pairs))
     check(good, f"{field}={path!r}: expected a dataset directory, {{path: weight, ...}} or [weight, path, ...] "
-                 "with weights > 0")
+                "with weights > 0")
     check(len({os.path.realpath(p) for p, _ in pairs}) == len(pairs), f"{field}={path!r}: a dataset is named twice")
     total = sum(w for _, w in pairs)
     check(min(w for _, w in pairs) / total >= BLEND_MIN_SHARE,
-           f"{field}={path!r}: every weight must be at least {BLEND_MIN_SHARE:g} of their sum; drop the tiny ones")
+          f"{field}={path!r}: every weight must be at least {BLEND_MIN_SHARE:g} of their sum; drop the tiny ones")
     return [(p, w / total) for p, w in pairs]
 
 
@@ -421,11 +421,11 @@ def _check_fp8_device(t: TrainConfig) -> None:
 
     if t.device == "cpu" or not torch.cuda.is_available():
         check(t.fp8_emulate, f"train.fp8={t.fp8} on the CPU: there are no FP8 tensor cores; set train.fp8_emulate=true "
-                              "to emulate the numerics (slow: for tests) or train.fp8=off")
+                             "to emulate the numerics (slow: for tests) or train.fp8=off")
         return
     cap = torch.cuda.get_device_capability()
     check(fp8_tensor_cores(), f"train.fp8={t.fp8}: {torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) "
-                          "has no FP8 tensor cores (8.9+ needed: Ada, Hopper or newer); set train.fp8=off")
+                         "has no FP8 tensor cores (8.9+ needed: Ada, Hopper or newer); set train.fp8=off")
 
 
 def check(cond: bool, message: str) -> None:
@@ -497,22 +497,22 @@ def check_model_common(model) -> None:
         value = getattr(model, name, None)
         ids = value if isinstance(value, list) else [value]
         check(value is None or all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in ids),
-               f"model.{name}={value!r}: a token id is in [0, vocab_size={vocab}) (or None: unset)")
+              f"model.{name}={value!r}: a token id is in [0, vocab_size={vocab}) (or None: unset)")
     for f in dataclasses.fields(model):  # a size past 2**31 is a typo, and too big to lay out even on the meta device
         value = getattr(model, f.name)
         check(not isinstance(value, int) or value < 2**31, f"model.{f.name}={value}: at most 2**31 - 1")
     check(model.num_hidden_layers <= 1024,
-           f"model.num_hidden_layers={model.num_hidden_layers}: at most 1024 (the deepest released MoE models have under 100)")
+          f"model.num_hidden_layers={model.num_hidden_layers}: at most 1024 (the deepest released MoE models have under 100)")
     scale = getattr(model, "initializer_range", None)
     check(scale is None or (isinstance(scale, (int, float)) and 0 < scale <= 1),
-           f"model.initializer_range={scale!r}: the std of the initial weights must be in (0, 1] (HF's default 0.02)")
+          f"model.initializer_range={scale!r}: the std of the initial weights must be in (0, 1] (HF's default 0.02)")
 
 
 def validate(config: RunConfig, world_size: int = 1) -> None:
     """Refuse an invalid config before any work starts; each message names the field and the fix."""
     t, o, d, p = config.train, config.optim, config.data, config.parallel
     check(dataclasses.is_dataclass(config.model) and hasattr(config.model, "validate"),
-           f"model={config.model!r}: expected a model family config such as Qwen3MoeConfig(...)")
+          f"model={config.model!r}: expected a model family config such as Qwen3MoeConfig(...)")
     check_types(config)
     config.model.validate()
     check_model_common(config.model)
@@ -528,52 +528,52 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     check(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: use auto, cpu or cuda")
     check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype={t.dtype!r}: use auto, fp32 or bf16")
     check(t.fp8 in ("off", "rowwise", "rowwise_bf16_wgrad"),
-           f"train.fp8={t.fp8!r}: use off, rowwise or rowwise_bf16_wgrad")
+          f"train.fp8={t.fp8!r}: use off, rowwise or rowwise_bf16_wgrad")
     if t.fp8 != "off":
         _check_fp8_device(t)
     check(t.recompute in ("off", "selective", "full"), f"train.recompute={t.recompute!r}: use off, selective or full")
     check(t.lb_type in ("micro", "global", "seq"), f"train.lb_type={t.lb_type!r}: use micro, global or seq")
     check(t.lb_coef >= 0, f"train.lb_coef={t.lb_coef}: must be >= 0 (0 disables the load-balance loss)")
     check(t.mtp_coef >= 0 and math.isfinite(t.mtp_coef),
-           f"train.mtp_coef={t.mtp_coef}: must be a finite number >= 0 (0: the MTP loss is logged, not trained)")
+          f"train.mtp_coef={t.mtp_coef}: must be a finite number >= 0 (0: the MTP loss is logged, not trained)")
     check(not t.wandb_project or _installed("wandb"),
-           f"train.wandb_project={t.wandb_project!r}: wandb is not installed; pip install wandb, or set train.wandb_project=''")
+          f"train.wandb_project={t.wandb_project!r}: wandb is not installed; pip install wandb, or set train.wandb_project=''")
     check(not t.wandb_project or _wandb_can_log(),
-           f"train.wandb_project={t.wandb_project!r}: wandb has no credentials (no WANDB_API_KEY, no `wandb login` in "
-           "~/.netrc); run `wandb login`, set WANDB_API_KEY, or log offline with WANDB_MODE=offline")
+          f"train.wandb_project={t.wandb_project!r}: wandb has no credentials (no WANDB_API_KEY, no `wandb login` in "
+          "~/.netrc); run `wandb login`, set WANDB_API_KEY, or log offline with WANDB_MODE=offline")
     check(t.log_every >= 1, f"train.log_every={t.log_every}: must be at least 1")
     check(t.eval_every >= 0, f"train.eval_every={t.eval_every}: must be >= 0 (0 turns evaluation off)")
     check(d.eval_samples >= 0, f"data.eval_samples={d.eval_samples}: must be >= 0")
     blend = len(data_parts(d.path)) > 1
     check(not (blend and d.eval_samples and not d.eval_path),
-           f"data.eval_samples={d.eval_samples} holds out the end of one dataset, and data.path is a blend; set "
-           "data.eval_path (a tokenized held-out dataset) or data.eval_samples=0")
+          f"data.eval_samples={d.eval_samples} holds out the end of one dataset, and data.path is a blend; set "
+          "data.eval_path (a tokenized held-out dataset) or data.eval_samples=0")
     check(0 <= t.profile_step <= t.steps, f"train.profile_step={t.profile_step}: there is no such step of "
-           f"train.steps={t.steps}; choose a step in 1..{t.steps}, or 0 (off)")
+          f"train.steps={t.steps}; choose a step in 1..{t.steps}, or 0 (off)")
     check(not t.fp8_head or t.fp8 != "off", "train.fp8_head=true needs FP8 GEMMs: set train.fp8=rowwise_bf16_wgrad "
-           "(or rowwise), or train.fp8_head=false")
+          "(or rowwise), or train.fp8_head=false")
     vocab, hidden = config.model.vocab_size, config.model.hidden_size
     check(not t.fp8_head or not (vocab % 16 or hidden % 16), f"train.fp8_head=true: the head's FP8 GEMMs take sizes "
-           f"that are multiples of 16, and model.vocab_size={vocab}, model.hidden_size={hidden}; pad the vocabulary "
-           "to a multiple of 16, or train.fp8_head=false")
+          f"that are multiples of 16, and model.vocab_size={vocab}, model.hidden_size={hidden}; pad the vocabulary "
+          "to a multiple of 16, or train.fp8_head=false")
     check(not t.fp8_emulate or t.fp8 != "off", "train.fp8_emulate=true has no effect with train.fp8=off; set "
-           "train.fp8=rowwise (or rowwise_bf16_wgrad), or train.fp8_emulate=false")
+          "train.fp8=rowwise (or rowwise_bf16_wgrad), or train.fp8_emulate=false")
     check(t.eval_every == 0 or d.eval_path or d.eval_samples,
-           f"train.eval_every={t.eval_every} needs held-out data: set data.eval_path (a tokenized dataset) or "
-           "data.eval_samples=N (the last N samples of data.path)")
+          f"train.eval_every={t.eval_every} needs held-out data: set data.eval_path (a tokenized dataset) or "
+          "data.eval_samples=N (the last N samples of data.path)")
     check(t.checkpoint_every >= -1, f"train.checkpoint_every={t.checkpoint_every}: use N > 0, 0 (only at the end) or -1 (never)")
     check(t.keep_checkpoints >= 1, f"train.keep_checkpoints={t.keep_checkpoints}: must be at least 1")
     for name in ("pp", "cp", "ep"):
         check(getattr(p, name) >= 1, f"parallel.{name}={getattr(p, name)}: must be at least 1")
     model_parallel = p.pp * p.cp * p.ep
     check(world_size % model_parallel == 0,
-           f"mesh pp={p.pp} x cp={p.cp} x ep={p.ep} = {model_parallel} does not divide the {world_size} processes; "
-           f"choose --nproc as a multiple of {model_parallel} (torchrun: its --nnodes x --nproc-per-node), or lower "
-           "parallel.pp, parallel.cp or parallel.ep")
+          f"mesh pp={p.pp} x cp={p.cp} x ep={p.ep} = {model_parallel} does not divide the {world_size} processes; "
+          f"choose --nproc as a multiple of {model_parallel} (torchrun: its --nnodes x --nproc-per-node), or lower "
+          "parallel.pp, parallel.cp or parallel.ep")
     dp = world_size // model_parallel
     num_experts = config.model.num_routed_experts()
     check(num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide the {num_experts} experts; "
-           f"choose ep among the divisors of {num_experts}")
+          f"choose ep among the divisors of {num_experts}")
     data_ranks = dp * p.ep  # cp ranks share samples; ep ranks hold different samples
     if t.global_batch_size % (t.micro_batch_size * data_ranks):
         fits = [m for m in range(min(t.micro_batch_size, 1024), 0, -1) if t.global_batch_size % (m * data_ranks) == 0]
@@ -582,33 +582,33 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
                           f"multiple of {t.micro_batch_size * data_ranks}" + (f", or train.micro_batch_size={fits[0]} "
                                                                            "(a resumed run keeps its global batch)" if fits else ""))
     check(not t.init_from or os.path.exists(t.init_from),  # False, not an error, for a name too long
-           f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''")
+          f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''")
     check(d.eval_samples % (t.micro_batch_size * data_ranks) == 0,
-           f"data.eval_samples={d.eval_samples} is not divisible by train.micro_batch_size ({t.micro_batch_size}) x "
-           f"data-parallel ranks ({data_ranks}); use a multiple of {t.micro_batch_size * data_ranks}")
+          f"data.eval_samples={d.eval_samples} is not divisible by train.micro_batch_size ({t.micro_batch_size}) x "
+          f"data-parallel ranks ({data_ranks}); use a multiple of {t.micro_batch_size * data_ranks}")
     micro_per_rank = t.global_batch_size // max(1, t.micro_batch_size * data_ranks)
     check(p.pp == 1 or micro_per_rank >= 2 * p.pp,
-           f"parallel.pp={p.pp} needs at least 2*pp = {2 * p.pp} micro-batches per data rank and step, got "
-           f"{micro_per_rank}; raise train.global_batch_size or lower train.micro_batch_size")
+          f"parallel.pp={p.pp} needs at least 2*pp = {2 * p.pp} micro-batches per data rank and step, got "
+          f"{micro_per_rank}; raise train.global_batch_size or lower train.micro_batch_size")
     mtp, per_chunk = config.model.num_nextn_predict_layers, max(1, config.model.num_hidden_layers // (2 * p.pp))
     check(p.pp == 1 or mtp <= per_chunk,
-           f"model.num_nextn_predict_layers={mtp} with parallel.pp={p.pp}: the MTP layers run beside the head on the "
-           f"last pipeline chunk, sized for about {per_chunk} decoder layer(s); more would stall the pipeline there; "
-           f"use at most {per_chunk} MTP layer(s) or a smaller parallel.pp")
+          f"model.num_nextn_predict_layers={mtp} with parallel.pp={p.pp}: the MTP layers run beside the head on the "
+          f"last pipeline chunk, sized for about {per_chunk} decoder layer(s); more would stall the pipeline there; "
+          f"use at most {per_chunk} MTP layer(s) or a smaller parallel.pp")
     check(mtp < config.data.seq_len, f"model.num_nextn_predict_layers={mtp} with data.seq_len={config.data.seq_len}: "
-           f"depth k predicts the token k + 1 ahead, so depth {config.data.seq_len} and deeper have no target in a "
-           f"sample; use fewer MTP layers than data.seq_len")
+          f"depth k predicts the token k + 1 ahead, so depth {config.data.seq_len} and deeper have no target in a "
+          f"sample; use fewer MTP layers than data.seq_len")
     check(p.pp == 1 or not getattr(config.model, "tie_word_embeddings", False),
-           "model.tie_word_embeddings with parallel.pp > 1 is not supported yet; untie the embeddings")
+          "model.tie_word_embeddings with parallel.pp > 1 is not supported yet; untie the embeddings")
     check(not (t.compile and p.cp > 1), "train.compile with parallel.cp > 1 is not supported: ring attention "
-           "communicates inside stage 1; set train.compile=false")
+          "communicates inside stage 1; set train.compile=false")
     check(d.seq_len >= 2, f"data.seq_len={d.seq_len}: must be at least 2")
     max_len = config.model.max_position_embeddings
     check(d.seq_len <= max_len,
-           f"data.seq_len={d.seq_len} is longer than the model supports (model.max_position_embeddings={max_len}); "
-           f"lower data.seq_len or raise model.max_position_embeddings")
+          f"data.seq_len={d.seq_len} is longer than the model supports (model.max_position_embeddings={max_len}); "
+          f"lower data.seq_len or raise model.max_position_embeddings")
     check(d.seq_len % (2 * p.cp) == 0 or p.cp == 1, f"data.seq_len={d.seq_len} must be divisible by 2*cp={2 * p.cp}; use "
-           f"{d.seq_len // (2 * p.cp) * 2 * p.cp or 2 * p.cp} or {(d.seq_len // (2 * p.cp) + 1) * 2 * p.cp}")
+          f"{d.seq_len // (2 * p.cp) * 2 * p.cp or 2 * p.cp} or {(d.seq_len // (2 * p.cp) + 1) * 2 * p.cp}")
     check(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
     check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
     check(o.schedule in ("cosine", "wsd", "constant"), f"optim.schedule={o.schedule!r}: use cosine, wsd or constant")
