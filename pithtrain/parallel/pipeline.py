@@ -81,13 +81,9 @@ def _parts(op: Op) -> list[tuple[str, int, int]]:
     return [(op.kind[0], op.phase, op.mb), (op.kind[1], 1 - op.phase, op.mb_b)]
 
 
-def _chunk_of(pp: int, rank: int, phase: int) -> int:
-    return rank if phase == 0 else 2 * pp - 1 - rank
-
-
 def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int, str, int, int]]:
     """(rank, kind, phase, mb) that must finish before this op can start."""
-    chunk = _chunk_of(pp, rank, phase)
+    chunk = rank_chunks(pp, rank)[phase]
     deps = [(rank, "B", phase, mb)] if kind == "W" else []
     if kind == "F" and chunk > 0:
         prev = chunk - 1
