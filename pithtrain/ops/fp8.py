@@ -483,9 +483,10 @@ def _quantize_both_cuda(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, qt: t
                         amax: torch.Tensor | None = None) -> None:
     rows, cols = x.shape[-2:]
     batch = x.numel() // max(1, rows * cols)
-    passes = ((_QUANT_BOTH_CONFIG, False),) if amax is not None else ((_AMAX_CONFIG, True), (_QUANT_BOTH_CONFIG, False))
-    if amax is None:
+    passes = ((_QUANT_BOTH_CONFIG, False),)
+    if amax is None:  # not taken by the optimizer: a pass of its own first
         amax = torch.zeros(batch * (rows + cols), dtype=torch.float32, device=x.device)
+        passes = ((_AMAX_CONFIG, True),) + passes
     for cfg, amax_pass in passes:
         if x.numel():
             grid = (_cdiv(rows, cfg["BR"]) * _cdiv(cols, cfg["BC"]), batch)
@@ -714,14 +715,14 @@ def _cached(cache: dict, name: str, param: torch.Tensor, contraction_last: bool)
     if hit is not None and hit.key == key:
         return hit
     w = param.detach()
+    amax = optimizer_amax(param)
+    _ask_optimizer_for_amax(param, w)  # for the next version
     old = None if hit is None else (hit.fwd, hit.bwd) if contraction_last else (hit.bwd, hit.fwd)
     if old is not None and old[0][0].shape == w.shape and old[0][0].device == w.device:
-        quantize_both(w, old, optimizer_amax(param))  # in place: the same tensors
+        quantize_both(w, old, amax)  # in place: the same tensors
         hit.key = key
-        _ask_optimizer_for_amax(param, w)
         return hit
-    along_last, along_prev = quantize_both(w, amax=optimizer_amax(param))
-    _ask_optimizer_for_amax(param, w)
+    along_last, along_prev = quantize_both(w, amax=amax)
     fwd, bwd = (along_last, along_prev) if contraction_last else (along_prev, along_last)
     cache[name] = FP8Weight(fwd, bwd, key)
     return cache[name]
@@ -851,9 +852,9 @@ def refresh_fp8_weights(module: nn.Module) -> None:
 def enable_fp8(model: nn.Module, compiled: bool, recipe: str = "rowwise", head: bool = False) -> None:
     """Switch the model's FP8-capable modules (ops/fp8.Linear and the `Experts` of each family, which
     declare `fp8`) to FP8, and with `head` (train.fp8_head) the LM head of the models (which declare
-    `head_fp8`). With compiled stage 1s (train.compile), each layer's stage 1 first
-    refreshes its Linears' FP8 layouts in eager code, and stage 5 runs eagerly (kernels.COMBINE_FP8_GRAD). Call before FSDP wraps the stages, so that its
-    all-gather runs before the refresh."""
+    `head_fp8`). With compiled stage 1s (train.compile), each layer's stage 1 first refreshes its Linears'
+    FP8 layouts in eager code, and stage 5 runs eagerly (kernels.COMBINE_FP8_GRAD). Call before FSDP wraps
+    the stages, so that its all-gather runs before the refresh."""
     odd = [f"{name} [{m.out_features} x {m.in_features}]" for name, m in model.named_modules()
            if isinstance(m, Linear) and (m.in_features % 16 or m.out_features % 16)] if recipe else []
     if odd:  # torch._scaled_mm's rule; the CPU's emulation refuses them too, so it predicts the GPU
