@@ -21,7 +21,6 @@ RoPE, a loop over experts) used as the oracle in tests.
 
 from __future__ import annotations
 
-import math
 import sys
 from dataclasses import asdict, dataclass, fields
 from typing import ClassVar, NamedTuple
@@ -33,7 +32,8 @@ from torch import nn
 from pithtrain.config import ConfigError, UserError, check, check_numbers, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.models.routing import select_experts
-from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
+from pithtrain.ops.core import (apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin,
+                                rope_inv_freq, yarn_mscale)
 from pithtrain.ops.kernels import weighted_combine  # Triton on GPUs, the reference elsewhere
 from pithtrain.ops.fp8 import Linear, projections  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import Embedding, activation_mm, expert_mm, head_logits
@@ -285,48 +285,14 @@ class DeepseekV3Config(DeepseekV2Config):
         return out
 
 
-def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
-    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
-
-
 def rope_setup(cfg: DeepseekV2Config) -> tuple[torch.Tensor, float, float]:
-    """(inv_freq [rope_dim/2] fp32, cos/sin factor, softmax scale), YaRN included.
-
-    YaRN (arXiv 2309.00071, DeepSeek's variant): frequencies with fewer than beta_slow rotations
-    over the original context are interpolated (divided by `factor`), those with more than
-    beta_fast kept, a linear ramp in between. cos/sin are scaled by
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim) and the softmax scale by
-    mscale(factor, mscale_all_dim)^2. Computed in fp32 in HF's order so the tables match bit for bit.
-    """
-    dim, base = cfg.qk_rope_head_dim, cfg.rope_theta
+    """(inv_freq [rope_dim/2] fp32, cos/sin factor, softmax scale): DeepSeek's YaRN also scales the softmax by
+    mscale(factor, mscale_all_dim)^2."""
+    inv_freq, cos_sin_factor = rope_inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim, cfg.yarn)
     softmax_scale = cfg.qk_head_dim**-0.5
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-    yarn = cfg.yarn
-    if yarn is None:
-        return 1.0 / pos_freqs, 1.0, softmax_scale
-    factor, original = yarn["factor"], yarn["original_max_position_embeddings"]
-    mscale, mscale_all_dim = yarn.get("mscale"), yarn.get("mscale_all_dim")
-    cos_sin_factor = yarn.get("attention_factor")
-    if cos_sin_factor is None and mscale and mscale_all_dim:
-        cos_sin_factor = yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
-    elif cos_sin_factor is None:
-        cos_sin_factor = yarn_mscale(factor)
-    if mscale_all_dim:
-        softmax_scale *= yarn_mscale(factor, mscale_all_dim) ** 2
-
-    def dim_with_rotations(rotations):  # the frequency index that turns `rotations` times over the original context
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = dim_with_rotations(yarn.get("beta_fast") or 32), dim_with_rotations(yarn.get("beta_slow") or 1)
-    if yarn.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001  # avoid a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # share of the original (extrapolated) frequency
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
-    return inv_freq, float(cos_sin_factor), softmax_scale
+    if cfg.yarn is not None and cfg.yarn.get("mscale_all_dim"):
+        softmax_scale *= yarn_mscale(cfg.yarn["factor"], cfg.yarn["mscale_all_dim"]) ** 2
+    return inv_freq, cos_sin_factor, softmax_scale
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:

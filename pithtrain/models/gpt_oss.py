@@ -33,7 +33,7 @@ from pithtrain.config import UserError, check, check_numbers, check_positive
 from pithtrain.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
 from pithtrain.ops import attention, kernels
 from pithtrain.ops.attention import sink_attention  # the SDPA path (CPU)
-from pithtrain.ops.core import apply_rope, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
+from pithtrain.ops.core import apply_rope, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin, rope_inv_freq
 from pithtrain.ops.fp8 import Linear, projections  # nn.Linear, with its GEMMs in FP8 under train.fp8
 from pithtrain.ops.grouped_gemm import Embedding, activation_mm, expert_mm, head_logits
 from pithtrain.parallel.context import ContextParallel, context_attention
@@ -173,37 +173,6 @@ class GptOssConfig:
 
     def build_model(self, layer_ids=None, embed: bool = True, head: bool = True) -> "GptOssModel":
         return GptOssModel(self, layer_ids, embed, head)
-
-
-def rope_frequencies(rope: dict, head_dim: int) -> tuple[torch.Tensor, float]:
-    """inverse frequencies [head_dim/2] (fp32, same operations as HF so the tables agree bit for bit)
-    and the factor cos/sin are scaled by (YaRN's attention factor; 1 for default RoPE)."""
-    base = rope["rope_theta"]
-    pos_freqs = base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)
-    if rope["rope_type"] == "default":
-        return 1.0 / pos_freqs, 1.0
-    factor, orig = rope["factor"], rope["original_max_position_embeddings"]
-
-    def mscale(scale_coef):
-        return 1.0 if factor <= 1 else 0.1 * scale_coef * math.log(factor) + 1.0
-
-    scale = rope.get("attention_factor")
-    if scale is None:
-        m, m_all = rope.get("mscale"), rope.get("mscale_all_dim")
-        scale = mscale(m) / mscale(m_all) if m and m_all else mscale(1)
-
-    def dim_of(rotations):  # the dim index whose frequency turns `rotations` times over the original context
-        return head_dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = dim_of(rope.get("beta_fast") or 32), dim_of(rope.get("beta_slow") or 1)
-    if rope.get("truncate", True):  # HF's default when the key is absent
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(head_dim // 2, dtype=torch.float) - low) / (high - low)).clamp(0, 1)
-    keep = 1 - ramp  # 1: fast dims keep their frequency (extrapolate); 0: slow dims are divided by factor
-    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep, float(scale)
 
 
 # ---- MXFP4 (hub checkpoints store the experts this way) ----
@@ -378,7 +347,8 @@ class GptOssModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
         # With tied embeddings the head reads embed_tokens.weight (a pipeline puts both on one rank).
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if head and not cfg.tie_word_embeddings else None
-        inv_freq, self.rope_scale = rope_frequencies(cfg.rope_parameters, cfg.head_dim)
+        rope = cfg.rope_parameters
+        inv_freq, self.rope_scale = rope_inv_freq(rope["rope_theta"], cfg.head_dim, None if rope["rope_type"] == "default" else rope)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     @torch.no_grad()

@@ -6,6 +6,8 @@ are tested against. Each is written so that torch.compile(fullgraph=True) can tr
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -52,6 +54,39 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.to(dtype) if ACTIVATIONS_IN_COMPUTE_DTYPE else weight) * x32.to(dtype)
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_inv_freq(base: float, dim: int, yarn: dict | None) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [dim/2] fp32, the factor cos/sin are scaled by), YaRN when `yarn` is given.
+
+    YaRN (arXiv 2309.00071): frequencies with fewer than beta_slow rotations over the original context are
+    interpolated (divided by `factor`), those with more than beta_fast kept, a linear ramp between; cos/sin
+    scale by mscale(mscale) / mscale(mscale_all_dim) unless attention_factor is given. fp32 in HF's order, so
+    the tables match HF's bit for bit.
+    """
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    if yarn is None:
+        return 1.0 / pos_freqs, 1.0
+    factor, original = yarn["factor"], yarn["original_max_position_embeddings"]
+    scale, m, m_all = yarn.get("attention_factor"), yarn.get("mscale"), yarn.get("mscale_all_dim")
+    if scale is None:
+        scale = yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all else yarn_mscale(factor)
+
+    def dim_with_rotations(rotations):  # the frequency index that turns `rotations` times over the original context
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_with_rotations(yarn.get("beta_fast") or 32), dim_with_rotations(yarn.get("beta_slow") or 1)
+    if yarn.get("truncate", True):  # HF's default when the key is absent
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    keep = 1 - ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)  # extrapolated share
+    return (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep, float(scale)
 
 
 def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, scale: float = 1.0, dtype=None):
