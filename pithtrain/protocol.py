@@ -226,7 +226,7 @@ def hf_tensor(hf: dict, key: str, shape, used: set) -> torch.Tensor:
     return hf[key]
 
 
-def _hf_name(name: str) -> str:
+def hf_name(name: str) -> str:
     """HF's name of a parameter: under `model.`, the head as `lm_head.weight`, and multi-token
     prediction layers (`mtp.{id}`, DeepSeek-V3) as the layers past the last one, as DeepSeek saves them."""
     if name == "lm_head.weight":
@@ -243,7 +243,7 @@ def hf_state(model) -> dict[str, torch.Tensor]:
     """HF tensors of a family whose parameter names are HF's under `model.` (the head `lm_head.weight`)
     and whose MoE layers stack SwiGLU experts in `mlp.experts` (gate_up [E, H, 2I], gate then up; down
     [E, I, H]): those as HF saves them, per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`)."""
-    out = {_hf_name(name): t for name, t in model.state_dict().items() if ".mlp.experts." not in name}
+    out = {hf_name(name): t for name, t in model.state_dict().items() if ".mlp.experts." not in name}
     for lid, layer in all_layers(model).items():
         ex = getattr(layer.mlp, "experts", None)  # None: a dense-MLP layer
         if ex is None:
@@ -270,7 +270,7 @@ def load_hf_state(model, hf: dict[str, torch.Tensor]) -> set[str]:
 
     for name, t in model.state_dict().items():
         if ".mlp.experts." not in name:
-            t.copy_(take(_hf_name(name), t.shape))
+            t.copy_(take(hf_name(name), t.shape))
     for lid, layer in all_layers(model).items():
         ex = getattr(layer.mlp, "experts", None)
         if ex is None:
@@ -286,6 +286,12 @@ def load_hf_state(model, hf: dict[str, torch.Tensor]) -> set[str]:
             gate, up = take(f"{pre}.gate_proj.weight", (inter, hidden)), take(f"{pre}.up_proj.weight", (inter, hidden))
             ex.gate_up[e].copy_(torch.cat([gate.T, up.T], 1))
             ex.down[e].copy_(take(f"{pre}.down_proj.weight", (hidden, inter)).T)
+    return check_hf_leftovers(model, hf, used)
+
+
+def check_hf_leftovers(model, hf: dict, used: set) -> set[str]:
+    """Raises naming any HF key neither `used` nor another chunk's (a pipeline chunk holds some layers, maybe no
+    embedding, norm or head); returns the other layers' keys."""
     own_layers = tuple(f"model.layers.{lid}." for lid in all_layers(model))
     other_layers = {k for k in hf if k.startswith("model.layers.") and not k.startswith(own_layers)}
     extra = set(hf) - used - other_layers

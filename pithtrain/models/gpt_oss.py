@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.config import UserError, check, check_numbers, check_positive
-from pithtrain.protocol import RoutingInfo, Stage1Out, init_by_name, run_layer
+from pithtrain.protocol import RoutingInfo, Stage1Out, hf_name, check_hf_leftovers, hf_tensor, init_by_name, run_layer
 from pithtrain.ops import attention, kernels
 from pithtrain.ops.attention import sink_attention  # the SDPA path (CPU)
 from pithtrain.ops.core import apply_rope, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin, rope_inv_freq
@@ -450,11 +450,7 @@ class GptOssModel(nn.Module):
     # ---- Hugging Face conversion (gate then up here <-> interleaved in HF; MXFP4 on import) ----
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        out = {}
-        for name, t in self.state_dict().items():
-            if ".mlp.experts." in name:
-                continue
-            out["lm_head.weight" if name == "lm_head.weight" else f"model.{name}"] = t
+        out = {hf_name(name): t for name, t in self.state_dict().items() if ".mlp.experts." not in name}
         for lid, layer in self.layers.items():
             ex, pre = layer.mlp.experts, f"model.layers.{lid}.mlp.experts."
             out[pre + "gate_up_proj"] = _interleave(ex.gate_up.detach())
@@ -469,43 +465,21 @@ class GptOssModel(nn.Module):
         unexpected key or mismatched shape."""
         used = set()
 
-        def take(key):
-            if key not in hf:
-                raise UserError(f"HF checkpoint is missing {key}; does config.json match the weights?")
-            used.add(key)
-            return hf[key]
+        def take(key):  # any shape: an expert tensor's is checked once converted
+            return hf_tensor(hf, key, hf[key].shape if key in hf else (), used)
 
-        def put(param, value, key):
-            if tuple(value.shape) != tuple(param.shape):
-                raise UserError(f"HF tensor {key} has shape {tuple(value.shape)}, the model expects "
-                                f"{tuple(param.shape)}; does config.json match the weights?")
-            param.copy_(value)
-
-        def expert_matrix(key):  # HF layout [E, in, out], from plain weights or MXFP4 [E, out, G, 16]
-            if key in hf or key + "_blocks" not in hf:
-                return take(key)
-            return dequantize_mxfp4(take(key + "_blocks"), take(key + "_scales")).transpose(1, 2)
+        def put(param, key, convert=lambda v: v):  # plain [E, in, out], or MXFP4 blocks [E, out, G, 16] and scales
+            plain = key in hf or key + "_blocks" not in hf
+            value = take(key) if plain else dequantize_mxfp4(take(key + "_blocks"), take(key + "_scales")).transpose(1, 2)
+            param.copy_(hf_tensor({key: convert(value)}, key, param.shape, set()))  # names the key on another shape
 
         for name, t in self.state_dict().items():
-            if ".mlp.experts." in name:
-                continue
-            key = "lm_head.weight" if name == "lm_head.weight" else f"model.{name}"
-            put(t, take(key), key)
+            if ".mlp.experts." not in name:
+                t.copy_(hf_tensor(hf, hf_name(name), t.shape, used))
         for lid, layer in self.layers.items():
             ex, pre = layer.mlp.experts, f"model.layers.{lid}.mlp.experts."
-            put(ex.gate_up, _deinterleave(expert_matrix(pre + "gate_up_proj")), pre + "gate_up_proj")
-            put(ex.gate_up_bias, _deinterleave(take(pre + "gate_up_proj_bias")), pre + "gate_up_proj_bias")
-            put(ex.down, expert_matrix(pre + "down_proj"), pre + "down_proj")
-            put(ex.down_bias, take(pre + "down_proj_bias"), pre + "down_proj_bias")
-        layer_keys = {k for k in hf if k.startswith("model.layers.")}
-        own_layers = {f"model.layers.{lid}." for lid in self.layers}
-        ignored = {k for k in layer_keys if not any(k.startswith(p) for p in own_layers)}
-        if self.lm_head is None and "lm_head.weight" in hf:
-            ignored.add("lm_head.weight")  # tied: HF may store a copy
-        extra = set(hf) - used - ignored
-        if self.embed_tokens is None:
-            extra.discard("model.embed_tokens.weight")
-        if self.norm is None:
-            extra -= {"model.norm.weight", "lm_head.weight"}
-        if extra:
-            raise UserError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}; does config.json match the weights?")
+            put(ex.gate_up, pre + "gate_up_proj", _deinterleave)
+            put(ex.gate_up_bias, pre + "gate_up_proj_bias", _deinterleave)
+            put(ex.down, pre + "down_proj")
+            put(ex.down_bias, pre + "down_proj_bias")
+        check_hf_leftovers(self, hf, used)
