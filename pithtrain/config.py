@@ -377,6 +377,16 @@ def check_numbers(mapping: dict, field: str, skip: str = "type") -> None:
         raise ConfigError(f"{field}['{text}']={mapping[text]!r}: must be a number")
 
 
+def hf_values(cls: type, hf: dict, nullable: frozenset = frozenset()) -> dict:
+    """The config.json entries that are fields of `cls` (None dropped, except in `nullable` fields), a list of
+    eos_token_id as its first."""
+    known = {f.name for f in dataclasses.fields(cls)}
+    values = {k: v for k, v in hf.items() if k in known and (v is not None or k in nullable)}
+    if isinstance(values.get("eos_token_id"), list):
+        values["eos_token_id"] = values["eos_token_id"][0]
+    return values
+
+
 def runs_dualpipev(config: RunConfig, world_size: int) -> bool:
     """Whether training runs the DualPipeV pipeline: pp > 1, or pp = 1 with expert parallelism and
     at least 2 micro-batches per data rank (it overlaps them; `parallel.overlap_ep` turns that off;

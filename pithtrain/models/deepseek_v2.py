@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError, UserError, check, check_numbers, check_positive
+from pithtrain.config import ConfigError, UserError, check, check_numbers, check_positive, hf_values
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import (apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin,
@@ -172,9 +172,7 @@ class DeepseekV2Config:
         if hf.get("mlp_bias"):
             raise ConfigError("deepseek_v2: mlp_bias=true is not supported (DeepSeek models have no MLP biases)")
         # In nullable fields None means something (q_lora_rank=None: a full-rank q_proj), so keep it.
-        nullable = {f.name for f in fields(cls) if "None" in str(f.type)}
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in hf.items() if k in known and (v is not None or k in nullable)}
+        values = hf_values(cls, hf, frozenset(f.name for f in fields(cls) if "None" in str(f.type)))
         # HF 5 writes `rope_parameters` (with rope_theta inside); DeepSeek's own configs `rope_scaling` + `rope_theta`.
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         theta = rope.pop("rope_theta", hf.get("rope_theta"))
@@ -183,8 +181,6 @@ class DeepseekV2Config:
         rope_type = rope.pop("rope_type", None) or rope.get("type") or "default"
         rope.pop("type", None)
         values["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **rope}
-        if isinstance(values.get("eos_token_id"), list):
-            values["eos_token_id"] = values["eos_token_id"][0]
         return cls(**values)
 
     def to_hf(self) -> dict:

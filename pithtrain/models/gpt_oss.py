@@ -22,14 +22,14 @@ a loop over experts) used as the oracle in tests.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import UserError, check, check_numbers, check_positive
+from pithtrain.config import check, check_numbers, check_positive, hf_values
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_name, check_hf_leftovers, hf_tensor, init_by_name, run_layer
 from pithtrain.ops import attention, kernels
 from pithtrain.ops.attention import sink_attention  # the SDPA path (CPU)
@@ -148,8 +148,7 @@ class GptOssConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "GptOssConfig":
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in hf.items() if k in known and v is not None}
+        values = hf_values(cls, hf)
         # Aliases: hub config.json files also carry `experts_per_token`; HF maps `num_experts`.
         if "num_experts_per_tok" not in values and hf.get("experts_per_token") is not None:
             values["num_experts_per_tok"] = hf["experts_per_token"]
@@ -161,8 +160,6 @@ class GptOssConfig:
         if hf.get("rope_theta") is not None:
             rope.setdefault("rope_theta", hf["rope_theta"])
         values["rope_parameters"] = rope
-        if isinstance(values.get("eos_token_id"), list):
-            values["eos_token_id"] = values["eos_token_id"][0]
         return cls(**values)
 
     def to_hf(self) -> dict:

@@ -25,14 +25,14 @@ from __future__ import annotations
 import math
 import sys
 import zlib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError, UserError, check, check_positive
+from pithtrain.config import ConfigError, check, check_positive, hf_values
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.ops.core import apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rope_cos_sin
 from pithtrain.ops.delta_rule import causal_conv1d, doc_cu_seqlens, gated_delta_rule, gated_delta_rule_recurrent, l2norm
@@ -138,13 +138,10 @@ class Qwen3_5MoeConfig:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ConfigError(f"qwen3_5_moe: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in hf.items() if k in known and v is not None}
+        values = hf_values(cls, hf)
         for key in ("rope_theta", "partial_rotary_factor"):  # text positions: mrope's sections all equal plain RoPE
             if key in rope:
                 values[key] = rope[key]
-        if isinstance(values.get("eos_token_id"), list):
-            values["eos_token_id"] = values["eos_token_id"][0]
         return cls(**values)
 
     def transformers_ignores(self) -> list[str]:  # hf.convert warns: transformers' masks come from a full layer

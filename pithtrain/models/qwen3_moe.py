@@ -10,14 +10,14 @@ experts) used as the oracle in tests.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError, UserError, check, check_positive
+from pithtrain.config import ConfigError, check, check_positive, hf_values
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.ops import attention as flash  # Triton flash attention for packed documents (CUDA)
 from pithtrain.ops.core import attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
@@ -99,14 +99,11 @@ class Qwen3MoeConfig:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise ConfigError(f"qwen3_moe: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
-        known = {f.name for f in fields(cls)}
-        values = {k: v for k, v in hf.items() if k in known and v is not None}
+        values = hf_values(cls, hf)
         if "num_experts" not in values and hf.get("num_local_experts") is not None:
             values["num_experts"] = hf["num_local_experts"]  # transformers 5 writes this alias
         if "rope_theta" in rope:
             values["rope_theta"] = rope["rope_theta"]
-        if isinstance(values.get("eos_token_id"), list):
-            values["eos_token_id"] = values["eos_token_id"][0]
         return cls(**values)
 
     def to_hf(self) -> dict:

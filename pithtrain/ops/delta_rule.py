@@ -39,7 +39,6 @@ eager, 12.9 / 48 ms compiled.
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 
 import torch
