@@ -168,7 +168,7 @@ def test_grad_norm_and_clipping_against_float64():
     for p in params[:-1]:  # the last has no gradient
         p.grad = torch.randn_like(p) * 3
     ref = torch.cat([p.grad.double().flatten() for p in params[:-1]]).norm().item()
-    norm = global_grad_norm(params, Mesh.single(torch.device("cpu")))
+    norm = global_grad_norm(params, Mesh())
     assert norm == pytest.approx(ref, rel=1e-6)
     before = [p.grad.clone() for p in params[:-1]]
     clip_grads(params, 1.0, norm)

@@ -38,23 +38,13 @@ def select_experts(
     logits through the weights; selection and the bias carry none.
     """
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    if score_func == "softmax":
-        scores = logits.softmax(dim=-1)
-    elif score_func == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        raise ValueError(f"score_func={score_func!r}: use 'softmax' or 'sigmoid'")
+    scores = logits.sigmoid() if score_func == "sigmoid" else logits.softmax(dim=-1)  # the config allows these two
     with torch.no_grad():
         choice = scores if correction_bias is None else scores + correction_bias.to(scores.dtype)
         if n_group > 1:
             num_tokens, num_experts = choice.shape
             grouped = choice.view(num_tokens, n_group, num_experts // n_group)
-            if group_score == "max":
-                per_group = grouped.amax(dim=-1)
-            elif group_score == "top2sum":
-                per_group = grouped.topk(2, dim=-1).values.sum(dim=-1)
-            else:
-                raise ValueError(f"group_score={group_score!r}: use 'max' or 'top2sum'")
+            per_group = grouped.topk(2, dim=-1).values.sum(dim=-1) if group_score == "top2sum" else grouped.amax(dim=-1)
             kept = per_group.topk(topk_group, dim=-1).indices
             keep = torch.zeros_like(per_group, dtype=torch.bool).scatter_(1, kept, True)
             choice = choice.masked_fill(~keep.repeat_interleave(num_experts // n_group, dim=1), float("-inf"))

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from pithtrain.ops import core
-from pithtrain.ops.kernels import use_triton
+from pithtrain.ops.kernels import _cdiv, use_triton
 
 HEAD_DIMS = (16, 32, 64, 128)  # the kernels' head sizes
 ENABLED = True  # False: the SDPA paths on CUDA too (benchmarks/train_throughput.py --attention sdpa)
@@ -388,10 +388,6 @@ def _flash_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Te
 def _(q, k, v, dout, lse, delta, docs, scale, window):
     b, hq, s, d = q.shape
     return torch.empty_like(dout), k.new_empty(b, s, k.shape[1], d), v.new_empty(b, s, k.shape[1], d)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b
 
 
 class _FlashAttention(torch.autograd.Function):

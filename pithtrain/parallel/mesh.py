@@ -1,7 +1,7 @@
 """The device mesh (pp, dp, cp, ep), outer to inner, and the process groups derived from it.
 
 One `Mesh` object is built per process and passed explicitly to what needs it (no globals).
-`Mesh.single()` is the one-process mesh: every group is None and every size 1.
+`Mesh()` (or `Mesh(device=...)`) is the one-process mesh: every group is None and every size 1.
 
 Groups:
   ep      experts are split across it (all-to-all dispatch/combine)
@@ -41,10 +41,6 @@ class Mesh:
     expert_mesh: object = None  # 1-D DeviceMesh over dp x cp (FSDP for expert weights)
     data_group: object = None
     hsdp: bool = False
-
-    @staticmethod
-    def single(device: torch.device = torch.device("cpu")) -> "Mesh":
-        return Mesh(device=device)
 
     @property
     def data_ranks(self) -> int:

@@ -189,14 +189,12 @@ def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple
     return lists
 
 
-def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = True,
-             cost_f: float = 1.0, cost_b: float = 1.0, cost_w: float = 1.0, cost_a2a: float = 0.0) -> dict:
+def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = True, cost_a2a: float = 0.0) -> dict:
     """Replay the per-rank lists in order against the dependencies (a rank waits for its next op's
     inputs). Raises on a missing, repeated or out-of-order op and on deadlock. Returns the makespan
-    and bubble fraction (idle share of rank-time). `cost_a2a`: the exposed all-to-all time of
-    an unpaired F or B (a pair hides it under the other chunk's compute)."""
-    if not defer_w:
-        cost_b += cost_w
+    and bubble fraction (idle share of rank-time). F, B and W cost 1 each (B 2 with W inside it: not
+    `defer_w`); `cost_a2a`: the exposed all-to-all time of an unpaired F or B (a pair hides it under the other
+    chunk's compute)."""
     seen, finish = set(), {}
     pos, clock = [0] * pp, [0.0] * pp
     progressed = True
@@ -210,7 +208,7 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
                 if any(d not in finish for d in deps):
                     break
                 start = max([clock[rank]] + [finish[d] for d in deps])
-                cost = sum({"F": cost_f, "B": cost_b, "W": cost_w}[k] for k, _, _ in parts)
+                cost = sum(2 if k == "B" and not defer_w else 1 for k, _, _ in parts)
                 cost += cost_a2a if op.kind in ("F", "B") else 0  # exposed: no other chunk computes
                 for kind, phase, mb in parts:
                     key = (rank, kind, phase, mb)
@@ -229,7 +227,7 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
     if seen != expected:
         raise AssertionError(f"missing ops: {sorted(expected - seen)[:5]}, unexpected: {sorted(seen - expected)[:5]}")
     makespan = max(clock)
-    work = pp * 2 * num_micro * (cost_f + cost_b + (cost_w if defer_w else 0))
+    work = pp * 2 * num_micro * 3
     return {"makespan": makespan, "bubble_fraction": 1 - work / (pp * makespan)}
 
 

@@ -1,11 +1,7 @@
-"""The training loop: data -> micro-batches -> forward/backward -> clip -> AdamW step -> metrics -> checkpoints.
+"""The training loop: data -> micro-batches -> forward/backward -> clip -> optimizer step -> metrics -> checkpoints.
 
-Loss semantics (independent of how the global batch is cut into micro-batches):
-    loss    = sum of next-token cross-entropy over the global batch / number of label tokens
-    lb_loss = mean over micro-batches of the per-micro-batch load-balance loss
-    total   = loss + train.lb_coef * lb_loss
-Each micro-batch's backward uses its share of `total`, so accumulated gradients are the gradients
-of `total` itself.
+The loss (cross-entropy over the global batch's label tokens, plus multi-token prediction's and the auxiliary
+terms) is composed in one place, `protocol.LossTerms`, whatever the micro-batch cut or pipeline schedule.
 """
 
 from __future__ import annotations
@@ -234,7 +230,7 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
         raise UserError(f"PITHTRAIN_DEBUG_MEMORY={memory_step!r}: expected a step number (1-based), e.g. 3")
     norm_spec = os.environ.get("PITHTRAIN_DEBUG_NORMS")  # the debug-divergence skill's steps
     chosen_steps(norm_spec or "")  # a bad value fails here, before any work
-    mesh = mesh or Mesh.single(device)
+    mesh = mesh or Mesh(device=device)
     validate(config, world_size=mesh.world)
     for line in ignored_options(config, mesh.world) if echo and mesh.is_main else ():
         print(line, flush=True)
