@@ -605,6 +605,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
           f"model.num_nextn_predict_layers={mtp} with parallel.pp={p.pp}: the MTP layers run beside the head on the "
           f"last pipeline chunk, sized for about {per_chunk} decoder layer(s); more would stall the pipeline there; "
           f"use at most {per_chunk} MTP layer(s) or a smaller parallel.pp")
+    check(d.seq_len >= 2, f"data.seq_len={d.seq_len}: must be at least 2")
     check(mtp < config.data.seq_len, f"model.num_nextn_predict_layers={mtp} with data.seq_len={config.data.seq_len}: "
           f"depth k predicts the token k + 1 ahead, so depth {config.data.seq_len} and deeper have no target in a "
           f"sample; use fewer MTP layers than data.seq_len")
@@ -612,7 +613,6 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
           "model.tie_word_embeddings with parallel.pp > 1 is not supported yet; untie the embeddings")
     check(not (t.compile and p.cp > 1), "train.compile with parallel.cp > 1 is not supported: ring attention "
           "communicates inside stage 1; set train.compile=false")
-    check(d.seq_len >= 2, f"data.seq_len={d.seq_len}: must be at least 2")
     max_len = config.model.max_position_embeddings
     check(d.seq_len <= max_len,
           f"data.seq_len={d.seq_len} is longer than the model supports (model.max_position_embeddings={max_len}); "

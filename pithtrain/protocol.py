@@ -258,11 +258,11 @@ def hf_state(model) -> dict[str, torch.Tensor]:
 
 
 @torch.no_grad()
-def load_hf_state(model, hf: dict[str, torch.Tensor]) -> set[str]:
+def load_hf_state(model, hf: dict[str, torch.Tensor], past_layers: bool = False) -> set[str]:
     """The inverse of `hf_state`: copies HF tensors into `model` (experts per expert as saved, or HF's fused
     in-memory layout gate_up_proj [E, 2I, H], down_proj [E, H, I]), each shape-checked (`hf_tensor`).
     Keys of layers this model (a pipeline chunk) does not hold are ignored and returned; any other key
-    left over raises, naming it."""
+    left over raises, naming it (`check_hf_leftovers`)."""
     used = set()
 
     def take(key, shape):
@@ -286,14 +286,17 @@ def load_hf_state(model, hf: dict[str, torch.Tensor]) -> set[str]:
             gate, up = take(f"{pre}.gate_proj.weight", (inter, hidden)), take(f"{pre}.up_proj.weight", (inter, hidden))
             ex.gate_up[e].copy_(torch.cat([gate.T, up.T], 1))
             ex.down[e].copy_(take(f"{pre}.down_proj.weight", (hidden, inter)).T)
-    return check_hf_leftovers(model, hf, used)
+    return check_hf_leftovers(model, hf, used, past_layers)
 
 
-def check_hf_leftovers(model, hf: dict, used: set) -> set[str]:
+def check_hf_leftovers(model, hf: dict, used: set, past_layers: bool = False) -> set[str]:
     """Raises naming any HF key neither `used` nor another chunk's (a pipeline chunk holds some layers, maybe no
-    embedding, norm or head); returns the other layers' keys."""
+    embedding, norm or head); returns the other layers' keys. A layer past the config's (num_hidden_layers plus
+    multi-token prediction) is no chunk's: left over, unless `past_layers` (the caller reports them)."""
     own_layers = tuple(f"model.layers.{lid}." for lid in all_layers(model))
-    other_layers = {k for k in hf if k.startswith("model.layers.") and not k.startswith(own_layers)}
+    depth = model.cfg.num_hidden_layers + getattr(model.cfg, "num_nextn_predict_layers", 0)
+    other_layers = {k for k in hf if k.startswith("model.layers.") and not k.startswith(own_layers)
+                    and k.split(".")[2].isdigit() and (past_layers or int(k.split(".")[2]) < depth)}
     extra = set(hf) - used - other_layers
     if model.lm_head is None:
         extra.discard("lm_head.weight")  # tied: HF may store a copy
@@ -301,6 +304,11 @@ def check_hf_leftovers(model, hf: dict, used: set) -> set[str]:
         extra.discard("model.embed_tokens.weight")
     if model.norm is None:
         extra -= {"model.norm.weight", "lm_head.weight"}
+    past = sorted({int(i) for k in extra if k.startswith("model.layers.") and (i := k.split(".")[2]).isdigit()
+                   and int(i) >= depth})
+    if past:
+        raise UserError(f"HF checkpoint holds layer(s) {past[:8]} past the config's {depth} (num_hidden_layers"
+                        f"={model.cfg.num_hidden_layers}); set num_hidden_layers in config.json to the layers it holds")
     if extra:
         raise UserError(f"HF checkpoint has unexpected keys: {sorted(extra)[:8]}; does config.json match the weights?")
     return other_layers

@@ -41,6 +41,7 @@ def test_overrides_are_type_checked(tmp_path):
         ("train.global_batch_size=6", 1, "global_batch_size=6 is not divisible by train.micro_batch_size"),
         ("train.global_batch_size=12", 2, r"data-parallel ranks \(2"),
         ("data.seq_len=512", 1, "longer than the model supports.*max_position_embeddings=128"),
+        ("data.seq_len=0", 1, r"^data.seq_len=0: must be at least 2$"),  # before the checks that divide by it
         ("train.lb_type=tokens", 1, "train.lb_type='tokens'"),
         ("optim.schedule=linear", 1, "optim.schedule='linear'"),
         ("parallel.ep=3", 3, "parallel.ep=3 does not divide the 4 experts"),

@@ -371,6 +371,11 @@ TOOL_CASES = [  # (id, command line, what the one line must name)
     ("convert-dst-symlink", "convert {hf} {dst_link} --overwrite", "dst_link is a symbolic link"),
     ("convert-dst-others", "convert {hf} {tools}", "(--overwrite replaces only an HF export or a checkpoint)"),
     ("eval-tokens-objects", "eval {hf} --tokens {tokens_objects}", "(an array of Python objects)"),
+    ("eval-tokens-too-long", "eval {hf} --tokens {tokens_long}", "more than the model's max_position_embeddings="),
+    ("eval-offsets-damaged", "eval {hf} --tokens {data_bad_offsets}", "doc_offsets.npy is damaged: not an .npy array"),
+    ("eval-meta-not-int", "eval {hf} --tokens {data_meta_str}", "meta.json: num_tokens='lots' is not an integer"),
+    ("eval-hf-more-layers", "eval {hf_fewer} --tokens {tokens}", "past the config's"),
+    ("convert-tokenizer-broken", "convert {run_tok} {tools}/c", "data_tok_a/tokenizer.json is not a tokenizer ("),
     ("convert-config-list", "convert {hf_list} {tools}/c", "config.json holds a JSON list"),
     ("eval-config-list", "eval {hf_list} --tokens {tokens}", "config.json holds a JSON list"),
     ("eval-config-type", "eval {hf_four} --tokens {tokens}", "num_hidden_layers='four' (str): expected int; fix config.json"),
@@ -438,6 +443,13 @@ def tool_env(env):
     meta_file.write_text(json.dumps(dict(meta, meta_crc32=ckpt._json_crc(meta))))
     out["tokens_u64"] = tools / "tokens_u64.npy"
     np.save(out["tokens_u64"], np.array([[1, 2, 2**63 + 5]], dtype=np.uint64))
+    out["tokens_long"] = tools / "tokens_long.npy"
+    np.save(out["tokens_long"], np.ones((1, config["max_position_embeddings"] + 2), np.int64))
+    (copy(out["data_tok_a"], "data_bad_offsets") / "doc_offsets.npy").write_text("garbage")
+    meta = json.loads((copy(out["data_tok_a"], "data_meta_str") / "meta.json").read_text())
+    (tools / "data_meta_str" / "meta.json").write_text(json.dumps(dict(meta, num_tokens="lots")))
+    fewer = dict(config, num_hidden_layers=config["num_hidden_layers"] - 1)  # weights of one layer more
+    (copy(env["hf"], "hf_fewer") / "config.json").write_text(json.dumps(fewer))
     out["tokens_objects"] = tools / "tokens_objects.npy"
     np.save(out["tokens_objects"], np.array([[1, "a"]], dtype=object), allow_pickle=True)
     for name, file, content in (("own_meta", "meta.json", '{"my": "settings"}'), ("own_tokenizer", "tokenizer.json", "{}")):

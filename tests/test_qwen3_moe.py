@@ -115,6 +115,13 @@ def test_unexpected_and_missing_keys_are_named(tmp_path):
     state = read_hf_state(hf_dir)
     with pytest.raises(UserError, match="unexpected"):
         model.load_hf_state_dict(dict(state, **{"model.layers.0.mlp.extra.weight": torch.zeros(1)}))
+    # a layer past the config's is no pipeline chunk's: refused, where a chunk ignores the layers it does not hold
+    fewer = Qwen3MoeConfig(**dict(CONFIGS["odd_dense_bias"], num_hidden_layers=2, mlp_only_layers=[1]))
+    with pytest.raises(UserError, match=r"layer\(s\) \[2\] past the config's 2 .*set num_hidden_layers"):
+        fewer.build_model().load_hf_state_dict(state)
+    chunk = model.cfg.build_model(layer_ids=[1], embed=False, head=False)
+    chunk.load_hf_state_dict(state)
+    assert torch.equal(chunk.layers["1"].mlp.down_proj.weight, state["model.layers.1.mlp.down_proj.weight"])
     del state["model.norm.weight"]
     with pytest.raises(UserError, match="model.norm.weight"):
         model.load_hf_state_dict(state)

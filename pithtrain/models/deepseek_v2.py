@@ -683,7 +683,7 @@ class DeepseekV2Model(nn.Module):
                 if kept is not None and own in hf and not torch.equal(kept, hf[own]):
                     print(f"{self.cfg.model_type}: {copy} differs from {own}; MTP shares the main model's "
                           f"(the export writes it as the copy)", file=sys.stderr)
-        other_layers = load_hf_state(self, hf)
+        other_layers = load_hf_state(self, hf, past_layers=True)
         past = {k.split(".")[2] for k in other_layers if int(k.split(".")[2]) >= self.cfg.num_hidden_layers}
         if past:  # DeepSeek-V3's multi-token prediction layers sit past the last decoder layer
             print(f"{self.cfg.model_type}: weights of layer(s) {', '.join(sorted(past, key=int))} (past num_hidden_layers="

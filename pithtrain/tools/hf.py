@@ -130,6 +130,14 @@ def trained_on(ck: Path, echo=print) -> TokenDataset | None:
                         "to export the model alone")
     if not dataset.tokenizer_file:
         echo(f"{no_tokenizer}the run's dataset {path} has no tokenizer.json")
+        return dataset
+    from tokenizers import Tokenizer
+
+    try:  # before the weights are read: training never opens it
+        Tokenizer.from_file(dataset.tokenizer_file)
+    except Exception as e:  # tokenizers raises a bare Exception
+        raise UserError(f"convert: {dataset.tokenizer_file} is not a tokenizer ({str(e)[:60]}); restore it, or pass "
+                        "--no-tokenizer to export the model alone") from None
     return dataset
 
 
@@ -183,10 +191,11 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         raise failure from e
 
 
-def eval_setup(path: str | Path, seq_len: int | None = None) -> tuple[int, str, int, tuple[str, str] | None]:
+def eval_setup(path: str | Path, seq_len: int | None = None) -> tuple[int, str, int, tuple[str, str] | None, int]:
     """What eval of the model at `path` takes from its config files alone, before any tokens are read: the row length and
     its source (`seq_len`, else the data.seq_len its run trained at, else config.json's seq_length, else max_position_embeddings,
-    the most it takes), the vocabulary size and the tokenizer it trained with as (SHA-256, file), None when unknown."""
+    the most it takes), the vocabulary size, the tokenizer it trained with as (SHA-256, file), None when unknown, and
+    max_position_embeddings."""
     path = Path(path)
     found = path if is_hf_dir(path) or ckpt.is_checkpoint(path) else next(reversed(ckpt.list_checkpoints(path)), None)
     found = found or ckpt.resolve_checkpoint(path)  # which raises, saying what the path is instead
@@ -201,7 +210,7 @@ def eval_setup(path: str | Path, seq_len: int | None = None) -> tuple[int, str, 
     recorded, own = meta.get("dataset") or {}, found / "tokenizer.json"
     tokenizer = ((recorded["tokenizer_sha256"], str(Path(recorded["path"]) / "tokenizer.json")) if recorded.get("tokenizer_sha256")
                  else (_sha256(own), str(own)) if own.is_file() else None)
-    return seq_len, why, cfg.vocab_size, tokenizer
+    return seq_len, why, cfg.vocab_size, tokenizer, limit
 
 
 TOKEN_FORMS = ("a .npy file of token ids [batch, seq] or a dataset directory of `pithtrain tokenize` "

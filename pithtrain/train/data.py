@@ -184,12 +184,13 @@ class TokenDataset:
             raise ValueError(f"{meta_path} lacks {', '.join(missing)}; {_RETOKENIZE}")
         if meta["dtype"] not in ("uint8", "uint16", "uint32"):
             raise ValueError(f"{meta_path}: dtype {meta['dtype']!r} is not uint8/uint16/uint32; {_RETOKENIZE}")
+        bad = [k for k in ("vocab_size", "num_tokens", "num_docs", "max_token_id")
+               if not isinstance(meta[k], int) or isinstance(meta[k], bool)]
+        if bad:
+            raise ValueError(f"{meta_path}: {bad[0]}={meta[bad[0]]!r} is not an integer; {_RETOKENIZE}")
         self.meta = meta
-        self.vocab_size = int(meta["vocab_size"])
-        self.eos_id = meta["eos_id"]
-        self.num_tokens = int(meta["num_tokens"])
-        self.num_docs = int(meta["num_docs"])
-        self.max_token_id = int(meta["max_token_id"])
+        self.vocab_size, self.num_tokens = meta["vocab_size"], meta["num_tokens"]
+        self.eos_id, self.num_docs, self.max_token_id = meta["eos_id"], meta["num_docs"], meta["max_token_id"]
         dtype = np.dtype(meta["dtype"])
 
         tokens_path = self.path / TOKENS_FILE
@@ -207,7 +208,10 @@ class TokenDataset:
         offsets_path = self.path / OFFSETS_FILE
         if not offsets_path.is_file():
             raise FileNotFoundError(f"{offsets_path} not found; {_RETOKENIZE}")
-        offsets = np.load(offsets_path)
+        try:
+            offsets = np.load(offsets_path)  # allow_pickle stays off: a file of objects is damaged, not to be trusted
+        except (ValueError, OSError, EOFError) as e:
+            raise ValueError(f"{offsets_path} is damaged: not an .npy array ({type(e).__name__}); {_RETOKENIZE}") from None
         if (offsets.ndim != 1 or offsets.dtype != np.int64 or len(offsets) != self.num_docs + 1
                 or offsets[0] != 0 or offsets[-1] != self.num_tokens or np.any(np.diff(offsets) < 0)):
             raise ValueError(f"{offsets_path} is inconsistent (need int64 of length num_docs+1 = {self.num_docs + 1}, "
