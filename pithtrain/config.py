@@ -264,8 +264,12 @@ def _parse_value(text: str, annotation: Any, name: str) -> Any:
         if text.lower() in ("none", "null") and type(None) in args:
             return None
         inner = [a for a in args if a is not type(None)]
-        if len(inner) > 1 and text[:1] in ("[", "{"):  # data.path: a blend as JSON
-            return _parse_value(text, Any, name)
+        if len(inner) > 1 and text[:1] in ("[", "{"):  # data.path: a blend as JSON (or a directory so named)
+            value = _parse_value(text, Any, name)
+            if value is text and not os.path.exists(text):
+                raise ConfigError(f"--set {name}={text}: neither valid JSON (a blend: {{\"path\": weight, ...}} or "
+                                  "[weight, \"path\", ...]) nor an existing directory; check the quotes and brackets")
+            return value
         return _parse_value(text, inner[0], name)
     if annotation is bool:
         if text.lower() in ("1", "true", "yes", "on"):

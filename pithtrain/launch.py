@@ -35,7 +35,7 @@ class GracefulStop:
             os._exit(128 + signum)
         self.signum = signum
         if self.loud:
-            _say(f"{name}: stopping after this step, with a checkpoint ({name} again aborts at once)\n")
+            _say(f"{name}: stopping after this step ({name} again aborts at once)\n")
 
     def restore(self) -> None:
         for s, handler in self.previous.items():

@@ -26,6 +26,8 @@ def test_overrides_are_type_checked(tmp_path):
         apply_override(cfg, "model.mlp_only_layers=0")
     with pytest.raises(ConfigError, match=r"expected a JSON list such as \[\"a\",\"b\"\] \(double-quoted strings\)"):
         apply_override(cfg, "optim.muon_exclude=embed*")
+    with pytest.raises(ConfigError, match=r"neither valid JSON \(a blend.* nor an existing directory"):
+        apply_override(cfg, 'data.path={"/data/a": 1')
     with pytest.raises(ConfigError, match="unknown field 'stpes'.*steps"):
         apply_override(cfg, "train.stpes=3")
     with pytest.raises(ConfigError, match="unknown field 'trian'"):

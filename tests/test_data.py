@@ -3,6 +3,9 @@
 import argparse
 import json
 import math
+import os
+import subprocess
+import sys
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -191,8 +194,14 @@ def test_crash_mid_write_keeps_previous_dataset(tmp_path):
         write_dataset(tmp_path / "ds", exploding(), 10, eos_id=None)
     assert TokenDataset(tmp_path / "ds").tokens.tolist() == [1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds"]
+    # a killed writer's temporary directory (its pid gone) goes at the next write; a live writer's stays
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    for pid in (gone.pid, os.getppid()):
+        (tmp_path / f".ds.tmp-{pid}").mkdir()
     write_dataset(tmp_path / "ds", [[6, 7]], 10, eos_id=None)  # replacing a dataset is allowed
     assert TokenDataset(tmp_path / "ds").tokens.tolist() == [6, 7]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".ds.tmp-{os.getppid()}", "ds"]
 
 
 def test_read_errors(tmp_path):

@@ -146,6 +146,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("eval-path-too-small", "train {cfg} --set data.eval_samples=400 --set data.eval_path={data}", "data.eval_path"),
     ("out-under-file", "train {cfg} --out {notes}/run", "notes.txt"),
     ("out-is-file", "train {cfg} --out {notes}", "notes.txt"),
+    ("out-dangling-link", "train {cfg} --out {dangling}", "dangling is a symbolic link to"),
     ("checkpoints-is-file", "train {cfg} --out {run_ckfile}", "checkpoints"),
     ("init-from-missing", "train {cfg} --set train.init_from={tmp}/nowhere", "train.init_from"),
     ("init-from-corrupt", "train {cfg} --set train.init_from={hf_junk}", "model.safetensors"),
@@ -255,6 +256,8 @@ def make_env(tmp: Path) -> dict:
     env["run_ckfile"] = tmp / "run_ckfile"
     env["run_ckfile"].mkdir()
     (env["run_ckfile"] / "checkpoints").write_text("")
+    env["dangling"] = tmp / "dangling"
+    env["dangling"].symlink_to(tmp / "nowhere")
 
     model = config.model.build_model()
     model.init_weights(0)
@@ -375,6 +378,8 @@ TOOL_CASES = [  # (id, command line, what the one line must name)
     ("eval-offsets-damaged", "eval {hf} --tokens {data_bad_offsets}", "doc_offsets.npy is damaged: not an .npy array"),
     ("eval-meta-not-int", "eval {hf} --tokens {data_meta_str}", "meta.json: num_tokens='lots' is not an integer"),
     ("eval-hf-more-layers", "eval {hf_fewer} --tokens {tokens}", "past the config's"),
+    ("convert-over-training-checkpoint", "convert {hf} {run_over}/checkpoints/step_00000001 --overwrite",
+     "step_00000001 is a training checkpoint (with its optimizer state)"),
     ("convert-tokenizer-broken", "convert {run_tok} {tools}/c", "data_tok_a/tokenizer.json is not a tokenizer ("),
     ("convert-config-list", "convert {hf_list} {tools}/c", "config.json holds a JSON list"),
     ("eval-config-list", "eval {hf_list} --tokens {tokens}", "config.json holds a JSON list"),
@@ -443,6 +448,7 @@ def tool_env(env):
     meta_file.write_text(json.dumps(dict(meta, meta_crc32=ckpt._json_crc(meta))))
     out["tokens_u64"] = tools / "tokens_u64.npy"
     np.save(out["tokens_u64"], np.array([[1, 2, 2**63 + 5]], dtype=np.uint64))
+    copy(env["tmp"] / "run_good", "run_over")
     out["tokens_long"] = tools / "tokens_long.npy"
     np.save(out["tokens_long"], np.ones((1, config["max_position_embeddings"] + 2), np.int64))
     (copy(out["data_tok_a"], "data_bad_offsets") / "doc_offsets.npy").write_text("garbage")

@@ -165,6 +165,9 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
     if overwrite and b.is_dir() and (kept := _kept(b)):
         raise UserError(f"convert --overwrite: DST {dst} is not only an HF export or a checkpoint (it holds "
                         f"{', '.join(kept[:4])}); --overwrite replaces only those: move the rest out, or choose another DST")
+    if overwrite and ckpt.is_checkpoint(b) and "source" not in read_json(b / "meta.json", "move it away"):
+        raise UserError(f"convert --overwrite: DST {dst} is a training checkpoint (with its optimizer state), not one "
+                        "convert wrote; a run resumes from it: choose another DST")
     tmp = dst.with_name(dst.name + ".tmp")  # where both directions write first
     try:
         if is_hf_dir(src):

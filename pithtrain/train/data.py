@@ -85,7 +85,9 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
         raise FileNotFoundError(f"tokenizer file {tokenizer_file} not found")
     check_output_dir(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+    for stale in [tmp, *path.parent.glob(f".{path.name}.tmp-*")]:  # this pid's, and those of writers since killed
+        if stale == tmp or not _running(stale.name.rsplit("-", 1)[1]):
+            shutil.rmtree(stale, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
         eos = None if eos_id is None else np.array([eos_id], dtype=dtype)
@@ -137,6 +139,17 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
             raise failure from e
         raise
     return meta
+
+
+def _running(pid: str) -> bool:
+    """Whether process `pid` (a decimal string) runs on this host; an unreadable one counts as running."""
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (ValueError, OSError):  # not a pid, or another user's process
+        return True
+    return True
 
 
 def _install(tmp: Path, path: Path) -> None:

@@ -116,6 +116,9 @@ def check_unheld(out: Path) -> None:
 
 def check_out(out: Path) -> None:
     """`out` is new, empty or a run directory."""
+    if out.is_symlink() and not out.exists():
+        raise ValueError(f"--out {out} is a symbolic link to {os.readlink(out)}, which does not exist; create that "
+                         "directory, or pass another --out")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a directory (new, empty, or a PithTrain run directory)")
     if out.is_dir() and any(out.iterdir()) and not is_run_dir(out):
