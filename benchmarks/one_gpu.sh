@@ -66,6 +66,7 @@ runs=(
     "python -m pytest -q tests/gpu"
     "python benchmarks/peers/torchtitan.py --family qwen3 --layers 4 --seq 4096 --batch 2 --accum 4 --steps 6"         # 32: same-run peer vs torchtitan (needs .peers: get_torchtitan.sh; carry .peers)
     "python benchmarks/peers/torchtitan.py --family deepseek_v3 --layers 4 --seq 4096 --batch 2 --accum 4 --steps 6"   # 32: its DeepSeek-V3 at Moonlight width
+    "env PYTHONPATH=.:.whl $T --family qwen3_5 --layers 5 --steps 5 --batch 4 --accum 4"   # Qwen3.5 at its deepest: MFU (51.1% at 21c0c17) and the peak against estimate-memory's 112.7 GiB (123.0 measured at 4fc665b); carry .whl (the unpacked flash-linear-attention and fla-core 0.6.0 wheels)
 )
 first=${1-1} last=${2-${#runs[@]}}
 if (( $# > 2 )) || ! [[ $first =~ ^[1-9][0-9]*$ && $last =~ ^[1-9][0-9]*$ ]] || (( last > ${#runs[@]} || first > last )); then

@@ -3,6 +3,7 @@ each case a run of the CLI (in-process `cli.main`) on the CPU with a tiny Qwen3-
 
 import io
 import json
+import os
 import shutil
 from contextlib import redirect_stderr, redirect_stdout
 
@@ -11,10 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_config, tiny_deepseek_config, tiny_gpt_oss_config, write_run_file
+from conftest import markov_docs, tiny_config, tiny_deepseek_config, tiny_gpt_oss_config, write_run_file
 from pithtrain.cli import main
-from pithtrain.config import load_run_config
+from pithtrain.config import UserError, load_run_config
 from pithtrain.train import checkpoint as ckpt
+from pithtrain.train import loop
+from pithtrain.train.data import TokenDataset, write_dataset
 from pithtrain.train.loop import check_resume
 from pithtrain.train.metrics import read_metrics
 
@@ -44,9 +47,15 @@ def run(tmp_path_factory, dataset_dir):
     return tmp, config, tmp / "run"
 
 
-def test_changed_model_data_order_or_batch_is_refused(run, dataset_dir):
+def other_dataset(path):
+    """A dataset of the tiny vocabulary with other documents than conftest's dataset_dir."""
+    write_dataset(path, markov_docs(np.random.default_rng(8), 64, 400), vocab_size=64, eos_id=0)
+    return path
+
+
+def test_changed_model_data_order_or_batch_is_refused(run):
     tmp, config, out = run
-    moved = shutil.copytree(dataset_dir, tmp / "other_data")
+    moved = other_dataset(tmp / "other_data")
     for sets, names in [
         (["model.moe_intermediate_size=32", "data.seed=7"], ["model.moe_intermediate_size 16 -> 32", "data.seed 1234 -> 7"]),
         (["train.global_batch_size=16"], ["train.global_batch_size 8 -> 16"]),
@@ -94,6 +103,67 @@ def test_lr_schedule_and_steps_change_with_a_warning_then_fewer_steps_are_refuse
     code, printed, err = cli("train", config, "--out", out, "--steps", "3", "--set", "optim.lr=1e-3",
                              "--set", "optim.schedule=constant")
     assert code == 0 and "nothing to do" in printed, err
+
+
+def test_a_moved_dataset_resumes_where_it_stopped(run, tmp_path, dataset_dir, capsys):
+    """A blend whose first dataset moved (its tokenizer and content SHA-256, the weights and order as recorded): one
+    note, and the run goes on with the losses it had where the data stayed (one dataset moved: the note too). Another
+    dataset there, another order or weights, or a checkpoint without each dataset's identity (older runs): refused
+    as a changed data.path."""
+    a, other = shutil.copytree(dataset_dir, tmp_path / "a"), other_dataset(tmp_path / "other")
+    config = write_run_file(tmp_path / "blend.py", a, f"CONFIG.data.path = {{{str(a)!r}: 1.0, {str(other)!r}: 1.0}}\n")
+    out = tmp_path / "run"
+    assert cli("train", config, "--out", out, "--set", "train.checkpoint_every=1")[0] == 0
+    stayed = [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(out / "metrics.jsonl")]
+    shutil.rmtree(out / "checkpoints/step_00000002")  # resumed from step 1
+    b = a.rename(tmp_path / "b")
+    code, printed, err = cli("train", config, "--out", out, "--set", "train.checkpoint_every=1",
+                             "--set", f"data.path={json.dumps({str(b): 1, str(other): 1})}")
+    assert code == 0 and [line for line in printed.splitlines() if line.startswith(("note:", "warning:"))] == [
+        f"note: data.path moved: {a} -> {b}; the same data as {out}/checkpoints/step_00000001 recorded (tokenizer "
+        "and content SHA-256, weights, order): the run goes on with it"], err
+    assert [(m["step"], m["loss"], m["grad_norm"]) for m in read_metrics(out / "metrics.jsonl")] == stayed
+
+    def check(checkpoint, *parts, echo=False):
+        cfg = load_run_config(config)
+        cfg.data.path, cfg.train.steps = {str(p): w for p, w in parts} if len(parts) > 1 else str(parts[0][0]), 10
+        check_resume(cfg, checkpoint, echo=echo, datasets=[TokenDataset(p) for p, _ in parts])
+
+    step2, c = ckpt.list_checkpoints(out)[-1], shutil.copytree(b, tmp_path / "c")
+    check(step2, (c, 1.0), (other, 1.0))
+    meta = json.loads((step2 / "meta.json").read_text())
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old/meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "datasets"}))
+    d = shutil.copytree(other, tmp_path / "d")
+    for checkpoint, parts in [(step2, [(other, 1.0), (c, 1.0)]), (step2, [(c, 1.0), (other, 3.0)]),
+                              (step2, [(d, 1.0), (other, 1.0)]), (tmp_path / "old", [(c, 1.0), (other, 1.0)])]:
+        with pytest.raises(UserError, match="cannot resume from .*: data.path .* changed since it was written"):
+            check(checkpoint, *parts)
+    with pytest.raises(UserError) as e:
+        check(step2, (d, 1.0))
+    assert str(e.value) == (f"cannot resume from {step2}: data.path [[{str(b)!r}, 0.5], [{str(other)!r}, 0.5]] -> "
+                            f"{str(d)!r} changed since it was written (a relative data.path resolves against the "
+                            "working directory); undo the change (--set) or train into a new --out")
+    capsys.readouterr()
+    check(ckpt.list_checkpoints(run[2])[-1], (c, 1.0), echo=True)  # one dataset: the run fixture's, copied
+    assert capsys.readouterr().out.splitlines()[0].startswith(f"note: data.path moved: {dataset_dir} -> {c}; the same")
+
+
+def test_a_bad_line_in_metrics_is_named_before_the_model_loads(run, tmp_path, monkeypatch):
+    """metrics.jsonl is cut back to the checkpoint's step by its rows' "step": a line without one is named, with its
+    number and the fix, before the model is built (and --dry-run says so too)."""
+    _, config, out = run
+    copy = shutil.copytree(out, tmp_path / "run")
+    logged = (copy / "metrics.jsonl").read_text()
+    monkeypatch.setattr(loop, "build_model", lambda *args: pytest.fail("the model was built"))
+    for line, what in [('{"note": "mine"}', 'has no integer "step"'), ("[1, 2]", 'has no integer "step"'),
+                       ("not json", "is not JSON (Expecting value)")]:
+        (copy / "metrics.jsonl").write_text(logged + line + "\n")
+        message = (f"error: {copy / 'metrics.jsonl'}: line {logged.count(chr(10)) + 1} {what}; remove that line "
+                   "(or move it to another file), then resume")
+        for dry in ([], ["--dry-run"]):
+            code, _, err = cli("train", config, "--out", copy, "--steps", "10", *dry)
+            assert refused(code, err, message), err
 
 
 def test_mesh_compile_and_logging_may_change(run):
@@ -232,3 +302,8 @@ def test_dry_run_warns_when_the_estimate_exceeds_the_gpu(tmp_path, dataset_dir, 
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=1024))
     code, printed, err = cli("train", config, "--out", tmp_path / "run", "--dry-run", "--set", "train.device=cpu")
     assert code == 0 and "warning: the estimate exceeds this machine's GPU (0.0 GiB)" in printed, err
+    # on the CPU, the parameter state past the machine's memory is refused before anything is built
+    monkeypatch.setattr(os, "sysconf", lambda name: {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": 16}[name])
+    code, _, err = cli("train", config, "--out", tmp_path / "run", "--dry-run", "--set", "train.device=cpu")
+    assert code == 2 and "GiB on the CPU (fp32 weights, gradients and AdamW moments, 16 bytes each), more than this " \
+                         "machine's 0.0 GiB; train it on GPUs" in err, err

@@ -136,6 +136,7 @@ class Run:
         state = ckpt.training_state(self.model, self.optimizer, self.mesh)
         meta = {"samples_consumed": step * t.global_batch_size, "config": run_dict(self.config),
                 "dataset": self.loader.dataset.identity,  # what convert's tokenizer and a resume are checked against
+                "datasets": [part.dataset.identity for part in getattr(self.loader, "parts", [self.loader])],  # each of a blend's
                 "data_path": _flat({"data": {"path": self.config.data.path}})["data.path"]}  # real paths (a blend's too)
         try:
             ckpt.save_checkpoint(self.out_dir, step, state, meta, self.config.model.to_hf(), t.keep_checkpoints)
@@ -447,8 +448,8 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
     """What can fail before a model is built, checked first (and by `pithtrain train` before it starts
     workers): the run directory takes files (`create`: make it, on one rank), data.path is a dataset
     whose ids fit the model's vocabulary (and so is data.eval_path), the hold-out leaves a batch to
-    train on, and a checkpoint to resume agrees with this config (check_resume). Returns the batch
-    loader, the eval samples (eval_windows) and the checkpoint to resume from (None: start afresh)."""
+    train on, and a checkpoint to resume agrees with this config (check_resume), its metrics.jsonl too. Returns
+    the batch loader, the eval samples (eval_windows) and the checkpoint to resume from (None: start afresh)."""
     if stop_after is not None and stop_after < 1:
         raise ConfigError(f"--stop-after {stop_after}: must be at least 1")
     if create:
@@ -463,7 +464,7 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
     loader = open_training_data(d.path, d.seq_len, config.train.global_batch_size, d.seed, d.pack_documents,
                                 0 if d.eval_path else d.eval_samples, config.model.vocab_size)
     _ = loader.dataset.identity  # hashed now: checkpoints record the dataset the run started on
-    check_model_size(config.model)
+    check_model_size(config.model, pick_device(config.train.device).type == "cpu")
     layers, pp = config.model.num_hidden_layers, config.parallel.pp
     if idle := ranks_without_layers(layers, pp):  # nothing to train there: its optimizer would refuse an empty list
         least = next(n for n in range(layers, 4 * pp) if not ranks_without_layers(n, pp))
@@ -482,7 +483,8 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
             print(f"note: {logged} holds an earlier run's steps, with no checkpoint to resume from: this run starts at "
                   f"step 0; {'moved' if create else 'would move'} that file to {kept.name}", flush=True)
     if found is not None:  # the newest checkpoint whose files pass their checksums
-        check_resume(config, found, stop_after, echo, loader.dataset)
+        check_metrics(logged)
+        check_resume(config, found, stop_after, echo, [part.dataset for part in getattr(loader, "parts", [loader])])
     elif config.train.init_from:
         check_init_from(config, echo, verify=not create)  # a run verifies the checkpoint as it loads it
     return loader, eval_windows(config, loader), found
@@ -531,9 +533,10 @@ def check_init_from(config: RunConfig, echo: bool, verify: bool = False) -> None
 MAX_PARAMETERS = 10**13  # ten times the largest released MoE: past it, a size field is a typo
 
 
-def check_model_size(model_cfg) -> None:
+def check_model_size(model_cfg, on_cpu: bool = False) -> None:
     """The model's weights can be laid out (counted on the meta device) and are not absurdly many: a
-    size field off by orders of magnitude fails here in one line, not in an allocation traceback."""
+    size field off by orders of magnitude fails here in one line, not in an allocation traceback. `on_cpu`: their
+    fp32 weights, gradients and AdamW moments fit this machine's memory, else the kernel kills the run unannounced."""
     sizes = ", ".join(f"{f.name}={getattr(model_cfg, f.name)}" for f in dataclasses.fields(model_cfg)
                       if isinstance(getattr(model_cfg, f.name), int) and getattr(model_cfg, f.name) > 4096)
     try:
@@ -544,6 +547,11 @@ def check_model_size(model_cfg) -> None:
     if total > MAX_PARAMETERS:
         raise UserError(f"model: {total:.3g} parameters, more than {MAX_PARAMETERS:.0e}: a size field is too large "
                         f"({sizes}); fix it")
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if on_cpu and hasattr(os, "sysconf") else math.inf
+    if 16 * total > ram:
+        raise UserError(f"model: {total:.3g} parameters need {16 * total / 2**30:.1f} GiB on the CPU (fp32 weights, "
+                        f"gradients and AdamW moments, 16 bytes each), more than this machine's {ram / 2**30:.1f} GiB; "
+                        f"train it on GPUs, or make it smaller ({sizes or 'the model fields'})")
 
 
 def check_muon_takes_some(config: RunConfig, echo: bool = False) -> None:
@@ -647,9 +655,10 @@ WARNED = ("optim.", "train.steps", "train.lb_coef", "train.lb_type", "train.mtp_
 
 
 def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = None, echo: bool = True,
-                 dataset: TokenDataset | None = None) -> None:
+                 datasets: list[TokenDataset] = ()) -> None:
     """Compare the run config stored in `checkpoint` (meta.json) with `config`, field by field, and
-    the dataset it recorded (its real path and identity) with `dataset`, this run's data.path."""
+    the datasets it recorded (real paths and identities) with `datasets`, those of this run's data.path:
+    a data.path whose datasets moved, their identities, weights and order alike, is taken with a note."""
     meta = read_json(checkpoint / "meta.json", f"move {checkpoint} away to resume from the checkpoint before it")
     old, new = _flat(meta.get("config", {})), _flat(json.loads(json.dumps(run_dict(config))))
     recorded = meta.get("dataset") or {}
@@ -657,11 +666,15 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
         old["data.path"] = meta["data_path"]
     elif "path" in recorded and not isinstance(old.get("data.path"), list):
         old["data.path"] = recorded["path"]
-    if dataset is not None and recorded.get("path") == dataset.identity["path"] and recorded != dataset.identity:
-        raise UserError(f"cannot resume from {checkpoint}: the dataset at {recorded['path']} changed since it was "
+    ids = meta.get("datasets") or [recorded] * bool(recorded)  # each dataset's (older runs: the first's, or none)
+    current = [dataset.identity for dataset in datasets]
+    if bad := next((r.get("path") for r, i in zip(ids, current) if r.get("path") == i["path"] and r != i), None):
+        raise UserError(f"cannot resume from {checkpoint}: the dataset at {bad} changed since it was "
                         "written (its tokenizer.json, meta.json or doc_offsets.npy differ); restore that dataset, or "
                         "train into a new --out")
     changed = {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
+    if moves := "data.path" in changed and _moved(*changed["data.path"], ids, current):
+        del changed["data.path"]
 
     def show(keys):
         return ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in keys)
@@ -684,6 +697,9 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
     if 0 < config.train.profile_step <= step:  # else silently never taken
         raise UserError(f"train.profile_step={config.train.profile_step}: the run resumes after step {step} ({checkpoint}); "
                         f"give a later step")
+    if moves and echo:
+        print(f"note: data.path moved: {moves}; the same data as {checkpoint} recorded (tokenizer and content SHA-256, "
+              "weights, order): the run goes on with it", flush=True)
     if changed.pop("train.init_from", None) and echo:  # a resume loads its own checkpoint, never init_from's
         print(f"note: train.init_from is not used: the run resumes from its own {checkpoint}; train into a new --out "
               "to start from it", flush=True)
@@ -693,6 +709,26 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
         print(f"warning: resuming at step {step} with {show(warned)}: applied from here on", flush=True)
     if echo and len(warned) < len(changed):
         print(f"note: also changed: {show(k for k in changed if k not in warned)}", flush=True)
+
+
+def _moved(was, now, recorded: list[dict], found: list[dict]) -> str | None:
+    """'X -> Y, ...' when data.path `now` (flat: real paths) names the datasets `recorded` at `was`, some moved:
+    each one's identity but its path, weight and place alike; else None."""
+    was, now = ([[p, 1.0]] if isinstance(p, str) else p for p in (was, now))
+    same = len(recorded) == len(found) == len(was) == len(now) and all(
+        w == v and {**r, "path": ""} == {**f, "path": ""} for (_, w), (_, v), r, f in zip(was, now, recorded, found))
+    return ", ".join(f"{p} -> {q}" for (p, _), (q, _) in zip(was, now) if p != q) if same else None
+
+
+def check_metrics(path: Path) -> None:
+    """A resumed run's metrics.jsonl, which resume cuts back by "step": a row without an integer one is named, early."""
+    fix = "remove that line (or move it to another file), then resume"
+    try:
+        rows = read_metrics(path, numbered=True) if path.is_file() else []
+    except ValueError as e:
+        raise UserError(f"{path}: {e}; {fix}") from None
+    if bad := next((n for n, m in rows if not isinstance(m, dict) or not isinstance(m.get("step"), int)), None):
+        raise UserError(f'{path}: line {bad} has no integer "step"; {fix}')
 
 
 def _flat(config: dict) -> dict:
