@@ -28,12 +28,7 @@ its gated `chunk_bwd_dqkwg` kernel on Hopper with Triton in [3.4, 3.7.1) (its is
 results); there our `dqkwg_triton` (the same chunk formulas as one Triton kernel that never transposes
 a matmul result; `dqkwg_torch` is its batched PyTorch reference) takes its place in FLA's gated-delta-
 rule backward (`_patch_fla`). Without fla on CUDA: the chunked PyTorch path, with one warning per
-process. Checked: dqkwg_torch against FLA's kernel (benchmarks/delta_rule_interpreter.py) and
-dqkwg_triton against dqkwg_torch under the Triton interpreter (tests/triton_interpreter_cases.py); on an
-H200 (torch 2.11, Triton 3.6) FLA with either against float64 in tests/gpu/test_delta_rule_gpu.py.
-Speed there, B=4, S=4096, H=32, D=128 bf16 (benchmarks/delta_rule.py): FLA fwd 1.06 ms, fwd+bwd 3.7 ms
-with dqkwg_triton (1.0 ms of it; dqkwg_torch: 10 ms, fwd+bwd 13.3 ms); the chunked path 14.6 / 118 ms
-eager, 12.9 / 48 ms compiled.
+process. How each path is checked, and its speed: docs/performance.md, "The gated delta rule".
 """
 
 from __future__ import annotations
