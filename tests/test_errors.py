@@ -401,6 +401,7 @@ TOOL_CASES = [  # (id, command line, what the one line must name)
     ("plot-loss-dict", "plot {metrics_dict}", "line 1: loss={'a': 1} is not a number"),
     ("plot-bad-line-4", "plot {metrics_line4}", "line 4 is not JSON"),
     ("plot-out-format", "plot {tmp}/run_good --out {tools}/x.txt", "--out"),
+    ("plot-out-users-file", "plot {tmp}/run_good --out {user_png}", "user.png exists and is not an image an earlier plot"),
 ]
 
 TOOL_PATCHES = {"tokenize-jsonl-before-bpe": lambda: mock.patch("pithtrain.tools.tokenize.train_bpe",
@@ -449,6 +450,8 @@ def tool_env(env):
     out["tokens_u64"] = tools / "tokens_u64.npy"
     np.save(out["tokens_u64"], np.array([[1, 2, 2**63 + 5]], dtype=np.uint64))
     copy(env["tmp"] / "run_good", "run_over")
+    out["user_png"] = tools / "user.png"
+    out["user_png"].write_bytes(b"\x89PNG\r\n\x1a\n a photo, not a plot")
     out["tokens_long"] = tools / "tokens_long.npy"
     np.save(out["tokens_long"], np.ones((1, config["max_position_embeddings"] + 2), np.int64))
     (copy(out["data_tok_a"], "data_bad_offsets") / "doc_offsets.npy").write_text("garbage")

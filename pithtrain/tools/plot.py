@@ -31,6 +31,15 @@ def _rows(run: Path) -> list[dict]:
     return [m for _, m in rows]
 
 
+def _made_by_matplotlib(path: Path) -> bool:
+    """An image matplotlib wrote (an earlier plot's, replaced without asking): PNG and SVG name it near their
+    start, PDF near its end."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+        f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+        return b"atplotlib" in head + f.read()
+
+
 def run_plot(args) -> int:
     """`pithtrain plot`: the runs' metrics.jsonl drawn into --out (default: metrics.png in the first run)."""
     runs = [Path(run) for run in args.runs]
@@ -41,6 +50,9 @@ def run_plot(args) -> int:
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; name the PNG file to write, e.g. {out / 'metrics.png'}")
     out = out if out.suffix else out.with_name(out.name + ".png")  # as matplotlib names it
+    if out.is_file() and not _made_by_matplotlib(out):
+        raise UserError(f"--out {out} exists and is not an image an earlier plot wrote; choose another path (or move "
+                        "that file away)")
     try:
         import matplotlib
     except ImportError:
@@ -62,14 +74,16 @@ def run_plot(args) -> int:
             axes[0].plot(*zip(*evals), color=color, linestyle="--", marker=".")
     axes[0].legend(fontsize="small")
     fig.tight_layout()
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")  # renamed over `out` once whole
     try:
-        fig.savefig(out)
+        fig.savefig(tmp)
+        os.replace(tmp, out)
     except ValueError as e:  # a format matplotlib does not write (nothing written)
         raise UserError(f"--out {out}: {e}; name a .png file") from None
     except OSError as e:
-        out.unlink(missing_ok=True)  # a partial image
         raise disk_error(e, out, then="plot again") or e
     finally:
         plt.close(fig)
+        tmp.unlink(missing_ok=True)  # a partial image; an earlier `out` is kept
     print(f"wrote {out}")
     return 0
