@@ -76,6 +76,8 @@ def main():
         hf_cfg = read_source(args.source)
     except runs.BadInput as e:
         return runs.verdict(False, str(e))
+    if args.work and Path(args.work).exists() and not Path(args.work).is_dir():
+        return runs.verdict(False, f"--work {args.work} is a file; pass a new directory")
     if args.work and any((Path(args.work) / name).exists() for name in ("hf", "export")):
         return runs.verdict(False, f"--work {args.work} already holds hf/ or export/: pass a new directory")
     with runs.workdir(args.work, "parity-") as work:
@@ -95,12 +97,12 @@ def check(args, hf_cfg: dict, work: Path) -> int:
             print(f"note: transformers has no multi-token prediction layer: the random copy has num_nextn_predict_layers "
                   f"{hf_cfg['num_nextn_predict_layers']} -> 0 (an HF directory with MTP weights checks them too)")
             hf_cfg = dict(hf_cfg, num_nextn_predict_layers=0)
-        try:
-            config = AutoConfig.for_model(**hf_cfg)
-        except (TypeError, ValueError, KeyError) as e:
-            return runs.verdict(False, f"{source}: transformers cannot read it ({type(e).__name__}: {e})")
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        try:  # transformers' own checks come as its own exception types: any of them is a FAIL naming the file
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**hf_cfg), dtype=torch.float32)
+        except Exception as e:
+            return runs.verdict(False, f"{source}: transformers cannot build it ({type(e).__name__}: "
+                                       f"{str(e).splitlines()[0][:200] if str(e) else ''})")
         with torch.no_grad():
             for p in model.parameters():
                 p.normal_(0, args.std)
@@ -110,8 +112,10 @@ def check(args, hf_cfg: dict, work: Path) -> int:
     try:
         hf, _ = hf_load(source)
         ours = load_model(source)
-    except (UserError, OSError) as e:
+    except UserError as e:
         return runs.verdict(False, (str(e) if str(source) in str(e) else f"{source}: {e}").splitlines()[0])
+    except Exception as e:  # transformers' or safetensors' refusal of the weights (missing, damaged, another shape)
+        return runs.verdict(False, f"{source}: loading it failed ({type(e).__name__}: {(str(e) or '?').splitlines()[0][:200]})")
     ids = torch.randint(0, ours.cfg.vocab_size, (args.batch, args.seq))
     pos = torch.arange(args.seq).expand(args.batch, args.seq)
     with torch.no_grad():
