@@ -624,7 +624,8 @@ def test_ab_test_switch_judges_gain_loss_and_noise(tmp_path, monkeypatch):
     assert gain.returncode == 0 and gain.stdout.splitlines()[-1] == "PASS: B is 3.9% faster (1.039x), beyond the noise (0.3%)"
     assert "[75,000, 75,400, 75,200]" in gain.stdout and "stage 3 backward 401.0 -> 361.0" in gain.stdout
     strict = run_script(script, "--from-results", results, "--line", 1, "--min-gain", 0.05)
-    assert strict.returncode == 1 and "within the noise" in strict.stdout.splitlines()[-1]
+    assert strict.returncode == 1 and strict.stdout.splitlines()[-1] == \
+        "FAIL: B/A = 1.039x: beyond the noise (0.3%) but within --min-gain 5.0%; keep A", strict.stdout
     loss = run_script(script, "--from-results", results, "--line", 2)
     assert loss.returncode == 1 and loss.stdout.splitlines()[-1].startswith("FAIL: B is 2.8% slower"), loss.stdout
     noise = run_script(script, "--from-results", results, "--line", 3)
@@ -632,7 +633,10 @@ def test_ab_test_switch_judges_gain_loss_and_noise(tmp_path, monkeypatch):
     latest = run_script(script, "--from-results", results)  # the last line is no A/B run: the latest that is
     assert latest.stdout.splitlines()[0] == f"judging line 3 of {results}, its latest train_throughput.py --ab run", latest.stdout
     assert latest.returncode == 1 and "within the noise (3.7%" in latest.stdout.splitlines()[-1], latest.stdout
+    damaged = tmp_path / "damaged.jsonl"  # a line edited by hand
+    damaged.write_text(json.dumps({k: v for k, v in cases[0].items() if k != "ab_a"}) + "\n")
     for args, reason in [(["--from-results", results, "--line", 4], "line 4 is not a train_throughput.py --ab run"),
+                         (["--from-results", damaged, "--line", 1], "the --ab line is damaged (KeyError: 'ab_a')"),
                          (["--from-results", results, "--line", 9], "--line 9: "),
                          (["--from-results", tmp_path / "none.jsonl"], "no such results file"),
                          ([], "give SWITCH")]:

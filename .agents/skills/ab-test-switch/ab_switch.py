@@ -76,6 +76,8 @@ def judge(line: dict, min_gain: float, arm: str = "B") -> tuple[bool, str]:
         return True, f"{arm} is {gain:.1%} faster ({ratio:.3f}x), beyond the noise ({noise:.1%})"
     if gain <= -max(min_gain, noise):
         return False, f"{arm} is {-gain:.1%} slower ({ratio:.3f}x): keep A"
+    if abs(gain) > noise:
+        return False, f"{arm}/A = {ratio:.3f}x: beyond the noise ({noise:.1%}) but within --min-gain {min_gain:.1%}; keep A"
     return False, (f"{arm}/A = {ratio:.3f}x, within the noise ({noise:.1%}; --min-gain {min_gain:.1%}): "
                    "no verdict; run more steps or keep A")
 
@@ -153,7 +155,11 @@ def main() -> int:
     line = read_line(args.from_results, args.line)
     if isinstance(line, str):
         return runs.verdict(False, line)
-    return runs.verdict(*judge(line, args.min_gain, args.arm))
+    try:
+        return runs.verdict(*judge(line, args.min_gain, args.arm))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # a line edited or cut by hand
+        return runs.verdict(False, f"{args.from_results}: the --ab line is damaged ({type(e).__name__}: {e}); judge a "
+                                   "line train_throughput.py wrote")
 
 
 if __name__ == "__main__":
