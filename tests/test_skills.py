@@ -272,7 +272,8 @@ def test_add_new_model_parity_script_refuses_bad_configs_before_building(tmp_pat
              "k99.json": (dict(good, num_experts_per_tok=99), "num_experts_per_tok=99"),
              "huge.json": (dict(good, hidden_size=16384, num_hidden_layers=100, num_experts=128, moe_intermediate_size=2048),
                            "parameters need about"),
-             "list.json": ([1], "holds a JSON list")}
+             "list.json": ([1], "holds a JSON list"),
+             "nohead.json": (dict(good, head_dim=None), "transformers cannot build it (TypeError: ")}  # passes ours
     for name, (content, _) in cases.items():
         (tmp_path / name).write_text(json.dumps(content))
     (tmp_path / "bad.json").write_text("{")
@@ -283,7 +284,7 @@ def test_add_new_model_parity_script_refuses_bad_configs_before_building(tmp_pat
         out = run_script(script, tmp_path / name)
         assert out.returncode == 1 and out.stdout.startswith(f"FAIL: {tmp_path / name}") and says in out.stdout, (name, out.stdout)
         assert len(out.stdout.splitlines()) == 1, out.stdout
-    for flag, value in (("--seq", 0), ("--batch", -1), ("--std", "nan")):
+    for flag, value in (("--seq", 0), ("--batch", -1), ("--std", "nan"), ("--work", tmp_path / "bad.json")):
         assert run_script(script, tmp_path / "abc.json", flag, value).returncode == 2
         assert f"argument {flag}: " in capsys.readouterr().err
 

@@ -55,6 +55,13 @@ NON_NEGATIVE = number(low=0)  # margins, tolerances, gains
 FRACTION = number(low=0, high=1)  # overlap shares
 
 
+def WORK_DIR(text: str) -> str:  # noqa: N802 (an argparse type, named as the ones above)
+    """An argparse type for --work: a directory, new or existing; a file there is argparse's one-line error."""
+    if not text or os.path.isfile(text) or (os.path.lexists(text) and not os.path.exists(text)):
+        raise argparse.ArgumentTypeError(f"{text!r}: a file, a broken link or empty; pass a directory (new or existing)")
+    return text
+
+
 def _file(path) -> Path:
     path = Path(path)
     if not path.is_file():

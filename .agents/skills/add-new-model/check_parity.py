@@ -70,14 +70,12 @@ def main():
     parser.add_argument("--seq", type=runs.COUNT, default=17)
     parser.add_argument("--batch", type=runs.COUNT, default=2)
     parser.add_argument("--std", type=runs.POSITIVE, default=0.2, help="random weights: std (large => non-trivial routing)")
-    parser.add_argument("--work", help="directory for the HF copies, kept (default: a temporary one, removed at the end)")
+    parser.add_argument("--work", type=runs.WORK_DIR, help="directory for the HF copies, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
     try:
         hf_cfg = read_source(args.source)
     except runs.BadInput as e:
         return runs.verdict(False, str(e))
-    if args.work and Path(args.work).exists() and not Path(args.work).is_dir():
-        return runs.verdict(False, f"--work {args.work} is a file; pass a new directory")
     if args.work and any((Path(args.work) / name).exists() for name in ("hf", "export")):
         return runs.verdict(False, f"--work {args.work} already holds hf/ or export/: pass a new directory")
     with runs.workdir(args.work, "parity-") as work:

@@ -323,7 +323,7 @@ def main():
     parser.add_argument("--min-overlap", type=runs.FRACTION, default=0.0, help="FAIL below this communication overlap (0..1)")
     parser.add_argument("--kind", choices=COLLECTIVES, help="apply --min-overlap to this collective kind only "
                         "(e.g. all-to-all/p2p: the expert-parallel all-to-alls when pp = 1)")
-    parser.add_argument("--work", help="directory of the run, kept (default: a temporary one, removed at the end)")
+    parser.add_argument("--work", type=runs.WORK_DIR, help="directory of the run, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
     if args.trace:
         return analyse_traces(args.trace, args)

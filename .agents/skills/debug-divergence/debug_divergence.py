@@ -137,7 +137,7 @@ def main():
     parser.add_argument("--rtol", type=runs.NON_NEGATIVE, default=1e-5, help="on the loss (fp32: 1e-5; bf16: about 2e-2); "
                         "lb_loss and grad_norm: the larger of it and 1e-3")
     parser.add_argument("--bisect", action="store_true", help="bisect even when no step diverged")
-    parser.add_argument("--work", help="directory for the runs made here, kept (default: a temporary one, removed at the end)")
+    parser.add_argument("--work", type=runs.WORK_DIR, help="directory for the runs made here, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
     import torch
 

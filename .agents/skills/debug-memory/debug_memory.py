@@ -194,7 +194,7 @@ def main():
     parser.add_argument("--step", type=runs.COUNT, default=2, help="the step to record (2: after the first step's warm-up)")
     parser.add_argument("--margin", type=runs.NON_NEGATIVE, default=0.15, help="PASS when |peak - estimate| <= margin x estimate")
     parser.add_argument("--top", type=runs.COUNT, default=12, help="rows of the call-site table")
-    parser.add_argument("--work", help="directory of the run made here, kept (default: a temporary one, removed at the end)")
+    parser.add_argument("--work", type=runs.WORK_DIR, help="directory of the run made here, kept (default: a temporary one, removed at the end)")
     parser.add_argument("--snapshot", help="read this record (RUN/memory/rank0.pickle or .json) instead of running")
     args = parser.parse_args()
     from pithtrain.config import ConfigError

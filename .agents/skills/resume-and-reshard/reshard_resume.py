@@ -33,7 +33,7 @@ def main():
     parser.add_argument("--rtol", type=runs.NON_NEGATIVE, default=1e-5, help="on the loss; fp32: 1e-5; bf16: about 2e-2")
     parser.add_argument("--rtol-aux", type=runs.NON_NEGATIVE, help=f"on lb_loss and grad_norm (default: the larger of "
                         f"--rtol and {compare_runs.AUX_FLOOR:g}); bf16: about 5e-2")
-    parser.add_argument("--work", help="directory for the two runs, kept (default: a temporary one, removed at the end)")
+    parser.add_argument("--work", type=runs.WORK_DIR, help="directory for the two runs, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
     if not args.stop_after < args.steps:
         parser.error(f"need --stop-after ({args.stop_after}) < --steps ({args.steps})")

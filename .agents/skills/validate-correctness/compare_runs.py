@@ -68,7 +68,7 @@ def main():
     parser.add_argument("--rtol-aux", type=runs.NON_NEGATIVE, help=f"on lb_loss and grad_norm (default: the larger of "
                         f"--rtol and {AUX_FLOOR:g}); bf16: about 5e-2")
     parser.add_argument("--metrics", nargs=2, metavar=("A", "B"), help="compare two metrics.jsonl files instead")
-    parser.add_argument("--work", help="directory for the two runs, kept (default: a temporary one, removed at the end)")
+    parser.add_argument("--work", type=runs.WORK_DIR, help="directory for the two runs, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
     if args.metrics:
         try:
