@@ -63,7 +63,15 @@ def read_ncu_csv(text: str) -> list[dict]:
         if unit not in UNITS:
             raise ValueError(f"unknown ncu unit {unit!r} of {row['Metric Name']}")
         k = kernels.setdefault(row["ID"], {"name": row["Kernel Name"]})
-        k[row["Metric Name"]] = float(value) * UNITS[unit]
+        try:
+            k[row["Metric Name"]] = float(value) * UNITS[unit]
+        except ValueError:
+            raise ValueError(f"{row['Metric Name']}={value!r} of kernel {row['Kernel Name'][:40]!r} is not a number") from None
+    for k in kernels.values():  # what every report reads
+        if missing := [m for m in METRICS[:3] if m not in k]:
+            raise ValueError(f"kernel {k['name'][:40]!r} has no {', '.join(missing)}; profile with this script's metrics")
+        if not k[METRICS[0]] > 0:
+            raise ValueError(f"kernel {k['name'][:40]!r}: {METRICS[0]}={k[METRICS[0]]}, not a duration")
     return list(kernels.values())
 
 
@@ -192,7 +200,7 @@ def main():
     parser.add_argument("--csv", type=Path, help="analyse this ncu --csv output: an op's with --flops and --min-bytes, "
                         "else a run's")
     parser.add_argument("--flops", type=runs.NON_NEGATIVE)
-    parser.add_argument("--min-bytes", type=runs.NON_NEGATIVE)
+    parser.add_argument("--min-bytes", type=runs.POSITIVE)
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
     parser.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles
     parser.add_argument("--facts", help=argparse.SUPPRESS)
@@ -204,7 +212,7 @@ def main():
     if args.csv is not None:
         try:
             kernels = read_ncu_csv(args.csv.read_text())
-        except (OSError, UnicodeDecodeError) as e:
+        except (OSError, UnicodeDecodeError, ValueError, KeyError) as e:  # KeyError: a column ncu writes is missing
             return verdict([f"--csv {args.csv}: cannot be read ({getattr(e, 'strerror', None) or e}); give the file "
                             "`ncu --csv --log-file` wrote"])
         if args.flops is None:
