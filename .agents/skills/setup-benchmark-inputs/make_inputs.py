@@ -12,6 +12,8 @@ stdlib / corpus: `pithtrain tokenize` with a byte-level BPE trained on the text.
 """
 
 import argparse
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +37,7 @@ def family_vocab(family: str) -> int:
 
 def write_random(out: str, family: str, tokens: int, seed: int, overwrite: bool) -> int | str:
     """The vocabulary written, or why --out is refused (before any token is drawn)."""
-    from pithtrain.train.data import check_output_dir, write_dataset
+    from pithtrain.train.data import check_output_dir, dtype_for_vocab, write_dataset
 
     try:
         check_output_dir(out)
@@ -44,6 +46,12 @@ def write_random(out: str, family: str, tokens: int, seed: int, overwrite: bool)
     if Path(out).is_dir() and any(Path(out).iterdir()) and not overwrite:
         return f"--out {out} already holds a dataset; choose a new directory, or pass --overwrite to replace it"
     vocab = family_vocab(family)
+    parent = next(p for p in Path(os.path.abspath(out)).parents if p.exists())
+    need = {"memory": 8 * tokens, "disk": dtype_for_vocab(vocab).itemsize * tokens}  # drawn as int64, stored narrow
+    have = {"memory": os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "disk": shutil.disk_usage(parent).free}
+    if short := next((k for k in need if need[k] > have[k]), None):
+        return (f"--tokens {tokens:,}: needs {need[short] / 2**30:.1f} GiB of {short}, this machine has "
+                f"{have[short] / 2**30:.1f}{f' free under {parent}' if short == 'disk' else ''}; ask for fewer tokens")
     ids = np.random.default_rng(seed).integers(0, vocab, size=tokens, dtype=np.int64)
     write_dataset(out, [ids], vocab, eos_id=None)
     return vocab
