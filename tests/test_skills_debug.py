@@ -87,7 +87,11 @@ def test_debug_divergence_bisect_names_the_factor_that_changes_the_run(tmp_path,
     assert lines[-1] == "FAIL: no step diverged; the metrics change beyond --rtol with: dtype (fp32 -> bf16)", said
     healthy = run_script(DIVERGENCE, config, "--run", tmp_path / "w" / "run", "--steps", 2)
     assert healthy.returncode == 0 and healthy.stdout.strip().splitlines()[-1].startswith("PASS: no step diverged")
-    # read as a run of 4 steps, it stopped after 2 (--stop-after, a kill): its re-run goes on, so no divergence
+    mismatch = run_script(DIVERGENCE, config, "--run", tmp_path / "w" / "run", "--steps", 3)  # not the run's schedule
+    assert mismatch.returncode == 1 and "FAIL: --steps 3: the run's train.steps is 2" in mismatch.stdout, mismatch.stdout
+    # as a run of 4 steps that stopped after 2 (--stop-after, a kill): its re-run goes on, so no divergence
+    stored = tmp_path / "w" / "run" / "run_config.json"
+    stored.write_text(json.dumps({**json.loads(stored.read_text()), "train": {**json.loads(stored.read_text())["train"], "steps": 4}}))
     stopped = run_script(DIVERGENCE, config, "--run", tmp_path / "w" / "run", "--steps", 4, "--factors", "dtype")
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
     assert stopped.stdout.strip().splitlines()[-1] == ("PASS: no divergence: the run stopped after step 2 of 4, and its "

@@ -160,6 +160,15 @@ def main():
             return runs.verdict(False, f"--run: {e}")
         if not logged:
             return runs.verdict(False, f"--run {args.run}: metrics.jsonl logs no step; nothing to diagnose")
+        ran = Path(args.run) / "run_config.json"  # the run's own train.steps, which set its lr schedule
+        try:
+            stored = runs.read_json(ran) if ran.is_file() else {}
+        except runs.BadInput as e:
+            return runs.verdict(False, f"--run: {e}")
+        steps = stored.get("train", {}).get("steps") if isinstance(stored, dict) and isinstance(stored.get("train"), dict) else None
+        if steps is not None and steps != args.steps:
+            return runs.verdict(False, f"--steps {args.steps}: the run's train.steps is {steps} ({ran}); pass --steps {steps}, "
+                                       "the schedule the re-runs must repeat")
     if args.work and any((Path(args.work) / name).exists() for name in ("run", *FACTORS)):
         return runs.verdict(False, f"--work {args.work} already holds runs of this script: pass a new directory")
     factors = variants(args, config, cuda)
