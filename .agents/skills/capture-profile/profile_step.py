@@ -196,7 +196,10 @@ def read_trace(path: Path) -> list[dict]:
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         raise runs.BadInput(f"{path} is not a Chrome trace (no traceEvents list): give the profile_step's "
                             f"RUN/profile/rank<r>.json")
-    return [e for e in trace["traceEvents"] if isinstance(e, dict)]
+    events = [e for e in trace["traceEvents"] if isinstance(e, dict)]
+    if not any(isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float)) for e in events):
+        raise runs.BadInput(f"{path} holds no timed event (numeric ts and dur): give the profile_step's RUN/profile/rank<r>.json")
+    return events
 
 
 def analyse(events: list[dict]) -> dict:
