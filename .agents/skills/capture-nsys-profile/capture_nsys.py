@@ -40,6 +40,8 @@ def main():
         return verdict([f"--capture {args.capture!r}: expected FIRST:LAST with 1 <= FIRST <= LAST, e.g. 3:4"])
     if args.out is not None and args.out.exists():
         return verdict([f"--out {args.out} exists; give a new directory (nothing is overwritten)"])
+    if refused := runs.refusal(args.config, int(last), [("the run", args.train_args, args.set, None)]):
+        return verdict([refused])  # a config or mesh `pithtrain train` refuses: said before nsys starts
     out = args.out or Path(tempfile.mkdtemp(prefix="nsys-"))
     report, sqlite = out / "capture.nsys-rep", out / "capture.sqlite"
     env = dict(os.environ, PITHTRAIN_NVTX="1", PITHTRAIN_PROFILE_STEPS=args.capture)
@@ -53,10 +55,12 @@ def main():
                         "nsight-systems package) and put its bin directory on PATH; without it, use the capture-profile "
                         "skill (torch profiler, the same ranges) or profile-kernel (ncu)"])
     out.mkdir(parents=True, exist_ok=True)
-    if subprocess.run(profile, env=env).returncode != 0:
-        return verdict(["the profiled run did not finish (its error is above)"])
-    if not report.is_file():
-        return verdict([f"nsys wrote no {report}: did the run reach step {first}?"])
+    failed = ("the profiled run did not finish (its error is above)" if subprocess.run(profile, env=env).returncode
+              else None if report.is_file() else f"nsys wrote no {report}: did the run reach step {first}?")
+    if failed:
+        if args.out is not None and not any(out.rglob("*.*")):  # nothing of use: the retry may take the same --out
+            shutil.rmtree(out, ignore_errors=True)
+        return verdict([failed])
     export = ["nsys", "export", "--type=sqlite", "--force-overwrite=true", f"--output={sqlite}", str(report)]
     print(f"$ {shlex.join(export)}", flush=True)
     if subprocess.run(export).returncode != 0:
