@@ -146,9 +146,12 @@ def test_capture_profile_names_ranks_and_refuses_bad_traces(tmp_path, capsys):
     assert two.stdout.splitlines()[-1] == "FAIL: rank0: overlap 0.0% < 20%; rank1: overlap 0.0% < 20%", two.stdout
     none = run_script(script, "--trace", tmp_path / "cpu.json", "--min-overlap", 0.2, "--kind", "all-to-all/p2p")
     assert none.stdout.splitlines()[-1] == "FAIL: cpu: no NCCL all-to-all/p2p kernels (--min-overlap 20%)", none.stdout
-    (tmp_path / "empty.json").write_text(json.dumps({"traceEvents": []}))
-    empty = run_script(script, "--trace", tmp_path / "empty.json")
-    assert empty.returncode == 1 and empty.stdout.splitlines()[-1].startswith("FAIL: empty: no timed events"), empty.stdout
+    for events in ([], [{"ph": "X", "name": "a", "ts": "x"}]):  # no event, or none with a numeric ts and dur
+        (tmp_path / "empty.json").write_text(json.dumps({"traceEvents": events}))
+        empty = run_script(script, "--trace", tmp_path / "empty.json")
+        assert empty.returncode == 1 and empty.stdout.splitlines()[-1] == \
+            f"FAIL: {tmp_path / 'empty.json'} holds no timed event (numeric ts and dur): give the profile_step's " \
+            "RUN/profile/rank<r>.json", empty.stdout
     for bad, says in ((tmp_path / "text.json", "text.json is not JSON"), (tmp_path / "other.json", "other.json is not a Chrome trace")):
         out = run_script(script, "--trace", tmp_path / "rank0.json", "--trace", bad)
         assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and says in out.stdout and len(out.stdout.splitlines()) == 1, out.stdout
