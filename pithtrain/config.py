@@ -621,8 +621,9 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     check(d.seq_len <= max_len,
           f"data.seq_len={d.seq_len} is longer than the model supports (model.max_position_embeddings={max_len}); "
           f"lower data.seq_len or raise model.max_position_embeddings")
+    fits = sorted({d.seq_len // (2 * p.cp) * 2 * p.cp or 2 * p.cp, (d.seq_len // (2 * p.cp) + 1) * 2 * p.cp})
     check(d.seq_len % (2 * p.cp) == 0 or p.cp == 1, f"data.seq_len={d.seq_len} must be divisible by 2*cp={2 * p.cp}; use "
-          f"{d.seq_len // (2 * p.cp) * 2 * p.cp or 2 * p.cp} or {(d.seq_len // (2 * p.cp) + 1) * 2 * p.cp}")
+          + " or ".join(map(str, fits)))
     check(o.lr > 0, f"optim.lr={o.lr}: must be > 0")
     check(0 <= o.min_lr_ratio <= 1, f"optim.min_lr_ratio={o.min_lr_ratio}: must be in [0, 1]")
     check(o.schedule in ("cosine", "wsd", "constant"), f"optim.schedule={o.schedule!r}: use cosine, wsd or constant")

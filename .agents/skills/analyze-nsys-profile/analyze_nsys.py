@@ -181,7 +181,9 @@ def main():
     parser.add_argument("--min-overlap", type=runs.FRACTION, default=0.0, help="FAIL below this share of NCCL time overlapped (0..1)")
     parser.add_argument("--gap-us", type=runs.POSITIVE, default=20.0, help="the shortest idle gap counted (microseconds)")
     args = parser.parse_args()
-    export = f"nsys export --type sqlite -o {args.sqlite} RUN.nsys-rep"
+    target = (args.sqlite if args.sqlite.suffix == ".sqlite" or not args.sqlite.exists()  # never advise overwriting
+              else args.sqlite.with_name(args.sqlite.stem + "_export.sqlite"))          # a file of another kind
+    export = f"nsys export --type sqlite -o {target} RUN.nsys-rep"
     if not args.sqlite.is_file():
         what = "is a directory, not" if args.sqlite.is_dir() else "does not exist; give"
         return verdict([f"{args.sqlite} {what} the SQLite export of a capture (make it: {export})"])
