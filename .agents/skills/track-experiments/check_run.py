@@ -99,6 +99,8 @@ def main():
 
 def check(args) -> int:
     problems = []
+    if args.run.is_file() and args.run.name == "metrics.jsonl":  # the run's log named instead of its directory
+        args.run = args.run.parent
     path = args.run / "run_config.json"
     config = runs.read_json(path) if path.is_file() else None
     steps = args.steps
