@@ -295,8 +295,8 @@ def check_hf_leftovers(model, hf: dict, used: set, past_layers: bool = False) ->
     multi-token prediction) is no chunk's: left over, unless `past_layers` (the caller reports them)."""
     own_layers = tuple(f"model.layers.{lid}." for lid in all_layers(model))
     depth = model.cfg.num_hidden_layers + getattr(model.cfg, "num_nextn_predict_layers", 0)
-    other_layers = {k for k in hf if k.startswith("model.layers.") and not k.startswith(own_layers)
-                    and k.split(".")[2].isdigit() and (past_layers or int(k.split(".")[2]) < depth)}
+    layer_of = {k: int(i) for k in hf if k.startswith("model.layers.") and (i := k.split(".")[2]).isdigit()}
+    other_layers = {k for k, i in layer_of.items() if not k.startswith(own_layers) and (past_layers or i < depth)}
     extra = set(hf) - used - other_layers
     if model.lm_head is None:
         extra.discard("lm_head.weight")  # tied: HF may store a copy
@@ -304,8 +304,7 @@ def check_hf_leftovers(model, hf: dict, used: set, past_layers: bool = False) ->
         extra.discard("model.embed_tokens.weight")
     if model.norm is None:
         extra -= {"model.norm.weight", "lm_head.weight"}
-    past = sorted({int(i) for k in extra if k.startswith("model.layers.") and (i := k.split(".")[2]).isdigit()
-                   and int(i) >= depth})
+    past = sorted({layer_of[k] for k in extra if layer_of.get(k, -1) >= depth})
     if past:
         raise UserError(f"HF checkpoint holds layer(s) {past[:8]} past the config's {depth} (num_hidden_layers"
                         f"={model.cfg.num_hidden_layers}); set num_hidden_layers in config.json to the layers it holds")

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from pithtrain.config import UserError, data_parts, disk_error
+from pithtrain.train.rundir import alive
 
 FORMAT = "pithtrain-tokens-v1"
 TOKENS_FILE, OFFSETS_FILE, META_FILE, TOKENIZER_FILE = "tokens.bin", "doc_offsets.npy", "meta.json", "tokenizer.json"
@@ -86,7 +87,7 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
     check_output_dir(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
     for stale in [tmp, *path.parent.glob(f".{path.name}.tmp-*")]:  # this pid's, and those of writers since killed
-        if stale == tmp or not _running(stale.name.rsplit("-", 1)[1]):
+        if stale == tmp or ((pid := stale.name.rsplit("-", 1)[1]).isdigit() and not alive(int(pid))):
             shutil.rmtree(stale, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
@@ -139,17 +140,6 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
             raise failure from e
         raise
     return meta
-
-
-def _running(pid: str) -> bool:
-    """Whether process `pid` (a decimal string) runs on this host; an unreadable one counts as running."""
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return False
-    except (ValueError, OSError):  # not a pid, or another user's process
-        return True
-    return True
 
 
 def _install(tmp: Path, path: Path) -> None:

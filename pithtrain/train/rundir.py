@@ -33,15 +33,16 @@ def _start_time(pid: int) -> str | None:
         return None
 
 
-def _alive(holder: dict) -> bool:
+def alive(pid: int, start: str | None = None) -> bool:
+    """Whether process `pid` runs on this host (and, given its recorded `start`, is that process, not a reuse)."""
     try:
-        os.kill(holder["pid"], 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         pass  # another user's live process
-    start = _start_time(holder["pid"])
-    return start is None or holder.get("start") in (None, start)
+    now = _start_time(pid)
+    return now is None or start in (None, now)
 
 
 class RunLock:
@@ -69,7 +70,7 @@ class RunLock:
         except (ValueError, TypeError, KeyError):  # empty, being written by a starting holder, or damaged
             holder = None
         me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
-        if holder and taken and holder["host"] == me["host"] and not _alive(holder):
+        if holder and taken and holder["host"] == me["host"] and not alive(holder["pid"], holder.get("start")):
             self.note = f"note: took over the stale lock {self.path} of pid {holder['pid']} on {holder['host']} (no longer running)"
         elif holder or not taken:
             os.close(self.fd)
