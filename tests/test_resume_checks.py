@@ -144,6 +144,19 @@ def test_a_moved_dataset_resumes_where_it_stopped(run, tmp_path, dataset_dir, ca
     assert str(e.value) == (f"cannot resume from {step2}: data.path [[{str(b)!r}, 0.5], [{str(other)!r}, 0.5]] -> "
                             f"{str(d)!r} changed since it was written (a relative data.path resolves against the "
                             "working directory); undo the change (--set) or train into a new --out")
+    e = shutil.copytree(c, tmp_path / "e")  # other tokens: meta.json and doc_offsets.npy alike
+    TokenDataset(c).tokens[::-1].tofile(e / "tokens.bin")
+    with pytest.raises(UserError, match="cannot resume from .*: data.path .* changed since it was written"):
+        check(step2, (e, 1.0), (other, 1.0))
+    (tmp_path / "older").mkdir()  # a checkpoint from before tokens.bin's sample was recorded: moves as before
+    older = [{k: v for k, v in i.items() if k != "tokens_sample_sha256"} for i in meta["datasets"]]
+    (tmp_path / "older/meta.json").write_text(json.dumps({**meta, "datasets": older}))
+    check(tmp_path / "older", (c, 1.0), (other, 1.0))
+    shutil.copy(e / "tokens.bin", b / "tokens.bin")
+    with pytest.raises(UserError) as e:
+        check(step2, (b, 1.0), (other, 1.0))
+    assert f"the dataset at {b} changed since it was written (its tokenizer.json, meta.json, doc_offsets.npy or " \
+           "tokens.bin differ)" in str(e.value)
     capsys.readouterr()
     check(ckpt.list_checkpoints(run[2])[-1], (c, 1.0), echo=True)  # one dataset: the run fixture's, copied
     assert capsys.readouterr().out.splitlines()[0].startswith(f"note: data.path moved: {dataset_dir} -> {c}; the same")

@@ -230,10 +230,15 @@ class TokenDataset:
     @functools.cached_property
     def identity(self) -> dict:
         """What this dataset is, as a run records it (when first asked): its real path, the SHA-256 of its
-        tokenizer.json (None without one) and of its meta.json + doc_offsets.npy (re-tokenizing changes them)."""
+        tokenizer.json (None without one), of its meta.json + doc_offsets.npy (re-tokenizing changes them), and of
+        64 blocks of tokens.bin evenly spaced (4 MiB at most read: other texts cut into documents of equal lengths
+        leave the other two alike)."""
         content = hashlib.sha256(b"".join(_sha256(self.path / name).encode() for name in (META_FILE, OFFSETS_FILE)))
+        tokens, block = self.tokens.view(np.uint8), 1 << 16
+        sample = hashlib.sha256(b"".join(tokens[i:i + block].tobytes() for i in
+                                         np.linspace(0, max(len(tokens) - block, 0), 64, dtype=np.int64)))
         return {"path": os.path.realpath(self.path), "tokenizer_sha256": self.tokenizer_file and _sha256(self.tokenizer_file),
-                "content_sha256": content.hexdigest()}
+                "content_sha256": content.hexdigest(), "tokens_sample_sha256": sample.hexdigest()}
 
     def check_vocab(self, model_vocab_size: int) -> None:
         """Fail early if the data holds ids the model's embedding table cannot look up (step 1 would

@@ -668,9 +668,9 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
         old["data.path"] = recorded["path"]
     ids = meta.get("datasets") or [recorded] * bool(recorded)  # each dataset's (older runs: the first's, or none)
     current = [dataset.identity for dataset in datasets]
-    if bad := next((r.get("path") for r, i in zip(ids, current) if r.get("path") == i["path"] and r != i), None):
-        raise UserError(f"cannot resume from {checkpoint}: the dataset at {bad} changed since it was "
-                        "written (its tokenizer.json, meta.json or doc_offsets.npy differ); restore that dataset, or "
+    if bad := next((r.get("path") for r, i in zip(ids, current) if r.get("path") == i["path"] and not _alike(r, i)), None):
+        raise UserError(f"cannot resume from {checkpoint}: the dataset at {bad} changed since it was written (its "
+                        "tokenizer.json, meta.json, doc_offsets.npy or tokens.bin differ); restore that dataset, or "
                         "train into a new --out")
     changed = {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
     if moves := "data.path" in changed and _moved(*changed["data.path"], ids, current):
@@ -716,8 +716,13 @@ def _moved(was, now, recorded: list[dict], found: list[dict]) -> str | None:
     each one's identity but its path, weight and place alike; else None."""
     was, now = ([[p, 1.0]] if isinstance(p, str) else p for p in (was, now))
     same = len(recorded) == len(found) == len(was) == len(now) and all(
-        w == v and {**r, "path": ""} == {**f, "path": ""} for (_, w), (_, v), r, f in zip(was, now, recorded, found))
+        w == v and _alike(r, f) for (_, w), (_, v), r, f in zip(was, now, recorded, found))
     return ", ".join(f"{p} -> {q}" for (p, _), (q, _) in zip(was, now) if p != q) if same else None
+
+
+def _alike(recorded: dict, found: dict) -> bool:
+    """Two dataset identities alike but for the path, on the hashes both hold (older checkpoints lack some)."""
+    return all(recorded[k] == found[k] for k in recorded.keys() & found.keys() - {"path"})
 
 
 def check_metrics(path: Path) -> None:
