@@ -259,6 +259,22 @@ def test_iter_documents(tmp_path):
         list(iter_documents([str(single)]))
     with pytest.raises(FileNotFoundError, match="missing.txt"):
         list(iter_documents([str(root), str(tmp_path / "missing.txt")]))
+    # .json: one JSON document (an array of records, or one record), else JSON Lines (datasets' to_json writes those)
+    array = tmp_path / "array.json"
+    for content, docs in ((json.dumps([{"text": "one"}, {"text": ""}, {"text": "two"}], indent=2), ["one", "two"]),
+                          ('{\n  "text": "pretty"\n}', ["pretty"]), ('{"text": "a"}\n{"text": "b"}\n', ["a", "b"])):
+        array.write_text(content)
+        assert list(iter_documents([str(array)])) == docs, content
+    array.write_text(json.dumps(["one", "two"]))
+    with pytest.raises(ValueError, match=r"array\.json: item 0: a JSON str, expected an object with field 'text'; write each "
+                       r'text as \{"text": \.\.\.\}$'):
+        list(iter_documents([str(array)]))
+    array.write_text('[{"text": "one"},\n{"text": 2}]')
+    with pytest.raises(ValueError, match=r"array\.json: item 1: field 'text' is int, expected a string$"):
+        list(iter_documents([str(array)]))
+    array.write_text('{"text": "a"}\n{oops\n')
+    with pytest.raises(ValueError, match=r"array\.json:2: not valid JSON .*per line or one JSON array of objects$"):
+        list(iter_documents([str(array)]))
 
 
 def test_iter_documents_follows_links_and_skips_fifos_and_datasets(tmp_path):

@@ -186,6 +186,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("tokenize-out-foreign", "tokenize {corpus} --train-tokenizer --out {tmp}", "--out"),
     ("tokenize-no-inputs", "tokenize --train-tokenizer --out {tmp}/t5", "--stdlib"),
     ("tokenize-jsonl-field", "tokenize {jsonl} --train-tokenizer --out {tmp}/t6", "bad.jsonl"),
+    ("tokenize-json-strings", "tokenize {json_strings} --train-tokenizer --out {tmp}/t8", "strings.json: item 0: a JSON str"),
     ("tokenize-max-bytes", "tokenize --stdlib --max-bytes 0 --train-tokenizer --out {tmp}/t7", "--max-bytes"),
     ("wandb-missing", "train {cfg} --set train.wandb_project=moe", "train.wandb_project"),
     ("dry-run-mesh", "train {cfg} --dry-run --nproc 2 --pp 2", "parallel.pp"),
@@ -291,6 +292,8 @@ def make_env(tmp: Path) -> dict:
     env["corpus"].write_text(" ".join(["alpha beta gamma delta"] * 200))
     env["jsonl"] = tmp / "bad.jsonl"
     env["jsonl"].write_text('{"body": "no text field"}\n')
+    env["json_strings"] = tmp / "strings.json"
+    env["json_strings"].write_text('["a JSON array of texts, not of records"]')
     env["empty_dir"] = tmp / "empty_dir"
     env["empty_dir"].mkdir()
     return env

@@ -72,6 +72,11 @@ def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, caps
     for bad in ("nan", "-1"):
         assert compare("--metrics", tmp_path / "a.jsonl", tmp_path / "a.jsonl", "--rtol", bad).returncode == 2
         assert "argument --rtol: " in capsys.readouterr().err
+    for extra, named in ((["examples/qwen3_tiny.py"], "CONFIG"), (["--steps", 2, "--set", "optim.lr=1"], "--steps, --set")):
+        assert compare(*extra, "--metrics", tmp_path / "a.jsonl", tmp_path / "a.jsonl").returncode == 2  # no longer ignored
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1] == (f"compare_runs.py: error: {named}: for training the two runs, but --metrics A B compares "
+                                        f"two existing files; drop {named}, or drop --metrics to train CONFIG twice and compare"), err
 
 
 @pytest.mark.fast
@@ -475,7 +480,7 @@ def test_launch_preflight_refuses_a_file_as_out_and_fails_where_no_host_has_the_
         assert said.startswith("FAIL: ") and says in said and len(said.splitlines()) == 1, said
 
 
-def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):
+def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path, capsys):
     """Random tokens at each family's real vocabulary, the stdlib corpus and a user's corpus (BPE
     trained on it) are written and PASS; a wrong expected vocabulary and a truncated file FAIL."""
     script = ".agents/skills/setup-benchmark-inputs/make_inputs.py"
@@ -510,6 +515,13 @@ def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path):
     for bad in (["check", "--out", tmp_path / "mine", "--vocab", -1], ["random", "--family", "qwen3", "--tokens", 1, "--out", tmp_path / "x"],
                 ["random", "--family", "qwen3", "--tokens", 10, "--vocab-size", 5, "--out", tmp_path / "x"]):
         assert make(*bad).returncode == 2 and not (tmp_path / "x").exists()
+    for bad, says in ((["check", tmp_path / "mine", "--out", tmp_path / "x"], f"check takes no DIR or files (got {tmp_path / 'mine'}); "
+                       "the dataset to verify is --out DIR: `check --out DIR`"),  # was: DIR ignored, x checked
+                      (["check", "--out", tmp_path / "mine", "--overwrite"], "check takes no --overwrite (it would be ignored); drop it"),
+                      (["random", "--family", "qwen3", "--tokens", 10, "--vocab", 64, "--out", tmp_path / "x"], "random takes no --vocab")):
+        assert make(*bad).returncode == 2 and not (tmp_path / "x").exists()
+        err = capsys.readouterr().err
+        assert err.splitlines()[-1].startswith(f"make_inputs.py: error: {says}") and "Traceback" not in err, err
     small = make("check", "--out", tmp_path / "qwen3", "--vocab", 64)
     assert small.returncode == 1 and "model's vocab_size is 64" in small.stdout, small.stdout
     assert small.stdout.strip().endswith(f"FAIL: {tmp_path / 'qwen3'} is not a usable dataset"), small.stdout

@@ -246,8 +246,9 @@ def test_meta_json_carries_its_own_checksum(tmp_path, dataset_dir):
     (step,) = ckpt.list_checkpoints(tmp_path / "run")
     meta = json.loads((step / "meta.json").read_text())
     assert ckpt.check_checkpoint(step) is None and isinstance(meta["meta_crc32"], int)
-    assert meta["dataset"] == {"path": os.path.realpath(dataset_dir), "tokenizer_sha256": None,
-                               "content_sha256": meta["dataset"]["content_sha256"]}
+    hashes = {k: meta["dataset"].get(k) for k in ("content_sha256", "tokens_sample_sha256")}
+    assert meta["dataset"] == {"path": os.path.realpath(dataset_dir), "tokenizer_sha256": None, **hashes}
+    assert all(len(h) == 64 for h in hashes.values()) and len(set(hashes.values())) == 2
     original = (step / "meta.json").read_text()
     edited = original.replace('"samples_consumed": 8', '"samples_consumed": 9')
     assert len(edited) == len(original) != 0 and edited != original

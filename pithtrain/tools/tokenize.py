@@ -1,8 +1,8 @@
 """`pithtrain tokenize`: turn text files into a token dataset (see pithtrain/train/data.py).
 
-Reads plain-text files, directories, JSON Lines, parquet and `datasets`' save_to_disk directories, optionally trains a byte-level BPE tokenizer
-on them first, tokenizes with Hugging Face `tokenizers` and writes the dataset. `--stdlib` uses
-Python's own standard library sources as a ready-made corpus that needs no download."""
+Reads plain-text files, directories, JSON Lines (or a .json array of records), parquet and `datasets`' save_to_disk
+directories, optionally trains a byte-level BPE tokenizer on them first, tokenizes with Hugging Face `tokenizers` and
+writes the dataset. `--stdlib` uses Python's own standard library sources as a ready-made corpus that needs no download."""
 
 from __future__ import annotations
 
@@ -83,9 +83,10 @@ def _table_batches(file: Path, text_field: str) -> Iterator[list]:
 
 def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
     """Documents from files and directories: JSON Lines files (.jsonl/.json) give obj[text_field]
-    per line, parquet files and `datasets`' save_to_disk directories their column text_field, any
-    other file gives its whole text. Non-UTF-8 (binary) files and empty documents are skipped; the
-    number of skipped files is reported with a warning, as are FIFOs, devices and broken links (never read)."""
+    per line (a .json file that is one JSON array of such objects: per item), parquet files and
+    `datasets`' save_to_disk directories their column text_field, any other file gives its whole text.
+    Non-UTF-8 (binary) files and empty documents are skipped; the number of skipped files is reported
+    with a warning, as are FIFOs, devices and broken links (never read)."""
     paths = [Path(p) for p in inputs]
     if missing := next((path for path in paths if not path.exists()), None):  # all up front: a typo fails before hours of work
         raise FileNotFoundError(f"input {missing} not found")
@@ -104,7 +105,7 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
             skipped.append(file)
             continue
         if file.suffix.lower() in _JSON_LINES_SUFFIXES:
-            yield from _json_lines_texts(file, text, text_field)
+            yield from _json_texts(file, text, text_field)
         elif text:
             yield text
     for files, what in ((skipped, "that are not UTF-8 text"), (special, "that are not regular files (FIFOs, devices, broken links)")):
@@ -112,19 +113,39 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
             warnings.warn(f"skipped {len(files)} file(s) {what}, e.g. {files[0]}")  # here: said once for both passes
 
 
-def _json_lines_texts(file: Path, text: str, text_field: str) -> Iterator[str]:
+def _record_text(where: str, obj, text_field: str) -> str:
+    """obj[text_field] of one JSON record, or a one-line error naming where it is."""
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: a JSON {type(obj).__name__}, expected an object with field {text_field!r}; "
+                         f'write each text as {{"{text_field}": ...}}')
+    if text_field not in obj:
+        raise ValueError(f"{where}: no field {text_field!r}; pass --text-field with the field that holds the text")
+    if not isinstance(value := obj[text_field], str):
+        raise ValueError(f"{where}: field {text_field!r} is {type(value).__name__}, expected a string")
+    return value
+
+
+def _json_texts(file: Path, text: str, text_field: str) -> Iterator[str]:
+    """A .json file that is one JSON document: its array of records (or its one record). Otherwise, and a
+    .jsonl file: JSON Lines, one record a line (`datasets`' to_json writes these to .json files too)."""
+    try:
+        doc = json.loads(text) if file.suffix.lower() == ".json" else None
+    except json.JSONDecodeError:  # JSON Lines fail at the first line's end: cheap
+        doc = None
+    if doc is not None:
+        for i, obj in enumerate(doc if isinstance(doc, list) else [doc]):
+            if value := _record_text(f"{file}: item {i}" if isinstance(doc, list) else str(file), obj, text_field):
+                yield value
+        return
     for line_no, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 and others may be inside a text
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{file}:{line_no}: not valid JSON ({e.msg}); expected one JSON object per line") from None
-        if not isinstance(obj, dict) or text_field not in obj:
-            raise ValueError(f"{file}:{line_no}: no field {text_field!r}; pass --text-field with the field that holds the text")
-        if not isinstance(value := obj[text_field], str):
-            raise ValueError(f"{file}:{line_no}: field {text_field!r} is {type(value).__name__}, expected a string")
-        if value:
+            raise ValueError(f"{file}:{line_no}: not valid JSON ({e.msg}); expected one JSON object per line"
+                             + (" or one JSON array of objects" if file.suffix.lower() == ".json" else "")) from None
+        if value := _record_text(f"{file}:{line_no}", obj, text_field):
             yield value
 
 
@@ -258,8 +279,8 @@ def unigram_entropy(dataset: TokenDataset) -> float:
 
 
 def add_tokenize_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("inputs", nargs="*", metavar="INPUT", help="text files, directories (recursive), .jsonl or .parquet "
-                        "files, or directories of datasets' save_to_disk")
+    parser.add_argument("inputs", nargs="*", metavar="INPUT", help="text files, directories (recursive), .jsonl, .json or "
+                        ".parquet files, or directories of datasets' save_to_disk")
     parser.add_argument("--out", required=True, metavar="DIR", help="dataset directory to write (new or empty)")
     parser.add_argument("--overwrite", action="store_true", help="replace the dataset at --out (never other files)")
     parser.add_argument("--tokenizer", metavar="FILE", help="an existing tokenizer.json")

@@ -100,6 +100,14 @@ def main():
     parser.add_argument("--overwrite", action="store_true", help="replace a dataset at --out (never other files)")
     args = parser.parse_args()
     vocab, tokens, tokenizer = args.vocab, None, args.kind in ("stdlib", "corpus")
+    if args.corpus and args.kind != "corpus":  # else ignored: `check DIR --out OTHER` would verify OTHER
+        parser.error(f"{args.kind} takes no DIR or files (got {' '.join(args.corpus)}); " + (
+            "the dataset to verify is --out DIR: `check --out DIR`" if args.kind == "check" else "drop them, or use corpus"))
+    own = {"random": ("family", "tokens", "seed", "overwrite"), "stdlib": ("max_bytes", "vocab", "overwrite"),
+           "corpus": ("vocab", "overwrite"), "check": ("vocab",)}[args.kind]
+    if stray := next((name for name in ("family", "tokens", "seed", "max_bytes", "vocab", "overwrite")
+                      if name not in own and getattr(args, name) != parser.get_default(name)), None):
+        parser.error(f"{args.kind} takes no --{stray.replace('_', '-')} (it would be ignored); drop it")
     if args.vocab_size is not None and not tokenizer:
         parser.error(f"--vocab-size is stdlib's and corpus's (a BPE's size); {args.kind} takes "
                      + ("its family's vocabulary (--family)" if args.kind == "random" else "--vocab to expect one"))
@@ -111,8 +119,8 @@ def main():
             return runs.verdict(False, vocab)
         print(f"wrote {args.out}: {tokens:,} random tokens in [0, {vocab}) ({args.family})")
     elif args.kind in ("stdlib", "corpus"):
-        if (args.kind == "corpus") != bool(args.corpus):
-            parser.error("corpus takes DIR or files; stdlib takes none")
+        if args.kind == "corpus" and not args.corpus:
+            parser.error("corpus takes DIR or files (the texts to tokenize)")
         inputs = args.corpus if args.kind == "corpus" else ["--stdlib", "--max-bytes", str(args.max_bytes)]
         if not tokenize(args.out, inputs, args.vocab_size or 4096, args.overwrite):
             print("FAIL: pithtrain tokenize did not finish (its message is above)")

@@ -70,6 +70,11 @@ def main():
     parser.add_argument("--metrics", nargs=2, metavar=("A", "B"), help="compare two metrics.jsonl files instead")
     parser.add_argument("--work", type=runs.WORK_DIR, help="directory for the two runs, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
+    runs_only = [flag for flag, name in (("CONFIG", "config"), ("--a", "a"), ("--b", "b"), ("--steps", "steps"), ("--set", "set"),
+                                         ("--work", "work")) if getattr(args, name) != parser.get_default(name)]
+    if args.metrics and runs_only:  # would be ignored: the files were written by runs made elsewhere
+        parser.error(f"{', '.join(runs_only)}: for training the two runs, but --metrics A B compares two existing files; "
+                     f"drop {', '.join(runs_only)}, or drop --metrics to train CONFIG twice and compare")
     if args.metrics:
         try:
             a, b = (runs.by_step(runs.read_jsonl(path, ("step", *KEYS))) for path in args.metrics)
