@@ -28,10 +28,8 @@ def train_config(args):
             apply_override(config, assignment)
         except ConfigError as e:  # a model field of another family (multi-token prediction is DeepSeek-V3's)
             field = assignment.split("=", 1)[0].strip().removeprefix("model.")
-            if "unknown field" not in str(e) or not assignment.startswith("model."):
-                raise
             owners = [c.__name__ for c in families() if field in {f.name for f in dataclasses.fields(c)}]
-            if not owners:
+            if "unknown field" not in str(e) or not assignment.startswith("model.") or not owners:
                 raise
             raise ConfigError(f"--set model.{field}: {type(config.model).__name__} has no such field; "
                               f"{' and '.join(owners)} (another model family) {'have' if len(owners) > 1 else 'has'} it") from None
@@ -94,6 +92,8 @@ def _check_only(args, config, out: Path, world: int) -> int:
     """--print-config and --dry-run: what `train` checks before it starts (config, mesh, device, run
     directory, data, resume or init_from), with the warnings it would print; then the config (JSON), or
     the startup line's sizes, the estimated memory per GPU and what it would resume from. Nothing is written."""
+    import torch
+
     from pithtrain.config import describe, ignored_options, run_dict
     from pithtrain.train.loop import check_run, count_text, model_sizes, pick_device, size_text
     from pithtrain.train.memory import estimate
@@ -117,7 +117,8 @@ def _check_only(args, config, out: Path, world: int) -> int:
     peaks = [r["total"] for r in estimate(config, world)]
     stages = [f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.0f} MiB" for gib in peaks]
     counts = model_sizes(config.model)
-    limit, what = (has, "this machine's GPU") if (has := _gpu_gib()) else (H200_GIB, "an H200 (no GPU here)")
+    has = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
+    limit, what = (has, "this machine's GPU") if has else (H200_GIB, "an H200 (no GPU here)")
     print(f"model {config.model.model_type}: {count_text(counts[0])} parameters | {size_text(config, loader, counts)}\n"
           f"estimated peak memory per GPU ({'bf16' if config.train.fp8 == 'off' else 'FP8 ' + config.train.fp8}; "
           f"the estimate-memory skill): {', '.join(stages)}"
@@ -130,12 +131,6 @@ def _check_only(args, config, out: Path, world: int) -> int:
 
 
 H200_GIB = 139.8  # what torch reports of an H200: the largest GPU the estimates are calibrated on
-
-
-def _gpu_gib() -> float | None:
-    import torch
-
-    return torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None
 
 
 def _drop_unused(out: Path) -> None:
@@ -192,23 +187,21 @@ def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
                         "blamed, maybe this one); the same command resumes from the last checkpoint") from None
     finally:
         stop.restore()
+    saves, none = config.train.checkpoint_every >= 0, "no checkpoint (train.checkpoint_every=-1)"
     if mesh is None or mesh.is_main:
         if stop.stopped_at:
-            saved = (f"checkpoint {out}/checkpoints/step_{stop.stopped_at:08d}" if config.train.checkpoint_every >= 0
-                     else "no checkpoint (train.checkpoint_every=-1)")
+            saved = f"checkpoint {out}/checkpoints/step_{stop.stopped_at:08d}" if saves else none
             by = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
-            print(f"stopped by {by} after step {stop.stopped_at} of {config.train.steps}; "
-                  f"{saved}" + (f"\nresume with: {shlex.join(['pithtrain', *args.argv])}" if config.train.checkpoint_every >= 0
-                                else ""), flush=True)
+            print(f"stopped by {by} after step {stop.stopped_at} of {config.train.steps}; {saved}"
+                  + (f"\nresume with: {shlex.join(['pithtrain', *args.argv])}" if saves else ""), flush=True)
         elif history:
             held_out = f", eval loss {history[-1]['eval_loss']:.4f}" if "eval_loss" in history[-1] else ""
             resumed = f" ({len(history)} after resuming at step {history[0]['step'] - 1})" if history[0]["step"] > 1 else ""
-            kept = f"checkpoints in {out}/checkpoints" if config.train.checkpoint_every >= 0 else \
-                "no checkpoint (train.checkpoint_every=-1)"
+            kept = f"checkpoints in {out}/checkpoints" if saves else none
             argv = [a for i, a in enumerate(args.argv) if not a.startswith("--stop-after")
                     and (i == 0 or args.argv[i - 1] != "--stop-after")]  # the rest of the run: no --stop-after
-            more = f"\nresume with: {shlex.join(['pithtrain', *argv])}" if history[-1]["step"] < config.train.steps \
-                and config.train.checkpoint_every >= 0 else ""
+            more = "" if not saves or history[-1]["step"] >= config.train.steps else \
+                f"\nresume with: {shlex.join(['pithtrain', *argv])}"
             print(f"done: step {history[-1]['step']} of {config.train.steps}{resumed}, final loss {history[-1]['loss']:.4f}"
                   f"{held_out}; metrics in {out}/metrics.jsonl, {kept}{more}")
     if mesh is not None:

@@ -253,8 +253,7 @@ def load_run_config(path: str | Path) -> RunConfig:
         where = f"{path}:{lines[-1]}" if lines else str(path)
         raise ConfigError(f"{where}: {type(e).__name__}: {e}; fix the run file") from e
     config = namespace.get("CONFIG")
-    if not isinstance(config, RunConfig):
-        raise ConfigError(f"{path} must define CONFIG = RunConfig(...) (found {type(config).__name__})")
+    check(isinstance(config, RunConfig), f"{path} must define CONFIG = RunConfig(...) (found {type(config).__name__})")
     return config
 
 
@@ -307,19 +306,15 @@ def _unique(pairs: list, name: str) -> dict:
 
 def apply_override(config: RunConfig, assignment: str) -> None:
     """Apply one `a.b=value` override, type-checked against the dataclass field."""
-    if "=" not in assignment:
-        raise ConfigError(f"--set {assignment!r}: expected the form section.field=value, e.g. train.steps=10")
+    check("=" in assignment, f"--set {assignment!r}: expected the form section.field=value, e.g. train.steps=10")
     key, text = assignment.split("=", 1)
-    if not key.strip():
-        raise ConfigError(f"--set {assignment!r}: no field named; expected section.field=value, e.g. train.steps=10")
+    check(key.strip(), f"--set {assignment!r}: no field named; expected section.field=value, e.g. train.steps=10")
     parts = key.strip().split(".")
     target = config
     for i, part in enumerate(parts):
-        if not dataclasses.is_dataclass(target):
-            raise ConfigError(f"--set {key}: {'.'.join(parts[:i])} is not a config section")
+        check(dataclasses.is_dataclass(target), f"--set {key}: {'.'.join(parts[:i])} is not a config section")
         names = [f.name for f in dataclasses.fields(target)]
-        if part not in names:
-            raise ConfigError(f"--set {key}: unknown field {part!r}; valid fields here: {', '.join(names)}")
+        check(part in names, f"--set {key}: unknown field {part!r}; valid fields here: {', '.join(names)}")
         if i == len(parts) - 1:
             hints = typing.get_type_hints(type(target))
             setattr(target, part, _parse_value(text, hints[part], key))
@@ -371,8 +366,7 @@ def check_positive(obj: Any, names: str, prefix: str = "model.") -> None:
     """Each field in `names` (space-separated) is > 0 where set: sizes, counts, rates and epsilons."""
     for name in names.split():
         value = getattr(obj, name)
-        if value is not None and not value > 0:
-            raise ConfigError(f"{prefix}{name}={value}: must be > 0")
+        check(value is None or value > 0, f"{prefix}{name}={value}: must be > 0")
 
 
 def check_numbers(mapping: dict, field: str, skip: str = "type") -> None:

@@ -119,9 +119,7 @@ class AuxTerm(NamedTuple):
 
 
 # Every auxiliary term; a new one is its model code plus one entry here (docs/architecture.md, "Loss").
-AUX_TERMS: tuple[AuxTerm, ...] = (
-    AuxTerm("lb", "lb_coef", "lb_loss"),  # load balance, train/balance.py
-)
+AUX_TERMS: tuple[AuxTerm, ...] = (AuxTerm("lb", "lb_coef", "lb_loss"),)  # load balance: train/balance.py
 
 
 class LossTerms:
@@ -177,8 +175,7 @@ class LossTerms:
     def layer_sums(aux: dict[str, list[torch.Tensor]], mean: bool) -> dict[str, torch.Tensor]:
         """Per term, the detached float64 sum (`mean`: mean) of a forward's values, what StepSums
         adds up. Refuses a value no AuxTerm names (it would be left out of the loss unseen)."""
-        unknown = set(aux) - {term.name for term in AUX_TERMS}
-        if unknown:
+        if unknown := set(aux) - {term.name for term in AUX_TERMS}:
             raise ValueError(f"auxiliary loss values {sorted(unknown)} have no AuxTerm in protocol.AUX_TERMS")
         return {term.name: (torch.stack(aux[term.name]).mean() if mean else torch.stack(aux[term.name]).sum()).detach().double()
                 for term in AUX_TERMS if aux.get(term.name)}

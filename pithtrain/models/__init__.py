@@ -16,28 +16,18 @@ def families() -> tuple[type, ...]:
 
 
 def config_from_hf(hf: dict):
-    """The family config for an HF `config.json` dict."""
+    """The family config for an HF `config.json` dict: one branch a family."""
+    Qwen3MoeConfig, DeepseekV2Config, DeepseekV3Config, GptOssConfig, Qwen3_5MoeConfig = families()
     model_type = hf.get("model_type")
     if model_type == "qwen3_moe":
-        from pithtrain.models.qwen3_moe import Qwen3MoeConfig
-
         return Qwen3MoeConfig.from_hf(hf)
-    elif model_type == "deepseek_v2":
-        from pithtrain.models.deepseek_v2 import DeepseekV2Config
-
+    if model_type == "deepseek_v2":
         return DeepseekV2Config.from_hf(hf)
-    elif model_type in ("deepseek_v3", "kimi_k2", "kimi_k25"):  # kimi_k25: its text_config
-        from pithtrain.models.deepseek_v2 import DeepseekV3Config
-
+    if model_type in ("deepseek_v3", "kimi_k2", "kimi_k25"):  # kimi_k25: its text_config
         return DeepseekV3Config.from_hf(hf)
-    elif model_type == "gpt_oss":
-        from pithtrain.models.gpt_oss import GptOssConfig
-
+    if model_type == "gpt_oss":
         return GptOssConfig.from_hf(hf)
-    elif model_type in ("qwen3_5_moe_text", "qwen3_5_moe"):
-        from pithtrain.models.qwen3_5_moe import Qwen3_5MoeConfig
-
+    if model_type in ("qwen3_5_moe_text", "qwen3_5_moe"):
         return Qwen3_5MoeConfig.from_hf(hf)
-    raise ValueError(f"model_type {model_type!r} is not supported; supported: qwen3_moe, deepseek_v2, "
-                     f"deepseek_v3, kimi_k2, kimi_k25, gpt_oss, "
-                     f"qwen3_5_moe_text, qwen3_5_moe")
+    raise ValueError(f"model_type {model_type!r} is not supported; supported: qwen3_moe, deepseek_v2, deepseek_v3, "
+                     "kimi_k2, kimi_k25, gpt_oss, qwen3_5_moe_text, qwen3_5_moe")

@@ -101,20 +101,13 @@ class DeepseekV2Config:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def uses_correction_bias(self) -> bool:
-        return self.topk_method == "noaux_tc"
-
-    @property
     def yarn(self) -> dict | None:
         rope = self.rope_scaling or {}
         return rope if rope.get("type", rope.get("rope_type")) == "yarn" else None
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        return (
-            self.n_routed_experts > 0
-            and layer_id >= self.first_k_dense_replace
-            and layer_id % self.moe_layer_freq == 0
-        )
+        return (self.n_routed_experts > 0 and layer_id >= self.first_k_dense_replace
+                and layer_id % self.moe_layer_freq == 0)
 
     def num_routed_experts(self) -> int:
         return self.n_routed_experts
@@ -123,11 +116,9 @@ class DeepseekV2Config:
         check_positive(self, "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
                              "num_attention_heads kv_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim "
                              "moe_layer_freq rms_norm_eps rope_theta max_position_embeddings")
-        check(
-            self.num_key_value_heads in (None, self.num_attention_heads),
-            f"model.num_key_value_heads={self.num_key_value_heads}: MLA expands keys and values for every head; "
-            f"set it to num_attention_heads={self.num_attention_heads} (or leave it unset)",
-        )
+        check(self.num_key_value_heads in (None, self.num_attention_heads),
+              f"model.num_key_value_heads={self.num_key_value_heads}: MLA expands keys and values for every head; "
+              f"set it to num_attention_heads={self.num_attention_heads} (or leave it unset)")
         check(self.q_lora_rank is None or self.q_lora_rank >= 1,
               f"model.q_lora_rank={self.q_lora_rank}: must be at least 1, or None for a full-rank q_proj")
         check(self.qk_rope_head_dim % 2 == 0, f"model.qk_rope_head_dim={self.qk_rope_head_dim} must be even for RoPE")
@@ -191,8 +182,7 @@ class DeepseekV2Config:
         rope = dict(self.rope_scaling or {})
         rope_type = rope.pop("type", None) or rope.pop("rope_type", "default")
         rope.pop("rope_type", None)
-        out.pop("rope_scaling")
-        out.pop("rope_theta")
+        del out["rope_scaling"], out["rope_theta"]
         out["rope_parameters"] = {"rope_type": rope_type, "rope_theta": self.rope_theta, **rope}
         out["head_dim"] = self.qk_rope_head_dim  # what HF stores there for MLA configs
         out.update(model_type=self.model_type, architectures=["DeepseekV2ForCausalLM"], dtype="float32")
@@ -247,22 +237,19 @@ class DeepseekV3Config(DeepseekV2Config):
     def validate(self) -> None:
         super().validate()
         for name, value in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
-            if getattr(self, name) != value:
-                raise ConfigError(f"model.{name}={getattr(self, name)!r}: deepseek_v3 routes with {name}={value!r} "
-                                  f"(what HF's DeepseekV3 does); use DeepseekV2Config (deepseek_v2) for other routing")
+            check(getattr(self, name) == value, f"model.{name}={getattr(self, name)!r}: deepseek_v3 routes with "
+                  f"{name}={value!r} (what HF's DeepseekV3 does); use DeepseekV2Config (deepseek_v2) for other routing")
         for name, ok in (("moe_layer_freq", self.moe_layer_freq == 1), ("n_routed_experts", self.n_routed_experts >= 1)):
-            if not ok:
-                raise ConfigError(f"model.{name}={getattr(self, name)}: deepseek_v3 makes every layer from first_k_dense_"
-                                  "replace on MoE (transformers' too); set moe_layer_freq=1 and n_routed_experts >= 1")
-        if not 0 <= self.num_nextn_predict_layers <= 8:
-            raise ConfigError(f"model.num_nextn_predict_layers={self.num_nextn_predict_layers}: must be in [0, 8] "
-                              f"(DeepSeek-V3 uses 1; 0 turns multi-token prediction off)")
+            check(ok, f"model.{name}={getattr(self, name)}: deepseek_v3 makes every layer from first_k_dense_"
+                      "replace on MoE (transformers' too); set moe_layer_freq=1 and n_routed_experts >= 1")
+        check(0 <= self.num_nextn_predict_layers <= 8, f"model.num_nextn_predict_layers={self.num_nextn_predict_layers}"
+              f": must be in [0, 8] (DeepSeek-V3 uses 1; 0 turns multi-token prediction off)")
 
     @classmethod
     def from_hf(cls, hf: dict) -> "DeepseekV3Config":
         if hf.get("model_type") == "kimi_k25":  # Kimi K2.5: a multimodal config around a deepseek_v3 text model
-            if not isinstance(hf.get("text_config"), dict):
-                raise ConfigError("model_type 'kimi_k25' without a text_config: not a Kimi K2.5 checkpoint's config.json")
+            check(isinstance(hf.get("text_config"), dict),
+                  "model_type 'kimi_k25' without a text_config: not a Kimi K2.5 checkpoint's config.json")
             print("kimi_k25: a multimodal checkpoint; its language model (text_config) is used, the vision tower "
                   "is left out", file=sys.stderr)
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False),
@@ -279,16 +266,6 @@ class DeepseekV3Config(DeepseekV2Config):
         out = super().to_hf()
         out.update(architectures=["DeepseekV3ForCausalLM"])
         return out
-
-
-def rope_setup(cfg: DeepseekV2Config) -> tuple[torch.Tensor, float, float]:
-    """(inv_freq [rope_dim/2] fp32, cos/sin factor, softmax scale): DeepSeek's YaRN also scales the softmax by
-    mscale(factor, mscale_all_dim)^2."""
-    inv_freq, cos_sin_factor = rope_inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim, cfg.yarn)
-    softmax_scale = cfg.qk_head_dim**-0.5
-    if cfg.yarn is not None and cfg.yarn.get("mscale_all_dim"):
-        softmax_scale *= yarn_mscale(cfg.yarn["factor"], cfg.yarn["mscale_all_dim"]) ** 2
-    return inv_freq, cos_sin_factor, softmax_scale
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -420,7 +397,7 @@ class Router(nn.Module):
         super().__init__()
         self.cfg, self.num_experts = cfg, cfg.n_routed_experts
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
-        if cfg.uses_correction_bias:  # a buffer: saved with the model, moved by the aux-free rule, not the optimizer
+        if cfg.topk_method == "noaux_tc":  # a buffer: saved with the model, moved by the aux-free rule, no optimizer
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
         else:
             self.e_score_correction_bias = None
@@ -432,16 +409,10 @@ class Router(nn.Module):
             logits = F.linear(x.to(dtype), self.weight.to(dtype))
         grouped = cfg.topk_method != "greedy"
         ids, weights, scores = select_experts(
-            logits,
-            cfg.num_experts_per_tok,
-            score_func=cfg.scoring_func,
-            correction_bias=self.e_score_correction_bias,
-            n_group=(cfg.n_group or 1) if grouped else 1,
-            topk_group=(cfg.topk_group or 1) if grouped else 1,
-            group_score="top2sum" if cfg.topk_method == "noaux_tc" else "max",
-            norm_topk_prob=cfg.norm_topk_prob,
-            routed_scaling_factor=cfg.routed_scaling_factor,
-        )
+            logits, cfg.num_experts_per_tok, score_func=cfg.scoring_func, correction_bias=self.e_score_correction_bias,
+            n_group=(cfg.n_group or 1) if grouped else 1, topk_group=(cfg.topk_group or 1) if grouped else 1,
+            group_score="top2sum" if cfg.topk_method == "noaux_tc" else "max", norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor)
         return RoutingInfo(ids, weights, scores, self.num_experts)
 
 
@@ -527,7 +498,10 @@ class DeepseekV2Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         layer_ids = range(cfg.num_hidden_layers) if layer_ids is None else layer_ids
-        inv_freq, self.rope_factor, softmax_scale = rope_setup(cfg)
+        inv_freq, self.rope_factor = rope_inv_freq(cfg.rope_theta, cfg.qk_rope_head_dim, cfg.yarn)
+        softmax_scale = cfg.qk_head_dim**-0.5
+        if cfg.yarn is not None and cfg.yarn.get("mscale_all_dim"):  # DeepSeek's YaRN scales the softmax too
+            softmax_scale *= yarn_mscale(cfg.yarn["factor"], cfg.yarn["mscale_all_dim"]) ** 2
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size) if embed else None
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, softmax_scale) for i in layer_ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if head else None
@@ -549,14 +523,12 @@ class DeepseekV2Model(nn.Module):
     def correction_biases(self) -> dict[int, torch.Tensor]:
         """layer id -> e_score_correction_bias [E] of this chunk's MoE layers (empty unless
         topk_method='noaux_tc'); the training loop updates them with routing.update_correction_bias."""
-        return {
-            int(lid): layer.mlp.gate.e_score_correction_bias
-            for lid, layer in {**self.layers, **(self.mtp or {})}.items()
-            if layer.is_moe and layer.mlp.gate.e_score_correction_bias is not None
-        }
+        layers = {**self.layers, **(self.mtp or {})}
+        return {int(lid): layer.mlp.gate.e_score_correction_bias for lid, layer in layers.items()
+                if layer.is_moe and layer.mlp.gate.e_score_correction_bias is not None}
 
-    def head_weight(self, embed_weight=None):
-        return self.lm_head.weight if self.lm_head is not None else (embed_weight if embed_weight is not None else self.embed_tokens.weight)
+    def head_weight(self):
+        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
 
     def attn_inputs(self, position_ids, doc_ids, dtype, cp: ContextParallel | None = None) -> AttnInputs:
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, scale=self.rope_factor, dtype=dtype)

@@ -43,15 +43,8 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 
 def _default_rope() -> dict:
     # HF's GptOssConfig default: what gpt-oss-20b/120b were trained with.
-    return {
-        "rope_type": "yarn",
-        "rope_theta": 150000.0,
-        "factor": 32.0,
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "truncate": False,
-        "original_max_position_embeddings": 4096,
-    }
+    return {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 4096}
 
 
 @dataclass
@@ -111,30 +104,22 @@ class GptOssConfig:
     def validate(self) -> None:
         check_positive(self, "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads "
                              "num_key_value_heads head_dim num_local_experts rms_norm_eps swiglu_alpha max_position_embeddings")
-        check(
-            self.num_attention_heads % self.num_key_value_heads == 0,
-            f"model.num_attention_heads={self.num_attention_heads} is not divisible by model.num_key_value_heads="
-            f"{self.num_key_value_heads}; choose a divisor of the query heads",
-        )
+        check(self.num_attention_heads % self.num_key_value_heads == 0,
+              f"model.num_attention_heads={self.num_attention_heads} is not divisible by model.num_key_value_heads="
+              f"{self.num_key_value_heads}; choose a divisor of the query heads")
         check(self.head_dim % 2 == 0, f"model.head_dim={self.head_dim}: must be even for RoPE")
-        check(
-            1 <= self.num_experts_per_tok <= self.num_local_experts,
-            f"model.num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_local_experts="
-            f"{self.num_local_experts}]",
-        )
+        check(1 <= self.num_experts_per_tok <= self.num_local_experts,
+              f"model.num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_local_experts="
+              f"{self.num_local_experts}]")
         if self.layer_types is not None:
-            check(
-                len(self.layer_types) == self.num_hidden_layers,
-                f"model.layer_types has {len(self.layer_types)} entries but model.num_hidden_layers="
-                f"{self.num_hidden_layers}; give one per layer or set layer_types=None (alternating)",
-            )
+            check(len(self.layer_types) == self.num_hidden_layers,
+                  f"model.layer_types has {len(self.layer_types)} entries but model.num_hidden_layers="
+                  f"{self.num_hidden_layers}; give one per layer or set layer_types=None (alternating)")
             bad = sorted({t for t in self.layer_types if t not in (SLIDING, FULL)})
             check(not bad, f"model.layer_types has {bad}; use {SLIDING!r} or {FULL!r}")
         if any(self.layer_type(i) == SLIDING for i in range(self.num_hidden_layers)):
-            check(
-                self.sliding_window is not None and self.sliding_window >= 1,
-                f"model.sliding_window={self.sliding_window}: sliding layers need a window of at least 1 token",
-            )
+            check(self.sliding_window is not None and self.sliding_window >= 1,
+                  f"model.sliding_window={self.sliding_window}: sliding layers need a window of at least 1 token")
         check(self.swiglu_limit > 0, f"model.swiglu_limit={self.swiglu_limit}: must be > 0")
         rope = self.rope_parameters
         kind = rope.get("rope_type")
@@ -358,8 +343,8 @@ class GptOssModel(nn.Module):
         """No aux-loss-free routing bias in this family (see deepseek_v2.py)."""
         return {}
 
-    def head_weight(self, embed_weight=None):
-        return self.lm_head.weight if self.lm_head is not None else (embed_weight if embed_weight is not None else self.embed_tokens.weight)
+    def head_weight(self):
+        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
 
     def attn_inputs(self, position_ids, doc_ids, dtype, cp: ContextParallel | None = None) -> AttnInputs:
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, self.rope_scale, dtype=dtype)

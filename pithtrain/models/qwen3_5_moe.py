@@ -81,10 +81,6 @@ class Qwen3_5MoeConfig:
     num_nextn_predict_layers: ClassVar[int] = 0  # no multi-token prediction (DeepSeek-V3's)
 
     @property
-    def dim_per_head(self) -> int:
-        return self.head_dim
-
-    @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
 
@@ -127,8 +123,8 @@ class Qwen3_5MoeConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> "Qwen3_5MoeConfig":
         if hf.get("model_type") == "qwen3_5_moe":  # the released multimodal checkpoints
-            if not isinstance(hf.get("text_config"), dict):
-                raise ConfigError("model_type 'qwen3_5_moe' without a text_config: not a Qwen3.5-MoE checkpoint's config.json")
+            check(isinstance(hf.get("text_config"), dict),
+                  "model_type 'qwen3_5_moe' without a text_config: not a Qwen3.5-MoE checkpoint's config.json")
             print("qwen3_5_moe: a multimodal checkpoint; its language model (text_config) is used, "
                   "the vision tower and MTP weights are left out", file=sys.stderr)
             hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
@@ -136,8 +132,8 @@ class Qwen3_5MoeConfig:
             raise ConfigError(f"model_type {hf.get('model_type')!r} with a text_config/vision_config is a multimodal "
                               f"config; set model_type to 'qwen3_5_moe' (or give the text_config alone)")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ConfigError(f"qwen3_5_moe: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        check(rope.get("rope_type", rope.get("type", "default")) in ("default", None),
+              f"qwen3_5_moe: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
         values = hf_values(cls, hf)
         for key in ("rope_theta", "partial_rotary_factor"):  # text positions: mrope's sections all equal plain RoPE
             if key in rope:
@@ -346,11 +342,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoE(cfg)
 
-    def mixer(self, x, attn: AttnInputs):
-        return self.linear_attn(x, attn) if self.is_linear else self.self_attn(x, attn)
-
     def stage1(self, x, attn: AttnInputs) -> Stage1Out:
-        h = x + self.mixer(self.input_layernorm(x), attn)
+        h = x + (self.linear_attn if self.is_linear else self.self_attn)(self.input_layernorm(x), attn)
         normed = self.post_attention_layernorm(h)
         tokens = normed.flatten(0, 1)
         return Stage1Out(h, expert_tokens(normed), self.mlp.shared(tokens), self.mlp.gate(tokens))
@@ -399,8 +392,8 @@ class Qwen3_5MoeModel(nn.Module):
         """No aux-loss-free routing bias in this family (see deepseek_v2.py)."""
         return {}
 
-    def head_weight(self, embed_weight=None):
-        return self.lm_head.weight if self.lm_head is not None else (embed_weight if embed_weight is not None else self.embed_tokens.weight)
+    def head_weight(self):
+        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
 
     def attn_inputs(self, position_ids, doc_ids, dtype, cp: ContextParallel | None = None) -> AttnInputs:
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, dtype=dtype)

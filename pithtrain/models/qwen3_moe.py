@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError, check, check_positive, hf_values
+from pithtrain.config import check, check_positive, hf_values
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.ops import attention as flash  # Triton flash attention for packed documents (CUDA)
 from pithtrain.ops.core import attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin
@@ -60,11 +60,8 @@ class Qwen3MoeConfig:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     def is_moe_layer(self, layer_id: int) -> bool:
-        return (
-            self.num_experts > 0
-            and layer_id not in self.mlp_only_layers
-            and (layer_id + 1) % self.decoder_sparse_step == 0
-        )
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
 
     def num_routed_experts(self) -> int:
         return self.num_experts
@@ -73,32 +70,25 @@ class Qwen3MoeConfig:
         check_positive(self, "vocab_size hidden_size intermediate_size moe_intermediate_size num_hidden_layers "
                              "num_attention_heads num_key_value_heads head_dim rms_norm_eps rope_theta max_position_embeddings")
         check(self.num_experts >= 0, f"model.num_experts={self.num_experts}: must be >= 0 (0: dense)")
-        check(
-            self.num_attention_heads % self.num_key_value_heads == 0,
-            f"model.num_attention_heads={self.num_attention_heads} is not divisible by model.num_key_value_heads="
-            f"{self.num_key_value_heads}; choose a divisor of the query heads",
-        )
-        check(
-            self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
-            f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
-            f"{self.num_attention_heads}; set model.head_dim explicitly or change the sizes",
-        )
+        check(self.num_attention_heads % self.num_key_value_heads == 0,
+              f"model.num_attention_heads={self.num_attention_heads} is not divisible by model.num_key_value_heads="
+              f"{self.num_key_value_heads}; choose a divisor of the query heads")
+        check(self.head_dim is not None or self.hidden_size % self.num_attention_heads == 0,
+              f"model.hidden_size={self.hidden_size} is not divisible by model.num_attention_heads="
+              f"{self.num_attention_heads}; set model.head_dim explicitly or change the sizes")
         check(self.dim_per_head % 2 == 0, f"model head dim {self.dim_per_head} must be even for RoPE")
         check(self.hidden_act == "silu", f"model.hidden_act={self.hidden_act!r}: only 'silu' is supported")
         check(self.decoder_sparse_step >= 1, "model.decoder_sparse_step must be at least 1")
-        if self.num_experts > 0:
-            check(
-                1 <= self.num_experts_per_tok <= self.num_experts,
-                f"model.num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]",
-            )
+        check(self.num_experts == 0 or 1 <= self.num_experts_per_tok <= self.num_experts,
+              f"model.num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts={self.num_experts}]")
         bad = [i for i in self.mlp_only_layers if not 0 <= i < self.num_hidden_layers]
         check(not bad, f"model.mlp_only_layers has layer ids {bad} outside [0, {self.num_hidden_layers})")
 
     @classmethod
     def from_hf(cls, hf: dict) -> "Qwen3MoeConfig":
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-            raise ConfigError(f"qwen3_moe: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        check(rope.get("rope_type", rope.get("type", "default")) in ("default", None),
+              f"qwen3_moe: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
         values = hf_values(cls, hf)
         if "num_experts" not in values and hf.get("num_local_experts") is not None:
             values["num_experts"] = hf["num_local_experts"]  # transformers 5 writes this alias
@@ -266,8 +256,8 @@ class Qwen3MoeModel(nn.Module):
         """No aux-loss-free routing bias in this family (see deepseek_v2.py)."""
         return {}
 
-    def head_weight(self, embed_weight=None):
-        return self.lm_head.weight if self.lm_head is not None else (embed_weight if embed_weight is not None else self.embed_tokens.weight)
+    def head_weight(self):
+        return self.lm_head.weight if self.lm_head is not None else self.embed_tokens.weight
 
     def attn_inputs(self, position_ids, doc_ids, dtype, cp: ContextParallel | None = None) -> AttnInputs:
         cos, sin = rope_cos_sin(position_ids, self.inv_freq, dtype=dtype)

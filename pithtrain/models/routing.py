@@ -20,17 +20,10 @@ import torch
 from pithtrain.ops.kernels import topk_ids  # Triton on GPUs, torch.topk elsewhere
 
 
-def select_experts(
-    logits: torch.Tensor,
-    topk: int,
-    score_func: str = "softmax",
-    correction_bias: torch.Tensor | None = None,
-    n_group: int = 1,
-    topk_group: int = 1,
-    group_score: str = "max",
-    norm_topk_prob: bool = False,
-    routed_scaling_factor: float = 1.0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def select_experts(logits: torch.Tensor, topk: int, score_func: str = "softmax",
+                   correction_bias: torch.Tensor | None = None, n_group: int = 1, topk_group: int = 1,
+                   group_score: str = "max", norm_topk_prob: bool = False,
+                   routed_scaling_factor: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """logits: [T, E] router logits. Returns topk_ids [T, k] (int64), topk_weights [T, k] and
     scores [T, E] (the unbiased softmax/sigmoid scores, for the load-balance loss).
 

@@ -327,16 +327,12 @@ def _launcher(fn, configs):
     return _compiled[fn]
 
 
-def _blocks():
-    return INTERPRETER_BLOCKS if _interpreting() else {}
-
-
 def _strides(t):  # (batch, head, position) strides of a [B, H, S, D] view
     return t.stride(0), t.stride(1), t.stride(2)
 
 
 def _flags(docs, window):
-    return {"HAS_WINDOW": window > 0, "HAS_DOCS": docs is not None} | _blocks()
+    return {"HAS_WINDOW": window > 0, "HAS_DOCS": docs is not None} | (INTERPRETER_BLOCKS if _interpreting() else {})
 
 
 @torch.library.custom_op("pithtrain::flash_attention_fwd", mutates_args=())
@@ -424,4 +420,3 @@ def attention_flops(batch: int, heads: int, seq: int, head_dim: int, window: int
     w = min(window or seq, seq)
     pairs = seq * (seq + 1) // 2 - (seq - w) * (seq - w + 1) // 2
     return 4 * batch * heads * head_dim * pairs
-

@@ -122,10 +122,7 @@ def attention_mask(doc_ids: torch.Tensor | None, seq_len: int, device, sliding_w
 def attention(q, k, v, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
     """Causal GQA attention. q: [B, Hq, S, D], k/v: [B, Hkv, S, D]; returns [B, S, Hq*Dv]."""
     gqa = q.shape[1] != k.shape[1]
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa)
     return out.transpose(1, 2).flatten(2)
 
 

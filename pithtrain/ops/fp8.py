@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.config import ConfigError
-from pithtrain.ops import kernels
+from pithtrain.ops import core, kernels
 from pithtrain.ops.kernels import _cdiv, _glu_bwd, _Kernel, _pow2, use_triton
 from pithtrain.protocol import all_layers
 
@@ -42,9 +42,7 @@ FP8_MAX = 448.0  # largest finite e4m3fn value
 _TINY = 1e-12  # scale floor: an all-zero row quantizes to zeros
 
 
-# ---------------------------------------------------------------------------------------------------
-# References (the CPU path and the oracle of the GPU tests)
-# ---------------------------------------------------------------------------------------------------
+# ---- References (the CPU path and the oracle of the GPU tests) ----
 
 
 def quantize_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,9 +115,7 @@ def grouped_wgrad_reference(xt, sx, dyt, sdy, counts) -> torch.Tensor:
     return torch.stack(out)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Triton kernels (CUDA)
-# ---------------------------------------------------------------------------------------------------
+# ---- Triton kernels (CUDA) ----
 
 
 @_Kernel
@@ -539,9 +535,7 @@ def _grouped_wgrad_cuda(xt: torch.Tensor, sx: torch.Tensor, dyt: torch.Tensor, s
                                 GROUPS_P2=_groups_p2(groups), ALIGN=SEGMENT_ALIGN, **cfg)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Path selection: Triton / torch._scaled_mm on CUDA, the references elsewhere
-# ---------------------------------------------------------------------------------------------------
+# ---- Path selection: Triton / torch._scaled_mm on CUDA, the references elsewhere ----
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -680,9 +674,7 @@ def grouped_wgrad(xt, sx, dyt, sdy, counts) -> torch.Tensor:
     return grouped_wgrad_reference(xt, sx, dyt, sdy, counts)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Cached quantized weights
-# ---------------------------------------------------------------------------------------------------
+# ---- Cached quantized weights ----
 
 
 class FP8Weight:
@@ -728,9 +720,7 @@ def _cached(cache: dict, name: str, param: torch.Tensor, contraction_last: bool)
     return cache[name]
 
 
-# ---------------------------------------------------------------------------------------------------
-# FP8 GEMMs with autograd
-# ---------------------------------------------------------------------------------------------------
+# ---- FP8 GEMMs with autograd ----
 
 
 class _FP8Linear(torch.autograd.Function):
@@ -794,16 +784,12 @@ class Linear(nn.Linear):
     fp8_weight: FP8Weight | None = None
 
     def forward(self, x):
-        if not self.fp8:
-            return F.linear(x, self.weight, self.bias)
-        return _fp8_linears(x, self)
+        return _fp8_linears(x, self) if self.fp8 else F.linear(x, self.weight, self.bias)
 
 
 def _fp8_linears(x: torch.Tensor, *linears: Linear) -> torch.Tensor:
     """The FP8 Linears' outputs of x, stacked in one tensor (_FP8Linear)."""
-    kind = x.device.type
-    out_dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
-    layouts = []
+    out_dtype, layouts = core.autocast_dtype(x), []
     for m in linears:
         w = m.fp8_weight if torch.compiler.is_compiling() else cached_weight(m, "weight", True)
         layouts += [*w.fwd, *w.bwd]

@@ -81,9 +81,7 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-# ---------------------------------------------------------------------------------------------------
-# 1-2. SwiGLU and GPT-OSS's clamped SwiGLU on [N, 2I] (gate then up); backward recomputes the activation
-# ---------------------------------------------------------------------------------------------------
+# ---- 1-2. SwiGLU and GPT-OSS's clamped SwiGLU on [N, 2I] (gate then up); backward recomputes the activation ----
 
 
 def clamped_swiglu_reference(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -236,9 +234,7 @@ def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.T
     return clamped_swiglu_reference(gate_up, alpha, limit)
 
 
-# ---------------------------------------------------------------------------------------------------
-# 3. Token permutation: gather rows into the expert-grouped layout, scatter them back
-# ---------------------------------------------------------------------------------------------------
+# ---- 3. Token permutation: gather rows into the expert-grouped layout, scatter them back ----
 
 
 def permute_reference(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -419,9 +415,7 @@ def expand(x: torch.Tensor, order: torch.Tensor, topk: int) -> torch.Tensor:
     expert order), by a kernel that reads each row of x once and stores it at its topk places (order's inverse):
     a gather reads each row topk times, mostly from memory at a micro-batch's size; the backward sums each
     row's copies in slot order without sorting."""
-    if not use_triton(x):
-        return permute_reference(x, order // topk)
-    return _Expand.apply(x, _inverse(order))
+    return _Expand.apply(x, _inverse(order)) if use_triton(x) else permute_reference(x, order // topk)
 
 
 def _inverse(perm: torch.Tensor) -> torch.Tensor:
@@ -555,9 +549,7 @@ def weighted_combine(rows: torch.Tensor, index: torch.Tensor, weights: torch.Ten
     return out if addend is None else addend + out.view_as(addend).to(addend.dtype)
 
 
-# ---------------------------------------------------------------------------------------------------
-# 4. The deduplicated dispatch plan of AllToAllDispatch
-# ---------------------------------------------------------------------------------------------------
+# ---- 4. The deduplicated dispatch plan of AllToAllDispatch ----
 
 
 class DispatchPlan(NamedTuple):
@@ -669,9 +661,7 @@ def dispatch_plan(topk_ids: torch.Tensor, experts_per_rank: int, ep: int) -> Dis
     return dispatch_plan_reference(topk_ids, experts_per_rank, ep)
 
 
-# ---------------------------------------------------------------------------------------------------
-# 5. Per-expert bias on rows grouped by expert
-# ---------------------------------------------------------------------------------------------------
+# ---- 5. Per-expert bias on rows grouped by expert ----
 
 
 def expert_bias_add_reference(x: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -775,9 +765,7 @@ def expert_bias_add(x: torch.Tensor, bias: torch.Tensor, counts: torch.Tensor) -
     return out
 
 
-# ---------------------------------------------------------------------------------------------------
-# 6. Cross-entropy summed over label tokens, race-free
-# ---------------------------------------------------------------------------------------------------
+# ---- 6. Cross-entropy summed over label tokens, race-free ----
 
 
 @_Kernel
@@ -949,9 +937,7 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor, grad_in_place:
     return core.cross_entropy_sum(logits, labels)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Attention inputs (Qwen3): q and k RMS-normed per head then rotated, v split off, one pass each way
-# ---------------------------------------------------------------------------------------------------
+# ---- Attention inputs (Qwen3): q and k RMS-normed per head then rotated, v split off, one pass each way ----
 
 # Off: the reference's norm, RoPE and split, which Inductor compiled into five passes forward and back
 # (the A/B of benchmarks/train_throughput.py --ab qk-norm-rope).
@@ -1128,9 +1114,7 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     return qk_norm_rope_reference(q, k, v, q_weight, k_weight, cos, sin, eps)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Router selection: the ids of each row's k largest scores (torch.topk's sort of 128 experts took 120 us a call)
-# ---------------------------------------------------------------------------------------------------
+# ---- Router selection: the ids of each row's k largest scores (torch.topk's sort of 128 experts took 120 us a call)
 
 
 @_Kernel
@@ -1173,9 +1157,7 @@ def topk_ids(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk(x, k, dim=-1).indices
 
 
-# ---------------------------------------------------------------------------------------------------
-# Gradient accumulation: an fp32 gradient += a bf16 weight gradient
-# ---------------------------------------------------------------------------------------------------
+# ---- Gradient accumulation: an fp32 gradient += a bf16 weight gradient ----
 
 
 @_Kernel
@@ -1329,9 +1311,7 @@ def wgrad_into(grad: torch.Tensor, x: torch.Tensor, dy: torch.Tensor, counts: to
     return grad
 
 
-# ---------------------------------------------------------------------------------------------------
-# Muon's elementwise passes (train/optim.Muon): one read of each fp32 state per step
-# ---------------------------------------------------------------------------------------------------
+# ---- Muon's elementwise passes (train/optim.Muon): one read of each fp32 state per step ----
 # A Muon parameter is viewed as [rows, halves * inner] (rows = E * per_half for an expert stack
 # [E, per_half, halves * inner]); its update lives in the Newton-Schulz batch as E * halves contiguous
 # [per_half, inner] matrices (an expert's gate and up apart). Launched eagerly (the optimizer is not
@@ -1406,10 +1386,8 @@ def muon_apply(weight: torch.Tensor, update: torch.Tensor, decay: float, step: f
         muon_apply_reference(weight, update, decay, step, halves)
 
 
-# ---------------------------------------------------------------------------------------------------
-# AdamW as one pass a parameter (train/optim.TRITON_ADAMW): the clip coefficient applied as the gradient is
-# read, and the compute-dtype copy the experts' GEMMs read written with the new weight
-# ---------------------------------------------------------------------------------------------------
+# ---- AdamW as one pass a parameter (train/optim.TRITON_ADAMW): the clip coefficient applied as the gradient is
+# read, and the compute-dtype copy the experts' GEMMs read written with the new weight ----
 
 
 def adamw_reference(p, g, m, v, copy, lr: float, beta1: float, beta2: float, eps: float, decay: float, step: int,

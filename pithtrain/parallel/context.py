@@ -82,8 +82,7 @@ class ContextParallel:
     @staticmethod
     def zigzag(group, seq_len: int, doc_ids: torch.Tensor | None = None, device=None) -> "ContextParallel":
         """The zigzag layout of a [B, seq_len] micro-batch; `doc_ids` is the FULL [B, seq_len] tensor."""
-        cp = 1 if group is None else dist.get_world_size(group)
-        rank = 0 if group is None else dist.get_rank(group)
+        cp, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
         device = device if doc_ids is None else doc_ids.device
         held = [zigzag_indices(seq_len, cp, r, device) for r in range(cp)]
         docs = None if doc_ids is None else [doc_ids[:, i] for i in held]
@@ -173,10 +172,6 @@ def _scores(qb, kb, mask, scale):
     return s.masked_fill(~mask[:, None, None], float("-inf"))
 
 
-def _keys_values(expand, payload, params):
-    return payload if expand is None else expand(*payload, *params)
-
-
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cp, scale, window, expand, n_payload, q, sinks, *tensors):
@@ -194,7 +189,7 @@ class _RingAttention(torch.autograd.Function):
             box = cp.box(source, window)
             if box is not None:
                 qs, ks = box
-                k, v = _keys_values(expand, current, params)
+                k, v = current if expand is None else expand(*current, *params)
                 hkv = k.shape[1]
                 if out is None:  # step 0 always computes: every token sees itself
                     out = torch.zeros(b, hkv, hq // hkv, sq, v.shape[-1], dtype=acc, device=q.device)

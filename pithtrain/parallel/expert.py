@@ -190,12 +190,7 @@ class AllToAllDispatch:
         self.ep = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.local_experts = num_experts // self.ep
-        self._side_stream = None
-
-    def side_stream(self, device):
-        if self._side_stream is None:
-            self._side_stream = torch.cuda.Stream(device)
-        return self._side_stream
+        self.side_stream = None
 
     def dispatch(self, x: torch.Tensor, routing: RoutingInfo, loads: torch.Tensor | None = None):
         """`loads` (the routing's global expert loads) do not give this rank's counts: unused."""
@@ -214,7 +209,9 @@ class AllToAllDispatch:
         of the split sizes, started but not waited on."""
         ids = routing.topk_ids
         plan = dispatch_plan(ids, self.local_experts, self.ep)
-        stream = self.side_stream(ids.device) if async_op and ids.is_cuda else None
+        stream = None
+        if async_op and ids.is_cuda:  # the async counts' copy stream, made on first use
+            stream = self.side_stream = self.side_stream or torch.cuda.Stream(ids.device)
         with named_range("pithtrain::dispatch"):  # the exchange of the split sizes
             counts = _Counts(plan.send_counts, self.group, stream)
         return _Plan(plan.send_token, plan.slot_meta, plan.home_index, counts, ids.shape[1])
@@ -222,8 +219,7 @@ class AllToAllDispatch:
     def dispatch_start(self, x: torch.Tensor, routing: RoutingInfo, async_op: bool = False, plan=None):
         plan = self.plan(routing, async_op) if plan is None else plan
         counts = plan.counts.host()  # the one host sync of the layer
-        send_rows, send_pairs = [c[0] for c in counts], [c[1] for c in counts]
-        recv_rows, recv_pairs = [c[2] for c in counts], [c[3] for c in counts]
+        send_rows, send_pairs, recv_rows, recv_pairs = (list(column) for column in zip(*counts))
         real = sum(send_rows)  # the plan's rows past this are padding
         send, send_meta = permute(x, plan.send_token[:real]), plan.slot_meta[:real].contiguous()
         rows = Exchange(send, recv_rows, send_rows, self.group, async_op, "pithtrain::dispatch")
@@ -253,5 +249,4 @@ class AllToAllDispatch:
 
     def combine_finish(self, pending) -> Combined:
         back, home_index = pending
-        back = back.wait()
-        return Combined(back, home_index)  # every (token, slot) pair comes back once
+        return Combined(back.wait(), home_index)  # every (token, slot) pair comes back once

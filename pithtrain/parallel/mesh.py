@@ -76,14 +76,8 @@ def init_mesh(pp: int, cp: int, ep: int, device_type: str, timeout_s: float, hsd
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device if device_type == "cuda" else None)
     dm = init_device_mesh(device_type, (pp, dp, cp, ep), mesh_dim_names=("pp", "dp", "cp", "ep"))
     coords = dm.get_coordinate()
-    return Mesh(
-        world=world, rank=rank, pp=pp, dp=dp, cp=cp, ep=ep,
-        pp_rank=coords[0], dp_rank=coords[1], cp_rank=coords[2], ep_rank=coords[3],
-        device=device, device_mesh=dm,
-        ep_group=dm["ep"].get_group() if ep > 1 else None,
-        cp_group=dm["cp"].get_group() if cp > 1 else None,
-        dense_mesh=dm["dp", "cp", "ep"]._flatten("dense"),
-        expert_mesh=dm["dp", "cp"]._flatten("expert"),
-        data_group=dm["dp", "ep"]._flatten("data").get_group() if dp * ep > 1 else None,
-        hsdp=hsdp,
-    )
+    return Mesh(world=world, rank=rank, pp=pp, dp=dp, cp=cp, ep=ep, pp_rank=coords[0], dp_rank=coords[1],
+                cp_rank=coords[2], ep_rank=coords[3], device=device, device_mesh=dm,
+                ep_group=dm["ep"].get_group() if ep > 1 else None, cp_group=dm["cp"].get_group() if cp > 1 else None,
+                dense_mesh=dm["dp", "cp", "ep"]._flatten("dense"), expert_mesh=dm["dp", "cp"]._flatten("expert"),
+                data_group=dm["dp", "ep"]._flatten("data").get_group() if dp * ep > 1 else None, hsdp=hsdp)

@@ -48,11 +48,8 @@ def split_layers(num_layers: int, pp: int) -> list[list[int]]:
             if sizes[edge] > 0 and sizes[edge] >= sizes[inner]:
                 sizes[edge] -= 1
                 sizes[inner] += 1
-    chunks, start = [], 0
-    for size in sizes:
-        chunks.append(list(range(start, start + size)))
-        start += size
-    return chunks
+    starts = [sum(sizes[:c]) for c in range(n)]
+    return [list(range(start, start + size)) for start, size in zip(starts, sizes)]
 
 
 def rank_chunks(pp: int, rank: int) -> tuple[int, int]:
@@ -231,8 +228,7 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
     return {"makespan": makespan, "bubble_fraction": 1 - work / (pp * makespan)}
 
 
-# ---------------------------------------------------------------------------------------------
-# Execution on a (pp, dp, cp, ep) mesh.
+# ---- Execution on a (pp, dp, cp, ep) mesh ----
 
 
 class ChunkPair(torch.nn.Module):
@@ -254,8 +250,6 @@ class ChunkPair(torch.nn.Module):
 
 def build_chunks(cfg, pp: int, pp_rank: int, seed: int):
     """This rank's phase-0 and phase-1 chunks, initialised like the whole model."""
-    if cfg.tie_word_embeddings and pp > 1:
-        raise ValueError("model.tie_word_embeddings with parallel.pp > 1 is not supported yet; untie the embeddings")
     placement = split_layers(cfg.num_hidden_layers, pp)
     first, second = rank_chunks(pp, pp_rank)
     down = cfg.build_model(placement[first], embed=first == 0, head=False)
@@ -449,8 +443,7 @@ class PipelineRunner:
         self.mesh = mesh
         self.make_engine = make_engine  # (batch, seq) -> ExpertEngine for one chunk forward
         self.forward_inputs = forward_inputs  # micro dict -> (position_ids, doc_ids, ContextParallel or None)
-        pp_mesh = mesh.device_mesh["pp"]
-        self.group = pp_mesh.get_group()
+        self.group = mesh.device_mesh["pp"].get_group()
         self.peer = {d: dist.get_global_rank(self.group, mesh.pp_rank + d) for d in (-1, 1)
                      if 0 <= mesh.pp_rank + d < mesh.pp}
 
@@ -489,8 +482,7 @@ class PipelineRunner:
             for kind, phase, mb in _parts(op):
                 if kind == "W":
                     continue
-                step = (1 if phase == 0 else -1) * (1 if kind == "F" else -1)
-                dest = rank + step
+                dest = rank + (1 if phase == 0 else -1) * (1 if kind == "F" else -1)
                 if 0 <= dest < pp:
                     out.append((dest, "act" if kind == "F" else "grad", phase, mb))
         return out
@@ -536,12 +528,10 @@ class PipelineRunner:
             micro, chunk = micros[mb], self.chunks[phase]
             pos, doc, cp = self.forward_inputs(micro)
             if phase == 0 and rank == 0:
-                x = micro["input_ids"]
-                leaf = None
+                x, leaf = micro["input_ids"], None
             else:
                 x = inbox.pop(("act", phase, mb)) if ("act", phase, mb) in inbox else receive("act", phase, mb)
-                x = x.detach().requires_grad_()
-                leaf = x
+                x = leaf = x.detach().requires_grad_()
             engine = self.make_engine(b, s)
             if defer_w:
                 engine.weight_queue = DeferredWeightGrads(add_grad, plain=True)
@@ -617,10 +607,6 @@ class PipelineRunner:
                 queue.work.pop(0)()
                 yield
 
-        def pass_grad(grad, phase, mb):
-            if grad is not None and not send(grad, "grad", phase):  # last rank: phase-1 input grad feeds its phase 0
-                inbox[("grad", 0, mb)] = grad
-
         def tracer(kind, phase, mb):
             trace = self.trace
             return (lambda event: trace.append((kind, phase, mb, event))) if trace is not None else (lambda event: None)
@@ -634,8 +620,8 @@ class PipelineRunner:
             # interleaved; a forward sends its act before the pair's grads are passed on
             results = _drive(*steps) if self.overlap else [_drive(step)[0] for step in steps]
             for (kind, phase, mb), grad in zip(parts, results):
-                if kind == "B":
-                    pass_grad(grad, phase, mb)
+                if kind == "B" and grad is not None and not send(grad, "grad", phase):
+                    inbox[("grad", 0, mb)] = grad  # the last rank: its phase-1 input grad feeds its phase 0
         for _, work in pending_send:
             work.wait()
         assert not saved and not pending_recv, "pipeline step ended with work left over"

@@ -94,9 +94,8 @@ def write_checkpoint(final: str | Path, state: dict, meta: dict, hf_config: dict
         dcp.save(state, checkpoint_id=str(tmp))
     # each rank hashes the data files it wrote (DCP names them __<rank>_<n>.distcp), still in the page cache
     rank = dist.get_rank() if dist.is_initialized() else 0
-    files = {}
-    for part in _all_ranks(_digests(tmp, [p.name for p in tmp.glob(f"__{rank}_*.distcp")])):
-        files.update(part)
+    digests = _all_ranks(_digests(tmp, [p.name for p in tmp.glob(f"__{rank}_*.distcp")]))
+    files = {name: entry for part in digests for name, entry in part.items()}
     if _is_main():
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         files.update(_digests(tmp, [".metadata", "config.json"]))
@@ -137,20 +136,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _remove(ckpt: Path) -> None:
-    """Delete a checkpoint, its marker first: a half-deleted directory never counts as a checkpoint."""
-    (ckpt / "meta.json").unlink(missing_ok=True)
-    _fsync_dir(ckpt)
-    shutil.rmtree(ckpt, ignore_errors=True)
-
-
 def save_checkpoint(run_dir, step: int, state: dict, meta: dict, hf_config: dict, keep: int) -> Path:
     """Save `state` (a DCP state dict) after `step` optimizer steps; prune to the newest `keep`
     (and remove step directories without a marker: what an interrupted deletion left)."""
     final = write_checkpoint(Path(run_dir) / "checkpoints" / f"step_{step:08d}", state, dict(meta, step=step), hf_config)
     if _is_main():
-        for old in list_checkpoints(run_dir)[:-keep]:
-            _remove(old)
+        for old in list_checkpoints(run_dir)[:-keep]:  # its marker first: a half-deleted one never counts
+            (old / "meta.json").unlink(missing_ok=True)
+            _fsync_dir(old)
+            shutil.rmtree(old, ignore_errors=True)
         for _, left in _step_dirs(run_dir):
             if not (left / "meta.json").exists():
                 shutil.rmtree(left, ignore_errors=True)
@@ -368,17 +362,13 @@ def is_hf_dir(path: str | Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
-def _hf_files(path: Path) -> list[Path]:
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return sorted({path / f for f in read_json(index, "re-download or re-export it")["weight_map"].values()})
-    return sorted(path.glob("*.safetensors"))
-
-
 def read_hf_state(path: str | Path, names_only: bool = False) -> dict[str, torch.Tensor]:
     """An HF directory's tensors by name (names_only: the names alone, from the files' headers)."""
-    state = {}
-    for f in _hf_files(Path(path)):
+    path, state = Path(path), {}
+    index = path / "model.safetensors.index.json"
+    files = (sorted({path / f for f in read_json(index, "re-download or re-export it")["weight_map"].values()})
+             if index.is_file() else sorted(path.glob("*.safetensors")))
+    for f in files:
         try:
             if names_only:
                 with safe_open(str(f), "pt") as held:

@@ -73,8 +73,7 @@ class NormLog:
     def grads(self, named_params) -> None:
         for name, p in named_params:
             if p.grad is not None:
-                g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                self.write(f"{name}.grad", "param_grad", g)
+                self.write(f"{name}.grad", "param_grad", p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad)
 
 
 class MemoryRecorder:

@@ -23,8 +23,8 @@ import torch.utils.checkpoint
 from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 
-from pithtrain.config import (MUON_EXCLUDE, ConfigError, RunConfig, UserError, data_parts, disk_error, ignored_options,
-                               read_json, run_dict, runs_dualpipev, validate)
+from pithtrain.config import (MUON_EXCLUDE, ConfigError, RunConfig, UserError, check, data_parts, disk_error,
+                               ignored_options, read_json, run_dict, runs_dualpipev, validate)
 from pithtrain.models.routing import update_correction_bias
 from pithtrain.ops.fp8 import enable_fp8
 from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
@@ -51,12 +51,6 @@ def pick_device(name: str, field: str = "train.device") -> torch.device:
     return torch.device(name)
 
 
-def compute_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return torch.bfloat16 if name == "bf16" else torch.float32
-
-
 def forward_loss(model, micro: dict, engine: ExpertEngine, device, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Forward one (device-resident, CP-split) micro-batch; returns its sums of token cross-entropy, the
     main one and multi-token prediction's (None without "mtp_ids" in the micro-batch; the auxiliary
@@ -70,19 +64,16 @@ def forward_loss(model, micro: dict, engine: ExpertEngine, device, dtype) -> tup
 def head_losses(out, micro: dict) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(main cross-entropy sum, MTP cross-entropy sum or None) of a head's output: logits, or
     (logits, MTP logits [B, S, D, V]) with MTP."""
-    if not isinstance(out, tuple):  # the logits are not read after the backward: their gradient goes over them
-        return cross_entropy_sum(out, micro["labels"], grad_in_place=True), None
-    return (cross_entropy_sum(out[0], micro["labels"], grad_in_place=True),
-            cross_entropy_sum(out[1], micro["mtp_labels"], grad_in_place=True))
+    logits, mtp_logits = out if isinstance(out, tuple) else (out, None)
+    ce = cross_entropy_sum(logits, micro["labels"], grad_in_place=True)  # in place: the logits are not read again
+    return ce, None if mtp_logits is None else cross_entropy_sum(mtp_logits, micro["mtp_labels"], grad_in_place=True)
 
 
 def prepare_micro(micro: dict, mesh: Mesh) -> dict:
     """Move a micro-batch to the device and keep this CP rank's zigzag share of its sequences
     (with the ContextParallel under key "cp")."""
-    if mesh.device.type == "cuda":  # pinned and non-blocking: a plain copy would wait for the GPU to drain
-        micro = {k: v.pin_memory().to(mesh.device, non_blocking=True) for k, v in micro.items()}
-    else:
-        micro = {k: v.to(mesh.device) for k, v in micro.items()}
+    pin = mesh.device.type == "cuda"  # pinned and non-blocking: a plain copy would wait for the GPU to drain
+    micro = {k: (v.pin_memory() if pin else v).to(mesh.device, non_blocking=pin) for k, v in micro.items()}
     if mesh.cp == 1:
         return micro
     local, cp = shard_micro_batch(micro, mesh.cp_group)
@@ -173,9 +164,12 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
     first_done = None  # (time, step) at the end of this run's first step: the ETA's rate excludes its warm-up
     tflop_per_gpu = flops_per_token(config.model, config.data.seq_len) / run.mesh.world / 1e12  # a global token's share
     for step in range(run.start, run.end):
-        if t.profile_step and step + 1 == t.profile_step:
+        if t.profile_step and step + 1 == t.profile_step:  # torch.profiler over one step: the capture-profile skill
             drain(device)  # the last step's optimizer may still run (train_step): keep it out of this step's trace
-            profiler = start_profiler(device)
+            cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+            activities = [cpu, cuda] if device.type == "cuda" else [cpu]
+            profiler = torch.profiler.profile(activities=activities, record_shapes=False)
+            profiler.start()
         if run.capture and step + 1 == run.capture[0] and device.type == "cuda":
             drain(device)
             torch.cuda.profiler.start()
@@ -185,9 +179,8 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
         out = train_step(run, step, stop)
         dt = time.perf_counter() - t0
         m = {"step": step + 1, "loss": out.loss, **out.aux, "lr": out.lr, "grad_norm": out.grad_norm,
-             "tokens_per_s": out.n_tokens / dt,
-             "tflops_per_gpu": out.n_tokens / dt * tflop_per_gpu, "step_time_s": dt, "peak_mem_bytes": peak_memory_bytes(device),
-             "tokens": out.n_label}
+             "tokens_per_s": out.n_tokens / dt, "tflops_per_gpu": out.n_tokens / dt * tflop_per_gpu, "step_time_s": dt,
+             "peak_mem_bytes": peak_memory_bytes(device), "tokens": out.n_label}
         if out.ep_balance is not None:
             m["ep_load_balance"] = out.ep_balance
         if isinstance(run.loader, BlendLoader):  # each dataset's share, in data.path's order
@@ -236,7 +229,7 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
     for line in ignored_options(config, mesh.world) if echo and mesh.is_main else ():
         print(line, flush=True)
     device = mesh.device
-    dtype = compute_dtype(t.dtype, device)
+    dtype = torch.bfloat16 if t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda") else torch.float32
     echo = echo and mesh.is_main
     threads = cpu_threads(device)
     loader, evaluation, found = check_run(config, out_dir, stop_after, echo, create=mesh.is_main)
@@ -300,8 +293,9 @@ def build_model(config: RunConfig, mesh: Mesh, dtype: torch.dtype, found: Path |
         except (RuntimeError, MemoryError) as e:  # the allocator's own message names the bytes it wanted
             raise UserError(f"model: building its weights failed ({str(e).splitlines()[0][:160]}); use a smaller model, "
                             "or spread it over more processes (parallel.pp, parallel.ep)") from None
-    if t.init_from and not found:
-        _init_from(model, t.init_from)
+    if t.init_from and not found:  # continued pretraining (check_init_from compared the architectures)
+        source, own = ckpt.load_model(t.init_from).state_dict(), model.state_dict()
+        model.load_state_dict({name: source[name] for name in own})  # a pipeline rank's chunks: its layers alone
     if t.compile:  # before FSDP, so that its hooks stay outside the compiled graphs
         compile_stages(model)
     if t.fp8 != "off":  # before FSDP too: its all-gather runs before the FP8 weight refresh
@@ -450,8 +444,7 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
     whose ids fit the model's vocabulary (and so is data.eval_path), the hold-out leaves a batch to
     train on, and a checkpoint to resume agrees with this config (check_resume), its metrics.jsonl too. Returns
     the batch loader, the eval samples (eval_windows) and the checkpoint to resume from (None: start afresh)."""
-    if stop_after is not None and stop_after < 1:
-        raise ConfigError(f"--stop-after {stop_after}: must be at least 1")
+    check(stop_after is None or stop_after >= 1, f"--stop-after {stop_after}: must be at least 1")
     if create:
         try:
             (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -848,14 +841,6 @@ def drain(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def start_profiler(device: torch.device):
-    """torch.profiler over one step (CPU ops, and CUDA kernels on GPUs); see the capture-profile skill."""
-    cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
-    profiler = torch.profiler.profile(activities=[cpu, cuda] if device.type == "cuda" else [cpu], record_shapes=False)
-    profiler.start()
-    return profiler
-
-
 def pipeline_step(runner, micros, terms: LossTerms, device, dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
     """One optimizer step's forward/backward through the pipeline (this rank's part); returns the
     cross-entropy sums (main, MTP) and, per auxiliary term, the sum over micro-batches of its layer mean."""
@@ -936,10 +921,3 @@ def size_text(config: RunConfig, loader, counts: tuple[int, int]) -> str:
 
 def count_text(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M" if n >= 1e6 else f"{n:,}"
-
-
-def _init_from(model, path: str) -> None:
-    """Copy weights from an HF directory or a PithTrain checkpoint (continued pretraining; check_init_from
-    compared the architectures)."""
-    source, own = ckpt.load_model(path).state_dict(), model.state_dict()
-    model.load_state_dict({name: source[name] for name in own})  # a pipeline rank's chunks: its layers alone

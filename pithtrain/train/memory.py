@@ -105,10 +105,9 @@ def estimate(config, world: int) -> list[dict]:
         fp8 = config.train.fp8 != "off"
         if fp8:  # ops/fp8.py: two 1-byte layouts of every FP8 weight (experts, projections), per step
             parts["FP8 weight caches (2 layouts)"] = 2 * (expert / (1 if world == 1 else ep) + dense - table)
-        if world == 1:
-            if not fp8:
-                parts["bf16 expert weights (cast once per step)"] = 2 * expert
-        else:
+        if world == 1 and not fp8:
+            parts["bf16 expert weights (cast once per step)"] = 2 * expert
+        elif world > 1:
             parts["gathered bf16 parameters"] = 2 * (dense + expert / ep)
             if micro_per_rank > 1:  # the pipeline adds expert gradients to the shards directly
                 parts["unsharded fp32 gradients (accumulation)"] = 4 * (dense + (0 if pipeline else expert / ep))
