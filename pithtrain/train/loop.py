@@ -164,12 +164,9 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
     first_done = None  # (time, step) at the end of this run's first step: the ETA's rate excludes its warm-up
     tflop_per_gpu = flops_per_token(config.model, config.data.seq_len) / run.mesh.world / 1e12  # a global token's share
     for step in range(run.start, run.end):
-        if t.profile_step and step + 1 == t.profile_step:  # torch.profiler over one step: the capture-profile skill
+        if t.profile_step and step + 1 == t.profile_step:
             drain(device)  # the last step's optimizer may still run (train_step): keep it out of this step's trace
-            cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
-            activities = [cpu, cuda] if device.type == "cuda" else [cpu]
-            profiler = torch.profiler.profile(activities=activities, record_shapes=False)
-            profiler.start()
+            profiler = start_profiler(device)
         if run.capture and step + 1 == run.capture[0] and device.type == "cuda":
             drain(device)
             torch.cuda.profiler.start()
@@ -839,6 +836,14 @@ def drain(device: torch.device) -> None:
     """Wait for the GPU's queued work (train_step leaves its optimizer running)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def start_profiler(device: torch.device):
+    """torch.profiler over one step (CPU ops, and CUDA kernels on GPUs); see the capture-profile skill."""
+    cpu, cuda = torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA
+    profiler = torch.profiler.profile(activities=[cpu, cuda] if device.type == "cuda" else [cpu], record_shapes=False)
+    profiler.start()
+    return profiler
 
 
 def pipeline_step(runner, micros, terms: LossTerms, device, dtype) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
