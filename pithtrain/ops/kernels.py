@@ -1114,7 +1114,7 @@ def qk_norm_rope(qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tens
     return qk_norm_rope_reference(q, k, v, q_weight, k_weight, cos, sin, eps)
 
 
-# ---- Router selection: the ids of each row's k largest scores (torch.topk's sort of 128 experts took 120 us a call)
+# ---- Router selection: each row's k largest scores' ids (torch.topk's sort of 128 experts: 120 us a call) ----
 
 
 @_Kernel
