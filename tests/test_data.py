@@ -266,7 +266,7 @@ def test_iter_documents(tmp_path):
         array.write_text(content)
         assert list(iter_documents([str(array)])) == docs, content
     array.write_text(json.dumps(["one", "two"]))
-    with pytest.raises(ValueError, match=r"array\.json: item 0: a JSON str, expected an object with field 'text'; write each "
+    with pytest.raises(ValueError, match=r"array\.json: item 0: a JSON string, expected an object with field 'text'; write each "
                        r'text as \{"text": \.\.\.\}$'):
         list(iter_documents([str(array)]))
     array.write_text('[{"text": "one"},\n{"text": 2}]')

@@ -116,7 +116,8 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
 def _record_text(where: str, obj, text_field: str) -> str:
     """obj[text_field] of one JSON record, or a one-line error naming where it is."""
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: a JSON {type(obj).__name__}, expected an object with field {text_field!r}; "
+        kind = {str: "string", list: "array", bool: "boolean", type(None): "null"}.get(type(obj), "number")
+        raise ValueError(f"{where}: a JSON {kind}, expected an object with field {text_field!r}; "
                          f'write each text as {{"{text_field}": ...}}')
     if text_field not in obj:
         raise ValueError(f"{where}: no field {text_field!r}; pass --text-field with the field that holds the text")
@@ -304,7 +305,9 @@ def _argument_error(args) -> str | None:
     if args.stdlib and args.max_bytes < 1:
         return f"--max-bytes {args.max_bytes}: must be at least 1"
     if args.tokenizer and not Path(args.tokenizer).is_file():
-        return f"--tokenizer {args.tokenizer} {'is a directory: pass its tokenizer.json' if Path(args.tokenizer).is_dir() else 'not found'}"
+        what = ("is a directory: pass its tokenizer.json" if Path(args.tokenizer).is_dir() else
+                "is not a regular file: pass a tokenizer.json" if Path(args.tokenizer).exists() else "not found")
+        return f"--tokenizer {args.tokenizer} {what}"
     if missing := next((p for p in args.inputs if not Path(p).exists()), None):
         return f"input {missing} not found"
     try:
