@@ -86,7 +86,7 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
         raise FileNotFoundError(f"tokenizer file {tokenizer_file} not found")
     check_output_dir(path)
     tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    for stale in [tmp, *path.parent.glob(f".{path.name}.tmp-*")]:  # this pid's, and those of writers since killed
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # this pid's, and those of writers since killed
         if stale == tmp or ((pid := stale.name.rsplit("-", 1)[1]).isdigit() and not alive(int(pid))):
             shutil.rmtree(stale, ignore_errors=True)
     try:
@@ -274,6 +274,7 @@ class BatchLoader:
         if seq_len < 1 or global_batch_size < 1:
             raise ValueError(f"data.seq_len ({seq_len}) and train.global_batch_size ({global_batch_size}) must be >= 1")
         self.dataset, self.seq_len, self.global_batch_size = dataset, seq_len, global_batch_size
+        self.datasets = [dataset]  # as a blend's (BlendLoader): what a run hashes and records
         self.seed, self.pack_documents, self.stream = seed, pack_documents, stream
         self.num_samples = (dataset.num_tokens - 1) // seq_len - held_out
         if self.num_samples < global_batch_size:
@@ -387,6 +388,7 @@ class BlendLoader:
         self.global_batch_size, self.seq_len = global_batch_size, seq_len
         self.num_samples = sum(part.num_samples for part in self.parts)
         self.dataset = datasets[0]  # the blend's tokenizer is this one's (checked): its identity is what a run records
+        self.datasets = datasets
 
     def sources(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """The dataset of each sample of global batch `step`, and its position in that dataset's order."""

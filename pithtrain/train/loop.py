@@ -127,7 +127,7 @@ class Run:
         state = ckpt.training_state(self.model, self.optimizer, self.mesh)
         meta = {"samples_consumed": step * t.global_batch_size, "config": run_dict(self.config),
                 "dataset": self.loader.dataset.identity,  # what convert's tokenizer and a resume are checked against
-                "datasets": [part.dataset.identity for part in getattr(self.loader, "parts", [self.loader])],  # each of a blend's
+                "datasets": [dataset.identity for dataset in self.loader.datasets],  # each of a blend's
                 "data_path": _flat({"data": {"path": self.config.data.path}})["data.path"]}  # real paths (a blend's too)
         try:
             ckpt.save_checkpoint(self.out_dir, step, state, meta, self.config.model.to_hf(), t.keep_checkpoints)
@@ -453,7 +453,7 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
         raise UserError("data.path is empty; set it to a dataset directory of `pithtrain tokenize` (--set data.path=DIR)")
     loader = open_training_data(d.path, d.seq_len, config.train.global_batch_size, d.seed, d.pack_documents,
                                 0 if d.eval_path else d.eval_samples, config.model.vocab_size)
-    _ = loader.dataset.identity  # hashed now: checkpoints record the dataset the run started on
+    _ = [dataset.identity for dataset in loader.datasets]  # hashed now: checkpoints record the data the run started on
     check_model_size(config.model, pick_device(config.train.device).type == "cpu")
     layers, pp = config.model.num_hidden_layers, config.parallel.pp
     if idle := ranks_without_layers(layers, pp):  # nothing to train there: its optimizer would refuse an empty list
@@ -474,7 +474,7 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
                   f"step 0; {'moved' if create else 'would move'} that file to {kept.name}", flush=True)
     if found is not None:  # the newest checkpoint whose files pass their checksums
         check_metrics(logged)
-        check_resume(config, found, stop_after, echo, [part.dataset for part in getattr(loader, "parts", [loader])])
+        check_resume(config, found, stop_after, echo, loader.datasets)
     elif config.train.init_from:
         check_init_from(config, echo, verify=not create)  # a run verifies the checkpoint as it loads it
     return loader, eval_windows(config, loader), found
@@ -573,7 +573,7 @@ def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, n
     except (OSError, ValueError) as e:
         raise UserError(f"data.eval_path={d.eval_path!r}: {e}") from None
     ours, theirs = loader.dataset.identity, dataset.identity  # a blend's: the first dataset's (one tokenizer)
-    trained = [part.dataset.identity for part in getattr(loader, "parts", [loader])]  # each dataset of a blend
+    trained = [dataset.identity for dataset in loader.datasets]  # each dataset of a blend
     if not d.eval_on_train and any(theirs["path"] == t["path"] or theirs["content_sha256"] == t["content_sha256"]
                                    for t in trained):
         raise UserError(f"data.eval_path={d.eval_path!r} is a training dataset (data.path={d.path!r}): its loss "
