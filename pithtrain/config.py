@@ -594,10 +594,12 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     check(d.eval_samples % (t.micro_batch_size * data_ranks) == 0,
           f"data.eval_samples={d.eval_samples} is not divisible by train.micro_batch_size ({t.micro_batch_size}) x "
           f"data-parallel ranks ({data_ranks}); use a multiple of {t.micro_batch_size * data_ranks}")
-    micro_per_rank = t.global_batch_size // max(1, t.micro_batch_size * data_ranks)
-    check(p.pp == 1 or micro_per_rank >= 2 * p.pp,
-          f"parallel.pp={p.pp} needs at least 2*pp = {2 * p.pp} micro-batches per data rank and step, got "
-          f"{micro_per_rank}; raise train.global_batch_size or lower train.micro_batch_size")
+    micro_per_rank, per_rank = t.global_batch_size // max(1, t.micro_batch_size * data_ranks), t.global_batch_size // data_ranks
+    if p.pp > 1 and micro_per_rank < 2 * p.pp:
+        fit = next((m for m in range(per_rank // (2 * p.pp), 0, -1) if per_rank % m == 0), None)
+        raise ConfigError(f"parallel.pp={p.pp} needs at least 2*pp = {2 * p.pp} micro-batches per data rank and step, got "
+                          f"{micro_per_rank}; " + (f"use train.micro_batch_size={fit} or raise train.global_batch_size" if fit
+                                                   else f"set train.global_batch_size={2 * p.pp * data_ranks} or more"))
     mtp, per_chunk = config.model.num_nextn_predict_layers, max(1, config.model.num_hidden_layers // (2 * p.pp))
     check(p.pp == 1 or mtp <= per_chunk,
           f"model.num_nextn_predict_layers={mtp} with parallel.pp={p.pp}: the MTP layers run beside the head on the "

@@ -1,5 +1,7 @@
 """Config validation and `--set` overrides: each bad input names the field and the fix."""
 
+import re
+
 import pytest
 
 from conftest import tiny_config
@@ -57,6 +59,18 @@ def test_invalid_configs_are_refused(tmp_path, override, world, message):
     validate(cfg, 1)
     apply_override(cfg, override)
     with pytest.raises(ConfigError, match=message):
+        validate(cfg, world)
+
+
+def test_pipeline_error_names_a_batch_that_fits(tmp_path):
+    """DualPipeV needs 2*pp micro-batches per data rank: the error names a micro-batch size (or, when even 1 is too
+    large, a global batch) with which the same mesh validates."""
+    for batch, micro, world, ep in ((8, 4, 2, 1), (16, 8, 4, 2), (24, 8, 2, 1), (2, 1, 2, 1)):
+        cfg = tiny_config(tmp_path, global_batch_size=batch, micro_batch_size=micro)
+        cfg.parallel.pp, cfg.parallel.ep = 2, ep
+        with pytest.raises(ConfigError, match="needs at least 2\\*pp = 4 micro-batches") as refused:
+            validate(cfg, world)
+        apply_override(cfg, re.search(r"train\.\w+=\d+", str(refused.value)).group())
         validate(cfg, world)
 
 
