@@ -359,5 +359,10 @@ def _main(argv: list[str] | None = None) -> int:
         if not isinstance(e, ConfigError) or os.environ.get("LOCAL_RANK", "0") == "0":  # a config's error: once a node
             print(f"error: {' '.join(str(e).split())} (PITHTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C outside a training step (which stops after the step, cleanly)
+        if os.environ.get("PITHTRAIN_DEBUG"):
+            raise
+        print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
+        return 128 + signal.SIGINT
     finally:
         sys.stdout = sys.stdout.stream

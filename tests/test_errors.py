@@ -520,6 +520,26 @@ def test_convert_overwrite_keeps_the_old_output_when_a_rename_fails(tool_env):
 
 
 @pytest.mark.fast
+def test_convert_stopped_by_ctrl_c_leaves_no_partial_output(tool_env):
+    """Ctrl-C while convert writes (either direction) ends in one line and the shell's 130, removes DST.tmp (which would
+    refuse the rerun), and the same command then succeeds."""
+    from pithtrain.tools import hf
+    from pithtrain.train import checkpoint as ckpt
+
+    for src, dst, writer in ((tool_env["hf"], "ki_ck", (ckpt.dcp, "save")), (tool_env["tmp"] / "run_good", "ki_hf", (hf, "save_file"))):
+        def partial_then_ctrl_c(*args, **kwargs):
+            (tool_env["tools"] / f"{dst}.tmp" / "half-written").write_text("")
+            raise KeyboardInterrupt
+
+        line = f"convert {src} {tool_env['tools'] / dst}"
+        with mock.patch.object(*writer, partial_then_ctrl_c):
+            code, err = run_case(tool_env, "ki", line)
+        assert code == 130 and err.strip().splitlines()[-1] == "stopped by SIGINT (Ctrl-C)", err
+        assert [p.name for p in tool_env["tools"].iterdir() if dst in p.name] == []
+        assert run_case(tool_env, "ki", line)[0] == 0
+
+
+@pytest.mark.fast
 def test_eval_names_a_dataset_tokenized_again_in_place(tool_env):
     from pithtrain.config import UserError
     from pithtrain.tools import hf

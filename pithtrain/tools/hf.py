@@ -17,7 +17,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from torch.distributed.checkpoint import CheckpointException
 
 from pithtrain.config import UserError, data_parts, disk_error, read_json
 from pithtrain.models.deepseek_v2 import DeepseekV2Config
@@ -186,7 +185,7 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         if seq_len := meta.get("config", {}).get("data", {}).get("seq_len"):
             extra["seq_length"] = seq_len
         return write_hf_dir(model, dst, dataset, extra), f"the weights of step {meta.get('step')} ({ck})"
-    except (Exception, CheckpointException) as e:  # no partial DST.tmp left; a write that failed on the disk says so
+    except BaseException as e:  # no partial DST.tmp left (Ctrl-C and DCP's CheckpointException too); a failed write on the disk says so
         failure = disk_error(ckpt.dcp_cause(e), dst, removed=tmp if tmp.exists() else None, within=tmp)
         shutil.rmtree(tmp, ignore_errors=True)
         if failure is None:
