@@ -583,11 +583,11 @@ def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, n
         raise UserError(f"data.eval_path={d.eval_path!r} was tokenized with another tokenizer than data.path={d.path!r} "
                         f"(their tokenizer.json differ); tokenize it with --tokenizer {ours['path']}/tokenizer.json")
     total = (dataset.num_tokens - 1) // d.seq_len
-    n = d.eval_samples or total // batch * batch
-    if not 0 < n <= total:
+    n, fit = d.eval_samples or total // batch * batch, total // config.train.micro_batch_size * config.train.micro_batch_size
+    if not 0 < n <= total:  # 0 samples would mean all of them: not a fix to offer
         raise UserError(f"data.eval_path={d.eval_path!r}: {total} samples of {d.seq_len} tokens, fewer than "
-                        f"{f'data.eval_samples={n}' if d.eval_samples else f'one global batch ({batch})'}; use a larger "
-                        f"eval set, or data.eval_samples of at most {total} (a multiple of the micro-batches)")
+                        f"{f'data.eval_samples={n}' if d.eval_samples else f'one global batch ({batch})'}; use a larger eval "
+                        f"set" + (f", or data.eval_samples of at most {fit} (a multiple of the micro-batches)" if fit else ""))
     return BatchLoader(dataset, d.seq_len, 1, 0, d.pack_documents), np.arange(n)
 
 
