@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -124,6 +125,33 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["tokenize", "--out", str(tmp_path / "d")])
     assert exit_info.value.code == 2 and "--stdlib" in capsys.readouterr().err
+
+
+@pytest.mark.fast
+def test_a_long_eval_reports_its_progress(monkeypatch, capsys):
+    """eval of many rows says on stderr how far it is (a CPU eval of a large dataset ran for minutes in silence), and its
+    loss stays the plain cross-entropy of the model's logits."""
+    from pithtrain.tools import hf
+
+    class Bigram(torch.nn.Module):
+        cfg = types.SimpleNamespace(vocab_size=16)
+
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Embedding(16, 16)
+
+        def forward(self, ids, pos, engine):
+            return self.table(ids)
+
+    model, tokens = Bigram(), torch.randint(0, 16, (40, 9), generator=torch.Generator().manual_seed(0))
+    clock = iter(range(0, 10**6, 7))  # each reading 7 s after the last
+    monkeypatch.setattr(hf.time, "perf_counter", lambda: next(clock))
+    loss, count = hf.evaluate(model, tokens, batch_size=4)
+    with torch.no_grad():
+        ref = torch.nn.functional.cross_entropy(model.table(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    assert count == 40 * 8 and loss == pytest.approx(ref.item(), rel=1e-6)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines == [f"eval: {done} of 40 rows, {left}s left" for done, left in ((8, 56), (16, 42), (24, 28), (32, 14))]
 
 
 @pytest.mark.fast

@@ -12,6 +12,8 @@ import json
 import os
 import re
 import shutil
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -276,12 +278,16 @@ def evaluate(model, tokens: torch.Tensor, batch_size: int = 8, device: str | tor
     if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
         raise ValueError(f"token ids must lie in [0, {vocab}); found {int(tokens.min())}..{int(tokens.max())}")
     model.eval().to(device)
-    total, count = 0.0, 0
-    for i in range(0, tokens.shape[0], batch_size):
+    total, count, rows = 0.0, 0, tokens.shape[0]
+    started = shown = time.perf_counter()
+    for i in range(0, rows, batch_size):
         chunk = tokens[i : i + batch_size].to(device)
         b, s = chunk.shape
         pos = torch.arange(s - 1, device=device).expand(b, s - 1)
         logits = model(chunk[:, :-1], pos, ExpertEngine(LocalDispatch()))
         total += cross_entropy_sum(logits, chunk[:, 1:]).double().item()
         count += b * (s - 1)
+        if (now := time.perf_counter()) - shown >= 10 and i + b < rows:  # a long eval says how far it is
+            shown, done = now, i + b
+            print(f"eval: {done:,} of {rows:,} rows, {(now - started) * (rows - done) / done:.0f}s left", file=sys.stderr, flush=True)
     return total / count, count
