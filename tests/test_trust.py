@@ -86,8 +86,11 @@ def test_eval_path_checks_and_the_opt_in(tmp_path, dataset_dir, capsys):
     write_dataset(tmp_path / "small", [np.arange(1, 60)], vocab_size=64, eos_id=0)  # 1 sample: less than a micro-batch
     _, err = cli(["train", config, "--dry-run", "--out", tmp_path / "run", "--set", f"data.eval_path={tmp_path / 'small'}"],
                  capsys, code=2)  # so no data.eval_samples fits (and 0 would mean all of them)
-    one_line_error(err, "1 samples of 32 tokens, fewer than one global batch (8); use a larger eval set")
+    one_line_error(err, "1 sample of 32 tokens, fewer than one global batch (8); use a larger eval set")
     assert "data.eval_samples" not in err
+    out, _ = cli(["train", config, "--dry-run", "--out", tmp_path / "run", "--set", f"data.eval_path={tmp_path / 'small'}",
+                  "--set", "train.eval_every=0"], capsys)  # never read: warned about, not refused
+    assert "dry run ok" in out and "data.eval_path is never read" in out
 
 
 @pytest.mark.fast

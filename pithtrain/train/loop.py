@@ -565,6 +565,8 @@ def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, n
     data.eval_path: its first data.eval_samples windows (0: as many whole global batches as it
     holds); otherwise the last data.eval_samples windows of data.path, which `loader` holds out."""
     d, batch = config.data, config.train.global_batch_size
+    if d.eval_path and not config.train.eval_every:  # never read (validate warns): nothing of it to refuse
+        return None
     if not d.eval_path:
         return (loader, np.arange(loader.num_samples, loader.num_samples + d.eval_samples)) if d.eval_samples else None
     try:
@@ -585,7 +587,7 @@ def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, n
     total = (dataset.num_tokens - 1) // d.seq_len
     n, fit = d.eval_samples or total // batch * batch, total // config.train.micro_batch_size * config.train.micro_batch_size
     if not 0 < n <= total:  # 0 samples would mean all of them: not a fix to offer
-        raise UserError(f"data.eval_path={d.eval_path!r}: {total} samples of {d.seq_len} tokens, fewer than "
+        raise UserError(f"data.eval_path={d.eval_path!r}: {total} sample{'s' * (total != 1)} of {d.seq_len} tokens, fewer than "
                         f"{f'data.eval_samples={n}' if d.eval_samples else f'one global batch ({batch})'}; use a larger eval "
                         f"set" + (f", or data.eval_samples of at most {fit} (a multiple of the micro-batches)" if fit else ""))
     return BatchLoader(dataset, d.seq_len, 1, 0, d.pack_documents), np.arange(n)
