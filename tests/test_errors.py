@@ -143,7 +143,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("eval-samples-too-many", "train {cfg} --set data.eval_samples=10000", "data.eval_samples"),
     ("eval-path-not-dataset", "train {cfg} --set train.eval_every=1 --set data.eval_path={tmp}", "data.eval_path"),
     ("eval-path-vocab", "train {cfg} --set train.eval_every=1 --set data.eval_path={data_big_vocab}", "data.eval_path"),
-    ("eval-path-too-small", "train {cfg} --set data.eval_samples=400 --set data.eval_path={data}", "data.eval_path"),
+    ("eval-path-too-small", "train {cfg} --set train.eval_every=1 --set data.eval_samples=400 --set data.eval_path={data}", "data.eval_path"),
     ("out-under-file", "train {cfg} --out {notes}/run", "notes.txt"),
     ("out-is-file", "train {cfg} --out {notes}", "notes.txt"),
     ("out-dangling-link", "train {cfg} --out {dangling}", "dangling is a symbolic link to"),
