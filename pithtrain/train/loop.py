@@ -565,8 +565,6 @@ def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, n
     data.eval_path: its first data.eval_samples windows (0: as many whole global batches as it
     holds); otherwise the last data.eval_samples windows of data.path, which `loader` holds out."""
     d, batch = config.data, config.train.global_batch_size
-    if d.eval_path and not config.train.eval_every:  # never read (validate warns): nothing of it to refuse
-        return None
     if not d.eval_path:
         return (loader, np.arange(loader.num_samples, loader.num_samples + d.eval_samples)) if d.eval_samples else None
     try:
@@ -584,6 +582,8 @@ def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, n
     if None not in (theirs["tokenizer_sha256"], ours["tokenizer_sha256"]) and theirs["tokenizer_sha256"] != ours["tokenizer_sha256"]:
         raise UserError(f"data.eval_path={d.eval_path!r} was tokenized with another tokenizer than data.path={d.path!r} "
                         f"(their tokenizer.json differ); tokenize it with --tokenizer {ours['path']}/tokenizer.json")
+    if not config.train.eval_every:  # never read (validate warns): its size is no reason to refuse the run
+        return None
     total = (dataset.num_tokens - 1) // d.seq_len
     n, fit = d.eval_samples or total // batch * batch, total // config.train.micro_batch_size * config.train.micro_batch_size
     if not 0 < n <= total:  # 0 samples would mean all of them: not a fix to offer
