@@ -178,6 +178,17 @@ def write_run_file(path, data_path, extra: str = ""):
     return path
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """`-n N` without --dist schedules by file (`--dist loadfile`, as `make test` passes), not xdist's default
+    `load`: that one deals a file's tests out to every worker, and each worker then builds the file's module
+    fixtures (tests/test_parallel.py's single-process references and mesh launches, 144 s of work instead of
+    86 s on 2 workers). An explicit --dist is kept. Runs before xdist's own hook (a conftest's tryfirst hook
+    is called before an installed plugin's), which turns an unset --dist into `load`."""
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "no":
+        config.option.dist = "loadfile"
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `slow` run only with PITHTRAIN_SLOW=1 or when `-m` names them."""
     if os.environ.get("PITHTRAIN_SLOW") == "1" or "slow" in (config.option.markexpr or ""):
