@@ -146,6 +146,20 @@ def test_launcher_sigterm_stops_every_worker_and_a_killed_launcher_leaves_none(t
 
 
 def test_the_first_failing_rank_is_named(tmp_path, dataset_dir):
+    # rank 1 hangs in step 2: rank 0 gives up after parallel.timeout_s, in one line saying a rank hangs.
+    # Started first: the failing run below runs while rank 0 waits out the timeout.
+    hangs = write_config(tmp_path / "hangs.py", dataset_dir, """
+import os, time, pithtrain.train.loop as loop
+CONFIG.parallel.timeout_s = 10
+_lr_at = loop.lr_at
+def lr_at(step, *a):
+    if os.environ["RANK"] == "1" and step == 1:
+        time.sleep(120)
+    return _lr_at(step, *a)
+loop.lr_at = lr_at
+""", steps=6)
+    hung = spawn(["train", hangs, "--nproc", "2", "--ep", "2", "--out", tmp_path / "hung"])
+    read_until(hung, "step 1/")  # both ranks are past the rendezvous and step 1: rank 1 now sleeps in step 2
     # rank 1 fails in step 1; rank 0 then fails too (or is stopped), in the collective that waits for it
     fails = write_config(tmp_path / "fails.py", dataset_dir, """
 import os, pithtrain.train.loop as loop
@@ -163,19 +177,7 @@ loop.lr_at = lr_at
     assert err.strip().splitlines()[-1].startswith("error: rank 1 (pid "), err
     assert "failed first (exit code 1; its error is above); the other ranks were stopped" in err
     assert time.perf_counter() - started < 90
-    # rank 1 hangs in step 2: rank 0 gives up after parallel.timeout_s, in one line saying a rank hangs
-    hangs = write_config(tmp_path / "hangs.py", dataset_dir, """
-import os, time, pithtrain.train.loop as loop
-CONFIG.parallel.timeout_s = 10
-_lr_at = loop.lr_at
-def lr_at(step, *a):
-    if os.environ["RANK"] == "1" and step == 1:
-        time.sleep(120)
-    return _lr_at(step, *a)
-loop.lr_at = lr_at
-""", steps=6)
-    proc = spawn(["train", hangs, "--nproc", "2", "--ep", "2", "--out", tmp_path / "hung"])
-    out, err = proc.communicate(timeout=100)
-    assert proc.returncode == 2 and "Traceback" not in err, err
+    out, err = hung.communicate(timeout=100)
+    assert hung.returncode == 2 and "Traceback" not in err, err
     assert "error: rank 0: no answer in a collective within parallel.timeout_s=10: another rank hangs" in err, err
     assert "error: rank 0 (pid " in err.strip().splitlines()[-1] and "resumes from the last checkpoint" in err
