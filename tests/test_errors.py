@@ -731,19 +731,23 @@ def test_a_rank_whose_peers_never_come(env):
     import socket
     import time
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ranks = dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    with socket.socket() as a, socket.socket() as b:  # two free ports: the two ranks 0 below overlap
+        a.bind(("127.0.0.1", 0))
+        b.bind(("127.0.0.1", 0))
+        ports = a.getsockname()[1], b.getsockname()[1]
+    ranks = [dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+             for port in ports]
     args = [sys.executable, "-m", "pithtrain", "train", env["cfg"], "--ep", "2"]
-    done = subprocess.run([*args, "--out", env["tmp"] / "alone", "--set", "parallel.timeout_s=2"], env=ranks,
-                          capture_output=True, text=True, timeout=60)
-    lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and len(lines) == 1 and "the rendezvous at 127.0.0.1" in lines[0], done.stderr
-    waiting = subprocess.Popen([*args, "--out", env["tmp"] / "waits", "--set", "parallel.timeout_s=60"], env=ranks,
+    alone = subprocess.Popen([*args, "--out", env["tmp"] / "alone", "--set", "parallel.timeout_s=2"], env=ranks[0],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert alone.stdout.readline().startswith("config:")  # the second one starts while this one waits for its peer
+    waiting = subprocess.Popen([*args, "--out", env["tmp"] / "waits", "--set", "parallel.timeout_s=60"], env=ranks[1],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert waiting.stdout.readline().startswith("config:")
     time.sleep(2)  # into the rendezvous
     start = time.monotonic()
     waiting.send_signal(signal.SIGTERM)
     assert waiting.wait(timeout=30) == -signal.SIGTERM and time.monotonic() - start < 10
+    _, err = alone.communicate(timeout=60)
+    lines = err.strip().splitlines()
+    assert alone.returncode == 2 and len(lines) == 1 and "the rendezvous at 127.0.0.1" in lines[0], err
