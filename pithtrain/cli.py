@@ -78,7 +78,7 @@ def _cmd_train(args) -> int:
             from pithtrain.train.loop import check_run, pick_device
 
             pick_device(config.train.device)
-            check_run(config, out, args.stop_after)  # paths, data, resume: once, here
+            check_run(config, out, args.stop_after, world_size=args.nproc)  # paths, data, resume: once, here
             return launch_local(args.argv, args.nproc)
         return _train_here(args, config, out, launched, GracefulStop)
     finally:
@@ -106,13 +106,13 @@ def _check_only(args, config, out: Path, world: int) -> int:
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UserError(f"--out {out}: {parent} is not a writable directory; choose another --out")
     if args.print_config:
-        check_run(config, out, args.stop_after, echo=False, create=False)
+        check_run(config, out, args.stop_after, echo=False, create=False, world_size=world)
         print(json.dumps(run_dict(config), indent=2))
         return 0
     for line in ignored_options(config, world):  # first, as the real run prints them
         print(line)
     print(f"config:\n{describe(config)}", flush=True)
-    loader, _, found = check_run(config, out, args.stop_after, echo=True, create=False)
+    loader, _, found = check_run(config, out, args.stop_after, echo=True, create=False, world_size=world)
     p = config.parallel
     peaks = [r["total"] for r in estimate(config, world)]
     stages = [f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.0f} MiB" for gib in peaks]

@@ -76,13 +76,15 @@ def test_eval_path_checks_and_the_opt_in(tmp_path, dataset_dir, capsys):
     one_line_error(err, "is a training dataset", "data.eval_on_train=true")
     out, _ = cli(["train", config, "--dry-run", "--out", tmp_path / "run", "--set", "data.eval_on_train=true"], capsys)
     assert "dry run ok" in out and not out.startswith("warning")
-    _, err = cli(["train", config, "--dry-run", "--out", tmp_path / "run", "--set", "data.eval_on_train=true", "--set",
-                  "data.eval_samples=65536"], capsys, code=2)  # more than the eval set holds: the fix says how many
-    one_line_error(err, "fewer than data.eval_samples=65536; use a larger eval set, or data.eval_samples of at most")
-    fit = err.split("data.eval_samples of at most ")[1].split()[0]
-    out, _ = cli(["train", config, "--dry-run", "--out", tmp_path / "run", "--set", "data.eval_on_train=true", "--set",
-                  f"data.eval_samples={fit}"], capsys)
-    assert "dry run ok" in out
+    write_dataset(tmp_path / "eval", [np.arange(1, 390) % 63 + 1], vocab_size=64, eos_id=0)  # 12 samples of 32 tokens
+    for nproc, fit in (("1", 12), ("2", 8)):  # micro-batch 4 x data ranks, as validate asks of data.eval_samples
+        _, err = cli(["train", config, "--dry-run", "--nproc", nproc, "--out", tmp_path / "run", "--set",
+                      f"data.eval_path={tmp_path / 'eval'}", "--set", "data.eval_samples=16"], capsys, code=2)
+        one_line_error(err, "12 samples of 32 tokens, fewer than data.eval_samples=16; use a larger eval set, or "
+                       f"data.eval_samples of at most {fit} (a multiple of the micro-batch x data ranks)")
+        out, _ = cli(["train", config, "--dry-run", "--nproc", nproc, "--out", tmp_path / "run", "--set",
+                      f"data.eval_path={tmp_path / 'eval'}", "--set", f"data.eval_samples={fit}"], capsys)
+        assert "dry run ok" in out
     write_dataset(tmp_path / "small", [np.arange(1, 60)], vocab_size=64, eos_id=0)  # 1 sample: less than a micro-batch
     _, err = cli(["train", config, "--dry-run", "--out", tmp_path / "run", "--set", f"data.eval_path={tmp_path / 'small'}"],
                  capsys, code=2)  # so no data.eval_samples fits (and 0 would mean all of them)

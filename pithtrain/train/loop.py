@@ -229,7 +229,7 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
     dtype = torch.bfloat16 if t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda") else torch.float32
     echo = echo and mesh.is_main
     threads = cpu_threads(device)
-    loader, evaluation, found = check_run(config, out_dir, stop_after, echo, create=mesh.is_main)
+    loader, evaluation, found = check_run(config, out_dir, stop_after, echo, create=mesh.is_main, world_size=mesh.world)
 
     model, chunks = build_model(config, mesh, dtype, found)
     counts = model_sizes(config.model)
@@ -435,7 +435,7 @@ def end_of_run(run: Run) -> None:
 
 
 def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, echo: bool = False,
-              create: bool = True) -> tuple[BatchLoader, tuple | None, Path | None]:
+              create: bool = True, world_size: int = 1) -> tuple[BatchLoader, tuple | None, Path | None]:
     """What can fail before a model is built, checked first (and by `pithtrain train` before it starts
     workers): the run directory takes files (`create`: make it, on one rank), data.path is a dataset
     whose ids fit the model's vocabulary (and so is data.eval_path), the hold-out leaves a batch to
@@ -477,7 +477,7 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
         check_resume(config, found, stop_after, echo, loader.datasets)
     elif config.train.init_from:
         check_init_from(config, echo, verify=not create)  # a run verifies the checkpoint as it loads it
-    return loader, eval_windows(config, loader), found
+    return loader, eval_windows(config, loader, world_size), found
 
 
 # HF config fields that do not change what the weights compute: token ids, the initialisation's scale,
@@ -560,7 +560,7 @@ def check_muon_takes_some(config: RunConfig, echo: bool = False) -> None:
                           "matrix: the run would be AdamW; narrow optim.muon_exclude or set optim.name=adamw")
 
 
-def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, np.ndarray] | None:
+def eval_windows(config: RunConfig, loader: BatchLoader, world_size: int = 1) -> tuple[BatchLoader, np.ndarray] | None:
     """The eval samples: (a loader whose `windows` reads them, their window indices), or None.
     data.eval_path: its first data.eval_samples windows (0: as many whole global batches as it
     holds); otherwise the last data.eval_samples windows of data.path, which `loader` holds out."""
@@ -584,12 +584,13 @@ def eval_windows(config: RunConfig, loader: BatchLoader) -> tuple[BatchLoader, n
                         f"(their tokenizer.json differ); tokenize it with --tokenizer {ours['path']}/tokenizer.json")
     if not config.train.eval_every:  # never read (validate warns): its size is no reason to refuse the run
         return None
-    total = (dataset.num_tokens - 1) // d.seq_len
-    n, fit = d.eval_samples or total // batch * batch, total // config.train.micro_batch_size * config.train.micro_batch_size
+    total, p = (dataset.num_tokens - 1) // d.seq_len, config.parallel
+    step = config.train.micro_batch_size * world_size // (p.pp * p.cp)  # micro-batch x data ranks (validate's rule)
+    n, fit = d.eval_samples or total // batch * batch, total // step * step
     if not 0 < n <= total:  # 0 samples would mean all of them: not a fix to offer
         raise UserError(f"data.eval_path={d.eval_path!r}: {total} sample{'s' * (total != 1)} of {d.seq_len} tokens, fewer than "
                         f"{f'data.eval_samples={n}' if d.eval_samples else f'one global batch ({batch})'}; use a larger eval "
-                        f"set" + (f", or data.eval_samples of at most {fit} (a multiple of the micro-batches)" if fit else ""))
+                        f"set" + (f", or data.eval_samples of at most {fit} (a multiple of the micro-batch x data ranks)" if fit else ""))
     return BatchLoader(dataset, d.seq_len, 1, 0, d.pack_documents), np.arange(n)
 
 
