@@ -104,22 +104,28 @@ def launch_local(argv: list[str], nproc: int) -> int:
                LOCAL_WORLD_SIZE=str(nproc), TORCHELASTIC_USE_AGENT_STORE="True", PITHTRAIN_LAUNCHER=str(os.getpid()))
     procs, ranks, codes, signals = [], {}, {}, []
 
-    def forward(signum, frame):
-        signals.append(signum)
-        for proc in procs:
-            if proc.pid not in codes:  # os.kill, not proc.send_signal: that would reap the child behind waitpid's back
-                os.kill(proc.pid, signum if len(signals) == 1 else signal.SIGKILL)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
-    first = None
+    previous = {s: signal.signal(s, lambda signum, frame: signals.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    first, sent = None, 0
+    # workers start with SIGINT blocked (held, not lost) until __main__ makes it end them quietly: one that came
+    # while Python imports would print a KeyboardInterrupt traceback from each worker
+    unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     try:
         for rank in range(nproc):
             procs.append(subprocess.Popen([sys.executable, "-m", "pithtrain", *argv], start_new_session=True,
                                           env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank))))
             ranks[procs[-1].pid] = rank
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         while len(codes) < nproc:
-            pid, status = os.waitpid(-1, 0)  # in the order they end: the first failure is the root cause
+            if len(signals) > sent:  # passed on here, to every worker (one started after the signal too), none reaped
+                sent = len(signals)
+                for proc in procs:
+                    if proc.pid not in codes:  # os.kill, not proc.send_signal: that would reap the child behind waitpid's back
+                        os.kill(proc.pid, signals[0] if sent == 1 else signal.SIGKILL)
+            # not a blocking wait: a signal that another thread took (this one blocks it while it forks) runs its
+            # handler only when this thread runs Python
+            pid, status = os.waitpid(-1, os.WNOHANG)  # in the order they end: the first failure is the root cause
             if pid not in ranks:
+                time.sleep(0.02 if pid == 0 else 0)
                 continue
             codes[pid] = code = os.waitstatus_to_exitcode(status)
             if first is None and code not in (0, *STOPPED, *(-s for s in signals)) and len(signals) < 2:
@@ -128,6 +134,7 @@ def launch_local(argv: list[str], nproc: int) -> int:
                     if proc.pid not in codes:
                         os.kill(proc.pid, signal.SIGKILL)
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         for s, handler in previous.items():
             signal.signal(s, handler)
         for proc in procs:

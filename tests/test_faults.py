@@ -112,9 +112,18 @@ def test_sigint_stops_after_the_step_and_a_second_one_aborts(reference, tmp_path
     assert "stopped by" not in out and len(read_metrics(tmp_path / "run2" / "metrics.jsonl")) < STEPS
 
 
-def test_launcher_sigterm_stops_every_worker_and_a_killed_launcher_leaves_none(tmp_path, dataset_dir, capsys):
+def test_launcher_sigint_in_startup_sigterm_stops_every_worker_and_a_killed_launcher_leaves_none(tmp_path, dataset_dir, capsys):
     cfg = write_config(tmp_path / "cfg.py", dataset_dir, steps=100)
     run = tmp_path / "run"
+    # Ctrl-C while the workers import torch: the launcher's one line, no worker's KeyboardInterrupt traceback
+    proc = spawn(["train", cfg, "--out", run, "--nproc", "2", "--ep", "2"])
+    while len(children(proc.pid)) < 2 and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and not run.exists(), err
+    assert err.strip().splitlines() == ["stopped by SIGINT while the workers started; nothing was trained"], err
+
     proc = spawn(["train", cfg, "--out", run, "--nproc", "2", "--ep", "2"])
     read_until(proc, "step 1/")
     workers = children(proc.pid)
