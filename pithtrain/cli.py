@@ -59,6 +59,9 @@ def _cmd_train(args) -> int:
                 and int(os.environ["RANK"]) < int(os.environ["WORLD_SIZE"])):
             raise UserError(f"RANK={os.environ['RANK']!r} WORLD_SIZE={os.environ['WORLD_SIZE']!r}: expected integers, "
                             "RANK < WORLD_SIZE; fix the launcher's environment")
+        if args.nproc not in (1, int(os.environ["WORLD_SIZE"])):  # was ignored: this process joined a mesh of WORLD_SIZE
+            raise UserError(f"--nproc {args.nproc}: RANK and WORLD_SIZE={os.environ['WORLD_SIZE']} are set, so another launcher "
+                            "(torchrun) started the processes; drop --nproc, or unset RANK and WORLD_SIZE to launch here")
         signal.signal(signal.SIGINT, signal.SIG_DFL)  # until the mesh is up (a rendezvous blocks Python's handlers)
     world = int(os.environ["WORLD_SIZE"]) if launched else args.nproc
     validate(config, world_size=world)  # refuse an impossible mesh before any process starts
