@@ -105,7 +105,7 @@ def launch_local(argv: list[str], nproc: int) -> int:
     procs, ranks, codes, signals = [], {}, {}, []
 
     previous = {s: signal.signal(s, lambda signum, frame: signals.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
-    first, sent = None, 0
+    first, sent, killed = None, 0, False  # killed: a second signal cut a graceful stop short
     # workers start with SIGINT blocked (held, not lost) until __main__ makes it end them quietly: one that came
     # while Python imports would print a KeyboardInterrupt traceback from each worker
     unblocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
@@ -121,6 +121,8 @@ def launch_local(argv: list[str], nproc: int) -> int:
                 for proc in procs:
                     if proc.pid not in codes:  # os.kill, not proc.send_signal: that would reap the child behind waitpid's back
                         os.kill(proc.pid, signals[0] if sent == 1 else signal.SIGKILL)
+                        # once one has stopped on the first signal, the stop's checkpoint is whole: no abort to report
+                        killed |= sent > 1 and not any(c in STOPPED for c in codes.values())
             # not a blocking wait: a signal that another thread took (this one blocks it while it forks) runs its
             # handler only when this thread runs Python
             pid, status = os.waitpid(-1, os.WNOHANG)  # in the order they end: the first failure is the root cause
@@ -141,7 +143,7 @@ def launch_local(argv: list[str], nproc: int) -> int:
             if proc.pid not in codes:
                 os.kill(proc.pid, signal.SIGKILL)
             proc.returncode = codes.get(proc.pid, -signal.SIGKILL)  # reaped here; Popen must not wait for it
-    if len(signals) > 1:
+    if killed:
         print(f"error: aborted by a second {signal.Signals(signals[-1]).name}; a rerun resumes from the last checkpoint "
               "written, if any", file=sys.stderr)
         return 128 + signals[-1]

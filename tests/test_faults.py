@@ -9,6 +9,7 @@ import os
 import random
 import shlex
 import signal
+import sys
 import threading
 import time
 
@@ -17,6 +18,7 @@ import torch
 
 from cli_util import alive, children, cli, one_line_error, rank_of, read_until, spawn, write_config
 from conftest import tiny_config
+from pithtrain.launch import launch_local
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.metrics import read_metrics
 
@@ -110,6 +112,45 @@ def test_sigint_stops_after_the_step_and_a_second_one_aborts(reference, tmp_path
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and "SIGINT again: aborting now" in err and "Traceback" not in err, err
     assert "stopped by" not in out and len(read_metrics(tmp_path / "run2" / "metrics.jsonl")) < STEPS
+
+
+@pytest.mark.fast
+def test_launcher_reports_an_abort_only_when_the_second_signal_cut_the_stop_short(tmp_path, monkeypatch, capsys):
+    """launch_local with stand-in workers: a second SIGINT after a worker has finished its graceful stop
+    (exit 130: the stop's checkpoint is whole) kills the rest without an 'aborted' line; one that
+    comes while every worker is still stopping does report the abort. Both exit 130."""
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!{sys.executable}
+import os, signal, sys, time
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {{signal.SIGINT}})
+rank = os.environ["RANK"]
+stops = rank in sys.argv[3:]  # ends on SIGINT as a finished graceful stop does; the others go on stopping
+signal.signal(signal.SIGINT, (lambda *a: (open(os.path.join({str(tmp_path)!r}, "down" + rank), "w"), sys.exit(130)))
+              if stops else signal.SIG_IGN)
+open(os.path.join({str(tmp_path)!r}, "up" + rank), "w").close()
+time.sleep(60)
+""")
+    fake.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(fake))
+
+    def signal_twice(stopped: bool):
+        while not all((tmp_path / f"up{r}").exists() for r in range(2)):
+            time.sleep(0.01)
+        os.kill(os.getpid(), signal.SIGINT)
+        while stopped and not (tmp_path / "down0").exists():
+            time.sleep(0.01)
+        time.sleep(0.3)  # the launcher reaps rank 0 first
+        os.kill(os.getpid(), signal.SIGINT)
+
+    for stopped in (True, False):
+        for f in tmp_path.glob("up*"):
+            f.unlink()
+        thread = threading.Thread(target=signal_twice, args=(stopped,))
+        thread.start()
+        code = launch_local(["0"] if stopped else [], 2)
+        thread.join()
+        err = capsys.readouterr().err
+        assert code == 130 and ("aborted by a second SIGINT" in err) == (not stopped), (stopped, err)
 
 
 def test_launcher_sigint_in_startup_sigterm_stops_every_worker_and_a_killed_launcher_leaves_none(tmp_path, dataset_dir, capsys):
