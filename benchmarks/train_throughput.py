@@ -250,7 +250,7 @@ def ab_arms(args, parser):
         def set_arm(run):
             for s in switches:
                 setattr(*where[s], flipped[s] if s == flip else a_values[s])
-            if "stage5-compiled" in switches:
+            if "stage5-compiled" in switches and run is not None:  # None: after the run, the flags as arm A
                 compiled_stage5(run.model, STAGE5.compiled)
         return set_arm
 

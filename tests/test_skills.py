@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,7 @@ import torch
 
 from cli_util import run_script
 from conftest import tiny_config
+from pithtrain.ops import fp8
 
 SCRIPT = ".agents/skills/validate-correctness/compare_runs.py"
 
@@ -685,6 +687,23 @@ def test_ab_test_switch_judges_gain_loss_and_noise(tmp_path, monkeypatch):
                        (["fp8", "--line", "2"], "FAIL: --line 2 picks a line of --from-results FILE")):
         out = run_script(script, *args)  # before the benchmark starts
         assert out.returncode == 1 and out.stdout.startswith(says) and "$ " not in out.stdout, out.stdout
+    # the arms' setters: stage5-compiled makes each layer's stage 5 a compiled wrapper or drops it, the other switch
+    # flips its module flag; arms[0](None), after the run, resets the flags as arm A without a model
+    bench = _load_script("benchmarks/train_throughput.py")
+    args = types.SimpleNamespace(ab="stage5-compiled,fused-proj", compile=True, fp8="off", fp8_head=False,
+                                 family="qwen3_moe", wgrad_config=None)
+    parser = types.SimpleNamespace(error=lambda message: pytest.fail(message))
+    a_values, flips, arms = bench.ab_arms(args, parser)
+    assert a_values == {"stage5-compiled": True, "fused-proj": fp8.FUSED_PROJECTIONS} and len(arms) == 3, a_values
+    layer = type("Layer", (), {"stage5": lambda self, x: x})()  # a method: compiled_stage5 sets an instance's
+    run = types.SimpleNamespace(model=types.SimpleNamespace(layers={"0": layer}))
+    for arm, compiled, fused in ((arms[1], False, a_values["fused-proj"]), (arms[2], True, not a_values["fused-proj"]),
+                                 (arms[0], True, a_values["fused-proj"])):
+        arm(run)
+        assert ("stage5" in vars(layer)) == compiled and fp8.FUSED_PROJECTIONS == fused, (compiled, fused)
+    arms[2](run)
+    arms[0](None)
+    assert fp8.FUSED_PROJECTIONS == a_values["fused-proj"] and bench.STAGE5.compiled
     # the benchmark's own refusals of a bad --ab, before it looks for a GPU
     for ab, steps, reason in [("fp8,fused-proj", "18", "--ab fp8 runs alone"),
                               ("fused-proj,triton-adamw", "8", "needs --steps >= 12 (got 8): 3 arms")]:
