@@ -437,6 +437,59 @@ def test_resume_and_reshard_continues_the_curve_on_another_mesh(tmp_path, datase
     assert over and over[0].startswith("step    4      loss"), bad.stdout  # lr 1e-2 from the update of step 3 on
 
 
+@pytest.mark.fast
+def test_a_skill_run_stopped_by_ctrl_c_ends_in_one_fail_line(tmp_path, dataset_dir, monkeypatch):
+    """Ctrl-C while a skill script's `pithtrain train` runs (the run gets it too and stops after a step):
+    the rest of the run's output, then one FAIL line naming the run, exit 130; no KeyboardInterrupt
+    traceback. A run that does not end by itself is killed."""
+    from conftest import write_run_file
+
+    run = write_run_file(tmp_path / "run.py", dataset_dir)
+
+    class Run:  # subprocess.Popen of a run that Ctrl-C reaches after its first step
+        killed = []
+
+        def __init__(self, cmd, **kwargs):
+            self.cmd, self.lines, self.code = cmd, ["step 1/4 | loss 4.1\n", KeyboardInterrupt, "stopped by SIGINT (Ctrl-C)\n"], None
+            self.stdout = self
+
+        def __iter__(self):
+            return self
+
+        def __next__(self):
+            if not self.lines:
+                self.code = 130 if self.code is None else self.code
+                raise StopIteration
+            line = self.lines.pop(0)
+            if line is KeyboardInterrupt:
+                raise KeyboardInterrupt
+            return line
+
+        def poll(self):
+            return self.code
+
+        def kill(self):
+            Run.killed.append(self.cmd)
+            self.code = -9
+
+        def wait(self):
+            return self.code
+
+    monkeypatch.setattr(subprocess, "Popen", Run)
+    for script, args, out in [(".agents/skills/resume-and-reshard/reshard_resume.py",
+                               ["--steps", "4", "--stop-after", "2", "--a", "--nproc 1"], "w1/resharded"),
+                              (SCRIPT, ["--steps", "4", "--a", "--nproc 1", "--b", "--nproc 1"], "w2/a")]:
+        got = run_script(script, str(run), *args, "--work", tmp_path / out.split("/")[0])
+        lines = got.stdout.strip().splitlines()
+        assert got.returncode == 130 and lines[-2] == "  stopped by SIGINT (Ctrl-C)", got.stdout
+        assert lines[-1] == (f"FAIL: interrupted (Ctrl-C) during `pithtrain train --out {tmp_path / out}` (exit 130); "
+                             "no verdict (run the script again, into a new --work if you gave one)"), got.stdout
+    assert not Run.killed
+    monkeypatch.setattr(Run, "__next__", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))  # a second Ctrl-C
+    got = run_script(SCRIPT, str(run), "--steps", "4", "--a", "--nproc 1", "--b", "--nproc 1", "--work", tmp_path / "b")
+    assert got.returncode == 130 and "(exit -9)" in got.stdout.splitlines()[-1] and len(Run.killed) == 1, got.stdout
+
+
 PREFLIGHT = ".agents/skills/launch-multi-node/preflight.py"
 
 

@@ -181,10 +181,20 @@ def train(config: str, out: Path, steps: int, extra: str = "", sets=(), stop_aft
     print("$", (shown_env + " " if shown_env else "") + shlex.join(cmd), flush=True)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
     lines = []
-    for line in proc.stdout:
-        if not quiet or line.startswith(("step ", "error", "done", "Traceback")):
-            print("  " + line, end="", flush=True)
-        lines.append(line)
+    try:
+        for line in proc.stdout:
+            if not quiet or line.startswith(("step ", "error", "done", "Traceback")):
+                print("  " + line, end="", flush=True)
+            lines.append(line)
+    except KeyboardInterrupt:  # Ctrl-C reached the run too (one process group): it stops after a step, or
+        with contextlib.suppress(KeyboardInterrupt):  # at once on a second Ctrl-C; no verdict either way
+            for line in proc.stdout:
+                print("  " + line, end="", flush=True)
+        if proc.poll() is None:
+            proc.kill()
+        verdict(False, f"interrupted (Ctrl-C) during `pithtrain train --out {out}` (exit {proc.wait()}); no verdict "
+                       "(run the script again, into a new --work if you gave one)")
+        raise SystemExit(130) from None
     return proc.wait(), "".join(lines)
 
 
