@@ -731,6 +731,11 @@ def test_ab_test_switch_judges_gain_loss_and_noise(tmp_path, monkeypatch):
     assert arm_b.returncode == 1 and arm_b.stdout.splitlines()[-1].startswith("FAIL: B is 2.8% slower"), arm_b.stdout
     arm_d = run_script(script, "--from-results", results, "--arm", "D")
     assert arm_d.stdout.splitlines()[-1] == "FAIL: --arm D: this line's arms against A are B, C", arm_d.stdout
+    with monkeypatch.context() as m:  # the A/B run needs the checkout's benchmark: elsewhere one FAIL line, no traceback
+        m.chdir(tmp_path)
+        away = run_script(str(Path(__file__).parent.parent / script), "triton-adamw")
+    assert away.returncode == 1 and away.stdout.splitlines() == [
+        f"FAIL: no benchmarks/train_throughput.py under {tmp_path}: run this from the repository root (PYTHONPATH=.)"], away.stdout
     # the A/B itself needs a GPU: here the benchmark refuses in one line, and the skill says it failed
     monkeypatch.setenv("PITHTRAIN_RESULTS", str(results))
     cpu = run_script(script, "triton-adamw,fused-proj", "--", "--layers", "1")

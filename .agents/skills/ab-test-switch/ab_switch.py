@@ -133,6 +133,8 @@ def main() -> int:
         return runs.verdict(False, "give SWITCH (to run the A/B on this GPU) or --from-results FILE, one of them")
     if args.line is not None and args.from_results is None:
         return runs.verdict(False, f"--line {args.line} picks a line of --from-results FILE; give that file too")
+    if args.switch is not None and not Path(BENCHMARK).is_file():
+        return runs.verdict(False, f"no {BENCHMARK} under {Path.cwd()}: run this from the repository root (PYTHONPATH=.)")
     if args.switch is not None:  # the benchmark's own list, checked here before it starts (its usage runs 17 lines)
         sys.path.append(str(Path(BENCHMARK).resolve().parent))  # after site-packages (its `kernels`)
         from train_throughput import AB_SWITCHES
