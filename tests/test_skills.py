@@ -801,6 +801,11 @@ def test_compile_kernels_records_launches_and_reports_compile_failures(tmp_path)
                          env={**os.environ, "PYTHONPATH": "."})
     assert out.returncode == 0 and out.stdout.strip().endswith("failures: 1"), out.stdout + out.stderr
     assert "_add_into_kernel {'ASSIGN': False, 'BLOCK': 1000}" in out.stdout and "power of 2" in out.stdout
+    # from another directory the checkout's interpreter cases are still found; a -k that selects none says so
+    none = subprocess.run([sys.executable, os.path.abspath(script), "-k", "no_such_case"], capture_output=True, text=True,
+                          cwd=tmp_path)
+    assert none.returncode == 1 and none.stdout.splitlines()[-1].startswith(
+        "FAIL: -k 'no_such_case' selects no interpreter case (list them: pytest --collect-only -q"), none.stdout + none.stderr
 
 
 def test_train_throughput_refuses_bad_ab_switches_before_any_gpu_work(monkeypatch, capsys):

@@ -140,12 +140,15 @@ def main():
 
     kernels._Kernel.__getitem__ = recording
     began = time.time()
-    cases = ["tests/triton_interpreter_cases.py", "tests/attention_interpreter_cases.py", "-q", "-p", "no:cacheprovider",
-             "-W", "ignore"] + (["-k", args.expr] if args.expr else [])
+    tests = Path(__file__).resolve().parents[3] / "tests"  # the checkout's, from any working directory
+    cases = [str(tests / "triton_interpreter_cases.py"), str(tests / "attention_interpreter_cases.py"), "-q", "-p",
+             "no:cacheprovider", "-W", "ignore"] + (["-k", args.expr] if args.expr else [])
     code = pytest.main(cases)
-    if code not in (0, 5) or not collector.launches:
-        return runs.verdict(False, "no kernel launched" if not collector.launches else
-                            f"the interpreter cases failed (pytest exit {code})")
+    if code == 5:
+        return runs.verdict(False, f"-k {args.expr!r} selects no interpreter case (list them: pytest --collect-only -q "
+                                   "tests/triton_interpreter_cases.py tests/attention_interpreter_cases.py)")
+    if code != 0 or not collector.launches:
+        return runs.verdict(False, "no kernel launched" if code == 0 else f"the interpreter cases failed (pytest exit {code})")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(list(collector.launches.values()), f)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
