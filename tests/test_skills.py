@@ -441,7 +441,7 @@ def test_resume_and_reshard_continues_the_curve_on_another_mesh(tmp_path, datase
 def test_a_skill_run_stopped_by_ctrl_c_ends_in_one_fail_line(tmp_path, dataset_dir, monkeypatch):
     """Ctrl-C while a skill script's `pithtrain train` runs (the run gets it too and stops after a step):
     the rest of the run's output, then one FAIL line naming the run, exit 130; no KeyboardInterrupt
-    traceback. A run that does not end by itself is killed."""
+    traceback. A run that does not end by itself is killed. Ctrl-C at any other point of a script: one FAIL line."""
     from conftest import write_run_file
 
     run = write_run_file(tmp_path / "run.py", dataset_dir)
@@ -488,6 +488,14 @@ def test_a_skill_run_stopped_by_ctrl_c_ends_in_one_fail_line(tmp_path, dataset_d
     monkeypatch.setattr(Run, "__next__", lambda self: (_ for _ in ()).throw(KeyboardInterrupt))  # a second Ctrl-C
     got = run_script(SCRIPT, str(run), "--steps", "4", "--a", "--nproc 1", "--b", "--nproc 1", "--work", tmp_path / "b")
     assert got.returncode == 130 and "(exit -9)" in got.stdout.splitlines()[-1] and len(Run.killed) == 1, got.stdout
+    # Ctrl-C elsewhere in a script (here while it waits on subprocess.run): the same, without the run's name
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt))
+    (tmp_path / "corpus.txt").write_text("some text to tokenize\n")
+    for script, args in [(".agents/skills/capture-profile/profile_step.py", [run, "--step", "2"]),
+                         (".agents/skills/setup-benchmark-inputs/make_inputs.py",
+                          ["corpus", tmp_path / "corpus.txt", "--vocab-size", "300", "--out", tmp_path / "ds"])]:
+        got = run_script(script, *args)
+        assert got.returncode == 130 and got.stdout.splitlines()[-1] == "FAIL: interrupted (Ctrl-C); no verdict", got.stdout
 
 
 PREFLIGHT = ".agents/skills/launch-multi-node/preflight.py"

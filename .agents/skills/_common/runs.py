@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import importlib.util
 import json
 import math
@@ -202,6 +203,20 @@ def metrics(run_dir: Path, keys=("step",)) -> list[dict]:
     """The metrics of each step once (by_step); [] when the run wrote no metrics.jsonl."""
     path = Path(run_dir) / "metrics.jsonl"
     return by_step(read_jsonl(path, keys)) if path.exists() else []
+
+
+def interruptible(main):
+    """A script's main (decorator): Ctrl-C ends it in one FAIL line and exit code 130, not a traceback."""
+    @functools.wraps(main)
+    def run(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except KeyboardInterrupt:
+            print()
+            verdict(False, "interrupted (Ctrl-C); no verdict")
+            return 130
+
+    return run
 
 
 def verdict(ok: bool, message: str = "") -> int:

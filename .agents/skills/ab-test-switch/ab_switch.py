@@ -115,6 +115,7 @@ def read_line(path: Path, number: int | None) -> dict | str:
     return line
 
 
+@runs.interruptible
 def main() -> int:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []

@@ -64,6 +64,7 @@ def read_source(source: Path) -> dict:
     return hf
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path, help="an HF directory, or a config.json to instantiate with random weights")

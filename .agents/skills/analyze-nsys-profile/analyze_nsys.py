@@ -175,6 +175,7 @@ def report(pid: int, r: dict, gap_us: float) -> None:
         print(f"  {ms(ns):9.2f}  {name}")
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("sqlite", type=Path, help="`nsys export --type sqlite` of a capture")

@@ -26,6 +26,7 @@ from timeline import verdict  # noqa: E402
 ANALYZE = Path(__file__).resolve().parents[1] / "analyze-nsys-profile" / "analyze_nsys.py"
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")

@@ -314,6 +314,7 @@ def report(trace: Path, events: list[dict], args, label: str) -> str | None:
     return f"{label}: {what} {100 * share:.1f}% < {100 * args.min_overlap:g}%"
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?")

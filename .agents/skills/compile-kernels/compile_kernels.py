@@ -109,6 +109,7 @@ def compile_all(path: str, arch: int) -> int:
     return 0
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=runs.number(int, low=70), default=90, help="compute capability x 10 (90: H100/H200)")

@@ -124,6 +124,7 @@ def variants(args, config, cuda: bool) -> list[tuple[str, str, str, list, dict]]
     return out
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")

@@ -184,6 +184,7 @@ def snapshot_run_differs(record: Path, config, nproc: int) -> str | None:
             f"value first): {'; '.join(differ)}; pass those of the run") if differ else None
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")

@@ -78,6 +78,7 @@ def deepest(config, nproc: int, budget: float) -> int | None:
     return low
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")

@@ -181,6 +181,7 @@ def driver(args) -> int:
     return 0
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("op", nargs="?", choices=OPS)

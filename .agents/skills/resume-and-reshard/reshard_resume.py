@@ -21,6 +21,7 @@ import runs  # noqa: E402  (the helpers the skill scripts share: launch a run, r
 compare_runs = runs.skill_script("validate-correctness/compare_runs.py")
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config")

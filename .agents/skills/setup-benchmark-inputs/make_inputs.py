@@ -86,6 +86,7 @@ def verify(out: str, vocab: int | None, tokens: int | None, tokenizer: bool) -> 
     return problems
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("kind", choices=["random", "stdlib", "corpus", "check"])

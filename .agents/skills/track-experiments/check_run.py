@@ -84,6 +84,7 @@ def steps_differ(source: str, logged, want: set) -> str:
                                                        unexpected and f"unexpected {unexpected[:10]}") if part)
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("run", type=Path)

@@ -57,6 +57,7 @@ def compare(a, b, rtol, rtol_aux=None) -> tuple[bool, str]:
     return not problems, "; ".join(problems) or f"steps {common[0]}..{common[-1]} agree (worst relative difference: {summary})"
 
 
+@runs.interruptible
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("config", nargs="?")
