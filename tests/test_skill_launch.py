@@ -4,6 +4,8 @@ collective checks catch wrong data."""
 import contextlib
 import importlib.util
 import io
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,6 +84,37 @@ def test_preflight_config_errors_start_nothing(monkeypatch, capsys):
     assert started == []
     assert module.main([CONFIG, "--nproc", "2", "--set", "train.micro_batch_size=4"]) == 0
     assert started == ["launch"]
+
+
+@pytest.mark.fast
+def test_preflight_interrupted_ends_in_one_fail_line(monkeypatch, capsys):
+    """Ctrl-C (or the launcher's SignalException) while the workers run: one FAIL line, exit 130, no traceback;
+    under torchrun rank 0 says it; a worker of --nproc interrupted even while it imports torch exits quietly."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    module = load_module()
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv(module._CHILD, "")  # launch_local sets it for its workers: unset again at the end
+    for error in (KeyboardInterrupt(), SignalException("got signal: 2", sigval=2)):
+        def interrupted(*a, error=error):
+            raise error
+
+        monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch", lambda *a: interrupted)
+        assert module.main([CONFIG, "--nproc", "2", "--ep", "2"]) == 130
+        assert capsys.readouterr().out.splitlines() == [
+            "FAIL: interrupted (Ctrl-C or a signal) before the checks ended; no verdict"]
+    monkeypatch.delenv(module._CHILD, raising=False)
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setattr(module, "checks", lambda *a: interrupted(error=KeyboardInterrupt()))
+    assert module.main([CONFIG]) == 130
+    assert capsys.readouterr().out.splitlines()[-1] == "FAIL: interrupted (Ctrl-C) before the checks ended; no verdict"
+    worker = subprocess.Popen([sys.executable, SCRIPT], env={**os.environ, module._CHILD: "1"},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.3)  # importing torch takes longer
+    worker.send_signal(signal.SIGINT)
+    out, err = worker.communicate(timeout=60)
+    assert worker.returncode == 130 and "Traceback" not in err, (worker.returncode, err)
 
 
 def _checks(rank, world, corrupt):

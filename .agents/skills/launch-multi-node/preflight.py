@@ -22,11 +22,14 @@ import hashlib
 import logging
 import os
 import secrets
+import signal
 import socket
 import sys
 import time
 from pathlib import Path
 
+if os.environ.get("PITHTRAIN_PREFLIGHT_CHILD"):  # a worker of --nproc: Ctrl-C ends it quietly, even while it
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # imports torch; its launcher prints the FAIL line
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository, when not installed
 
 import torch
@@ -179,6 +182,7 @@ def launch_local(nproc: int, argv: list) -> int:
     """--nproc workers with PyTorch's elastic launcher (its failure summary carries the exit codes of the checks)."""
     import uuid
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -195,6 +199,9 @@ def launch_local(nproc: int, argv: list) -> int:
         print(e.format_msg(), file=sys.stderr)
         print(f"FAIL: worker processes exited with errors (rank: exit code {codes}); see their output above")
         return 1
+    except (KeyboardInterrupt, SignalException):  # Ctrl-C or a signal: the workers stop too
+        print("FAIL: interrupted (Ctrl-C or a signal) before the checks ended; no verdict")
+        return 130
     return 0
 
 
@@ -227,9 +234,14 @@ def main(argv=None) -> int:
         return 1
     if not launched:
         return launch_local(args.nproc, argv)
-    if rank == 0:
-        print(plan(config, world), flush=True)
-    return checks(config, args, device)
+    try:
+        if rank == 0:
+            print(plan(config, world), flush=True)
+        return checks(config, args, device)
+    except KeyboardInterrupt:  # Ctrl-C reaches every worker: no traceback; rank 0 of a torchrun job says it
+        if rank == 0 and not os.environ.get(_CHILD):
+            print("FAIL: interrupted (Ctrl-C) before the checks ended; no verdict")
+        return 130
 
 
 if __name__ == "__main__":
