@@ -632,6 +632,9 @@ def test_track_experiments_checks_every_step_is_logged(tmp_path, dataset_dir):
         assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and says in out.stdout and len(out.stdout.splitlines()) == 1, out.stdout
     (run / "run_config.json").write_text(config)
     assert check("--steps", "0").returncode == 2  # argparse: an integer >= 1
+    for where, says in ((tmp_path / "none", "no such directory"), (run / "run_config.json", "a file")):  # not a run
+        out = run_script(script, where, "--steps", "3")
+        assert out.stdout == f"FAIL: {where}: {says}; pass a run directory (the --out of pithtrain train)\n", out.stdout
     beyond = check("--steps", "2")
     assert "problem: tensorboard: unexpected [3]" in beyond.stdout and "[]" not in beyond.stdout, beyond.stdout
     shutil.rmtree(run / "tensorboard")

@@ -102,6 +102,9 @@ def check(args) -> int:
     problems = []
     if args.run.is_file() and args.run.name == "metrics.jsonl":  # the run's log named instead of its directory
         args.run = args.run.parent
+    if not args.run.is_dir():
+        return runs.verdict(False, f"{args.run}: {'a file' if args.run.exists() else 'no such directory'}; pass a run "
+                                   "directory (the --out of pithtrain train)")
     path = args.run / "run_config.json"
     config = runs.read_json(path) if path.is_file() else None
     steps = args.steps
