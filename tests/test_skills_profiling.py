@@ -340,6 +340,10 @@ def test_profile_kernel_roofline_of_an_ncu_csv(tmp_path):
     for missing, says in ((tmp_path / "absent.csv", "No such file"), (tmp_path, "Is a directory")):
         out = profile(missing)
         assert out.returncode == 1 and out.stdout.startswith(f"FAIL: --csv {missing}: cannot be read ({says}"), out.stdout
+    (tmp_path / "other.csv").write_text("step,loss\n1,4.2\n")  # a CSV, but not ncu's: not "measured no kernel"
+    other = profile(tmp_path / "other.csv")
+    assert other.returncode == 1 and other.stdout.splitlines()[-1] == (f'FAIL: --csv {tmp_path / "other.csv"}: no ncu table in '
+                                                                        'it (no "ID" header line); give the file `ncu --csv --log-file` wrote'), other.stdout
 
 
 @pytest.mark.fast

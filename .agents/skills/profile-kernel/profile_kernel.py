@@ -212,9 +212,13 @@ def main():
         return driver(args)
     if args.csv is not None:
         try:
-            kernels = read_ncu_csv(args.csv.read_text())
+            text = args.csv.read_text()
+            kernels = read_ncu_csv(text)
         except (OSError, UnicodeDecodeError, ValueError, KeyError) as e:  # KeyError: a column ncu writes is missing
             return verdict([f"--csv {args.csv}: cannot be read ({getattr(e, 'strerror', None) or e}); give the file "
+                            "`ncu --csv --log-file` wrote"])
+        if not any(line.startswith('"ID"') for line in text.splitlines()):
+            return verdict([f"--csv {args.csv}: no ncu table in it (no \"ID\" header line); give the file "
                             "`ncu --csv --log-file` wrote"])
         if args.flops is None:
             return report_run(kernels, args.min_efficiency)
