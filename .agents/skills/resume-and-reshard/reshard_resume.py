@@ -56,6 +56,9 @@ def run(args, plan, work: Path) -> int:
         code, said[what] = runs.train(args.config, work / name, args.steps, extra, args.set, stop)
         if code != 0:
             return runs.verdict(False, f"the {what} run did not finish (its output is above)")
+        if what == "mesh A" and not list((work / name / "checkpoints").glob(f"step_{args.stop_after:08d}/meta.json")):
+            return runs.verdict(False, f"mesh A wrote no checkpoint of step {args.stop_after} in {work / name / 'checkpoints'}, "
+                                       "so mesh B has nothing to resume (train.checkpoint_every=-1 writes none: leave it out)")
     resumed = re.search(r"resumed from \S+ \(step (\d+)\)", said["mesh B"])
     if not resumed or int(resumed.group(1)) != args.stop_after:
         return runs.verdict(False, f"mesh B did not resume from the step-{args.stop_after} checkpoint "
