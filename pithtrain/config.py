@@ -385,12 +385,17 @@ def hf_values(cls: type, hf: dict, nullable: frozenset = frozenset()) -> dict:
     return values
 
 
+def data_rank_count(p: ParallelConfig, world_size: int) -> int:
+    """Ranks that take different samples: dp x ep (cp ranks share theirs, pp stages pass them on)."""
+    return world_size // (p.pp * p.cp * p.ep) * p.ep
+
+
 def runs_dualpipev(config: RunConfig, world_size: int) -> bool:
     """Whether training runs the DualPipeV pipeline: pp > 1, or pp = 1 with expert parallelism and
     at least 2 micro-batches per data rank (it overlaps them; `parallel.overlap_ep` turns that off;
     its two chunks cannot share a tied embedding yet)."""
     t, p = config.train, config.parallel
-    data_ranks = world_size // (p.pp * p.cp * p.ep) * p.ep
+    data_ranks = data_rank_count(p, world_size)
     micro_per_rank = t.global_batch_size // (t.micro_batch_size * data_ranks)
     tied = getattr(config.model, "tie_word_embeddings", False)
     return p.pp > 1 or (p.ep > 1 and micro_per_rank >= 2 and p.overlap_ep and not tied)
@@ -582,7 +587,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     num_experts = config.model.num_routed_experts()
     check(num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide the {num_experts} experts; "
           f"choose ep among the divisors of {num_experts}")
-    data_ranks = dp * p.ep  # cp ranks share samples; ep ranks hold different samples
+    data_ranks = data_rank_count(p, world_size)
     if t.global_batch_size % (t.micro_batch_size * data_ranks):
         fits = [m for m in range(min(t.micro_batch_size, 1024), 0, -1) if t.global_batch_size % (m * data_ranks) == 0]
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size "

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint import CheckpointException
 from torch.distributed.fsdp import FSDPModule
 
 from pithtrain.config import (MUON_EXCLUDE, ConfigError, RunConfig, UserError, check, data_parts, disk_error,
-                               ignored_options, read_json, run_dict, runs_dualpipev, validate)
+                               data_rank_count, ignored_options, read_json, run_dict, runs_dualpipev, validate)
 from pithtrain.models.routing import update_correction_bias
 from pithtrain.ops.fp8 import enable_fp8
 from pithtrain.ops.kernels import cross_entropy_sum  # race-free Triton kernel on GPUs
@@ -584,8 +584,8 @@ def eval_windows(config: RunConfig, loader: BatchLoader, world_size: int = 1) ->
                         f"(their tokenizer.json differ); tokenize it with --tokenizer {ours['path']}/tokenizer.json")
     if not config.train.eval_every:  # never read (validate warns): its size is no reason to refuse the run
         return None
-    total, p = (dataset.num_tokens - 1) // d.seq_len, config.parallel
-    step = config.train.micro_batch_size * world_size // (p.pp * p.cp)  # micro-batch x data ranks (validate's rule)
+    total = (dataset.num_tokens - 1) // d.seq_len
+    step = config.train.micro_batch_size * data_rank_count(config.parallel, world_size)  # validate's rule
     n, fit = d.eval_samples or total // batch * batch, total // step * step
     if not 0 < n <= total:  # 0 samples would mean all of them: not a fix to offer
         raise UserError(f"data.eval_path={d.eval_path!r}: {total} sample{'s' * (total != 1)} of {d.seq_len} tokens, fewer than "

@@ -28,7 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-if os.environ.get("PITHTRAIN_PREFLIGHT_CHILD"):  # a worker of --nproc: Ctrl-C ends it quietly, even while it
+_CHILD = "PITHTRAIN_PREFLIGHT_CHILD"  # set for workers started by --nproc: a FAIL verdict exits 3
+if os.environ.get(_CHILD):  # a worker of --nproc: Ctrl-C ends it quietly, even while it
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))  # imports torch; its launcher prints the FAIL line
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository, when not installed
 
@@ -38,7 +39,6 @@ from pithtrain.cli import build_parser, train_config
 from pithtrain.config import ConfigError, UserError, data_parts, validate
 
 NUMEL, ITERS = 4096, 3  # int64 elements per block; checked iterations per collective (the first sets up links)
-_CHILD = "PITHTRAIN_PREFLIGHT_CHILD"  # set for workers started by --nproc: a FAIL verdict exits 3
 
 
 def plan(config, world: int) -> str:
