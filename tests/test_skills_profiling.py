@@ -195,8 +195,15 @@ def test_analyze_nsys_profile_fails_clearly(tmp_path):
     assert bare.returncode == 1 and "PITHTRAIN_NVTX=1" in bare.stdout, bare.stdout
     gone = analyze(tmp_path / "none.sqlite")
     assert gone.returncode == 1 and "nsys export --type sqlite" in gone.stdout, gone.stdout
-    folder = analyze(tmp_path)
-    assert folder.returncode == 1 and folder.stdout.startswith(f"FAIL: {tmp_path} is a directory, not the SQLite export")
+    folder = analyze(tmp_path)  # a capture's folder: the export in it is named, or the command to make one from its capture
+    assert folder.returncode == 1 and folder.stdout.strip() == (
+        f"FAIL: {tmp_path} is a directory, not the SQLite export of a capture (give {tmp_path / 'a.sqlite'})"), folder.stdout
+    (tmp_path / "cap").mkdir()
+    (tmp_path / "cap" / "step.nsys-rep").touch()
+    capture = analyze(tmp_path / "cap")
+    rep = tmp_path / "cap" / "step"
+    assert capture.returncode == 1 and capture.stdout.strip().endswith(
+        f"(make it: nsys export --type sqlite -o {rep}.sqlite {rep}.nsys-rep)"), capture.stdout
 
 
 @pytest.mark.fast

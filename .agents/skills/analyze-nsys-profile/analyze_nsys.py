@@ -182,12 +182,17 @@ def main():
     parser.add_argument("--min-overlap", type=runs.FRACTION, default=0.0, help="FAIL below this share of NCCL time overlapped (0..1)")
     parser.add_argument("--gap-us", type=runs.POSITIVE, default=20.0, help="the shortest idle gap counted (microseconds)")
     args = parser.parse_args()
+    if args.sqlite.is_dir():  # a capture's folder: name the export in it, or the capture to export into it
+        exports, captures = sorted(args.sqlite.glob("*.sqlite")), sorted(args.sqlite.glob("*.nsys-rep"))
+        rep = captures[0] if captures else args.sqlite / "RUN.nsys-rep"
+        fix = (f"give {exports[0]}" if exports else
+               f"make it: nsys export --type sqlite -o {rep.with_suffix('.sqlite')} {rep}")
+        return verdict([f"{args.sqlite} is a directory, not the SQLite export of a capture ({fix})"])
     target = (args.sqlite if args.sqlite.suffix == ".sqlite" or not args.sqlite.exists()  # never advise overwriting
               else args.sqlite.with_name(args.sqlite.stem + "_export.sqlite"))          # a file of another kind
-    export = f"nsys export --type sqlite -o {target} RUN.nsys-rep"
     if not args.sqlite.is_file():
-        what = "is a directory, not" if args.sqlite.is_dir() else "does not exist; give"
-        return verdict([f"{args.sqlite} {what} the SQLite export of a capture (make it: {export})"])
+        return verdict([f"{args.sqlite} does not exist; give the SQLite export of a capture "
+                        f"(make it: nsys export --type sqlite -o {target} RUN.nsys-rep)"])
     try:
         db = sqlite3.connect(f"file:{args.sqlite}?mode=ro", uri=True)
         missing = [f"{name} ({why})" for name, why in NEEDED.items() if name not in tables(db)]
