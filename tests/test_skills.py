@@ -446,7 +446,8 @@ def test_resume_and_reshard_continues_the_curve_on_another_mesh(tmp_path, datase
 def test_a_skill_run_stopped_by_ctrl_c_ends_in_one_fail_line(tmp_path, dataset_dir, monkeypatch):
     """Ctrl-C while a skill script's `pithtrain train` runs (the run gets it too and stops after a step):
     the rest of the run's output, then one FAIL line naming the run, exit 130; no KeyboardInterrupt
-    traceback. A run that does not end by itself is killed. Ctrl-C at any other point of a script: one FAIL line."""
+    traceback. A run that does not end by itself is killed. Ctrl-C at any other point of a script: one FAIL line;
+    after its verdict line (in cleanup), that line stands, exit 130."""
     from conftest import write_run_file
 
     run = write_run_file(tmp_path / "run.py", dataset_dir)
@@ -501,6 +502,19 @@ def test_a_skill_run_stopped_by_ctrl_c_ends_in_one_fail_line(tmp_path, dataset_d
                           ["corpus", tmp_path / "corpus.txt", "--vocab-size", "300", "--out", tmp_path / "ds"])]:
         got = run_script(script, *args)
         assert got.returncode == 130 and got.stdout.splitlines()[-1] == "FAIL: interrupted (Ctrl-C); no verdict", got.stdout
+    runs = _load_script(".agents/skills/_common/runs.py")  # Ctrl-C in the cleanup after the verdict line: it stands
+
+    @runs.interruptible
+    def verdict_then_ctrl_c():
+        runs.verdict(True)
+        raise KeyboardInterrupt
+
+    import contextlib
+    import io
+
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        code = verdict_then_ctrl_c()
+    assert code == 130 and out.getvalue() == "PASS\n", out.getvalue()
 
 
 PREFLIGHT = ".agents/skills/launch-multi-node/preflight.py"

@@ -205,15 +205,20 @@ def metrics(run_dir: Path, keys=("step",)) -> list[dict]:
     return by_step(read_jsonl(path, keys)) if path.exists() else []
 
 
+VERDICTS: list[bool] = []  # the verdict lines printed so far
+
+
 def interruptible(main):
     """A script's main (decorator): Ctrl-C ends it in one FAIL line and exit code 130, not a traceback."""
     @functools.wraps(main)
     def run(*args, **kwargs):
+        VERDICTS.clear()
         try:
             return main(*args, **kwargs)
-        except KeyboardInterrupt:
-            print()
-            verdict(False, "interrupted (Ctrl-C); no verdict")
+        except KeyboardInterrupt:  # after the verdict line (in cleanup) it stands: exit 130 without a second one
+            if not VERDICTS:
+                print()
+                verdict(False, "interrupted (Ctrl-C); no verdict")
             return 130
 
     return run
@@ -221,5 +226,6 @@ def interruptible(main):
 
 def verdict(ok: bool, message: str = "") -> int:
     """The last line every skill script prints (PASS or FAIL, then why); its exit code."""
+    VERDICTS.append(ok)
     print(("PASS" if ok else "FAIL") + (f": {message}" if message else ""))
     return 0 if ok else 1
