@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -158,6 +159,38 @@ def _drop_unused(out: Path) -> None:
 _joined_group = False  # this process is a launched worker that set up a process group (gloo's threads run)
 
 
+@contextlib.contextmanager
+def _rendezvous_guard(timeout_s: float, error: str):
+    """torch's C++ store logs each failed try to connect (a stack of frames a try) to fd 2: held back, and
+    shown only if the rendezvous succeeds (the one-line error explains a failure). A MASTER_PORT held by a
+    program that takes connections but never answers blocks the connection past every timeout: after twice
+    parallel.timeout_s this process ends with the error line."""
+    import tempfile
+    import threading
+
+    def give_up():
+        os.dup2(saved, 2)
+        print(f"error: {error} (no answer in {2 * timeout_s:g} s: is MASTER_PORT another program's?)",
+              file=sys.stderr, flush=True)
+        os._exit(2)
+
+    sys.stderr.flush()
+    with tempfile.TemporaryFile() as held:
+        saved = os.dup(2)
+        os.dup2(held.fileno(), 2)
+        timer = threading.Timer(2 * timeout_s, give_up)
+        timer.daemon = True
+        timer.start()
+        try:
+            yield
+        finally:
+            timer.cancel()
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        sys.stderr.write(held.read().decode(errors="replace"))  # not reached on failure
+
+
 def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
     from pithtrain.train.loop import train
 
@@ -171,14 +204,15 @@ def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
         device = pick_device(config.train.device)
         global _joined_group
         _joined_group = True
+        failed = (f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: the rendezvous at "
+                  f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} failed")
+        fix = "start every rank with the same MASTER_ADDR and a free MASTER_PORT, or raise parallel.timeout_s"
         try:
-            mesh = init_mesh(config.parallel.pp, config.parallel.cp, config.parallel.ep, device.type,
-                             config.parallel.timeout_s, config.parallel.hsdp)
+            with _rendezvous_guard(config.parallel.timeout_s, f"{failed}; {fix}"):
+                mesh = init_mesh(config.parallel.pp, config.parallel.cp, config.parallel.ep, device.type,
+                                 config.parallel.timeout_s, config.parallel.hsdp)
         except torch.distributed.DistError as e:  # DistStoreError, DistNetworkError: peers that never came, a port in use
-            raise UserError(f"rank {os.environ['RANK']} of {os.environ['WORLD_SIZE']}: the rendezvous at "
-                            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} failed ({str(e).splitlines()[0]}); "
-                            "start every rank with the same MASTER_ADDR and a free MASTER_PORT, or raise "
-                            "parallel.timeout_s") from None
+            raise UserError(f"{failed} ({str(e).splitlines()[0]}); {fix}") from None
     stop = graceful(loud=os.environ.get("RANK", "0") == "0")
     try:
         history = train(config, out, stop_after=args.stop_after, mesh=mesh, stop=stop)

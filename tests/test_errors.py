@@ -728,9 +728,12 @@ def test_trust_case_ends_in_one_line(trust_env, case_id, line, names):
 
 def test_a_rank_whose_peers_never_come(env):
     """One rank of two started by hand: its rendezvous fails in one line after parallel.timeout_s, and a
-    SIGTERM while it waits ends it at once (a blocking rendezvous runs no Python signal handler)."""
+    SIGTERM while it waits ends it at once (a blocking rendezvous runs no Python signal handler). A rank 1
+    whose MASTER_PORT is another program's: one line too, without torch's C++ connection logs, whether that
+    program closes the connection or never answers (then after twice parallel.timeout_s)."""
     import signal
     import socket
+    import threading
     import time
 
     with socket.socket() as a, socket.socket() as b:  # two free ports: the two ranks 0 below overlap
@@ -740,6 +743,12 @@ def test_a_rank_whose_peers_never_come(env):
     ranks = [dict(os.environ, PYTHONPATH=str(ROOT), RANK="0", WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
              for port in ports]
     args = [sys.executable, "-m", "pithtrain", "train", env["cfg"], "--ep", "2"]
+    closes, silent = socket.create_server(("127.0.0.1", 0)), socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=lambda: [closes.accept()[0].close() for _ in iter(int, 1)], daemon=True).start()
+    others = [subprocess.Popen([*args, "--out", env["tmp"] / f"other{i}", "--set", "parallel.timeout_s=1"],
+                               env=dict(ranks[0], RANK="1", MASTER_PORT=str(server.getsockname()[1])),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+              for i, server in enumerate([closes, silent])]
     alone = subprocess.Popen([*args, "--out", env["tmp"] / "alone", "--set", "parallel.timeout_s=2"], env=ranks[0],
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert alone.stdout.readline().startswith("config:")  # the second one starts while this one waits for its peer
@@ -753,3 +762,8 @@ def test_a_rank_whose_peers_never_come(env):
     _, err = alone.communicate(timeout=60)
     lines = err.strip().splitlines()
     assert alone.returncode == 2 and len(lines) == 1 and "the rendezvous at 127.0.0.1" in lines[0], err
+    for other, why in zip(others, ["failed (", "(no answer in 2 s: is MASTER_PORT another program's?)"]):
+        _, err = other.communicate(timeout=60)
+        assert other.returncode == 2 and len(err.strip().splitlines()) == 1 and why in err, err
+    closes.close()
+    silent.close()
