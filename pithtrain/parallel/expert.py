@@ -186,11 +186,8 @@ class AllToAllDispatch:
     """
 
     def __init__(self, group, num_experts: int):
-        self.group = group
-        self.ep = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.group, self.ep, self.side_stream = group, dist.get_world_size(group), None
         self.local_experts = num_experts // self.ep
-        self.side_stream = None
 
     def dispatch(self, x: torch.Tensor, routing: RoutingInfo, loads: torch.Tensor | None = None):
         """`loads` (the routing's global expert loads) do not give this rank's counts: unused."""
