@@ -356,10 +356,8 @@ class GptOssModel(nn.Module):
         full = attention_mask(doc_ids, s, device)
         if full is None:  # sink attention always takes an explicit mask
             full = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None, None]
-        sliding = None
-        if any(layer.self_attn.sliding for layer in self.layers.values()):
-            sliding = attention_mask(doc_ids, s, device, self.cfg.sliding_window)
-        return AttnInputs(cos, sin, full, sliding)
+        sliding = any(layer.self_attn.sliding for layer in self.layers.values())
+        return AttnInputs(cos, sin, full, attention_mask(doc_ids, s, device, self.cfg.sliding_window) if sliding else None)
 
     def forward(self, x, position_ids, engine, doc_ids=None, cp: ContextParallel | None = None):
         """x: token ids [B, S] if this chunk embeds, else hidden states [B, S, H]. Returns logits
