@@ -513,9 +513,7 @@ class DeepseekV2Model(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases and for the
-        routing correction biases; seeded per parameter name so every pipeline chunk or shard
-        draws the same values."""
+        """protocol.init_by_name with initializer_range (seeded per parameter name); routing correction biases zero."""
         init_by_name(self, seed, self.cfg.initializer_range)
         for bias in self.correction_biases().values():
             bias.zero_()

@@ -17,7 +17,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from pithtrain.ops.grouped_gemm import accumulate_grad
 from pithtrain.ops.kernels import add_into
@@ -131,8 +131,6 @@ def add_grad(param: torch.nn.Parameter, full_grad: torch.Tensor) -> None:
     if not isinstance(param, DTensor):
         accumulate_grad(param, full_grad)
         return
-    from torch.distributed.tensor import Replicate, Shard
-
     mesh, placements = param.device_mesh, param.placements
     local_shape = param.to_local().shape
     for dim, placement in enumerate(placements):

@@ -143,9 +143,8 @@ def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple
                     for p in (0, 1)]
             b_ok = [ready(rank, "B", p, next_b[rank][p]) for p in (0, 1)]
             op, cost = None, 0
-            if pp == 1 and len(wqueue[rank]) > 2:  # no bubbles to fill: keep the queue (and the
-                phase, mb = wqueue[rank].pop(0)  # activations it holds) short
-                op, cost = Op("W", phase, mb), 1
+            if pp == 1 and len(wqueue[rank]) > 2:  # no bubbles to fill: keep the queue (and the activations it holds) short
+                op, cost = Op("W", *wqueue[rank].pop(0)), 1
             for pf in (0, 1) if op is None else ():  # steady state: a forward overlapped with the other phase's backward
                 if f_ok[pf] and b_ok[1 - pf]:
                     op, cost = Op("FB", pf, next_f[rank][pf], next_b[rank][1 - pf]), 2 if defer_w else 3
@@ -166,8 +165,7 @@ def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple
                             op, cost = Op("BW", p, op.mb, other_w[0][1]), unit + 1
                         break
             if op is None and wqueue[rank]:
-                phase, mb = wqueue[rank].pop(0)
-                op, cost = Op("W", phase, mb), 1
+                op, cost = Op("W", *wqueue[rank].pop(0)), 1
             if op is None:
                 continue
             lists[rank].append(op)
@@ -215,15 +213,13 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
                 clock[rank] = start + cost
                 pos[rank] += 1
                 progressed = True
-    if any(pos[r] < len(lists[r]) for r in range(pp)):
-        stuck = {r: lists[r][pos[r]] for r in range(pp) if pos[r] < len(lists[r])}
+    if stuck := {r: lists[r][pos[r]] for r in range(pp) if pos[r] < len(lists[r])}:
         raise AssertionError(f"deadlock: ranks wait forever at {stuck}")
     kinds = ("F", "B", "W") if defer_w else ("F", "B")
     expected = {(r, k, p, m) for r in range(pp) for k in kinds for p in (0, 1) for m in range(num_micro)}
     if seen != expected:
         raise AssertionError(f"missing ops: {sorted(expected - seen)[:5]}, unexpected: {sorted(seen - expected)[:5]}")
-    makespan = max(clock)
-    work = pp * 2 * num_micro * 3
+    makespan, work = max(clock), pp * 2 * num_micro * 3
     return {"makespan": makespan, "bubble_fraction": 1 - work / (pp * makespan)}
 
 
@@ -344,9 +340,8 @@ def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, terms, note, mtp_ids=None
         return state._post_forward(chunk, args, fn(*args))
 
     def embed(h):
-        embedded = None
+        embedded = chunk.embed_tokens(mtp_ids) if chunk.embed_tokens is not None and mtp_ids is not None else None
         if chunk.embed_tokens is not None:
-            embedded = chunk.embed_tokens(mtp_ids) if mtp_ids is not None else None
             h = chunk.embed_tokens(h)
         return h, chunk.attn_inputs(pos, doc, h.dtype, cp), embedded
 

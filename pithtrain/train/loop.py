@@ -663,8 +663,7 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
     def show(keys):
         return ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in keys)
 
-    fixed = [k for k in changed if k.startswith("model.") or k in FIXED]
-    if fixed:
+    if fixed := [k for k in changed if k.startswith("model.") or k in FIXED]:
         where = " (a relative data.path resolves against the working directory)" if "data.path" in fixed else ""
         raise UserError(f"cannot resume from {checkpoint}: {show(fixed)} changed since it was written{where}; "
                         f"undo the change (--set) or train into a new --out")
