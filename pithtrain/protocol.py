@@ -14,10 +14,8 @@ expert weight gradients are deferred to it (zero-bubble W passes run by the pipe
 and their output in `residual`. `run_layer` below is the plain sequential composition; the
 pipeline engine interleaves the same calls of two micro-batches.
 
-The loss's terms live here too, below the models that record them, the engine and pipeline that
-carry them and the loop: `AUX_TERMS` (every auxiliary term, named, with its scale field and
-metric), `LossTerms` (the one composition of the loss, for the plain loop and both pipeline
-backward modes) and `StepSums` (a step's sums by name, reduced in one collective).
+The loss's terms (`AUX_TERMS`, `LossTerms`, `StepSums`) live here too, below the models that record
+them, the engine and pipeline that carry them and the loop.
 """
 
 from __future__ import annotations
