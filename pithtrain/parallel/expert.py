@@ -235,8 +235,7 @@ class AllToAllDispatch:
         experts = meta[row_idx, slot_idx]
         order = stable_argsort_ids(experts, self.local_experts)
         tokens = permute(rows, row_idx[order])
-        local_counts = count_ids(experts, self.local_experts)
-        return tokens, local_counts, (order, recv_pairs, send_pairs, home_index)
+        return tokens, count_ids(experts, self.local_experts), (order, recv_pairs, send_pairs, home_index)
 
     def combine_start(self, expert_out: torch.Tensor, handle, async_op: bool = False):
         order, recv_pairs, send_pairs, home_index = handle

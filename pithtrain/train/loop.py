@@ -85,8 +85,7 @@ def rank_micro_batches(batch: dict, size: int, data_rank: int, data_ranks: int) 
     so the union over ranks of micro-step i is one contiguous block of samples (the `global`
     load-balance scope on R ranks equals the `micro` scope of one process with R-times larger
     micro-batches)."""
-    n = batch["input_ids"].shape[0]
-    starts = range(data_rank * size, n, size * data_ranks)
+    starts = range(data_rank * size, batch["input_ids"].shape[0], size * data_ranks)
     return [{k: v[i : i + size] for k, v in batch.items()} for i in starts]
 
 
