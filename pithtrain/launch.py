@@ -3,6 +3,7 @@ that die with their launcher, and a stdout whose reader may go away."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,10 +15,8 @@ STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # exit codes of a run sto
 
 
 def _say(text: str) -> None:
-    try:
+    with contextlib.suppress(OSError):
         os.write(2, text.encode())  # not print: a signal handler may interrupt a print in progress
-    except OSError:
-        pass
 
 
 class GracefulStop:

@@ -14,10 +14,8 @@ expert weight gradients are deferred to it (zero-bubble W passes run by the pipe
 and their output in `residual`. `run_layer` below is the plain sequential composition; the
 pipeline engine interleaves the same calls of two micro-batches.
 
-The loss's terms live here too, below the models that record them, the engine and pipeline that
-carry them and the loop: `AUX_TERMS` (every auxiliary term, named, with its scale field and
-metric), `LossTerms` (the one composition of the loss, for the plain loop and both pipeline
-backward modes) and `StepSums` (a step's sums by name, reduced in one collective).
+The loss's terms (`AUX_TERMS`, `LossTerms`, `StepSums`) live here too, below the models that record
+them, the engine and pipeline that carry them and the loop.
 """
 
 from __future__ import annotations
@@ -143,9 +141,8 @@ class LossTerms:
         """The cross-entropy part of the loss for a micro-batch's token sums: the main one / the global
         batch's label tokens, plus multi-token prediction's (its sum over depths and tokens) times
         train.mtp_coef / the global batch's MTP label tokens (all depths)."""
-        if mtp_ce is None:
-            return ce / max(self.n_label, 1)
-        return ce / max(self.n_label, 1) + self.mtp_coef * mtp_ce / max(self.n_mtp_label, 1)
+        share = ce / max(self.n_label, 1)
+        return share if mtp_ce is None else share + self.mtp_coef * mtp_ce / max(self.n_mtp_label, 1)
 
     def micro_loss(self, ce: torch.Tensor, aux: dict[str, list[torch.Tensor]], mtp_ce=None) -> torch.Tensor:
         """A whole-model forward's share of the step's loss (aux: its values by term)."""
@@ -301,8 +298,7 @@ def check_hf_leftovers(model, hf: dict, used: set, past_layers: bool = False) ->
         extra.discard("model.embed_tokens.weight")
     if model.norm is None:
         extra -= {"model.norm.weight", "lm_head.weight"}
-    past = sorted({layer_of[k] for k in extra if layer_of.get(k, -1) >= depth})
-    if past:
+    if past := sorted({layer_of[k] for k in extra if layer_of.get(k, -1) >= depth}):
         raise UserError(f"HF checkpoint holds layer(s) {past[:8]} past the config's {depth} (num_hidden_layers"
                         f"={model.cfg.num_hidden_layers}); set num_hidden_layers in config.json to the layers it holds")
     if extra:

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pithtrain.config import ConfigError, UserError, check, check_numbers, check_positive, hf_values
-from pithtrain.protocol import RoutingInfo, Stage1Out, hf_state, init_by_name, load_hf_state, run_layer
+from pithtrain.protocol import RoutingInfo, Stage1Out, all_layers, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import (apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin,
                                 rope_inv_freq, yarn_mscale)
@@ -513,9 +513,7 @@ class DeepseekV2Model(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases and for the
-        routing correction biases; seeded per parameter name so every pipeline chunk or shard
-        draws the same values."""
+        """protocol.init_by_name with initializer_range (seeded per parameter name); routing correction biases zero."""
         init_by_name(self, seed, self.cfg.initializer_range)
         for bias in self.correction_biases().values():
             bias.zero_()
@@ -523,8 +521,7 @@ class DeepseekV2Model(nn.Module):
     def correction_biases(self) -> dict[int, torch.Tensor]:
         """layer id -> e_score_correction_bias [E] of this chunk's MoE layers (empty unless
         topk_method='noaux_tc'); the training loop updates them with routing.update_correction_bias."""
-        layers = {**self.layers, **(self.mtp or {})}
-        return {int(lid): layer.mlp.gate.e_score_correction_bias for lid, layer in layers.items()
+        return {int(lid): layer.mlp.gate.e_score_correction_bias for lid, layer in all_layers(self).items()
                 if layer.is_moe and layer.mlp.gate.e_score_correction_bias is not None}
 
     def head_weight(self):
@@ -595,8 +592,7 @@ class DeepseekV2Model(nn.Module):
             h = layer.input_layernorm(x)
             q = a.q_proj(h) if cfg.q_lora_rank is None else a.q_b_proj(a.q_a_layernorm(a.q_a_proj(h)))
             q = q.view(b, s, heads, nope + rope).transpose(1, 2)
-            compressed = a.kv_a_proj_with_mqa(h)
-            latent, k_rope = compressed[..., : cfg.kv_lora_rank], compressed[..., cfg.kv_lora_rank :]
+            latent, k_rope = a.kv_a_proj_with_mqa(h).split([cfg.kv_lora_rank, rope], -1)
             kv = a.kv_b_proj(a.kv_a_layernorm(latent)).view(b, s, heads, nope + cfg.v_head_dim).transpose(1, 2)
             k_rope = rotate(k_rope[:, None]).expand(b, heads, s, rope)
             q = torch.cat([q[..., :nope], rotate(q[..., nope:])], -1)
@@ -621,8 +617,7 @@ class DeepseekV2Model(nn.Module):
                 if tok.numel():
                     g, u = (flat[tok] @ ex.gate_up[e]).chunk(2, -1)
                     moe.index_add_(0, tok, ((F.silu(g) * u) @ ex.down[e]) * w[tok, slot, None].to(flat.dtype))
-            if layer.mlp.shared_experts is not None:
-                m = layer.mlp.shared_experts
+            if (m := layer.mlp.shared_experts) is not None:
                 moe = moe + m.down_proj(F.silu(m.gate_proj(flat)) * m.up_proj(flat))
             x = x + moe.view_as(x)
         return x if final_hidden else head_logits(self.norm(x), self.head_weight())

@@ -148,10 +148,8 @@ class GptOssConfig:
         return cls(**values)
 
     def to_hf(self) -> dict:
-        out = asdict(self)
-        out["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
-        out.update(model_type=self.model_type, architectures=["GptOssForCausalLM"], dtype="float32")
-        return out
+        return asdict(self) | {"layer_types": [self.layer_type(i) for i in range(self.num_hidden_layers)],
+                               "model_type": self.model_type, "architectures": ["GptOssForCausalLM"], "dtype": "float32"}
 
     def build_model(self, layer_ids=None, embed: bool = True, head: bool = True) -> "GptOssModel":
         return GptOssModel(self, layer_ids, embed, head)
@@ -335,8 +333,7 @@ class GptOssModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Normal(0, initializer_range) for matrices and sinks, ones for norms, zeros for biases; seeded
-        per parameter name so every pipeline chunk or shard draws the same values."""
+        """protocol.init_by_name with initializer_range (seeded per parameter name; the sinks are drawn too)."""
         init_by_name(self, seed, self.cfg.initializer_range)
 
     def correction_biases(self) -> dict:
@@ -356,10 +353,8 @@ class GptOssModel(nn.Module):
         full = attention_mask(doc_ids, s, device)
         if full is None:  # sink attention always takes an explicit mask
             full = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None, None]
-        sliding = None
-        if any(layer.self_attn.sliding for layer in self.layers.values()):
-            sliding = attention_mask(doc_ids, s, device, self.cfg.sliding_window)
-        return AttnInputs(cos, sin, full, sliding)
+        sliding = any(layer.self_attn.sliding for layer in self.layers.values())
+        return AttnInputs(cos, sin, full, attention_mask(doc_ids, s, device, self.cfg.sliding_window) if sliding else None)
 
     def forward(self, x, position_ids, engine, doc_ids=None, cp: ContextParallel | None = None):
         """x: token ids [B, S] if this chunk embeds, else hidden states [B, S, H]. Returns logits

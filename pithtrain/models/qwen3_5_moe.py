@@ -223,10 +223,8 @@ class GatedAttention(nn.Module):
 
     def forward(self, x, attn: AttnInputs):
         q, k, v, gate = self.qkv_gate(x, attn.cos, attn.sin)
-        if attn.cp is not None:
-            out = context_attention(q, k, v, self.head_dim**-0.5, attn.cp)
-        else:
-            out = attention(q, k, v, attn.mask, self.head_dim**-0.5)
+        out = (attention(q, k, v, attn.mask, self.head_dim**-0.5) if attn.cp is None
+               else context_attention(q, k, v, self.head_dim**-0.5, attn.cp))
         return self.o_proj(out * torch.sigmoid(gate))
 
 

@@ -97,11 +97,9 @@ class Qwen3MoeConfig:
         return cls(**values)
 
     def to_hf(self) -> dict:
-        out = asdict(self)
-        out["head_dim"] = self.dim_per_head
-        out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta}
-        out.update(model_type=self.model_type, architectures=["Qwen3MoeForCausalLM"], dtype="float32")
-        return out
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        return asdict(self) | {"head_dim": self.dim_per_head, "rope_parameters": rope, "model_type": self.model_type,
+                               "architectures": ["Qwen3MoeForCausalLM"], "dtype": "float32"}
 
     def build_model(self, layer_ids=None, embed: bool = True, head: bool = True) -> "Qwen3MoeModel":
         return Qwen3MoeModel(self, layer_ids, embed, head)
@@ -248,8 +246,7 @@ class Qwen3MoeModel(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Normal(0, initializer_range) for matrices, ones for norms, zeros for biases; seeded per
-        parameter name so every pipeline chunk or shard draws the same values."""
+        """protocol.init_by_name with initializer_range (seeded per parameter name)."""
         init_by_name(self, seed, self.cfg.initializer_range)
 
     def correction_biases(self) -> dict:

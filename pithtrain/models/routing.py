@@ -50,22 +50,11 @@ def select_experts(logits: torch.Tensor, topk: int, score_func: str = "softmax",
 
 @torch.no_grad()
 def update_correction_bias(bias: torch.Tensor, expert_loads: torch.Tensor, rate: float) -> None:
-    """Aux-loss-free balancing (DeepSeek-V3, "bias update speed" gamma), in place:
-
-        bias += rate * sign(mean(load) - load)
-
-    so overloaded experts become less likely to be chosen and underloaded ones more likely.
-
-    Call contract (for the training loop):
-      - once per optimizer step, after the step, for every MoE layer that has a bias
-        (`model.correction_biases()` -> {layer_id: bias});
-      - `expert_loads` [E] is the number of (token, slot) assignments per expert over the *whole
-        global batch*: summed over the step's micro-batches and all-reduced over every rank that
-        holds a replica of this router (data- and expert-parallel ranks), so that each replica
-        applies the identical update and the biases stay equal everywhere;
-      - the bias is a buffer, not a parameter: the optimizer, weight decay and gradient clipping
-        never see it. It is saved with the model state (and exported to HF as
-        `mlp.gate.e_score_correction_bias`).
-    """
+    """Aux-loss-free balancing (DeepSeek-V3, "bias update speed" gamma), in place: bias += rate *
+    sign(mean(load) - load), so overloaded experts become less likely to be chosen, underloaded ones more.
+    Called once per optimizer step for each bias of `model.correction_biases()`, with `expert_loads` [E] the
+    (token, slot) assignments per expert over the whole global batch (all-reduced over every rank holding a
+    replica of the router, so every replica applies the same update). The bias is a buffer: the optimizer,
+    weight decay and clipping never see it; it is saved with the model (HF: `mlp.gate.e_score_correction_bias`)."""
     load = expert_loads.to(device=bias.device, dtype=torch.float32)
     bias.add_(torch.sign(load.mean() - load).to(bias.dtype), alpha=rate)

@@ -103,11 +103,8 @@ class ContextParallel:
         """(q slice, k slice) bounding every visible pair of local queries x `source`'s keys, or None
         when there is none. Found for all sources at once, one host sync per window and micro-batch."""
         if (source, window) not in self.boxes:
-            everything = (slice(None), slice(None))
-            stats = []
-            for s in range(self.cp):
-                m = self.mask(s, window, everything)
-                stats.append(torch.cat([_extent(m.any(2).any(0)), _extent(m.any(1).any(0))]))
+            masks = (self.mask(s, window, (slice(None), slice(None))) for s in range(self.cp))
+            stats = [torch.cat([_extent(m.any(2).any(0)), _extent(m.any(1).any(0))]) for m in masks]
             for s, (q0, q1, k0, k1) in enumerate(torch.stack(stats).tolist()):
                 self.boxes[(s, window)] = (slice(q0, q1), slice(k0, k1)) if q1 > q0 else None
         return self.boxes[(source, window)]

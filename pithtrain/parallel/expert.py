@@ -186,11 +186,8 @@ class AllToAllDispatch:
     """
 
     def __init__(self, group, num_experts: int):
-        self.group = group
-        self.ep = dist.get_world_size(group)
-        self.rank = dist.get_rank(group)
+        self.group, self.ep, self.side_stream = group, dist.get_world_size(group), None
         self.local_experts = num_experts // self.ep
-        self.side_stream = None
 
     def dispatch(self, x: torch.Tensor, routing: RoutingInfo, loads: torch.Tensor | None = None):
         """`loads` (the routing's global expert loads) do not give this rank's counts: unused."""
@@ -238,8 +235,7 @@ class AllToAllDispatch:
         experts = meta[row_idx, slot_idx]
         order = stable_argsort_ids(experts, self.local_experts)
         tokens = permute(rows, row_idx[order])
-        local_counts = count_ids(experts, self.local_experts)
-        return tokens, local_counts, (order, recv_pairs, send_pairs, home_index)
+        return tokens, count_ids(experts, self.local_experts), (order, recv_pairs, send_pairs, home_index)
 
     def combine_start(self, expert_out: torch.Tensor, handle, async_op: bool = False):
         order, recv_pairs, send_pairs, home_index = handle

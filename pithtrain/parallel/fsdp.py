@@ -17,7 +17,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from pithtrain.ops.grouped_gemm import accumulate_grad
 from pithtrain.ops.kernels import add_into
@@ -56,24 +56,26 @@ def shard_model(model: torch.nn.Module, mesh: Mesh, bf16_params: bool, reshard_a
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16_params else MixedPrecisionPolicy()
     dense, expert = _fsdp_meshes(mesh)
     units, ignored = [], set()
+
+    def shard(module, over, ignored_params=None):
+        units.append(fully_shard(module, mesh=over, mp_policy=policy, reshard_after_forward=reshard_after_forward,
+                                 ignored_params=ignored_params))
+
     for module in expert_modules(model):
         if expert.size() == 1:  # one rank per expert shard group (e.g. ep = world size): nothing to
             # shard, so the experts stay plain local tensors (cast to bf16 once per step by
             # grouped_gemm.compute_weight, gradients added in place): no FSDP copies or hooks
             ignored.update(module.parameters())
             continue
-        units.append(fully_shard(module, mesh=expert, mp_policy=policy, reshard_after_forward=reshard_after_forward))
+        shard(module, expert)
     for layer in all_layers(model).values():
         if hasattr(layer, "shared_head"):  # an MTP layer's head norm runs outside its stages: its own unit
-            units.append(fully_shard(layer.shared_head, mesh=dense, mp_policy=policy,
-                                     reshard_after_forward=reshard_after_forward))
-        units.append(fully_shard(layer, mesh=dense, mp_policy=policy, reshard_after_forward=reshard_after_forward,
-                                 ignored_params=ignored or None))
+            shard(layer.shared_head, dense)
+        shard(layer, dense, ignored or None)
         # the engine calls the stages, not forward(): let FSDP gather the weights around them
         register_fsdp_forward_method(layer, "stage1")
         register_fsdp_forward_method(layer, "stage5")
-    units.append(fully_shard(model, mesh=dense, mp_policy=policy, reshard_after_forward=reshard_after_forward,
-                             ignored_params=ignored or None))
+    shard(model, dense, ignored or None)
     for unit in units:
         unit.set_gradient_divide_factor(1.0)
         unit.set_force_sum_reduction_for_comms(True)
@@ -129,8 +131,6 @@ def add_grad(param: torch.nn.Parameter, full_grad: torch.Tensor) -> None:
     if not isinstance(param, DTensor):
         accumulate_grad(param, full_grad)
         return
-    from torch.distributed.tensor import Replicate, Shard
-
     mesh, placements = param.device_mesh, param.placements
     local_shape = param.to_local().shape
     for dim, placement in enumerate(placements):

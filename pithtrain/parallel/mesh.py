@@ -60,8 +60,7 @@ def init_mesh(pp: int, cp: int, ep: int, device_type: str, timeout_s: float, hsd
     """Join the process group started by the launcher (RANK/WORLD_SIZE in the environment)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    world = int(os.environ["WORLD_SIZE"])
-    rank = int(os.environ["RANK"])
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     if world % (pp * cp * ep):
         raise ValueError(f"world size {world} is not divisible by pp*cp*ep = {pp * cp * ep}")
     dp = world // (pp * cp * ep)

@@ -81,16 +81,15 @@ def _parts(op: Op) -> list[tuple[str, int, int]]:
 def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int, str, int, int]]:
     """(rank, kind, phase, mb) that must finish before this op can start."""
     chunk = rank_chunks(pp, rank)[phase]
-    deps = [(rank, "B", phase, mb)] if kind == "W" else []
-    if kind == "F" and chunk > 0:
-        prev = chunk - 1
-        deps.append((prev if prev < pp else 2 * pp - 1 - prev, "F", 0 if prev < pp else 1, mb))
-    if kind == "B":
-        deps.append((rank, "F", phase, mb))
-        if chunk < 2 * pp - 1:
-            nxt = chunk + 1
-            deps.append((nxt if nxt < pp else 2 * pp - 1 - nxt, "B", 0 if nxt < pp else 1, mb))
-    return deps
+
+    def on(c, k):  # op k of this micro-batch on chunk c, at c's rank and phase
+        return (c, k, 0, mb) if c < pp else (2 * pp - 1 - c, k, 1, mb)
+
+    if kind == "W":
+        return [(rank, "B", phase, mb)]
+    if kind == "F":
+        return [on(chunk - 1, "F")] if chunk > 0 else []
+    return [(rank, "F", phase, mb)] + ([on(chunk + 1, "B")] if chunk < 2 * pp - 1 else [])
 
 
 @functools.lru_cache(maxsize=16)  # a pure function of its arguments, asked for every step
@@ -144,9 +143,8 @@ def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple
                     for p in (0, 1)]
             b_ok = [ready(rank, "B", p, next_b[rank][p]) for p in (0, 1)]
             op, cost = None, 0
-            if pp == 1 and len(wqueue[rank]) > 2:  # no bubbles to fill: keep the queue (and the
-                phase, mb = wqueue[rank].pop(0)  # activations it holds) short
-                op, cost = Op("W", phase, mb), 1
+            if pp == 1 and len(wqueue[rank]) > 2:  # no bubbles to fill: keep the queue (and the activations it holds) short
+                op, cost = Op("W", *wqueue[rank].pop(0)), 1
             for pf in (0, 1) if op is None else ():  # steady state: a forward overlapped with the other phase's backward
                 if f_ok[pf] and b_ok[1 - pf]:
                     op, cost = Op("FB", pf, next_f[rank][pf], next_b[rank][1 - pf]), 2 if defer_w else 3
@@ -167,8 +165,7 @@ def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple
                             op, cost = Op("BW", p, op.mb, other_w[0][1]), unit + 1
                         break
             if op is None and wqueue[rank]:
-                phase, mb = wqueue[rank].pop(0)
-                op, cost = Op("W", phase, mb), 1
+                op, cost = Op("W", *wqueue[rank].pop(0)), 1
             if op is None:
                 continue
             lists[rank].append(op)
@@ -216,15 +213,13 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
                 clock[rank] = start + cost
                 pos[rank] += 1
                 progressed = True
-    if any(pos[r] < len(lists[r]) for r in range(pp)):
-        stuck = {r: lists[r][pos[r]] for r in range(pp) if pos[r] < len(lists[r])}
+    if stuck := {r: lists[r][pos[r]] for r in range(pp) if pos[r] < len(lists[r])}:
         raise AssertionError(f"deadlock: ranks wait forever at {stuck}")
     kinds = ("F", "B", "W") if defer_w else ("F", "B")
     expected = {(r, k, p, m) for r in range(pp) for k in kinds for p in (0, 1) for m in range(num_micro)}
     if seen != expected:
         raise AssertionError(f"missing ops: {sorted(expected - seen)[:5]}, unexpected: {sorted(seen - expected)[:5]}")
-    makespan = max(clock)
-    work = pp * 2 * num_micro * 3
+    makespan, work = max(clock), pp * 2 * num_micro * 3
     return {"makespan": makespan, "bubble_fraction": 1 - work / (pp * makespan)}
 
 
@@ -345,9 +340,8 @@ def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, terms, note, mtp_ids=None
         return state._post_forward(chunk, args, fn(*args))
 
     def embed(h):
-        embedded = None
+        embedded = chunk.embed_tokens(mtp_ids) if chunk.embed_tokens is not None and mtp_ids is not None else None
         if chunk.embed_tokens is not None:
-            embedded = chunk.embed_tokens(mtp_ids) if mtp_ids is not None else None
             h = chunk.embed_tokens(h)
         return h, chunk.attn_inputs(pos, doc, h.dtype, cp), embedded
 
@@ -505,8 +499,10 @@ class PipelineRunner:
         hidden = self.chunks[0].cfg.hidden_size
 
         def receive(kind, phase, mb):
-            source = -1 if (phase == 0) == (kind == "act") else 1
             key = (kind, phase, mb)
+            if key in inbox:  # the last rank's to itself: its phase-0 output, its phase-1 input gradient
+                return inbox.pop(key)
+            source = -1 if (phase == 0) == (kind == "act") else 1
             while key not in pending_recv:  # post receives in the sender's order (NCCL matches by order)
                 _, k, p, m = expected[source][posted[source]]
                 buf = torch.empty(b, s, hidden, dtype=dtype, device=mesh.device)
@@ -530,8 +526,7 @@ class PipelineRunner:
             if phase == 0 and rank == 0:
                 x, leaf = micro["input_ids"], None
             else:
-                x = inbox.pop(("act", phase, mb)) if ("act", phase, mb) in inbox else receive("act", phase, mb)
-                x = leaf = x.detach().requires_grad_()
+                x = leaf = receive("act", phase, mb).detach().requires_grad_()
             engine = self.make_engine(b, s)
             if defer_w:
                 engine.weight_queue = DeferredWeightGrads(add_grad, plain=True)
@@ -561,10 +556,9 @@ class PipelineRunner:
                     inbox[("act", 1, mb)] = local
                 outputs.append(out)
                 grads.append("recv")
-            if tape is None:  # segmented: each aux value is already a root of its segment
-                for root in terms.chunk_roots(engine.aux):
-                    outputs.append(root)
-                    grads.append(None)
+            roots = terms.chunk_roots(engine.aux) if tape is None else []  # segmented: each aux value is a root already
+            outputs += roots
+            grads += [None] * len(roots)
             for name, total in terms.layer_sums(engine.aux, mean=False).items():
                 aux_totals[name] = aux_totals[name] + total if name in aux_totals else total
             saved[(phase, mb)] = (leaf, outputs, grads, engine.weight_queue, tape, mtp.get("mtp_embedded"))
@@ -585,8 +579,6 @@ class PipelineRunner:
                     tensors.append(torch.ones_like(out))
                 elif g == "mtp":
                     tensors.append(mtp_grads.pop(mb))
-                elif ("grad", phase, mb) in inbox:
-                    tensors.append(inbox.pop(("grad", phase, mb)))
                 else:
                     tensors.append(receive("grad", phase, mb))
             if tape is None:

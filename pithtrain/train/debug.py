@@ -58,9 +58,9 @@ class NormLog:
                     t.register_hook(lambda g, full=full: self.write(full, "backward", g))
         return out
 
-    def watch(self, model) -> None:
+    def watch(self, model) -> "NormLog":
         """Wrap stages 1, 3, 5 of every layer (after compile and FSDP: the outermost call) and hook
-        the embedding and the final norm."""
+        the embedding and the final norm; returns self."""
         for layer in all_layers(model).values():
             for n in (1, 3, 5):
                 stage = getattr(layer, f"stage{n}")
@@ -69,6 +69,7 @@ class NormLog:
         for name in ("embed_tokens", "norm"):
             if getattr(model, name, None) is not None:
                 getattr(model, name).register_forward_hook(lambda m, a, out, name=name: self.output(name, out))
+        return self
 
     def grads(self, named_params) -> None:
         for name, p in named_params:

@@ -85,8 +85,7 @@ def rank_micro_batches(batch: dict, size: int, data_rank: int, data_ranks: int) 
     so the union over ranks of micro-step i is one contiguous block of samples (the `global`
     load-balance scope on R ranks equals the `micro` scope of one process with R-times larger
     micro-batches)."""
-    n = batch["input_ids"].shape[0]
-    starts = range(data_rank * size, n, size * data_ranks)
+    starts = range(data_rank * size, batch["input_ids"].shape[0], size * data_ranks)
     return [{k: v[i : i + size] for k, v in batch.items()} for i in starts]
 
 
@@ -207,10 +206,8 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
 
 def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop_after: int | None,
            mesh: Mesh | None) -> Run:
-    """Everything before the first step: the debug instruments' settings, the mesh and checks
-    (check_run), the model or this rank's pipeline chunks (compiled, FP8, recompute, experts sliced,
-    FSDP), the optimizer, resume from the newest intact checkpoint, metrics.jsonl cut back to it,
-    and the startup line."""
+    """Everything before the first step: debug settings, mesh, checks (check_run), model or pipeline chunks
+    (build_model), optimizer, resume, the startup line."""
     if steps is not None:
         config.train.steps = steps
     t, o = config.train, config.optim
@@ -236,10 +233,7 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
     sizes, n_total = size_text(config, loader, counts), counts[0]
     # after slicing the experts and sharding: what this rank holds (a DTensor's numel is the whole tensor's)
     n_held = sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
-    norms = None  # the debug skills' instruments (train/debug.py); nothing when unset
-    if norm_spec:
-        norms = NormLog(norm_spec, out_dir, mesh.rank)
-        norms.watch(model)
+    norms = NormLog(norm_spec, out_dir, mesh.rank).watch(model) if norm_spec else None  # the debug-divergence skill's
     optimizer = build_optimizer(list(model.named_parameters()), o, device.type)
     count_group = mesh.data_group if t.lb_type == "global" else None
     balance = LoadBalance(t.lb_type, count_group, cp_group=mesh.cp_group) if t.lb_coef > 0 else None
@@ -275,9 +269,7 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
 
 
 def build_model(config: RunConfig, mesh: Mesh, dtype: torch.dtype, found: Path | None):
-    """The model on this rank, ready to train, and its DualPipeV chunks (None without a pipeline):
-    built and initialised (or `train.init_from`'s weights when not resuming), compiled, FP8,
-    recompute, this rank's experts, on the device, FSDP-sharded."""
+    """The model on this rank, ready to train, and its DualPipeV chunks (None without a pipeline)."""
     t = config.train
     if runs_dualpipev(config, mesh.world):  # this rank's two DualPipeV chunks, seen as one module for state and optimizer
         chunks = build_chunks(config.model, mesh.pp, mesh.pp_rank, t.seed)
@@ -339,10 +331,8 @@ def resume(config: RunConfig, model, optimizer, mesh: Mesh, found: Path | None, 
 
 
 def train_step(run: Run, step: int, stop) -> Stepped:
-    """One optimizer step: the global batch's micro-batches forward and backward (the plain loop, or
-    the pipeline's schedule), the step's sums reduced over the ranks, grad norm and clipping, the
-    optimizer, the routing-bias update. Returns with the optimizer's kernels queued: the host readies the next
-    step while they run (the GPU does not wait between steps); that step's time holds them."""
+    """One optimizer step, plain loop or pipeline. Returns with the optimizer's kernels queued: the host readies
+    the next step while they run (the GPU does not wait between steps); that step's time holds them."""
     config, mesh = run.config, run.mesh
     t, o, device, model = config.train, config.optim, mesh.device, run.model
     if run.norms:
@@ -672,8 +662,7 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
     def show(keys):
         return ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in keys)
 
-    fixed = [k for k in changed if k.startswith("model.") or k in FIXED]
-    if fixed:
+    if fixed := [k for k in changed if k.startswith("model.") or k in FIXED]:
         where = " (a relative data.path resolves against the working directory)" if "data.path" in fixed else ""
         raise UserError(f"cannot resume from {checkpoint}: {show(fixed)} changed since it was written{where}; "
                         f"undo the change (--set) or train into a new --out")
@@ -759,9 +748,7 @@ def save_failed(error: BaseException, out_dir: Path, step: int, is_main: bool) -
 
 def fp8_text(t) -> str:
     """The start line's FP8 part: the recipe, the head, the CPU's emulation."""
-    if t.fp8 == "off":
-        return ""
-    return f", FP8 {t.fp8}{' + head' if t.fp8_head else ''}{' (emulated)' if t.fp8_emulate else ''}"
+    return "" if t.fp8 == "off" else f", FP8 {t.fp8}{' + head' if t.fp8_head else ''}{' (emulated)' if t.fp8_emulate else ''}"
 
 
 # Inductor makes a reduction over rows wider than 1,024 values a looped kernel that reads each row again after its

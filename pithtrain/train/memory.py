@@ -89,8 +89,7 @@ def estimate(config, world: int) -> list[dict]:
         ranks = [[(list(range(cfg.num_hidden_layers)), True, True, 1)]]
     out = []
     for chunks in ranks:
-        dense = expert = table = 0  # table: embedding and head parameters, never FP8
-        act = 0.0
+        dense = expert = table = act = 0  # table: embedding and head parameters, never FP8
         for layer_ids, embed, head, in_flight in chunks:
             d, e = param_counts(cfg, layer_ids, embed, head)
             dense, expert = dense + d, expert + e

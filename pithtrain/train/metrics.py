@@ -91,8 +91,7 @@ class MetricsLog:
     def __init__(self, out_dir: str | Path, tensorboard: bool, enabled: bool = True, wandb_project: str = "",
                  config: dict | None = None, start: int = 0):
         """`start`: the step the run resumes from; the steps after it replace an interrupted attempt's."""
-        self.enabled = enabled
-        self.path = Path(out_dir) / "metrics.jsonl"
+        self.enabled, self.path = enabled, Path(out_dir) / "metrics.jsonl"
         self.writer = self.wandb = None
         if enabled and tensorboard:
             try:
