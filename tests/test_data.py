@@ -344,7 +344,7 @@ def test_unigram_entropy(tmp_path):
     assert unigram_entropy(ds) == pytest.approx(expected, rel=1e-12)
 
 
-def test_cli(tmp_path, capsys):
+def test_cli(tmp_path, capsys, monkeypatch):
     parser = argparse.ArgumentParser()
     add_tokenize_args(parser)
     out = str(tmp_path / "out")
@@ -378,3 +378,8 @@ def test_cli(tmp_path, capsys):
     (Path(out) / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="notes.txt"):
         run_tokenize(parser.parse_args([*again, "--overwrite"]))
+    here = tmp_path / "here"  # --out . in an empty directory: filled, not replaced (the shell stands in it)
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert run_tokenize(parser.parse_args([*again[:1], "--out", ".", *again[3:]])) == 0
+    assert TokenDataset(".").num_docs == 1 and "wrote ." in capsys.readouterr().out

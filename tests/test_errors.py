@@ -566,7 +566,7 @@ def test_eval_rows_and_config_kept_through_convert(tool_env, monkeypatch, capsys
     back.mkdir()
     monkeypatch.chdir(back)
     _, err = cli(["convert", tools / "ck_rows", "."], capsys)
-    assert f"ck_rows was converted from {hf}" in err
+    assert f"ck_rows was converted from {hf}" in err and Path("config.json").is_file()  # filled, not replaced: "." still is it
     for folder in (tools / "ck_rows", back):
         assert {k: json.loads((folder / "config.json").read_text()).get(k) for k in ("seq_length", "pad_token_id")} == \
             {"seq_length": 16, "pad_token_id": 0}

@@ -331,7 +331,7 @@ def run_tokenize(args) -> int:
     """Run `pithtrain tokenize`; bad arguments raise a UserError before any work."""
     if error := _argument_error(args):
         raise UserError(f"pithtrain tokenize: {error}")
-    started = time.perf_counter()
+    started, out = time.perf_counter(), os.path.abspath(args.out)  # absolute: `--out .` replaced with --overwrite is gone
     inputs = list(args.inputs) + (stdlib_corpus_files(args.max_bytes) if args.stdlib else [])
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_file = args.tokenizer
@@ -341,7 +341,7 @@ def run_tokenize(args) -> int:
             # Trained into scratch space; write_dataset copies it to OUT/tokenizer.json with the data.
             tokenizer_file = train_bpe(iter_documents(inputs, args.text_field), vocab_size, os.path.join(scratch, "tokenizer.json"))
         meta = tokenize_to_dataset(inputs, tokenizer_file, args.out, text_field=args.text_field)
-    entropy = unigram_entropy(TokenDataset(args.out))
+    entropy = unigram_entropy(TokenDataset(out))
     print(f"wrote {args.out}: {meta['num_docs']:,} docs, {meta['num_tokens']:,} tokens ({meta['dtype']}), "
           f"vocab {meta['vocab_size']}, eos_id {meta['eos_id']}\n"
           f"unigram entropy {entropy:.4f} nats/token ({entropy / math.log(2):.3f} bits): a trained model's loss should go below this\n"

@@ -112,7 +112,13 @@ def write_checkpoint(final: str | Path, state: dict, meta: dict, hf_config: dict
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Rename the finished directory `tmp` to `final`; one there moves aside, back if that fails, else it is deleted."""
+    """Rename the finished directory `tmp` to `final`; one there moves aside, back if that fails, else it is deleted.
+    An empty `final` stays and takes tmp's files, the marker (meta.json) last: a shell may stand in it (`--out .`)."""
+    if final.is_dir() and not final.is_symlink() and not any(final.iterdir()):
+        for entry in sorted(tmp.iterdir(), key=lambda p: (p.name == "meta.json", p.name == "config.json")):
+            os.rename(entry, final / entry.name)
+        tmp.rmdir()
+        return
     old, moved = final.with_name(f".{final.name}.old-{os.getpid()}"), final.exists()
     try:
         if moved:
