@@ -300,8 +300,8 @@ def _argument_error(args) -> str | None:
         return "give exactly one of --tokenizer FILE or --train-tokenizer"
     if args.vocab_size is not None and not args.train_tokenizer:
         return "--vocab-size only applies with --train-tokenizer (an existing tokenizer fixes its own vocabulary)"
-    if args.vocab_size is not None and args.vocab_size < 257:
-        return f"--vocab-size {args.vocab_size}: byte-level BPE needs at least 257 (256 bytes + EOS)"
+    if args.vocab_size is not None and not 257 <= args.vocab_size <= 2**32:
+        return f"--vocab-size {args.vocab_size}: byte-level BPE needs at least 257 (256 bytes + EOS), token ids at most 2**32"
     if args.stdlib and args.max_bytes < 1:
         return f"--max-bytes {args.max_bytes}: must be at least 1"
     if args.tokenizer and not Path(args.tokenizer).is_file():
