@@ -334,6 +334,22 @@ def test_bpe_tokenize_round_trip(tmp_path):
     assert ds.num_tokens < sum(len(t.encode()) for t in texts) / 2  # merges actually compress
 
 
+def test_eos_named_by_tokenizer_config(tmp_path):
+    """An EOS of another name (DeepSeek's) is the eos_token of the tokenizer_config.json beside tokenizer.json; with
+    neither, the dataset has no separator between documents, and tokenize says so."""
+    eos = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = train_bpe(["alpha beta gamma"] * 20, 300, str(tmp_path / "hf" / "tokenizer.json"), eos_token=eos)
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": eos}}))
+    (tmp_path / "doc.txt").write_text("gamma beta alpha")
+    text = str(tmp_path / "doc.txt")
+    assert tokenize_to_dataset([text], tokenizer, str(tmp_path / "a"), progress=False)["eos_id"] == 0
+    (tmp_path / "hf" / "tokenizer_config.json").unlink()
+    with pytest.warns(UserWarning, match="no end-of-document token"):
+        assert tokenize_to_dataset([text], tokenizer, str(tmp_path / "b"), progress=False)["eos_id"] is None
+
+
 def test_unigram_entropy(tmp_path):
     rng = np.random.default_rng(9)
     docs = [rng.zipf(1.5, size=int(rng.integers(1, 200))) % 300 for _ in range(50)]

@@ -240,7 +240,8 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
     """Tokenize every document of `inputs` with `tokenizer_file` into a dataset at `out_dir`; returns its meta.
 
     Special tokens (BOS etc.) are not added; documents are separated only by the EOS token
-    (`<|endoftext|>` or another common EOS name found in the vocabulary; none if absent)."""
+    (`<|endoftext|>` or another common EOS name found in the vocabulary, else the eos_token of a tokenizer_config.json
+    beside the tokenizer; none, with a warning, if absent)."""
     from tokenizers import Tokenizer
 
     try:
@@ -263,6 +264,15 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
 
     try:
         eos_id = next((i for token in _EOS_CANDIDATES if (i := tokenizer.token_to_id(token)) is not None), None)
+        if eos_id is None:  # another name (DeepSeek's <｜end▁of▁sentence｜>): the eos_token of an HF tokenizer_config.json beside it
+            try:
+                eos = json.loads(Path(tokenizer_file).with_name("tokenizer_config.json").read_text()).get("eos_token")
+            except (OSError, ValueError, AttributeError):  # none, not JSON, not an object
+                eos = None
+            eos_id = tokenizer.token_to_id(eos.get("content", "") if isinstance(eos, dict) else str(eos or ""))
+        if eos_id is None:
+            warnings.warn(f"{tokenizer_file} has no end-of-document token ({', '.join(_EOS_CANDIDATES)}, or the eos_token of a "
+                          "tokenizer_config.json beside it): documents are written back to back, with nothing between them")
         return write_dataset(out_dir, token_arrays(), vocab_size, eos_id, tokenizer_file=str(tokenizer_file))
     finally:
         status.close()
