@@ -381,6 +381,10 @@ TOOL_CASES = [  # (id, command line, what the one line must name)
     ("convert-dst-under-file", "convert {hf} {notes}/sub", "notes.txt/sub is a file, or lies under one"),
     ("convert-dst-symlink", "convert {hf} {dst_link} --overwrite", "dst_link is a symbolic link"),
     ("convert-dst-others", "convert {hf} {tools}", "(--overwrite replaces only an HF export or a checkpoint)"),
+    ("convert-tmp-users", "convert {hf} {tools}/mine --overwrite", "mine.tmp, where DST is written first, holds files convert "
+     "does not write (notes.txt)"),
+    ("convert-tmp-left", "convert {hf} {tools}/left", "left.tmp, where DST is written first, exists and is not empty; choose a new "
+     "DST, or remove it or pass --overwrite (an interrupted convert left it"),
     ("eval-tokens-objects", "eval {hf} --tokens {tokens_objects}", "(an array of Python objects)"),
     ("eval-tokens-too-long", "eval {hf} --tokens {tokens_long}", "more than the model's max_position_embeddings="),
     ("eval-offsets-damaged", "eval {hf} --tokens {data_bad_offsets}", "doc_offsets.npy is damaged: not an .npy array"),
@@ -469,7 +473,8 @@ def tool_env(env):
     (copy(env["hf"], "hf_fewer") / "config.json").write_text(json.dumps(fewer))
     out["tokens_objects"] = tools / "tokens_objects.npy"
     np.save(out["tokens_objects"], np.array([[1, "a"]], dtype=object), allow_pickle=True)
-    for name, file, content in (("own_meta", "meta.json", '{"my": "settings"}'), ("own_tokenizer", "tokenizer.json", "{}")):
+    for name, file, content in (("own_meta", "meta.json", '{"my": "settings"}'), ("own_tokenizer", "tokenizer.json", "{}"),
+                                ("mine.tmp", "notes.txt", "mine"), ("left.tmp", "model.safetensors", "half")):
         (tools / name).mkdir()
         (tools / name / file).write_text(content)
         out[name] = tools / name
@@ -492,7 +497,7 @@ def test_tool_case_ends_in_one_line(tool_env, case_id, line, names):
     if case_id.startswith("tokenize-own-"):  # the user's file is kept as it was
         own = tool_env[case_id.removeprefix("tokenize-").replace("-", "_")]
         assert [p.name for p in own.iterdir()] == [names.strip("()")]
-    assert (tool_env["own_meta"] / "meta.json").read_text() == '{"my": "settings"}'
+    assert (tool_env["own_meta"] / "meta.json").read_text() == '{"my": "settings"}' and (tool_env["mine.tmp"] / "notes.txt").is_file()
 
 
 @pytest.mark.fast

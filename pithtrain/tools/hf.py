@@ -158,8 +158,13 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
                              f"source. Choose a DST outside {src}")
         if not (path if path.exists() else next(p for p in path.parents if p.exists())).is_dir():
             raise FileExistsError(f"convert: {name} is a file, or lies under one; choose another DST")
-        if path.is_dir() and any(path.iterdir()) and not overwrite:
+        held = sorted(os.listdir(path)) if path.is_dir() else []
+        if path != b and (foreign := [n for n in held if not re.fullmatch(EXPORT_NAMES, n)]):  # DST.tmp is deleted first
+            raise UserError(f"convert: {name} holds files convert does not write ({', '.join(foreign[:4])}); move them "
+                            "out, or choose another DST")
+        if held and not overwrite:
             raise FileExistsError(f"convert: {name} exists and is not empty; choose a new DST" + (
+                ", or remove it or pass --overwrite (an interrupted convert left it, or one runs now)" if path != b else
                 " (--overwrite replaces only an HF export or a checkpoint)" if _kept(path) else ", or pass --overwrite to replace it"))
     if overwrite and (dst / rundir.LOCK).exists():
         rundir.RunLock(dst).release()  # raises while a run is writing there
