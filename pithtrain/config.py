@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import errno
 import importlib.util
 import inspect
@@ -352,6 +353,10 @@ def check_types(obj: Any, prefix: str = "", fix: str = "fix the run file or --se
     """Every field of a config dataclass, nested ones included, holds a value of its annotated type.
     A run file is Python, so `steps="10"` or `lr=float("inf")` reach here without --set's parsing."""
     hints = typing.get_type_hints(type(obj))
+    if unknown := sorted(set(vars(obj)) - hints.keys()):  # `CONFIG.train.stpes = 3` in a run file: a new attribute, else unread
+        near = difflib.get_close_matches(unknown[0], hints, 1)
+        raise ConfigError(f"{prefix}{unknown[0]}: {type(obj).__name__} has no such field"
+                          f"{f' (did you mean {prefix}{near[0]}?)' if near else ''}; `pithtrain train --help` lists them; {fix}")
     for f in dataclasses.fields(obj):
         value, name = getattr(obj, f.name), prefix + f.name
         if dataclasses.is_dataclass(value) and not isinstance(value, type):

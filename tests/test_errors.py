@@ -39,6 +39,7 @@ RUN_FILES = {  # run files: the tiny one, then one hostile edit
     "pack_int": "CONFIG.data.pack_documents = 1\n",
     "layers_str": "CONFIG.model.mlp_only_layers = '0'\n",
     "lr_inf": "CONFIG.optim.lr = float('inf')\n",
+    "field_typo": "CONFIG.optim.warmup = 3\n",
 }
 
 CASES = [  # (id, command line, what the one line must name)
@@ -55,6 +56,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("type-bool-int", "train {pack_int}", "data.pack_documents"),
     ("type-list-str", "train {layers_str}", "model.mlp_only_layers"),
     ("type-lr-inf-file", "train {lr_inf}", "optim.lr"),
+    ("file-field-typo", "train {field_typo}", "optim.warmup: OptimConfig has no such field (did you mean optim.warmup_steps?)"),
     ("set-type", "train {cfg} --set train.steps=ten", "train.steps"),
     ("set-unknown", "train {cfg} --set train.stpes=3", "stpes"),
     ("set-other-family", "train {cfg} --set model.num_nextn_predict_layers=1", "DeepseekV3Config (another model family) has it"),
