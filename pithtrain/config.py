@@ -244,9 +244,12 @@ def _installed(module: str) -> bool:
 
 def load_run_config(path: str | Path) -> RunConfig:
     if not Path(path).is_file():
-        why = "is a directory" if str(path) and Path(path).is_dir() else "does not exist"
+        why = ("does not exist" if not str(path) or not Path(path).exists() else "is a directory" if Path(path).is_dir()
+               else "is not a regular file")
         raise ConfigError(f"config file {str(path)!r} {why}; pass a run file such as examples/qwen3_tiny.py")
     path = Path(path)
+    check(path.suffix.lower() not in (".toml", ".yaml", ".yml", ".json"), f"config file {path}: a run file is Python defining "
+          f"CONFIG = RunConfig(...), not {path.suffix[1:].upper()}; start from examples/qwen3_tiny.py (fields: pithtrain train --help)")
     try:
         namespace = runpy.run_path(str(path))
     except Exception as e:  # a syntax, import or runtime error of the run file: point at its line

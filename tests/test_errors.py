@@ -66,6 +66,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("steps-twice", "train {cfg} --steps 3 --set train.steps=4", "--steps 3 and --set train.steps=4 disagree"),
     ("set-section", "train {cfg} --set optim=1", "set it in the run file"),
     ("file-dir", "train {tmp}", "is a directory"),
+    ("file-toml", "train {tmp}/run.toml", "a run file is Python defining CONFIG = RunConfig(...), not TOML"),
+    ("file-device", "train /dev/null", "'/dev/null' is not a regular file"),
     ("out-empty", "train {cfg} --out ''", "--out is empty"),
     ("data-path-empty", "train {cfg} --set data.path=", "data.path is empty"),
     ("pp-empty-rank", "train {cfg} --nproc 4 --pp 4 --set train.micro_batch_size=1 --dry-run", "use at least 5 layers"),
@@ -293,6 +295,7 @@ def make_env(tmp: Path) -> dict:
         np.save(env[name], array)
     env["empty_npy"] = tmp / "empty.npy"
     env["empty_npy"].write_bytes(b"")
+    (tmp / "run.toml").write_text('[model]\nname = "llama3"\n')  # torchtitan's form
     env["notes"] = tmp / "notes.txt"
     env["notes"].write_text("not a tokenizer, not an array, not a directory\n")
     env["corpus"] = tmp / "corpus.txt"
