@@ -238,14 +238,14 @@ def test_iter_documents(tmp_path):
     (root / "sub").mkdir(parents=True)
     (root / ".hidden").mkdir()
     (root / "b.txt").write_text("bravo")
-    (root / "a.txt").write_text("alpha")
+    (root / "a.txt").write_bytes(b"\xef\xbb\xbfalpha")  # a byte order mark, as Windows editors write
     (root / "sub" / "c.md").write_text("charlie ünïcode")
     (root / "sub" / "empty.txt").write_text("")
     (root / ".secret.txt").write_text("hidden file")
     (root / ".hidden" / "x.txt").write_text("hidden dir")
     (root / "blob.bin").write_bytes(bytes([0xFF, 0xFE, 0x80, 0x00]))
     rows = [{"text": "first"}, {"text": "second", "id": 2}]
-    (root / "sub" / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    (root / "sub" / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + ("\r\n".join(json.dumps(r) for r in rows) + "\r\n\r\n").encode())
     with pytest.warns(UserWarning, match="skipped 1 file"):
         assert list(iter_documents([str(root)])) == ["alpha", "bravo", "charlie ünïcode", "first", "second"]
 

@@ -100,7 +100,7 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
             special.append(file)
             continue
         try:
-            text = file.read_bytes().decode("utf-8")
+            text = file.read_bytes().decode("utf-8-sig")  # a byte order mark (Windows editors write one) is no text
         except UnicodeDecodeError:
             skipped.append(file)
             continue
