@@ -261,7 +261,7 @@ def test_iter_documents(tmp_path):
         list(iter_documents([str(root), str(tmp_path / "missing.txt")]))
     # .json: one JSON document (an array of records, or one record), else JSON Lines (datasets' to_json writes those)
     array = tmp_path / "array.json"
-    for content, docs in ((json.dumps([{"text": "one"}, {"text": ""}, {"text": "two"}], indent=2), ["one", "two"]),
+    for content, docs in ((json.dumps([{"text": "one"}, {"text": ""}, {"text": None}, {"text": "two"}], indent=2), ["one", "two"]),
                           ('{\n  "text": "pretty"\n}', ["pretty"]), ('{"text": "a"}\n{"text": "b"}\n', ["a", "b"])):
         array.write_text(content)
         assert list(iter_documents([str(array)])) == docs, content

@@ -85,7 +85,7 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
     """Documents from files and directories: JSON Lines files (.jsonl/.json) give obj[text_field]
     per line (a .json file that is one JSON array of such objects: per item), parquet files and
     `datasets`' save_to_disk directories their column text_field, any other file gives its whole text.
-    Non-UTF-8 (binary) files and empty documents are skipped; the number of skipped files is reported
+    Non-UTF-8 (binary) files and empty documents (a JSON null text too, as parquet's) are skipped; the number of skipped files is reported
     with a warning, as are FIFOs, devices and broken links (never read)."""
     paths = [Path(p) for p in inputs]
     if missing := next((path for path in paths if not path.exists()), None):  # all up front: a typo fails before hours of work
@@ -121,7 +121,9 @@ def _record_text(where: str, obj, text_field: str) -> str:
                          f'write each text as {{"{text_field}": ...}}')
     if text_field not in obj:
         raise ValueError(f"{where}: no field {text_field!r}; pass --text-field with the field that holds the text")
-    if not isinstance(value := obj[text_field], str):
+    if (value := obj[text_field]) is None:  # no text, as a parquet column's null: skipped like an empty one
+        return ""
+    if not isinstance(value, str):
         raise ValueError(f"{where}: field {text_field!r} is {type(value).__name__}, expected a string")
     return value
 
