@@ -196,6 +196,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("tokenize-tokenizer-device", "tokenize {json_strings} --tokenizer /dev/null --out {tmp}/t9",
      "--tokenizer /dev/null is not a regular file"),
     ("tokenize-max-bytes", "tokenize --stdlib --max-bytes 0 --train-tokenizer --out {tmp}/t7", "--max-bytes"),
+    ("tokenize-max-bytes-no-stdlib", "tokenize {corpus} --max-bytes 100 --train-tokenizer --out {tmp}/t11", "only applies with --stdlib"),
     ("wandb-missing", "train {cfg} --set train.wandb_project=moe", "train.wandb_project"),
     ("dry-run-mesh", "train {cfg} --dry-run --nproc 2 --pp 2", "parallel.pp"),
     ("dry-run-data", "train {cfg} --dry-run --set data.path={tmp}/nowhere", "data.path"),

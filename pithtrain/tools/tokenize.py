@@ -300,7 +300,7 @@ def add_tokenize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-tokenizer", action="store_true", help="train a byte-level BPE on the inputs first (saved as OUT/tokenizer.json)")
     parser.add_argument("--vocab-size", type=int, metavar="N", help="vocabulary size for --train-tokenizer (default 4096)")
     parser.add_argument("--stdlib", action="store_true", help="add Python's standard library sources as inputs")
-    parser.add_argument("--max-bytes", type=int, default=20_000_000, help="with --stdlib: whole files up to about this many bytes (default 20 MB)")
+    parser.add_argument("--max-bytes", type=int, help="with --stdlib: whole files up to about this many bytes (default 20 MB)")
     parser.add_argument("--text-field", default="text", help="JSON Lines field or parquet/dataset column holding the text (default: text)")
 
 
@@ -314,7 +314,9 @@ def _argument_error(args) -> str | None:
         return "--vocab-size only applies with --train-tokenizer (an existing tokenizer fixes its own vocabulary)"
     if args.vocab_size is not None and not 257 <= args.vocab_size <= 2**32:
         return f"--vocab-size {args.vocab_size}: byte-level BPE needs at least 257 (256 bytes + EOS), token ids at most 2**32"
-    if args.stdlib and args.max_bytes < 1:
+    if args.max_bytes is not None and not args.stdlib:
+        return "--max-bytes only applies with --stdlib (your INPUT files are read whole)"
+    if args.max_bytes is not None and args.max_bytes < 1:
         return f"--max-bytes {args.max_bytes}: must be at least 1"
     if args.tokenizer and not Path(args.tokenizer).is_file():
         what = ("is a directory: pass its tokenizer.json" if Path(args.tokenizer).is_dir() else
@@ -344,7 +346,7 @@ def run_tokenize(args) -> int:
     if error := _argument_error(args):
         raise UserError(f"pithtrain tokenize: {error}")
     started, out = time.perf_counter(), os.path.abspath(args.out)  # absolute: `--out .` replaced with --overwrite is gone
-    inputs = list(args.inputs) + (stdlib_corpus_files(args.max_bytes) if args.stdlib else [])
+    inputs = list(args.inputs) + (stdlib_corpus_files(args.max_bytes or 20_000_000) if args.stdlib else [])
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_file = args.tokenizer
         if args.train_tokenizer:
