@@ -9,6 +9,7 @@ import sys
 import warnings
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -332,6 +333,11 @@ def test_bpe_tokenize_round_trip(tmp_path):
         assert ids[-1] == 0 and 0 not in ids[:-1]
         assert tokenizer.decode(ids[:-1]) == text
     assert ds.num_tokens < sum(len(t.encode()) for t in texts) / 2  # merges actually compress
+    # one long document (a huge line) is encoded in pieces cut before a space: its ids are the whole text's
+    (tmp_path / "long.txt").write_text(" ".join(texts))
+    with mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 1000):
+        tokenize_to_dataset([str(tmp_path / "long.txt")], tokenizer_file, str(tmp_path / "long"), progress=False)
+    assert TokenDataset(tmp_path / "long").tokens[:-1].tolist() == tokenizer.encode(" ".join(texts)).ids
 
 
 def test_eos_named_by_tokenizer_config(tmp_path):

@@ -11,6 +11,7 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 import sysconfig
 import tempfile
@@ -224,17 +225,35 @@ class Progress:
         self.width = len(line)
 
 
-def _batched(texts: Iterable[str], size: int, max_chars: int = 1 << 22) -> Iterator[list[str]]:
-    """Lists of up to `size` texts and about `max_chars` characters: bounded memory with huge files."""
+PIECE_CHARS = 1 << 22  # characters encoded at once: a batch of documents, or a piece of a longer one (bounded memory)
+
+
+def _batched(texts: Iterable[str], size: int) -> Iterator[list[str]]:
+    """Lists of up to `size` texts and about PIECE_CHARS characters, a longer text alone: bounded memory with huge files."""
     batch, chars = [], 0
     for text in texts:
+        if len(text) > PIECE_CHARS:
+            yield from [batch, [text]] if batch else [[text]]
+            batch, chars = [], 0
+            continue
         batch.append(text)
         chars += len(text)
-        if len(batch) == size or chars >= max_chars:
+        if len(batch) == size or chars >= PIECE_CHARS:
             yield batch
             batch, chars = [], 0
     if batch:
         yield batch
+
+
+def _pieces(text: str, size: int) -> Iterator[str]:
+    """`text` in pieces of at least `size` characters, each cut before a space that follows a non-space: there the
+    pre-tokenizers of byte-level BPE (GPT-2's, Llama 3's, Qwen's, DeepSeek's, o200k's) start a new word anyway, so the
+    pieces' ids are the whole text's (encoding 40 MB at once took 4.4 GB); a text without such a space stays whole."""
+    start, cut = 0, re.compile(r"(?<=\S) ")
+    while (found := cut.search(text, start + size)) is not None:
+        yield text[start:found.start()]
+        start = found.start()
+    yield text[start:]
 
 
 def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, text_field: str = "text", batch_size: int = 1000,
@@ -259,6 +278,14 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
 
     def token_arrays() -> Iterator[np.ndarray]:
         for texts in _batched(iter_documents(inputs, text_field), batch_size):
+            if len(texts[0]) > PIECE_CHARS:  # one long document (a single huge line): its pieces in turn, with progress
+                parts = []
+                for piece in _pieces(texts[0], PIECE_CHARS):
+                    parts.append(np.array(encode([piece], add_special_tokens=False)[0].ids, dtype=dtype))
+                    status.update(0, len(piece.encode("utf-8")), parts[-1].size)
+                status.update(1, 0, 0)
+                yield np.concatenate(parts)
+                continue
             encodings = encode(texts, add_special_tokens=False)  # parallel in Rust
             arrays = [np.array(e.ids, dtype=dtype) for e in encodings]
             status.update(len(texts), sum(len(t.encode("utf-8")) for t in texts), sum(a.size for a in arrays))
