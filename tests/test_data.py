@@ -384,8 +384,17 @@ def test_cli(tmp_path, capsys, monkeypatch):
     for i in range(20):
         (corpus / f"{i:02d}.txt").write_text(" ".join(rng.choice(words, size=200)))
     args = parser.parse_args([str(corpus), "--out", out, "--train-tokenizer", "--vocab-size", "300"])
-    with pytest.warns(UserWarning, match="of the 300 requested"):  # 7 words cannot fill 300 tokens
+    lengths = []  # of the texts BPE trains on: a document longer than PIECE_CHARS comes in pieces, as it is encoded
+
+    def train_on_pieces(texts, *args, **kwargs):
+        texts = list(texts)
+        lengths.extend(map(len, texts))
+        return train_bpe(texts, *args, **kwargs)
+
+    with pytest.warns(UserWarning, match="of the 300 requested"), mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 100), \
+            mock.patch("pithtrain.tools.tokenize.train_bpe", train_on_pieces):  # 7 words cannot fill 300 tokens
         assert run_tokenize(args) == 0
+    assert len(lengths) > 20 and max(lengths) < 120
     printed = capsys.readouterr().out
     assert "20 docs" in printed and "unigram entropy" in printed
     ds = TokenDataset(out)

@@ -380,7 +380,8 @@ def run_tokenize(args) -> int:
             vocab_size = args.vocab_size or 4096
             print(f"training byte-level BPE (vocab {vocab_size}) on {len(inputs)} input(s) ...", flush=True)
             # Trained into scratch space; write_dataset copies it to OUT/tokenizer.json with the data.
-            tokenizer_file = train_bpe(iter_documents(inputs, args.text_field), vocab_size, os.path.join(scratch, "tokenizer.json"))
+            texts = (piece for text in iter_documents(inputs, args.text_field) for piece in _pieces(text, PIECE_CHARS))  # as encoded
+            tokenizer_file = train_bpe(texts, vocab_size, os.path.join(scratch, "tokenizer.json"))
         meta = tokenize_to_dataset(inputs, tokenizer_file, args.out, text_field=args.text_field)
     entropy = unigram_entropy(TokenDataset(out))
     print(f"wrote {args.out}: {meta['num_docs']:,} docs, {meta['num_tokens']:,} tokens ({meta['dtype']}), "
