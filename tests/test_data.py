@@ -16,6 +16,7 @@ import pytest
 
 from pithtrain.config import UserError
 from pithtrain.tools.tokenize import (
+    Progress,
     add_tokenize_args,
     iter_documents,
     run_tokenize,
@@ -385,6 +386,7 @@ def test_cli(tmp_path, capsys, monkeypatch):
         (corpus / f"{i:02d}.txt").write_text(" ".join(rng.choice(words, size=200)))
     args = parser.parse_args([str(corpus), "--out", out, "--train-tokenizer", "--vocab-size", "300"])
     lengths = []  # of the texts BPE trains on: a document longer than PIECE_CHARS comes in pieces, as it is encoded
+    # (7 words cannot fill 300 tokens; a log's progress lines every LOG_INTERVAL s, here at once)
 
     def train_on_pieces(texts, *args, **kwargs):
         texts = list(texts)
@@ -392,11 +394,12 @@ def test_cli(tmp_path, capsys, monkeypatch):
         return train_bpe(texts, *args, **kwargs)
 
     with pytest.warns(UserWarning, match="of the 300 requested"), mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 100), \
-            mock.patch("pithtrain.tools.tokenize.train_bpe", train_on_pieces):  # 7 words cannot fill 300 tokens
+            mock.patch("pithtrain.tools.tokenize.train_bpe", train_on_pieces), mock.patch.object(Progress, "LOG_INTERVAL", 0):
         assert run_tokenize(args) == 0
     assert len(lengths) > 20 and max(lengths) < 120
-    printed = capsys.readouterr().out
+    printed, said = capsys.readouterr()
     assert "20 docs" in printed and "unigram entropy" in printed
+    assert "BPE reads: 20 docs" in said and "BPE: computing the merges ...\n" in said, said  # in a log too
     ds = TokenDataset(out)
     assert ds.num_docs == 20 and 257 < ds.vocab_size < 300 and ds.tokenizer_file is not None
     # an existing dataset is replaced only with --overwrite; other files never

@@ -198,11 +198,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_file: str, eos_token: s
 
 
 class Progress:
-    """One status line on stderr, redrawn at most ~10x/s on a terminal (every 30 s otherwise)."""
+    """One status line on stderr, redrawn at most ~10x/s on a terminal (every LOG_INTERVAL s otherwise)."""
 
-    def __init__(self, enabled: bool = True, stream=None):
-        self.stream, self.enabled = stream or sys.stderr, enabled
-        self.interval = 0.1 if getattr(self.stream, "isatty", lambda: False)() else 30.0
+    LOG_INTERVAL = 30.0
+
+    def __init__(self, enabled: bool = True, stream=None, label: str = "tokenize"):
+        self.stream, self.enabled, self.label = stream or sys.stderr, enabled, label
+        self.tty = getattr(self.stream, "isatty", lambda: False)()
+        self.interval = 0.1 if self.tty else self.LOG_INTERVAL
         self.docs = self.bytes = self.tokens = 0  # done so far
         self.start = self.last = time.perf_counter()
         self.width = 0  # of the last line drawn, so a shorter redraw can blank its tail
@@ -210,7 +213,7 @@ class Progress:
     def update(self, docs: int, nbytes: int, tokens: int) -> None:
         self.docs, self.bytes, self.tokens = self.docs + docs, self.bytes + nbytes, self.tokens + tokens
         if self.enabled and time.perf_counter() - self.last >= self.interval:
-            self._draw(end="\r" if self.interval < 1 else "\n")
+            self._draw(end="\r" if self.tty else "\n")
 
     def close(self) -> None:
         if self.enabled:
@@ -219,8 +222,8 @@ class Progress:
     def _draw(self, end: str) -> None:
         self.last = time.perf_counter()
         elapsed = max(self.last - self.start, 1e-9)
-        line = (f"tokenize: {self.docs:,} docs ({self.docs / elapsed:,.0f}/s)  {self.bytes / 1e6:,.1f} MB "
-                f"({self.bytes / 1e6 / elapsed:,.1f} MB/s)  {self.tokens:,} tokens  {elapsed:.1f}s")
+        line = (f"{self.label}: {self.docs:,} docs ({self.docs / elapsed:,.0f}/s)  {self.bytes / 1e6:,.1f} MB "
+                f"({self.bytes / 1e6 / elapsed:,.1f} MB/s)  {f'{self.tokens:,} tokens  ' if self.tokens else ''}{elapsed:.1f}s")
         print(line.ljust(self.width), end=end, file=self.stream, flush=True)
         self.width = len(line)
 
@@ -380,8 +383,20 @@ def run_tokenize(args) -> int:
             vocab_size = args.vocab_size or 4096
             print(f"training byte-level BPE (vocab {vocab_size}) on {len(inputs)} input(s) ...", flush=True)
             # Trained into scratch space; write_dataset copies it to OUT/tokenizer.json with the data.
-            texts = (piece for text in iter_documents(inputs, args.text_field) for piece in _pieces(text, PIECE_CHARS))  # as encoded
-            tokenizer_file = train_bpe(texts, vocab_size, os.path.join(scratch, "tokenizer.json"))
+            # its texts in the pieces they are encoded in; a long reading said every 30 s in a log (tokenizers' bar: a terminal's)
+            reading = Progress(enabled=not sys.stderr.isatty(), label="BPE reads")
+
+            def texts() -> Iterator[str]:
+                for text in iter_documents(inputs, args.text_field):
+                    for piece in _pieces(text, PIECE_CHARS):
+                        reading.update(0, len(piece.encode("utf-8")), 0)
+                        yield piece
+                    reading.update(1, 0, 0)
+                if reading.enabled and reading.last > reading.start:  # said: a long read, then long merges
+                    reading.close()
+                    print("BPE: computing the merges ...", file=sys.stderr, flush=True)
+
+            tokenizer_file = train_bpe(texts(), vocab_size, os.path.join(scratch, "tokenizer.json"))
         meta = tokenize_to_dataset(inputs, tokenizer_file, args.out, text_field=args.text_field)
     entropy = unigram_entropy(TokenDataset(out))
     print(f"wrote {args.out}: {meta['num_docs']:,} docs, {meta['num_tokens']:,} tokens ({meta['dtype']}), "
