@@ -387,6 +387,7 @@ TOOL_CASES = [  # (id, command line, what the one line must name)
     ("convert-dst-under-file", "convert {hf} {notes}/sub", "notes.txt/sub is a file, or lies under one"),
     ("convert-dst-symlink", "convert {hf} {dst_link} --overwrite", "dst_link is a symbolic link"),
     ("convert-dst-others", "convert {hf} {tools}", "(--overwrite replaces only an HF export or a checkpoint)"),
+    ("convert-no-tokenizer-from-hf", "convert {hf} {tools}/c --no-tokenizer", "drop --no-tokenizer (it is for exports to HF)"),
     ("convert-tmp-users", "convert {hf} {tools}/mine --overwrite", "mine.tmp, where DST is written first, holds files convert "
      "does not write (notes.txt)"),
     ("convert-tmp-left", "convert {hf} {tools}/left", "left.tmp, where DST is written first, exists and is not empty; choose a new "

@@ -166,6 +166,9 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
             raise FileExistsError(f"convert: {name} exists and is not empty; choose a new DST" + (
                 ", or remove it or pass --overwrite (an interrupted convert left it, or one runs now)" if path != b else
                 " (--overwrite replaces only an HF export or a checkpoint)" if _kept(path) else ", or pass --overwrite to replace it"))
+    if not tokenizer and is_hf_dir(src):
+        raise UserError(f"convert --no-tokenizer: SRC {src} is an HF directory, and the checkpoint made of it holds no tokenizer "
+                        "anyway; drop --no-tokenizer (it is for exports to HF)")
     if overwrite and (dst / rundir.LOCK).exists():
         rundir.RunLock(dst).release()  # raises while a run is writing there
     if overwrite and b.is_dir() and (kept := _kept(b)):
