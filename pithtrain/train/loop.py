@@ -553,7 +553,8 @@ def check_model_size(model_cfg, on_cpu: bool = False) -> None:
     size field off by orders of magnitude fails here in one line, not in an allocation traceback. `on_cpu`: their
     fp32 weights, gradients and AdamW moments fit this machine's memory, else the kernel kills the run unannounced."""
     sizes = ", ".join(f"{f.name}={getattr(model_cfg, f.name)}" for f in dataclasses.fields(model_cfg)
-                      if isinstance(getattr(model_cfg, f.name), int) and getattr(model_cfg, f.name) > 4096)
+                      if isinstance(getattr(model_cfg, f.name), int) and getattr(model_cfg, f.name) > 4096
+                      and f.name not in NOT_ARCHITECTURE)  # token ids, max_position_embeddings: no size
     try:
         total = model_sizes(model_cfg)[0]
     except (RuntimeError, ValueError, OverflowError, MemoryError) as e:
