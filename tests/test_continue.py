@@ -71,6 +71,9 @@ def test_init_from_our_export_continues_from_its_loss(tmp_path, dataset_dir, cap
     _, err = cli([*dry, f"data.path={tmp_path / 'data_tok_b'}"], capsys, code=2)
     one_line_error(err, "train.init_from", "other ids", f"--tokenizer {tmp_path / 'hf' / 'tokenizer.json'}")
     cli([*dry, f"data.path={tmp_path / 'data_tok_a'}"], capsys)
+    cli(["convert", tmp_path / "hf", tmp_path / "ck"], capsys)  # a checkpoint of the export keeps its tokenizer: checked too
+    _, err = cli([*dry, f"data.path={tmp_path / 'data_tok_b'}", "--set", f"train.init_from={tmp_path / 'ck'}"], capsys, code=2)
+    one_line_error(err, f"train.init_from={tmp_path / 'ck'}", "other ids")
 
     # eval of a dataset directory: rows of the run's data.seq_len (128), from the run, its export or --seq-len
     for source, why in ((tmp_path / "a", "data.seq_len of the run"), (tmp_path / "hf", "seq_length of")):

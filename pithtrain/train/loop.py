@@ -534,10 +534,10 @@ def check_init_from(config: RunConfig, echo: bool, verify: bool = False, dataset
 
 
 def _tokenizer_of_model(source: Path, dataset: TokenDataset) -> Path | None:
-    """The tokenizer.json of init_from's model other than the dataset's: an HF directory's, or the one a checkpoint's
-    run recorded if it is still there unchanged; None when there is none to compare."""
+    """The tokenizer.json of init_from's model other than the dataset's: an HF directory's (or of a checkpoint convert made of
+    one), or the one a checkpoint's run recorded if it is still there unchanged; None when there is none to compare."""
     own = dataset.identity["tokenizer_sha256"]
-    if ckpt.is_hf_dir(source):
+    if ckpt.is_hf_dir(source) or (source / "tokenizer.json").is_file():  # an HF directory's, or a checkpoint's convert made of one
         file = source / "tokenizer.json"
         return file if file.is_file() and data_sha256(file) != own else None
     recorded = ckpt.read_meta(source).get("dataset") or {}
