@@ -318,12 +318,22 @@ def apply_override(config: RunConfig, assignment: str) -> None:
     for i, part in enumerate(parts):
         check(dataclasses.is_dataclass(target), f"--set {key}: {'.'.join(parts[:i])} is not a config section")
         names = [f.name for f in dataclasses.fields(target)]
-        check(part in names, f"--set {key}: unknown field {part!r}; valid fields here: {', '.join(names)}")
+        meant = fields_named(part, type(config.model)) if part not in names else []  # lr: optim.lr
+        check(part in names, f"--set {key}: unknown field {part!r}"
+              + (f" here (did you mean {' or '.join(meant)}?)" if meant else f"; valid fields here: {', '.join(names)}"))
         if i == len(parts) - 1:
             hints = typing.get_type_hints(type(target))
             setattr(target, part, _parse_value(text, hints[part], key))
         else:
             target = getattr(target, part)
+
+
+def fields_named(name: str, model: type | None = None) -> list[str]:
+    """The section.field names that `name` (a field's, SECTION_FIELD, or a flag: --micro-batch-size) may mean."""
+    name = name.lstrip("-").replace("-", "_").split(".")[-1]
+    sections = [*SECTIONS, *([("model", model)] if dataclasses.is_dataclass(model) else [])]
+    return [f"{section}.{f.name}" for section, cls in sections for f in dataclasses.fields(cls)
+            if name in (f.name, f"{section}_{f.name}")]
 
 
 def read_json(path: str | Path, fix: str) -> Any:

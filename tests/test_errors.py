@@ -80,6 +80,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("lr-nan", "train {cfg} --set optim.lr=nan", "optim.lr"),
     ("lr-negative", "train {cfg} --set optim.lr=-1", "optim.lr"),
     ("flag-type", "train {cfg} --steps ten", "--steps"),
+    ("flag-megatron", "train {cfg} --micro-batch-size 2", "config fields are set with --set, e.g. --set train.micro_batch_size=VALUE"),
+    ("set-other-section", "train {cfg} --set train.lr=1e-3", "unknown field 'lr' here (did you mean optim.lr?)"),
     ("flag-missing-config", "train", "config"),
     ("experts-negative", "train {cfg} --set model.num_experts=-1", "model.num_experts"),
     ("expert-size-zero", "train {cfg} --set model.moe_intermediate_size=0", "model.moe_intermediate_size"),
