@@ -367,9 +367,9 @@ def check_types(obj: Any, prefix: str = "", fix: str = "fix the run file or --se
     A run file is Python, so `steps="10"` or `lr=float("inf")` reach here without --set's parsing."""
     hints = typing.get_type_hints(type(obj))
     if unknown := sorted(set(vars(obj)) - hints.keys()):  # `CONFIG.train.stpes = 3` in a run file: a new attribute, else unread
-        near = difflib.get_close_matches(unknown[0], hints, 1)
+        near = " or ".join([prefix + m for m in difflib.get_close_matches(unknown[0], hints, 1)] or fields_named(unknown[0]))
         raise ConfigError(f"{prefix}{unknown[0]}: {type(obj).__name__} has no such field"
-                          f"{f' (did you mean {prefix}{near[0]}?)' if near else ''}; `pithtrain train --help` lists them; {fix}")
+                          f"{f' (did you mean {near}?)' if near else ''}; `pithtrain train --help` lists them; {fix}")
     for f in dataclasses.fields(obj):
         value, name = getattr(obj, f.name), prefix + f.name
         if dataclasses.is_dataclass(value) and not isinstance(value, type):

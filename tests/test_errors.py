@@ -40,6 +40,7 @@ RUN_FILES = {  # run files: the tiny one, then one hostile edit
     "layers_str": "CONFIG.model.mlp_only_layers = '0'\n",
     "lr_inf": "CONFIG.optim.lr = float('inf')\n",
     "field_typo": "CONFIG.optim.warmup = 3\n",
+    "field_section": "CONFIG.train.lr = 1e-3\n",
 }
 
 CASES = [  # (id, command line, what the one line must name)
@@ -57,6 +58,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("type-list-str", "train {layers_str}", "model.mlp_only_layers"),
     ("type-lr-inf-file", "train {lr_inf}", "optim.lr"),
     ("file-field-typo", "train {field_typo}", "optim.warmup: OptimConfig has no such field (did you mean optim.warmup_steps?)"),
+    ("file-field-section", "train {field_section}", "train.lr: TrainConfig has no such field (did you mean optim.lr?)"),
     ("set-type", "train {cfg} --set train.steps=ten", "train.steps"),
     ("set-unknown", "train {cfg} --set train.stpes=3", "stpes"),
     ("set-other-family", "train {cfg} --set model.num_nextn_predict_layers=1", "DeepseekV3Config (another model family) has it"),
