@@ -71,6 +71,9 @@ def test_init_from_our_export_continues_from_its_loss(tmp_path, dataset_dir, cap
     _, err = cli([*dry, f"data.path={tmp_path / 'data_tok_b'}"], capsys, code=2)
     one_line_error(err, "train.init_from", "other ids", f"--tokenizer {tmp_path / 'hf' / 'tokenizer.json'}")
     cli([*dry, f"data.path={tmp_path / 'data_tok_a'}"], capsys)
+    out, _ = cli(["train", EXAMPLE, "--out", tmp_path / "c", "--dry-run", "--set", f"data.path={tmp_path / 'data_tok_a'}",
+                  "--set", "model.vocab_size=100"], capsys)  # its ids fit, its tokenizer's 300 do not: said
+    assert "warning: model.vocab_size=100 is below the 300 tokens of" in out and "set model.vocab_size=300 or more" in out
     cli(["convert", tmp_path / "hf", tmp_path / "ck"], capsys)  # a checkpoint of the export keeps its tokenizer: checked too
     _, err = cli([*dry, f"data.path={tmp_path / 'data_tok_b'}", "--set", f"train.init_from={tmp_path / 'ck'}"], capsys, code=2)
     one_line_error(err, f"train.init_from={tmp_path / 'ck'}", "other ids")

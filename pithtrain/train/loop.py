@@ -454,6 +454,11 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
     loader = open_training_data(d.path, d.seq_len, config.train.global_batch_size, d.seed, d.pack_documents,
                                 0 if d.eval_path else d.eval_samples, config.model.vocab_size)
     _ = [dataset.identity for dataset in loader.datasets]  # hashed now: checkpoints record the data the run started on
+    vocab = config.model.vocab_size
+    if echo and (short := next((ds for ds in loader.datasets if ds.tokenizer_file and ds.vocab_size > vocab), None)):
+        print(f"warning: model.vocab_size={vocab} is below the {short.vocab_size} tokens of {short.tokenizer_file}: ids from "
+              f"{vocab} on (none in this data) have no row, so the model and its export fail on texts that use them; set "
+              f"model.vocab_size={short.vocab_size} or more", flush=True)
     check_model_size(config.model, pick_device(config.train.device).type == "cpu")
     layers, pp = config.model.num_hidden_layers, config.parallel.pp
     if idle := ranks_without_layers(layers, pp):  # nothing to train there: its optimizer would refuse an empty list
