@@ -251,6 +251,13 @@ def test_iter_documents(tmp_path):
     with pytest.warns(UserWarning, match="skipped 1 file"):
         assert list(iter_documents([str(root)])) == ["alpha", "bravo", "charlie ünïcode", "first", "second"]
 
+    # a .jsonl file is read line by line (many GB in bounded memory), never whole; one that is not UTF-8 is an error
+    with mock.patch.object(Path, "read_bytes", side_effect=AssertionError("read whole")):
+        assert list(iter_documents([str(root / "sub" / "d.jsonl")])) == ["first", "second"]
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin\.jsonl: not UTF-8 text"):
+        list(iter_documents([str(tmp_path / "latin.jsonl")]))
+
     single = tmp_path / "one.jsonl"
     single.write_text(json.dumps({"body": "x"}) + "\n")
     assert list(iter_documents([str(single)], text_field="body")) == ["x"]

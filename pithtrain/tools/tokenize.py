@@ -27,7 +27,6 @@ from pithtrain.train.data import TokenDataset, check_output_dir, dtype_for_vocab
 
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # common names of an end-of-document token
-_JSON_LINES_SUFFIXES = (".jsonl", ".json")
 
 
 def _walk_files(root: Path) -> Iterator[Path]:
@@ -87,7 +86,8 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
     per line (a .json file that is one JSON array of such objects: per item), parquet files and
     `datasets`' save_to_disk directories their column text_field, any other file gives its whole text.
     Non-UTF-8 (binary) files and empty documents (a JSON null text too, as parquet's) are skipped; the number of skipped files is reported
-    with a warning, as are FIFOs, devices and broken links (never read)."""
+    with a warning, as are FIFOs, devices and broken links (never read). A .jsonl file is read line by line (bounded memory),
+    and one that is not UTF-8 is an error."""
     paths = [Path(p) for p in inputs]
     if missing := next((path for path in paths if not path.exists()), None):  # all up front: a typo fails before hours of work
         raise FileNotFoundError(f"input {missing} not found")
@@ -100,12 +100,19 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
         if not file.is_file():  # reading a FIFO or a device would block or never end
             special.append(file)
             continue
+        if file.suffix.lower() == ".jsonl":  # line by line: a file of many GB in bounded memory
+            try:
+                with open(file, encoding="utf-8-sig", newline="\n") as lines:
+                    yield from _json_lines(file, lines, text_field)
+            except UnicodeDecodeError:
+                raise ValueError(f"{file}: not UTF-8 text; re-encode it as UTF-8, or leave it out") from None
+            continue
         try:
             text = file.read_bytes().decode("utf-8-sig")  # a byte order mark (Windows editors write one) is no text
         except UnicodeDecodeError:
             skipped.append(file)
             continue
-        if file.suffix.lower() in _JSON_LINES_SUFFIXES:
+        if file.suffix.lower() == ".json":
             yield from _json_texts(file, text, text_field)
         elif text:
             yield text
@@ -130,10 +137,10 @@ def _record_text(where: str, obj, text_field: str) -> str:
 
 
 def _json_texts(file: Path, text: str, text_field: str) -> Iterator[str]:
-    """A .json file that is one JSON document: its array of records (or its one record). Otherwise, and a
-    .jsonl file: JSON Lines, one record a line (`datasets`' to_json writes these to .json files too)."""
+    """A .json file that is one JSON document: its array of records (or its one record). Otherwise JSON Lines, one
+    record a line (`datasets`' to_json writes these to .json files too)."""
     try:
-        doc = json.loads(text) if file.suffix.lower() == ".json" else None
+        doc = json.loads(text)
     except json.JSONDecodeError:  # JSON Lines fail at the first line's end: cheap
         doc = None
     if doc is not None:
@@ -141,7 +148,12 @@ def _json_texts(file: Path, text: str, text_field: str) -> Iterator[str]:
             if value := _record_text(f"{file}: item {i}" if isinstance(doc, list) else str(file), obj, text_field):
                 yield value
         return
-    for line_no, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 and others may be inside a text
+    yield from _json_lines(file, text.split("\n"), text_field)  # not splitlines: U+2028 and others may be inside a text
+
+
+def _json_lines(file: Path, lines: Iterable[str], text_field: str) -> Iterator[str]:
+    """obj[text_field] of each line of a JSON Lines file (`lines` split at "\n" only)."""
+    for line_no, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
