@@ -289,6 +289,13 @@ class _Parser(argparse.ArgumentParser):
     """argparse whose usage errors are UserErrors, so they end in the same one line as every other."""
 
     def error(self, message):
+        from pithtrain.config import fields_named
+
+        flag = message.split(": ", 1)[-1].split()[0] if message.startswith("unrecognized arguments") else ""
+        if flag.startswith("-") and (meant := fields_named(flag)):  # Megatron's --lr, --micro-batch-size: config fields
+            raise UserError(f"{self.prog}: {message}; config fields are set with --set, e.g. "
+                            f"{' or '.join(f'--set {m}=VALUE' for m in meant)} "
+                            f"(see {self.prog} train --help)")
         raise UserError(f"{self.prog}: {message} (see {self.prog} --help)")
 
     more_help = None  # a function whose text ends --help (built only when asked for: it imports the models)

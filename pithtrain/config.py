@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import difflib
 import errno
 import importlib.util
 import inspect
@@ -243,9 +244,12 @@ def _installed(module: str) -> bool:
 
 def load_run_config(path: str | Path) -> RunConfig:
     if not Path(path).is_file():
-        why = "is a directory" if str(path) and Path(path).is_dir() else "does not exist"
+        why = ("does not exist" if not str(path) or not Path(path).exists() else "is a directory" if Path(path).is_dir()
+               else "is not a regular file")
         raise ConfigError(f"config file {str(path)!r} {why}; pass a run file such as examples/qwen3_tiny.py")
     path = Path(path)
+    check(path.suffix.lower() not in (".toml", ".yaml", ".yml", ".json"), f"config file {path}: a run file is Python defining "
+          f"CONFIG = RunConfig(...), not {path.suffix[1:].upper()}; start from examples/qwen3_tiny.py (fields: pithtrain train --help)")
     try:
         namespace = runpy.run_path(str(path))
     except Exception as e:  # a syntax, import or runtime error of the run file: point at its line
@@ -314,12 +318,22 @@ def apply_override(config: RunConfig, assignment: str) -> None:
     for i, part in enumerate(parts):
         check(dataclasses.is_dataclass(target), f"--set {key}: {'.'.join(parts[:i])} is not a config section")
         names = [f.name for f in dataclasses.fields(target)]
-        check(part in names, f"--set {key}: unknown field {part!r}; valid fields here: {', '.join(names)}")
+        meant = fields_named(part, type(config.model)) if part not in names else []  # lr: optim.lr
+        check(part in names, f"--set {key}: unknown field {part!r}"
+              + (f" here (did you mean {' or '.join(meant)}?)" if meant else f"; valid fields here: {', '.join(names)}"))
         if i == len(parts) - 1:
             hints = typing.get_type_hints(type(target))
             setattr(target, part, _parse_value(text, hints[part], key))
         else:
             target = getattr(target, part)
+
+
+def fields_named(name: str, model: type | None = None) -> list[str]:
+    """The section.field names that `name` (a field's, SECTION_FIELD, or a flag: --micro-batch-size) may mean."""
+    name = name.lstrip("-").replace("-", "_").split(".")[-1]
+    sections = [*SECTIONS, *([("model", model)] if dataclasses.is_dataclass(model) else [])]
+    return [f"{section}.{f.name}" for section, cls in sections for f in dataclasses.fields(cls)
+            if name in (f.name, f"{section}_{f.name}")]
 
 
 def read_json(path: str | Path, fix: str) -> Any:
@@ -352,6 +366,10 @@ def check_types(obj: Any, prefix: str = "", fix: str = "fix the run file or --se
     """Every field of a config dataclass, nested ones included, holds a value of its annotated type.
     A run file is Python, so `steps="10"` or `lr=float("inf")` reach here without --set's parsing."""
     hints = typing.get_type_hints(type(obj))
+    if unknown := sorted(set(vars(obj)) - hints.keys()):  # `CONFIG.train.stpes = 3` in a run file: a new attribute, else unread
+        near = " or ".join([prefix + m for m in difflib.get_close_matches(unknown[0], hints, 1)] or fields_named(unknown[0]))
+        raise ConfigError(f"{prefix}{unknown[0]}: {type(obj).__name__} has no such field"
+                          f"{f' (did you mean {near}?)' if near else ''}; `pithtrain train --help` lists them; {fix}")
     for f in dataclasses.fields(obj):
         value, name = getattr(obj, f.name), prefix + f.name
         if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -62,6 +62,9 @@ def test_tokenize_train_convert_eval(tmp_path, capsys):
     run_cli(["convert", str(hf_dir), str(tmp_path / "ckpt")], capsys)
     back = json.loads(run_cli(["eval", str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "tokens.npy"), "--json"], capsys))
     assert back["loss"] == pytest.approx(results["hf"]["loss"], rel=1e-6)
+    run_cli(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf_back")], capsys)  # and back: the tokenizer files kept
+    files = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+    assert all((tmp_path / "hf_back" / f).read_bytes() == (hf_dir / f).read_bytes() for f in files)
     model = AutoModelForCausalLM.from_pretrained(str(hf_dir)).eval()
     ids = torch.from_numpy(tokens)
     with torch.no_grad():

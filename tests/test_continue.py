@@ -5,15 +5,19 @@ sizes, W&B and TensorBoard continuing across a resume, and eval at the training 
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import warnings
 
 import numpy as np
 import pytest
 import torch
 
 from cli_util import ROOT, cli, one_line_error, write_config
-from pithtrain.train.data import BatchLoader, TokenDataset
+from conftest import markov_docs
+from pithtrain.tools.tokenize import train_bpe
+from pithtrain.train.data import BatchLoader, TokenDataset, write_dataset
 from pithtrain.train.metrics import read_metrics
 
 EXAMPLE = "examples/qwen3_tiny.py"
@@ -54,6 +58,25 @@ def test_init_from_our_export_continues_from_its_loss(tmp_path, dataset_dir, cap
                      capsys, code=2)
         one_line_error(err, "train.init_from", "model.hidden_size (128 there, 64 in the run)")
         assert "eos_token_id" not in err and not (tmp_path / "c").exists()
+
+    # data whose tokenizer gives the export's tokens other ids is refused (the weights would read other tokens)
+    for name, text in (("tok_a", "alpha beta"), ("tok_b", "gamma delta")):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # a tiny corpus fills few of the 300 tokens
+            train_bpe([text] * 20, 300, str(tmp_path / name / "tokenizer.json"))
+        write_dataset(tmp_path / f"data_{name}", markov_docs(np.random.default_rng(7), 64, 400), 300, 0,
+                      tokenizer_file=str(tmp_path / name / "tokenizer.json"))
+    shutil.copyfile(tmp_path / "tok_a" / "tokenizer.json", tmp_path / "hf" / "tokenizer.json")
+    dry = ["train", EXAMPLE, "--out", tmp_path / "c", "--dry-run", *init, "--set"]
+    _, err = cli([*dry, f"data.path={tmp_path / 'data_tok_b'}"], capsys, code=2)
+    one_line_error(err, "train.init_from", "other ids", f"--tokenizer {tmp_path / 'hf' / 'tokenizer.json'}")
+    cli([*dry, f"data.path={tmp_path / 'data_tok_a'}"], capsys)
+    out, _ = cli(["train", EXAMPLE, "--out", tmp_path / "c", "--dry-run", "--set", f"data.path={tmp_path / 'data_tok_a'}",
+                  "--set", "model.vocab_size=100"], capsys)  # its ids fit, its tokenizer's 300 do not: said
+    assert "warning: model.vocab_size=100 is below the 300 tokens of" in out and "set model.vocab_size=300 or more" in out
+    cli(["convert", tmp_path / "hf", tmp_path / "ck"], capsys)  # a checkpoint of the export keeps its tokenizer: checked too
+    _, err = cli([*dry, f"data.path={tmp_path / 'data_tok_b'}", "--set", f"train.init_from={tmp_path / 'ck'}"], capsys, code=2)
+    one_line_error(err, f"train.init_from={tmp_path / 'ck'}", "other ids")
 
     # eval of a dataset directory: rows of the run's data.seq_len (128), from the run, its export or --seq-len
     for source, why in ((tmp_path / "a", "data.seq_len of the run"), (tmp_path / "hf", "seq_length of")):

@@ -9,12 +9,14 @@ import sys
 import warnings
 from collections import Counter
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
 
 from pithtrain.config import UserError
 from pithtrain.tools.tokenize import (
+    Progress,
     add_tokenize_args,
     iter_documents,
     run_tokenize,
@@ -238,16 +240,23 @@ def test_iter_documents(tmp_path):
     (root / "sub").mkdir(parents=True)
     (root / ".hidden").mkdir()
     (root / "b.txt").write_text("bravo")
-    (root / "a.txt").write_text("alpha")
+    (root / "a.txt").write_bytes(b"\xef\xbb\xbfalpha")  # a byte order mark, as Windows editors write
     (root / "sub" / "c.md").write_text("charlie ünïcode")
     (root / "sub" / "empty.txt").write_text("")
     (root / ".secret.txt").write_text("hidden file")
     (root / ".hidden" / "x.txt").write_text("hidden dir")
     (root / "blob.bin").write_bytes(bytes([0xFF, 0xFE, 0x80, 0x00]))
     rows = [{"text": "first"}, {"text": "second", "id": 2}]
-    (root / "sub" / "d.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
+    (root / "sub" / "d.jsonl").write_bytes(b"\xef\xbb\xbf" + ("\r\n".join(json.dumps(r) for r in rows) + "\r\n\r\n").encode())
     with pytest.warns(UserWarning, match="skipped 1 file"):
         assert list(iter_documents([str(root)])) == ["alpha", "bravo", "charlie ünïcode", "first", "second"]
+
+    # a .jsonl file is read line by line (many GB in bounded memory), never whole; one that is not UTF-8 is an error
+    with mock.patch.object(Path, "read_bytes", side_effect=AssertionError("read whole")):
+        assert list(iter_documents([str(root / "sub" / "d.jsonl")])) == ["first", "second"]
+    (tmp_path / "latin.jsonl").write_bytes(b'{"text": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"latin\.jsonl: not UTF-8 text"):
+        list(iter_documents([str(tmp_path / "latin.jsonl")]))
 
     single = tmp_path / "one.jsonl"
     single.write_text(json.dumps({"body": "x"}) + "\n")
@@ -261,7 +270,7 @@ def test_iter_documents(tmp_path):
         list(iter_documents([str(root), str(tmp_path / "missing.txt")]))
     # .json: one JSON document (an array of records, or one record), else JSON Lines (datasets' to_json writes those)
     array = tmp_path / "array.json"
-    for content, docs in ((json.dumps([{"text": "one"}, {"text": ""}, {"text": "two"}], indent=2), ["one", "two"]),
+    for content, docs in ((json.dumps([{"text": "one"}, {"text": ""}, {"text": None}, {"text": "two"}], indent=2), ["one", "two"]),
                           ('{\n  "text": "pretty"\n}', ["pretty"]), ('{"text": "a"}\n{"text": "b"}\n', ["a", "b"])):
         array.write_text(content)
         assert list(iter_documents([str(array)])) == docs, content
@@ -332,6 +341,27 @@ def test_bpe_tokenize_round_trip(tmp_path):
         assert ids[-1] == 0 and 0 not in ids[:-1]
         assert tokenizer.decode(ids[:-1]) == text
     assert ds.num_tokens < sum(len(t.encode()) for t in texts) / 2  # merges actually compress
+    # one long document (a huge line) is encoded in pieces cut before a space: its ids are the whole text's
+    (tmp_path / "long.txt").write_text(" ".join(texts))
+    with mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 1000):
+        tokenize_to_dataset([str(tmp_path / "long.txt")], tokenizer_file, str(tmp_path / "long"), progress=False)
+    assert TokenDataset(tmp_path / "long").tokens[:-1].tolist() == tokenizer.encode(" ".join(texts)).ids
+
+
+def test_eos_named_by_tokenizer_config(tmp_path):
+    """An EOS of another name (DeepSeek's) is the eos_token of the tokenizer_config.json beside tokenizer.json; with
+    neither, the dataset has no separator between documents, and tokenize says so."""
+    eos = "<\uff5cend\u2581of\u2581sentence\uff5c>"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tokenizer = train_bpe(["alpha beta gamma"] * 20, 300, str(tmp_path / "hf" / "tokenizer.json"), eos_token=eos)
+    (tmp_path / "hf" / "tokenizer_config.json").write_text(json.dumps({"eos_token": {"content": eos}}))
+    (tmp_path / "doc.txt").write_text("gamma beta alpha")
+    text = str(tmp_path / "doc.txt")
+    assert tokenize_to_dataset([text], tokenizer, str(tmp_path / "a"), progress=False)["eos_id"] == 0
+    (tmp_path / "hf" / "tokenizer_config.json").unlink()
+    with pytest.warns(UserWarning, match="no end-of-document token"):
+        assert tokenize_to_dataset([text], tokenizer, str(tmp_path / "b"), progress=False)["eos_id"] is None
 
 
 def test_unigram_entropy(tmp_path):
@@ -344,7 +374,7 @@ def test_unigram_entropy(tmp_path):
     assert unigram_entropy(ds) == pytest.approx(expected, rel=1e-12)
 
 
-def test_cli(tmp_path, capsys):
+def test_cli(tmp_path, capsys, monkeypatch):
     parser = argparse.ArgumentParser()
     add_tokenize_args(parser)
     out = str(tmp_path / "out")
@@ -362,10 +392,21 @@ def test_cli(tmp_path, capsys):
     for i in range(20):
         (corpus / f"{i:02d}.txt").write_text(" ".join(rng.choice(words, size=200)))
     args = parser.parse_args([str(corpus), "--out", out, "--train-tokenizer", "--vocab-size", "300"])
-    with pytest.warns(UserWarning, match="of the 300 requested"):  # 7 words cannot fill 300 tokens
+    lengths = []  # of the texts BPE trains on: a document longer than PIECE_CHARS comes in pieces, as it is encoded
+    # (7 words cannot fill 300 tokens; a log's progress lines every LOG_INTERVAL s, here at once)
+
+    def train_on_pieces(texts, *args, **kwargs):
+        texts = list(texts)
+        lengths.extend(map(len, texts))
+        return train_bpe(texts, *args, **kwargs)
+
+    with pytest.warns(UserWarning, match="of the 300 requested"), mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 100), \
+            mock.patch("pithtrain.tools.tokenize.train_bpe", train_on_pieces), mock.patch.object(Progress, "LOG_INTERVAL", 0):
         assert run_tokenize(args) == 0
-    printed = capsys.readouterr().out
+    assert len(lengths) > 20 and max(lengths) < 120
+    printed, said = capsys.readouterr()
     assert "20 docs" in printed and "unigram entropy" in printed
+    assert "BPE reads: 20 docs" in said and "BPE: computing the merges ...\n" in said, said  # in a log too
     ds = TokenDataset(out)
     assert ds.num_docs == 20 and 257 < ds.vocab_size < 300 and ds.tokenizer_file is not None
     # an existing dataset is replaced only with --overwrite; other files never
@@ -378,3 +419,8 @@ def test_cli(tmp_path, capsys):
     (Path(out) / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="notes.txt"):
         run_tokenize(parser.parse_args([*again, "--overwrite"]))
+    here = tmp_path / "here"  # --out . in an empty directory: filled, not replaced (the shell stands in it)
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert run_tokenize(parser.parse_args([*again[:1], "--out", ".", *again[3:]])) == 0
+    assert TokenDataset(".").num_docs == 1 and "wrote ." in capsys.readouterr().out

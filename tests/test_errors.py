@@ -39,6 +39,8 @@ RUN_FILES = {  # run files: the tiny one, then one hostile edit
     "pack_int": "CONFIG.data.pack_documents = 1\n",
     "layers_str": "CONFIG.model.mlp_only_layers = '0'\n",
     "lr_inf": "CONFIG.optim.lr = float('inf')\n",
+    "field_typo": "CONFIG.optim.warmup = 3\n",
+    "field_section": "CONFIG.train.lr = 1e-3\n",
 }
 
 CASES = [  # (id, command line, what the one line must name)
@@ -55,6 +57,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("type-bool-int", "train {pack_int}", "data.pack_documents"),
     ("type-list-str", "train {layers_str}", "model.mlp_only_layers"),
     ("type-lr-inf-file", "train {lr_inf}", "optim.lr"),
+    ("file-field-typo", "train {field_typo}", "optim.warmup: OptimConfig has no such field (did you mean optim.warmup_steps?)"),
+    ("file-field-section", "train {field_section}", "train.lr: TrainConfig has no such field (did you mean optim.lr?)"),
     ("set-type", "train {cfg} --set train.steps=ten", "train.steps"),
     ("set-unknown", "train {cfg} --set train.stpes=3", "stpes"),
     ("set-other-family", "train {cfg} --set model.num_nextn_predict_layers=1", "DeepseekV3Config (another model family) has it"),
@@ -64,6 +68,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("steps-twice", "train {cfg} --steps 3 --set train.steps=4", "--steps 3 and --set train.steps=4 disagree"),
     ("set-section", "train {cfg} --set optim=1", "set it in the run file"),
     ("file-dir", "train {tmp}", "is a directory"),
+    ("file-toml", "train {tmp}/run.toml", "a run file is Python defining CONFIG = RunConfig(...), not TOML"),
+    ("file-device", "train /dev/null", "'/dev/null' is not a regular file"),
     ("out-empty", "train {cfg} --out ''", "--out is empty"),
     ("data-path-empty", "train {cfg} --set data.path=", "data.path is empty"),
     ("pp-empty-rank", "train {cfg} --nproc 4 --pp 4 --set train.micro_batch_size=1 --dry-run", "use at least 5 layers"),
@@ -76,6 +82,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("lr-nan", "train {cfg} --set optim.lr=nan", "optim.lr"),
     ("lr-negative", "train {cfg} --set optim.lr=-1", "optim.lr"),
     ("flag-type", "train {cfg} --steps ten", "--steps"),
+    ("flag-megatron", "train {cfg} --micro-batch-size 2", "config fields are set with --set, e.g. --set train.micro_batch_size=VALUE"),
+    ("set-other-section", "train {cfg} --set train.lr=1e-3", "unknown field 'lr' here (did you mean optim.lr?)"),
     ("flag-missing-config", "train", "config"),
     ("experts-negative", "train {cfg} --set model.num_experts=-1", "model.num_experts"),
     ("expert-size-zero", "train {cfg} --set model.moe_intermediate_size=0", "model.moe_intermediate_size"),
@@ -176,6 +184,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("eval-device-unknown", "eval {hf} --tokens {tokens} --device tpu", "--device"),
     ("eval-model-missing", "eval {tmp}/nowhere --tokens {tokens}", "nowhere"),
     ("eval-no-checkpoints", "eval {empty_dir} --tokens {tokens}", "empty_dir"),
+    ("eval-dataset-as-model", "eval {data} --tokens {tokens}", "data is a token dataset of `pithtrain tokenize`, not a model"),
     ("eval-tokens-not-dataset", "eval {hf} --tokens {empty_dir}", "a .npy file of token ids [batch, seq] or a dataset"),
     ("eval-seq-len", "eval {hf} --tokens {data} --seq-len 1", "--seq-len"),
     ("eval-max-tokens", "eval {hf} --tokens {data} --max-tokens 0", "--max-tokens"),
@@ -183,6 +192,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("tokenize-not-tokenizer", "tokenize {corpus} --tokenizer {notes} --out {tmp}/t1", "notes.txt"),
     ("tokenize-vocab-zero", "tokenize {corpus} --train-tokenizer --vocab-size 0 --out {tmp}/t2", "--vocab-size"),
     ("tokenize-vocab-small", "tokenize {corpus} --train-tokenizer --vocab-size 100 --out {tmp}/t3", "--vocab-size"),
+    ("tokenize-vocab-huge", "tokenize {corpus} --train-tokenizer --vocab-size 99999999999999999999 --out {tmp}/t10", "--vocab-size"),
     ("tokenize-input-missing", "tokenize {tmp}/nope.txt --train-tokenizer --out {tmp}/t4", "nope.txt"),
     ("tokenize-out-foreign", "tokenize {corpus} --train-tokenizer --out {tmp}", "--out"),
     ("tokenize-no-inputs", "tokenize --train-tokenizer --out {tmp}/t5", "--stdlib"),
@@ -191,6 +201,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("tokenize-tokenizer-device", "tokenize {json_strings} --tokenizer /dev/null --out {tmp}/t9",
      "--tokenizer /dev/null is not a regular file"),
     ("tokenize-max-bytes", "tokenize --stdlib --max-bytes 0 --train-tokenizer --out {tmp}/t7", "--max-bytes"),
+    ("tokenize-max-bytes-no-stdlib", "tokenize {corpus} --max-bytes 100 --train-tokenizer --out {tmp}/t11", "only applies with --stdlib"),
     ("wandb-missing", "train {cfg} --set train.wandb_project=moe", "train.wandb_project"),
     ("dry-run-mesh", "train {cfg} --dry-run --nproc 2 --pp 2", "parallel.pp"),
     ("dry-run-data", "train {cfg} --dry-run --set data.path={tmp}/nowhere", "data.path"),
@@ -290,6 +301,7 @@ def make_env(tmp: Path) -> dict:
         np.save(env[name], array)
     env["empty_npy"] = tmp / "empty.npy"
     env["empty_npy"].write_bytes(b"")
+    (tmp / "run.toml").write_text('[model]\nname = "llama3"\n')  # torchtitan's form
     env["notes"] = tmp / "notes.txt"
     env["notes"].write_text("not a tokenizer, not an array, not a directory\n")
     env["corpus"] = tmp / "corpus.txt"
@@ -373,13 +385,18 @@ TOOL_CASES = [  # (id, command line, what the one line must name)
     ("convert-src-missing", "convert {tmp}/nowhere {tools}/c", "nowhere does not exist"),
     ("convert-src-empty", "convert {empty_dir} {tools}/c", "empty_dir is neither an HF directory"),
     ("convert-src-file", "convert {notes} {tools}/c", "notes.txt is a file"),
-    ("convert-src-dataset", "convert {data} {tools}/c", "data is neither an HF directory"),
+    ("convert-src-dataset", "convert {data} {tools}/c", "data is a token dataset of `pithtrain tokenize`, not a model"),
     ("convert-src-no-config", "convert {hf_noconfig} {tools}/c", "lacks the config.json"),
     ("convert-src-no-weights", "convert {hf_noweights} {tools}/c", "lacks the *.safetensors"),
     ("convert-src-no-meta", "convert {run_nometa} {tools}/c", "pass a checkpoint or run directory with an intact one"),
     ("convert-dst-under-file", "convert {hf} {notes}/sub", "notes.txt/sub is a file, or lies under one"),
     ("convert-dst-symlink", "convert {hf} {dst_link} --overwrite", "dst_link is a symbolic link"),
     ("convert-dst-others", "convert {hf} {tools}", "(--overwrite replaces only an HF export or a checkpoint)"),
+    ("convert-no-tokenizer-from-hf", "convert {hf} {tools}/c --no-tokenizer", "drop --no-tokenizer (it is for exports to HF)"),
+    ("convert-tmp-users", "convert {hf} {tools}/mine --overwrite", "mine.tmp, where DST is written first, holds files convert "
+     "does not write (notes.txt)"),
+    ("convert-tmp-left", "convert {hf} {tools}/left", "left.tmp, where DST is written first, exists and is not empty; choose a new "
+     "DST, or remove it or pass --overwrite (an interrupted convert left it"),
     ("eval-tokens-objects", "eval {hf} --tokens {tokens_objects}", "(an array of Python objects)"),
     ("eval-tokens-too-long", "eval {hf} --tokens {tokens_long}", "more than the model's max_position_embeddings="),
     ("eval-offsets-damaged", "eval {hf} --tokens {data_bad_offsets}", "doc_offsets.npy is damaged: not an .npy array"),
@@ -468,7 +485,8 @@ def tool_env(env):
     (copy(env["hf"], "hf_fewer") / "config.json").write_text(json.dumps(fewer))
     out["tokens_objects"] = tools / "tokens_objects.npy"
     np.save(out["tokens_objects"], np.array([[1, "a"]], dtype=object), allow_pickle=True)
-    for name, file, content in (("own_meta", "meta.json", '{"my": "settings"}'), ("own_tokenizer", "tokenizer.json", "{}")):
+    for name, file, content in (("own_meta", "meta.json", '{"my": "settings"}'), ("own_tokenizer", "tokenizer.json", "{}"),
+                                ("mine.tmp", "notes.txt", "mine"), ("left.tmp", "model.safetensors", "half")):
         (tools / name).mkdir()
         (tools / name / file).write_text(content)
         out[name] = tools / name
@@ -491,7 +509,7 @@ def test_tool_case_ends_in_one_line(tool_env, case_id, line, names):
     if case_id.startswith("tokenize-own-"):  # the user's file is kept as it was
         own = tool_env[case_id.removeprefix("tokenize-").replace("-", "_")]
         assert [p.name for p in own.iterdir()] == [names.strip("()")]
-    assert (tool_env["own_meta"] / "meta.json").read_text() == '{"my": "settings"}'
+    assert (tool_env["own_meta"] / "meta.json").read_text() == '{"my": "settings"}' and (tool_env["mine.tmp"] / "notes.txt").is_file()
 
 
 @pytest.mark.fast
@@ -566,7 +584,7 @@ def test_eval_rows_and_config_kept_through_convert(tool_env, monkeypatch, capsys
     back.mkdir()
     monkeypatch.chdir(back)
     _, err = cli(["convert", tools / "ck_rows", "."], capsys)
-    assert f"ck_rows was converted from {hf}" in err
+    assert f"ck_rows was converted from {hf}" in err and Path("config.json").is_file()  # filled, not replaced: "." still is it
     for folder in (tools / "ck_rows", back):
         assert {k: json.loads((folder / "config.json").read_text()).get(k) for k in ("seq_length", "pad_token_id")} == \
             {"seq_length": 16, "pad_token_id": 0}

@@ -32,6 +32,7 @@ from pithtrain.train.data import TokenDataset, _sha256
 
 SHARD_BYTES = 4 * 2**30
 CARRIED = ("seq_length", "pad_token_id")  # config.json keys beyond the model's that convert keeps, both ways
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")  # kept too
 EXPORT_NAMES = (r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|model\.safetensors\.index|meta)"
                 r"\.json|model(-\d+-of-\d+)?\.safetensors|\.metadata|__\d+_\d+\.distcp")  # what convert writes
 
@@ -44,11 +45,13 @@ def _kept(path: Path) -> list[str]:
     return foreign or ([] if is_hf_dir(path) or ckpt.is_checkpoint(path) else held)
 
 
-def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, extra: dict | None = None) -> Path:
+def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, extra: dict | None = None,
+                 files_of: Path | None = None) -> Path:
     """config.json + safetensors (sharded at 4 GiB with an index), written to a temp dir then renamed.
     With the `dataset` the model trained on: its EOS as the bos/eos/pad ids of config.json and
     generation_config.json, and its tokenizer as files `AutoTokenizer.from_pretrained` reads.
-    `extra`: more keys of config.json (`seq_length`: the training sequence length, eval's default rows)."""
+    `extra`: more keys of config.json (`seq_length`: the training sequence length, eval's default rows). `files_of`: a
+    directory whose TOKENIZER_FILES are copied (a checkpoint convert made of an HF directory)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -79,6 +82,9 @@ def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, ex
     _write_json(tmp / "config.json", hf)
     if dataset is not None and dataset.tokenizer_file:
         write_tokenizer(dataset, tmp, hf.get("max_position_embeddings"))
+    for name in TOKENIZER_FILES if files_of else ():
+        if (files_of / name).is_file():
+            shutil.copyfile(files_of / name, tmp / name)
     mask = os.umask(0)
     os.umask(mask)
     for f in tmp.iterdir():  # safetensors writes 0600 (a private temp file, renamed): give the mode open() gives
@@ -116,7 +122,9 @@ def trained_on(ck: Path, echo=print) -> TokenDataset | None:
     if path and not recorded:
         path = data_parts(path)[0][0]
     no_tokenizer = "note: no tokenizer written: "
-    if "source" in meta:  # a checkpoint convert made of an HF directory
+    if "source" in meta and (ck / "tokenizer.json").is_file():  # a checkpoint convert made of an HF directory, with its files
+        return None
+    if "source" in meta:
         return echo(f"{no_tokenizer}{ck} was converted from {meta['source']}; copy its tokenizer files from there")
     if not recorded and not (path and os.path.isabs(path)):  # a run from before datasets were recorded
         return echo(f"{no_tokenizer}{ck / 'meta.json'} records no dataset and data.path={path!r} is relative (to a "
@@ -158,9 +166,17 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
                              f"source. Choose a DST outside {src}")
         if not (path if path.exists() else next(p for p in path.parents if p.exists())).is_dir():
             raise FileExistsError(f"convert: {name} is a file, or lies under one; choose another DST")
-        if path.is_dir() and any(path.iterdir()) and not overwrite:
+        held = sorted(os.listdir(path)) if path.is_dir() else []
+        if path != b and (foreign := [n for n in held if not re.fullmatch(EXPORT_NAMES, n)]):  # DST.tmp is deleted first
+            raise UserError(f"convert: {name} holds files convert does not write ({', '.join(foreign[:4])}); move them "
+                            "out, or choose another DST")
+        if held and not overwrite:
             raise FileExistsError(f"convert: {name} exists and is not empty; choose a new DST" + (
+                ", or remove it or pass --overwrite (an interrupted convert left it, or one runs now)" if path != b else
                 " (--overwrite replaces only an HF export or a checkpoint)" if _kept(path) else ", or pass --overwrite to replace it"))
+    if not tokenizer and is_hf_dir(src):
+        raise UserError(f"convert --no-tokenizer: SRC {src} is an HF directory, and the checkpoint made of it holds no tokenizer "
+                        "anyway; drop --no-tokenizer (it is for exports to HF)")
     if overwrite and (dst / rundir.LOCK).exists():
         rundir.RunLock(dst).release()  # raises while a run is writing there
     if overwrite and b.is_dir() and (kept := _kept(b)):
@@ -174,8 +190,11 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         if is_hf_dir(src):
             model = load_model(src)
             hf = dict(model.cfg.to_hf(), **{k: v for k, v in read_json(src / "config.json", "").items() if k in CARRIED})
-            return (ckpt.write_checkpoint(dst, {"model": ckpt.canonical_model_state(model)}, {"step": 0, "source": str(a)}, hf),
-                    "a weights-only checkpoint (step 0)")
+            out = ckpt.write_checkpoint(dst, {"model": ckpt.canonical_model_state(model)}, {"step": 0, "source": str(a)}, hf)
+            kept = [name for name in TOKENIZER_FILES if (src / name).is_file()]  # for eval's check and the way back
+            for name in kept:
+                shutil.copyfile(src / name, out / name)
+            return out, "a weights-only checkpoint (step 0)" + (f", with the tokenizer files of {src}" if kept else "")
         ck = ckpt.resolve_checkpoint(src)
         dataset = (trained_on(ck, echo) if tokenizer else
                    echo(f"note: --no-tokenizer: {dst} holds the model alone (no tokenizer files, no token ids in config.json)"))
@@ -186,7 +205,8 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         extra = {k: v for k, v in read_json(ck / "config.json", "").items() if k in CARRIED}
         if seq_len := meta.get("config", {}).get("data", {}).get("seq_len"):
             extra["seq_length"] = seq_len
-        return write_hf_dir(model, dst, dataset, extra), f"the weights of step {meta.get('step')} ({ck})"
+        return (write_hf_dir(model, dst, dataset, extra, ck if "source" in meta else None),
+                f"the weights of step {meta.get('step')} ({ck})")
     except BaseException as e:  # no partial DST.tmp left (Ctrl-C and DCP's CheckpointException too); a failed write on the disk says so
         failure = disk_error(ckpt.dcp_cause(e), dst, removed=tmp if tmp.exists() else None, within=tmp)
         shutil.rmtree(tmp, ignore_errors=True)

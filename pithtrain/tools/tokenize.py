@@ -11,6 +11,7 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 import sysconfig
 import tempfile
@@ -26,7 +27,6 @@ from pithtrain.train.data import TokenDataset, check_output_dir, dtype_for_vocab
 
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # common names of an end-of-document token
-_JSON_LINES_SUFFIXES = (".jsonl", ".json")
 
 
 def _walk_files(root: Path) -> Iterator[Path]:
@@ -85,8 +85,9 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
     """Documents from files and directories: JSON Lines files (.jsonl/.json) give obj[text_field]
     per line (a .json file that is one JSON array of such objects: per item), parquet files and
     `datasets`' save_to_disk directories their column text_field, any other file gives its whole text.
-    Non-UTF-8 (binary) files and empty documents are skipped; the number of skipped files is reported
-    with a warning, as are FIFOs, devices and broken links (never read)."""
+    Non-UTF-8 (binary) files and empty documents (a JSON null text too, as parquet's) are skipped; the number of skipped files is reported
+    with a warning, as are FIFOs, devices and broken links (never read). A .jsonl file is read line by line (bounded memory),
+    and one that is not UTF-8 is an error."""
     paths = [Path(p) for p in inputs]
     if missing := next((path for path in paths if not path.exists()), None):  # all up front: a typo fails before hours of work
         raise FileNotFoundError(f"input {missing} not found")
@@ -99,12 +100,19 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
         if not file.is_file():  # reading a FIFO or a device would block or never end
             special.append(file)
             continue
+        if file.suffix.lower() == ".jsonl":  # line by line: a file of many GB in bounded memory
+            try:
+                with open(file, encoding="utf-8-sig", newline="\n") as lines:
+                    yield from _json_lines(file, lines, text_field)
+            except UnicodeDecodeError:
+                raise ValueError(f"{file}: not UTF-8 text; re-encode it as UTF-8, or leave it out") from None
+            continue
         try:
-            text = file.read_bytes().decode("utf-8")
+            text = file.read_bytes().decode("utf-8-sig")  # a byte order mark (Windows editors write one) is no text
         except UnicodeDecodeError:
             skipped.append(file)
             continue
-        if file.suffix.lower() in _JSON_LINES_SUFFIXES:
+        if file.suffix.lower() == ".json":
             yield from _json_texts(file, text, text_field)
         elif text:
             yield text
@@ -121,16 +129,18 @@ def _record_text(where: str, obj, text_field: str) -> str:
                          f'write each text as {{"{text_field}": ...}}')
     if text_field not in obj:
         raise ValueError(f"{where}: no field {text_field!r}; pass --text-field with the field that holds the text")
-    if not isinstance(value := obj[text_field], str):
+    if (value := obj[text_field]) is None:  # no text, as a parquet column's null: skipped like an empty one
+        return ""
+    if not isinstance(value, str):
         raise ValueError(f"{where}: field {text_field!r} is {type(value).__name__}, expected a string")
     return value
 
 
 def _json_texts(file: Path, text: str, text_field: str) -> Iterator[str]:
-    """A .json file that is one JSON document: its array of records (or its one record). Otherwise, and a
-    .jsonl file: JSON Lines, one record a line (`datasets`' to_json writes these to .json files too)."""
+    """A .json file that is one JSON document: its array of records (or its one record). Otherwise JSON Lines, one
+    record a line (`datasets`' to_json writes these to .json files too)."""
     try:
-        doc = json.loads(text) if file.suffix.lower() == ".json" else None
+        doc = json.loads(text)
     except json.JSONDecodeError:  # JSON Lines fail at the first line's end: cheap
         doc = None
     if doc is not None:
@@ -138,7 +148,12 @@ def _json_texts(file: Path, text: str, text_field: str) -> Iterator[str]:
             if value := _record_text(f"{file}: item {i}" if isinstance(doc, list) else str(file), obj, text_field):
                 yield value
         return
-    for line_no, line in enumerate(text.split("\n"), 1):  # not splitlines: U+2028 and others may be inside a text
+    yield from _json_lines(file, text.split("\n"), text_field)  # not splitlines: U+2028 and others may be inside a text
+
+
+def _json_lines(file: Path, lines: Iterable[str], text_field: str) -> Iterator[str]:
+    """obj[text_field] of each line of a JSON Lines file (`lines` split at "\n" only)."""
+    for line_no, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
@@ -195,11 +210,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int, out_file: str, eos_token: s
 
 
 class Progress:
-    """One status line on stderr, redrawn at most ~10x/s on a terminal (every 30 s otherwise)."""
+    """One status line on stderr, redrawn at most ~10x/s on a terminal (every LOG_INTERVAL s otherwise)."""
 
-    def __init__(self, enabled: bool = True, stream=None):
-        self.stream, self.enabled = stream or sys.stderr, enabled
-        self.interval = 0.1 if getattr(self.stream, "isatty", lambda: False)() else 30.0
+    LOG_INTERVAL = 30.0
+
+    def __init__(self, enabled: bool = True, stream=None, label: str = "tokenize"):
+        self.stream, self.enabled, self.label = stream or sys.stderr, enabled, label
+        self.tty = getattr(self.stream, "isatty", lambda: False)()
+        self.interval = 0.1 if self.tty else self.LOG_INTERVAL
         self.docs = self.bytes = self.tokens = 0  # done so far
         self.start = self.last = time.perf_counter()
         self.width = 0  # of the last line drawn, so a shorter redraw can blank its tail
@@ -207,7 +225,7 @@ class Progress:
     def update(self, docs: int, nbytes: int, tokens: int) -> None:
         self.docs, self.bytes, self.tokens = self.docs + docs, self.bytes + nbytes, self.tokens + tokens
         if self.enabled and time.perf_counter() - self.last >= self.interval:
-            self._draw(end="\r" if self.interval < 1 else "\n")
+            self._draw(end="\r" if self.tty else "\n")
 
     def close(self) -> None:
         if self.enabled:
@@ -216,23 +234,41 @@ class Progress:
     def _draw(self, end: str) -> None:
         self.last = time.perf_counter()
         elapsed = max(self.last - self.start, 1e-9)
-        line = (f"tokenize: {self.docs:,} docs ({self.docs / elapsed:,.0f}/s)  {self.bytes / 1e6:,.1f} MB "
-                f"({self.bytes / 1e6 / elapsed:,.1f} MB/s)  {self.tokens:,} tokens  {elapsed:.1f}s")
+        line = (f"{self.label}: {self.docs:,} docs ({self.docs / elapsed:,.0f}/s)  {self.bytes / 1e6:,.1f} MB "
+                f"({self.bytes / 1e6 / elapsed:,.1f} MB/s)  {f'{self.tokens:,} tokens  ' if self.tokens else ''}{elapsed:.1f}s")
         print(line.ljust(self.width), end=end, file=self.stream, flush=True)
         self.width = len(line)
 
 
-def _batched(texts: Iterable[str], size: int, max_chars: int = 1 << 22) -> Iterator[list[str]]:
-    """Lists of up to `size` texts and about `max_chars` characters: bounded memory with huge files."""
+PIECE_CHARS = 1 << 22  # characters encoded at once: a batch of documents, or a piece of a longer one (bounded memory)
+
+
+def _batched(texts: Iterable[str], size: int) -> Iterator[list[str]]:
+    """Lists of up to `size` texts and about PIECE_CHARS characters, a longer text alone: bounded memory with huge files."""
     batch, chars = [], 0
     for text in texts:
+        if len(text) > PIECE_CHARS:
+            yield from [batch, [text]] if batch else [[text]]
+            batch, chars = [], 0
+            continue
         batch.append(text)
         chars += len(text)
-        if len(batch) == size or chars >= max_chars:
+        if len(batch) == size or chars >= PIECE_CHARS:
             yield batch
             batch, chars = [], 0
     if batch:
         yield batch
+
+
+def _pieces(text: str, size: int) -> Iterator[str]:
+    """`text` in pieces of at least `size` characters, each cut before a space that follows a non-space: there the
+    pre-tokenizers of byte-level BPE (GPT-2's, Llama 3's, Qwen's, DeepSeek's, o200k's) start a new word anyway, so the
+    pieces' ids are the whole text's (encoding 40 MB at once took 4.4 GB); a text without such a space stays whole."""
+    start, cut = 0, re.compile(r"(?<=\S) ")
+    while (found := cut.search(text, start + size)) is not None:
+        yield text[start:found.start()]
+        start = found.start()
+    yield text[start:]
 
 
 def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, text_field: str = "text", batch_size: int = 1000,
@@ -240,7 +276,8 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
     """Tokenize every document of `inputs` with `tokenizer_file` into a dataset at `out_dir`; returns its meta.
 
     Special tokens (BOS etc.) are not added; documents are separated only by the EOS token
-    (`<|endoftext|>` or another common EOS name found in the vocabulary; none if absent)."""
+    (`<|endoftext|>` or another common EOS name found in the vocabulary, else the eos_token of a tokenizer_config.json
+    beside the tokenizer; none, with a warning, if absent)."""
     from tokenizers import Tokenizer
 
     try:
@@ -256,6 +293,14 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
 
     def token_arrays() -> Iterator[np.ndarray]:
         for texts in _batched(iter_documents(inputs, text_field), batch_size):
+            if len(texts[0]) > PIECE_CHARS:  # one long document (a single huge line): its pieces in turn, with progress
+                parts = []
+                for piece in _pieces(texts[0], PIECE_CHARS):
+                    parts.append(np.array(encode([piece], add_special_tokens=False)[0].ids, dtype=dtype))
+                    status.update(0, len(piece.encode("utf-8")), parts[-1].size)
+                status.update(1, 0, 0)
+                yield np.concatenate(parts)
+                continue
             encodings = encode(texts, add_special_tokens=False)  # parallel in Rust
             arrays = [np.array(e.ids, dtype=dtype) for e in encodings]
             status.update(len(texts), sum(len(t.encode("utf-8")) for t in texts), sum(a.size for a in arrays))
@@ -263,6 +308,15 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
 
     try:
         eos_id = next((i for token in _EOS_CANDIDATES if (i := tokenizer.token_to_id(token)) is not None), None)
+        if eos_id is None:  # another name (DeepSeek's <｜end▁of▁sentence｜>): the eos_token of an HF tokenizer_config.json beside it
+            try:
+                eos = json.loads(Path(tokenizer_file).with_name("tokenizer_config.json").read_text()).get("eos_token")
+            except (OSError, ValueError, AttributeError):  # none, not JSON, not an object
+                eos = None
+            eos_id = tokenizer.token_to_id(eos.get("content", "") if isinstance(eos, dict) else str(eos or ""))
+        if eos_id is None:
+            warnings.warn(f"{tokenizer_file} has no end-of-document token ({', '.join(_EOS_CANDIDATES)}, or the eos_token of a "
+                          "tokenizer_config.json beside it): documents are written back to back, with nothing between them")
         return write_dataset(out_dir, token_arrays(), vocab_size, eos_id, tokenizer_file=str(tokenizer_file))
     finally:
         status.close()
@@ -288,7 +342,7 @@ def add_tokenize_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-tokenizer", action="store_true", help="train a byte-level BPE on the inputs first (saved as OUT/tokenizer.json)")
     parser.add_argument("--vocab-size", type=int, metavar="N", help="vocabulary size for --train-tokenizer (default 4096)")
     parser.add_argument("--stdlib", action="store_true", help="add Python's standard library sources as inputs")
-    parser.add_argument("--max-bytes", type=int, default=20_000_000, help="with --stdlib: whole files up to about this many bytes (default 20 MB)")
+    parser.add_argument("--max-bytes", type=int, help="with --stdlib: whole files up to about this many bytes (default 20 MB)")
     parser.add_argument("--text-field", default="text", help="JSON Lines field or parquet/dataset column holding the text (default: text)")
 
 
@@ -300,9 +354,11 @@ def _argument_error(args) -> str | None:
         return "give exactly one of --tokenizer FILE or --train-tokenizer"
     if args.vocab_size is not None and not args.train_tokenizer:
         return "--vocab-size only applies with --train-tokenizer (an existing tokenizer fixes its own vocabulary)"
-    if args.vocab_size is not None and args.vocab_size < 257:
-        return f"--vocab-size {args.vocab_size}: byte-level BPE needs at least 257 (256 bytes + EOS)"
-    if args.stdlib and args.max_bytes < 1:
+    if args.vocab_size is not None and not 257 <= args.vocab_size <= 2**32:
+        return f"--vocab-size {args.vocab_size}: byte-level BPE needs at least 257 (256 bytes + EOS), token ids at most 2**32"
+    if args.max_bytes is not None and not args.stdlib:
+        return "--max-bytes only applies with --stdlib (your INPUT files are read whole)"
+    if args.max_bytes is not None and args.max_bytes < 1:
         return f"--max-bytes {args.max_bytes}: must be at least 1"
     if args.tokenizer and not Path(args.tokenizer).is_file():
         what = ("is a directory: pass its tokenizer.json" if Path(args.tokenizer).is_dir() else
@@ -331,17 +387,30 @@ def run_tokenize(args) -> int:
     """Run `pithtrain tokenize`; bad arguments raise a UserError before any work."""
     if error := _argument_error(args):
         raise UserError(f"pithtrain tokenize: {error}")
-    started = time.perf_counter()
-    inputs = list(args.inputs) + (stdlib_corpus_files(args.max_bytes) if args.stdlib else [])
+    started, out = time.perf_counter(), os.path.abspath(args.out)  # absolute: `--out .` replaced with --overwrite is gone
+    inputs = list(args.inputs) + (stdlib_corpus_files(args.max_bytes or 20_000_000) if args.stdlib else [])
     with tempfile.TemporaryDirectory() as scratch:
         tokenizer_file = args.tokenizer
         if args.train_tokenizer:
             vocab_size = args.vocab_size or 4096
             print(f"training byte-level BPE (vocab {vocab_size}) on {len(inputs)} input(s) ...", flush=True)
             # Trained into scratch space; write_dataset copies it to OUT/tokenizer.json with the data.
-            tokenizer_file = train_bpe(iter_documents(inputs, args.text_field), vocab_size, os.path.join(scratch, "tokenizer.json"))
+            # its texts in the pieces they are encoded in; a long reading said every 30 s in a log (tokenizers' bar: a terminal's)
+            reading = Progress(enabled=not sys.stderr.isatty(), label="BPE reads")
+
+            def texts() -> Iterator[str]:
+                for text in iter_documents(inputs, args.text_field):
+                    for piece in _pieces(text, PIECE_CHARS):
+                        reading.update(0, len(piece.encode("utf-8")), 0)
+                        yield piece
+                    reading.update(1, 0, 0)
+                if reading.enabled and reading.last > reading.start:  # said: a long read, then long merges
+                    reading.close()
+                    print("BPE: computing the merges ...", file=sys.stderr, flush=True)
+
+            tokenizer_file = train_bpe(texts(), vocab_size, os.path.join(scratch, "tokenizer.json"))
         meta = tokenize_to_dataset(inputs, tokenizer_file, args.out, text_field=args.text_field)
-    entropy = unigram_entropy(TokenDataset(args.out))
+    entropy = unigram_entropy(TokenDataset(out))
     print(f"wrote {args.out}: {meta['num_docs']:,} docs, {meta['num_tokens']:,} tokens ({meta['dtype']}), "
           f"vocab {meta['vocab_size']}, eos_id {meta['eos_id']}\n"
           f"unigram entropy {entropy:.4f} nats/token ({entropy / math.log(2):.3f} bits): a trained model's loss should go below this\n"

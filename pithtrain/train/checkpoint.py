@@ -112,7 +112,13 @@ def write_checkpoint(final: str | Path, state: dict, meta: dict, hf_config: dict
 
 
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Rename the finished directory `tmp` to `final`; one there moves aside, back if that fails, else it is deleted."""
+    """Rename the finished directory `tmp` to `final`; one there moves aside, back if that fails, else it is deleted.
+    An empty `final` stays and takes tmp's files, the marker (meta.json) last: a shell may stand in it (`--out .`)."""
+    if final.is_dir() and not final.is_symlink() and not any(final.iterdir()):
+        for entry in sorted(tmp.iterdir(), key=lambda p: (p.name == "meta.json", p.name == "config.json")):
+            os.rename(entry, final / entry.name)
+        tmp.rmdir()
+        return
     old, moved = final.with_name(f".{final.name}.old-{os.getpid()}"), final.exists()
     try:
         if moved:
@@ -233,8 +239,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
     found = newest_intact(path, lambda line: print(line, file=sys.stderr), "pass a checkpoint or run directory with an intact one")
     if found is None:  # say what the path is instead
         missing = [name for name in ("config.json", "*.safetensors") if not any(path.glob(name))]
+        from pithtrain.train.data import is_dataset
+
         what = ("does not exist" if not path.exists() else "is a file" if not path.is_dir() else "is a run directory without checkpoints"
-                if (path / "checkpoints").is_dir() else f"lacks the {missing[0]} of an HF directory" if len(missing) == 1 else
+                if (path / "checkpoints").is_dir() else "is a token dataset of `pithtrain tokenize`, not a model" if is_dataset(path)
+                else f"lacks the {missing[0]} of an HF directory" if len(missing) == 1 else
                 "is neither an HF directory (config.json + *.safetensors) nor a checkpoint or run directory with checkpoints")
         raise UserError(f"{path} {what}; pass an HF directory, a checkpoint or a run directory")
     return found

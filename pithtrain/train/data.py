@@ -143,15 +143,11 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
 
 
 def _install(tmp: Path, path: Path) -> None:
-    """Rename the finished temporary directory to `path`, replacing a previous dataset there."""
-    if not path.exists():
-        tmp.rename(path)
-        return
+    """Rename the finished temporary directory to `path`, replacing a previous dataset there (filling an empty directory)."""
+    from pithtrain.train.checkpoint import replace_dir
+
     check_output_dir(path)  # re-check: something may have appeared while we were writing
-    old = path.parent / f".{path.name}.old-{os.getpid()}"
-    path.rename(old)
-    tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
+    replace_dir(tmp, path)
 
 
 def _sha256(path) -> str:

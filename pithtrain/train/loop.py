@@ -36,7 +36,7 @@ from pithtrain.parallel.pipeline import ChunkPair, PipelineRunner, build_chunks,
 from pithtrain.protocol import LossTerms, StepSums, all_layers, named_range
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.balance import LoadBalance
-from pithtrain.train.data import BatchLoader, BlendLoader, TokenDataset, mtp_targets, open_training_data
+from pithtrain.train.data import BatchLoader, BlendLoader, TokenDataset, _sha256 as data_sha256, mtp_targets, open_training_data
 from pithtrain.train.debug import MemoryRecorder, NormLog, chosen_steps
 from pithtrain.train.metrics import (MetricsLog, flops_per_token, model_sizes, peak_memory_bytes, read_metrics,
                                      reset_peak_memory)
@@ -444,6 +444,11 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
     loader = open_training_data(d.path, d.seq_len, config.train.global_batch_size, d.seed, d.pack_documents,
                                 0 if d.eval_path else d.eval_samples, config.model.vocab_size)
     _ = [dataset.identity for dataset in loader.datasets]  # hashed now: checkpoints record the data the run started on
+    vocab = config.model.vocab_size
+    if echo and (short := next((ds for ds in loader.datasets if ds.tokenizer_file and ds.vocab_size > vocab), None)):
+        print(f"warning: model.vocab_size={vocab} is below the {short.vocab_size} tokens of {short.tokenizer_file}: ids from "
+              f"{vocab} on (none in this data) have no row, so the model and its export fail on texts that use them; set "
+              f"model.vocab_size={short.vocab_size} or more", flush=True)
     check_model_size(config.model, pick_device(config.train.device).type == "cpu")
     layers, pp = config.model.num_hidden_layers, config.parallel.pp
     if idle := ranks_without_layers(layers, pp):  # nothing to train there: its optimizer would refuse an empty list
@@ -466,7 +471,7 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
         check_metrics(logged)
         check_resume(config, found, stop_after, echo, loader.datasets)
     elif config.train.init_from:
-        check_init_from(config, echo, verify=not create)  # a run verifies the checkpoint as it loads it
+        check_init_from(config, echo, verify=not create, dataset=loader.dataset)  # a run verifies the checkpoint as it loads it
     return loader, eval_windows(config, loader, world_size), found
 
 
@@ -476,10 +481,11 @@ NOT_ARCHITECTURE = ("bos_token_id", "eos_token_id", "pad_token_id", "initializer
                     "bias_update_speed", "architectures", "dtype")
 
 
-def check_init_from(config: RunConfig, echo: bool, verify: bool = False) -> None:
+def check_init_from(config: RunConfig, echo: bool, verify: bool = False, dataset: TokenDataset | None = None) -> None:
     """train.init_from's model has the run's architecture (every HF config field but NOT_ARCHITECTURE's;
-    those keep the run's values), read from its config.json alone; says where the weights come from.
-    `verify` (--dry-run): a checkpoint's files against their checksums too, as loading it would."""
+    those keep the run's values), read from its config.json alone, and its tokenizer (an HF directory's tokenizer.json,
+    the one a checkpoint's run recorded, when there) gives its tokens the ids `dataset`'s does; says where the weights
+    come from. `verify` (--dry-run): a checkpoint's files against their checksums too, as loading it would."""
     path = Path(config.train.init_from)
     source = path if ckpt.is_hf_dir(path) or ckpt.is_checkpoint(path) else next(reversed(ckpt.list_checkpoints(path)), None)
     if verify and source is not None and not ckpt.is_hf_dir(source):
@@ -504,10 +510,34 @@ def check_init_from(config: RunConfig, echo: bool, verify: bool = False) -> None
         raise UserError(f"train.init_from={path}: its model differs from the run's in " + ", ".join(
             f"model.{k} ({theirs.get(k)!r} there, {ours.get(k)!r} in the run)" for k in wrong) +
             "; set the run's model fields to the source's (its config.json) or choose another train.init_from")
+    if dataset is not None and dataset.tokenizer_file and (tokenizer := _tokenizer_of_model(source, dataset)):
+        from tokenizers import Tokenizer
+
+        try:
+            theirs, ours = (Tokenizer.from_file(str(f)).get_vocab() for f in (tokenizer, dataset.tokenizer_file))
+        except Exception:  # tokenizers' bare Exception: a file it does not read is not compared (training never reads it)
+            theirs = ours = {}
+        if moved := [t for t, i in theirs.items() if ours.get(t) != i]:  # more tokens of ours (an extension) are fine
+            raise UserError(f"train.init_from={path}: its tokenizer {tokenizer} gives {len(moved)} of its tokens other ids "
+                            f"than the data's {dataset.tokenizer_file} (e.g. {moved[0]!r}: {theirs[moved[0]]} there, "
+                            f"{ours.get(moved[0])} here), so its weights would read other tokens; tokenize the data with "
+                            f"--tokenizer {tokenizer}")
     if echo:
         kept = [k for k in differ if k not in ("architectures", "dtype")]
         print(f"init_from: the weights of {source}" + (f" (the run keeps its own {', '.join(kept)})" if kept else ""),
               flush=True)
+
+
+def _tokenizer_of_model(source: Path, dataset: TokenDataset) -> Path | None:
+    """The tokenizer.json of init_from's model other than the dataset's: an HF directory's (or of a checkpoint convert made of
+    one), or the one a checkpoint's run recorded if it is still there unchanged; None when there is none to compare."""
+    own = dataset.identity["tokenizer_sha256"]
+    if ckpt.is_hf_dir(source) or (source / "tokenizer.json").is_file():  # an HF directory's, or a checkpoint's convert made of one
+        file = source / "tokenizer.json"
+        return file if file.is_file() and data_sha256(file) != own else None
+    recorded = ckpt.read_meta(source).get("dataset") or {}
+    file, sha = Path(recorded.get("path") or "/nonexistent", "tokenizer.json"), recorded.get("tokenizer_sha256")
+    return file if sha not in (None, own) and file.is_file() and data_sha256(file) == sha else None
 
 
 MAX_PARAMETERS = 10**13  # ten times the largest released MoE: past it, a size field is a typo
@@ -518,7 +548,8 @@ def check_model_size(model_cfg, on_cpu: bool = False) -> None:
     size field off by orders of magnitude fails here in one line, not in an allocation traceback. `on_cpu`: their
     fp32 weights, gradients and AdamW moments fit this machine's memory, else the kernel kills the run unannounced."""
     sizes = ", ".join(f"{f.name}={getattr(model_cfg, f.name)}" for f in dataclasses.fields(model_cfg)
-                      if isinstance(getattr(model_cfg, f.name), int) and getattr(model_cfg, f.name) > 4096)
+                      if isinstance(getattr(model_cfg, f.name), int) and getattr(model_cfg, f.name) > 4096
+                      and f.name not in NOT_ARCHITECTURE)  # token ids, max_position_embeddings: no size
     try:
         total = model_sizes(model_cfg)[0]
     except (RuntimeError, ValueError, OverflowError, MemoryError) as e:
