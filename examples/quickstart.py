@@ -16,6 +16,7 @@ import argparse
 import math
 import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,17 +46,20 @@ def build_data(data_dir: Path, vocab_size: int) -> None:
     if (data_dir / "meta.json").is_file() and (data_dir / "eval.npy").is_file():
         print(f"[data] using {data_dir} (delete it to rebuild)")
         return
+    if data_dir.exists() and (not data_dir.is_dir() or any(data_dir.iterdir())):  # never replace what is not ours
+        sys.exit(f"error: --data {data_dir} exists and is no finished quickstart dataset (it has no eval.npy): "
+                 "delete it to rebuild, or give --data another path")
     files = stdlib_corpus_files(TRAIN_BYTES + EVAL_BYTES)
     sizes = np.cumsum([Path(f).stat().st_size for f in files])
     split = int(np.searchsorted(sizes, TRAIN_BYTES))
     train_files, eval_files = files[:split], files[split:]
     print(f"[data] corpus: {len(train_files)} stdlib files for training, {len(eval_files)} held out for eval")
-    tok_dir = data_dir.parent / (data_dir.name + "_tokenizer")
-    tok_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    tokenizer_file = train_bpe(iter_documents(train_files), vocab_size, str(tok_dir / "tokenizer.json"))
-    print(f"[data] trained a byte-level BPE of {vocab_size} tokens in {time.perf_counter() - t0:.1f}s")
-    tokenize_to_dataset(train_files, tokenizer_file, str(data_dir))
+    with tempfile.TemporaryDirectory() as scratch:  # the dataset keeps its own copy of the tokenizer
+        tokenizer_file = train_bpe(iter_documents(train_files), vocab_size, str(Path(scratch) / "tokenizer.json"))
+        print(f"[data] trained a byte-level BPE of {vocab_size} tokens in {time.perf_counter() - t0:.1f}s")
+        tokenize_to_dataset(train_files, tokenizer_file, str(data_dir))
+    tokenizer_file = str(data_dir / "tokenizer.json")
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(tokenizer_file)
@@ -64,7 +68,6 @@ def build_data(data_dir: Path, vocab_size: int) -> None:
     seq = 129
     rows = min(32, len(ids) // seq)
     np.save(data_dir / "eval.npy", ids[: rows * seq].reshape(rows, seq).astype(np.int64))
-    shutil.rmtree(tok_dir, ignore_errors=True)
 
 
 @torch.no_grad()
@@ -102,10 +105,13 @@ def main() -> int:
     entropy = unigram_entropy(TokenDataset(data_dir))
     print(f"[data] unigram entropy of the training tokens: {entropy:.4f} nats/token")
 
-    out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)  # the demo always trains from scratch
+    out = Path(args.out)  # the demo trains from scratch: it replaces only its own runs (the default --out, or marked)
+    if out.exists() and out.resolve() != Path(parser.get_default("out")).resolve() and not (out / ".quickstart").is_file():
+        sys.exit(f"error: --out {out} exists and is not a quickstart run: give another --out, or delete it")
+    shutil.rmtree(out, ignore_errors=True)
     print(f"[train] {args.config} -> {out}")
     history = train(config, out, steps=args.steps)
+    (out / ".quickstart").touch()
     final_loss = float(np.mean([m["loss"] for m in history[-10:]]))
 
     ckpt = resolve_checkpoint(out)

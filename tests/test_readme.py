@@ -68,3 +68,29 @@ def test_make_clean_removes_only_what_make_made(tmp_path):
     subprocess.run(["make", "-s", "-f", str(ROOT / "Makefile"), "clean"], cwd=tmp_path, check=True, capture_output=True)
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if p.is_file()) == sorted(mine)
     assert not (tmp_path / ".venv").exists() and not (tmp_path / "data/stdlib").exists()
+
+
+@pytest.mark.fast
+def test_quickstart_replaces_only_its_own_data_and_runs(tmp_path, dataset_dir, monkeypatch, capsys):
+    """`make train` / `make data` (examples/quickstart.py) refuse a --data that is no finished quickstart dataset
+    and an --out that is not a quickstart run, before any work, and leave both as they were."""
+    import importlib.util
+    import shutil
+
+    spec = importlib.util.spec_from_file_location("quickstart", ROOT / "examples/quickstart.py")
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    monkeypatch.setattr(quickstart, "train", lambda *a, **k: pytest.fail("trained"))
+    mine, ready = tmp_path / "mine", tmp_path / "ready"
+    (mine / "data").mkdir(parents=True)
+    (mine / "data" / "meta.json").write_text("{}")  # a user's dataset without eval.npy
+    (mine / "notes.txt").write_text("keep")
+    shutil.copytree(dataset_dir, ready)
+    (ready / "eval.npy").touch()
+    for args, said in [(["--data", mine / "data", "--data-only"], f"--data {mine / 'data'} exists and is no finished"),
+                       (["--data", ready, "--out", mine], f"--out {mine} exists and is not a quickstart run")]:
+        monkeypatch.setattr(sys, "argv", ["quickstart.py", *map(str, args)])
+        with pytest.raises(SystemExit) as stop:
+            quickstart.main()
+        assert str(stop.value).startswith(f"error: {said}"), stop.value
+    assert sorted(p.name for p in mine.rglob("*")) == ["data", "meta.json", "notes.txt"]
