@@ -190,9 +190,9 @@ def main():
         return verdict([f"{args.sqlite} is a directory, not the SQLite export of a capture ({fix})"])
     target = (args.sqlite if args.sqlite.suffix == ".sqlite" or not args.sqlite.exists()  # never advise overwriting
               else args.sqlite.with_name(args.sqlite.stem + "_export.sqlite"))          # a file of another kind
+    export = f"nsys export --type sqlite -o {target} RUN.nsys-rep"
     if not args.sqlite.is_file():
-        return verdict([f"{args.sqlite} does not exist; give the SQLite export of a capture "
-                        f"(make it: nsys export --type sqlite -o {target} RUN.nsys-rep)"])
+        return verdict([f"{args.sqlite} does not exist; give the SQLite export of a capture (make it: {export})"])
     try:
         db = sqlite3.connect(f"file:{args.sqlite}?mode=ro", uri=True)
         missing = [f"{name} ({why})" for name, why in NEEDED.items() if name not in tables(db)]
