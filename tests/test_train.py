@@ -72,6 +72,11 @@ def test_resume_after_crash_is_bit_exact(tmp_path, dataset_dir):
     ckpt.read_model_state(ckpt.resolve_checkpoint(run), model_b)
     for (n, x), (_, y) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
         assert torch.equal(x, y), n
+    # the newest checkpoint damaged: through the API too (echo off) it is set aside, so pruning to one keeps the new one
+    with open(run / "checkpoints/step_00000006/__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    loop.train(tiny_config(dataset_dir, steps=6, checkpoint_every=1, keep_checkpoints=1), run, echo=False, stop_after=5)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000005", "step_00000006.damaged"]
 
 
 @pytest.mark.fast
@@ -156,6 +161,9 @@ def test_lb_coef_zero_disables_the_loss(tmp_path, dataset_dir):
 def test_checkpoint_every_minus_one_writes_none(tmp_path, dataset_dir):
     history = loop.train(tiny_config(dataset_dir, steps=2, checkpoint_every=-1), tmp_path, echo=False)
     assert len(history) == 2 and ckpt.list_checkpoints(tmp_path) == []
+    logged = (tmp_path / "metrics.jsonl").read_text()  # a rerun starts over and moves them aside, echo off too
+    loop.train(tiny_config(dataset_dir, steps=1, checkpoint_every=-1), tmp_path, echo=False)
+    assert (tmp_path / "metrics_earlier.jsonl").read_text() == logged
 
 
 @pytest.mark.fast

@@ -451,13 +451,14 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
         raise UserError(f"parallel.pp={pp}: with model.num_hidden_layers={layers} pipeline rank(s) "
                         f"{', '.join(map(str, idle))} hold no layer; use at least {least} layers or fewer stages")
     check_muon_takes_some(config, echo)
-    found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None,
-                               set_aside=create and echo)
+    # the run's writing process moves what it must (the --nproc launcher's check, before any worker, leaves that to rank 0)
+    act = create and (echo or world_size == 1 or torch.distributed.is_initialized())
+    found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None, set_aside=act)
     logged, n = out_dir / "metrics.jsonl", 1
     if found is None and logged.is_file() and logged.stat().st_size:  # an earlier run's steps, nothing to resume
         while (kept := out_dir / f"metrics_earlier{f'_{n}' if n > 1 else ''}.jsonl").exists():
             n += 1
-        if create and echo:  # the run, on its writing rank; a dry run only says so
+        if act:  # a dry run only says so
             logged.rename(kept)
         if echo:
             print(f"note: {logged} holds an earlier run's steps, with no checkpoint to resume from: this run starts at "
