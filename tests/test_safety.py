@@ -6,6 +6,7 @@ killed run leaves behind. Signals, kill -9 and the launcher are in test_faults.p
 import pytest
 import json
 import os
+import shutil
 import socket
 import subprocess
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from cli_util import cli, one_line_error, write_config
 from pithtrain.train import checkpoint as ckpt
+from pithtrain.train import loop
 from pithtrain.train.metrics import read_metrics
 from pithtrain.train.rundir import RunLock
 
@@ -57,7 +59,7 @@ def test_convert_never_deletes_its_source_or_an_unrelated_directory(tmp_path, da
     assert files_of(hf) == before[hf]  # same weights written again
 
 
-def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, capsys):
+def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, capsys, monkeypatch):
     cfg = write_config(tmp_path / "cfg.py", dataset_dir, steps=1)
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -75,6 +77,9 @@ def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, c
     err = cli(["train", cfg, "--out", empty], capsys, code=2)[1]
     one_line_error(err, f"run directory {empty} is in use by pid {os.getpid()} on host {socket.gethostname()}")
     lock.release()
+    gone = tmp_path / "gone"  # a new run directory deleted during the run: the error names the write that failed
+    monkeypatch.setattr(loop, "lr_at", lambda *a: (shutil.rmtree(gone), 1e-3)[1])
+    one_line_error(cli(["train", cfg, "--out", gone], capsys, code=2)[1], f"writing {gone / 'metrics.jsonl'} failed")
 
 
 def test_checksums_name_damaged_checkpoints_and_resume_falls_back(tmp_path, dataset_dir, capsys):
