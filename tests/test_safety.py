@@ -109,6 +109,8 @@ def test_checksums_name_damaged_checkpoints_and_resume_falls_back(tmp_path, data
     assert [(m["loss"], m["grad_norm"]) for m in read_metrics(run / "metrics.jsonl")] == \
            [(m["loss"], m["grad_norm"]) for m in read_metrics(ref / "metrics.jsonl")]
     assert [ckpt.check_checkpoint(p) for p in ckpt.list_checkpoints(run)] == [None] * 3  # damaged ones were rewritten
+    (s3 / "meta.json").write_text('{"step": "3", "files": 5}')  # edited by hand, without its meta_crc32: named
+    one_line_error(cli(["eval", s3, *tokens], capsys, code=2)[1], f"checkpoint {s3} is damaged: meta.json")
 
     for p in ckpt.list_checkpoints(run):
         (p / ".metadata").unlink()

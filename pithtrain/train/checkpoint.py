@@ -167,6 +167,9 @@ def check_checkpoint(ckpt: str | Path, rank: int = 0, world: int = 1) -> str | N
     if crc is not None and crc != _json_crc(meta):
         return "meta.json was edited or corrupted (its CRC32 does not match its content)"
     files = meta.get("files", {".metadata": None})
+    if not (isinstance(meta.get("step"), int) and isinstance(meta.get("config", {}), dict) and isinstance(files, dict)
+            and all(v is None or isinstance(v, list) and len(v) == 2 for v in files.values())):
+        return "meta.json lacks the integer step, files or config that pithtrain writes (edited by hand?)"
     for name in sorted(files)[rank::world]:
         path = ckpt / name
         if not path.is_file():
