@@ -99,10 +99,15 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, dataset_dir, 
 
 @pytest.mark.fast
 def test_non_finite_loss_stops_with_a_clear_error(tmp_path, dataset_dir, monkeypatch):
-    monkeypatch.setattr(loop, "cross_entropy_sum", lambda logits, labels, **_: logits.sum() * float("nan"))
-    with pytest.raises(FloatingPointError, match="non-finite loss"):
-        loop.train(tiny_config(dataset_dir, steps=2), tmp_path, echo=False)
-    assert ckpt.list_checkpoints(tmp_path) == []
+    calls = []  # NaN from the second step on (two micro-batches a step)
+    monkeypatch.setattr(loop, "cross_entropy_sum", lambda logits, labels, **_: calls.append(1) or logits.sum() * (
+                        1 if len(calls) <= 2 else float("nan")))
+    with pytest.raises(FloatingPointError, match=f"non-finite loss .* at step 2; the last checkpoint, {tmp_path}/checkpoints/"
+                                                 "step_00000001, is kept.*then resume"):
+        loop.train(tiny_config(dataset_dir, steps=2, checkpoint_every=1), tmp_path, echo=False)
+    with pytest.raises(FloatingPointError, match="non-finite loss .* at step 1; no checkpoint yet.*then run again"):
+        loop.train(tiny_config(dataset_dir, steps=2), tmp_path / "new", echo=False)
+    assert ckpt.list_checkpoints(tmp_path / "new") == []
 
 
 @pytest.mark.fast

@@ -382,9 +382,9 @@ def train_step(run: Run, step: int, stop) -> Stepped:
         run.norms.grads(model.named_parameters())
     grad_norm = global_grad_norm(params, mesh)
     if not math.isfinite(loss) or not math.isfinite(grad_norm):
-        raise FloatingPointError(f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {step + 1}; the last "
-                                 "good checkpoint is kept. Lower optim.lr, raise optim.warmup_steps or check "
-                                 "the data, then resume.")
+        kept = f"the last checkpoint, {good[-1]}, is kept" if (good := ckpt.list_checkpoints(run.out_dir)) else "no checkpoint yet"
+        raise FloatingPointError(f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {step + 1}; {kept}. Lower "
+                                 f"optim.lr, raise optim.warmup_steps or check the data, then {'resume' if good else 'run again'}.")
     with named_range("pithtrain::optimizer"):
         optimizer_step(run.optimizer, params, o.grad_clip, grad_norm)  # clips first
     run.optimizer.zero_grad(set_to_none=True)
