@@ -301,12 +301,14 @@ def build_model(config: RunConfig, mesh: Mesh, dtype: torch.dtype, found: Path |
 
 def resume(config: RunConfig, model, optimizer, mesh: Mesh, found: Path | None, out_dir: Path, echo: bool) -> int:
     """Load the checkpoint `found` (if any) into the model and optimizer (weights alone after an
-    optim.name switch); on the main rank cut metrics.jsonl back to its step and write the run's
+    optim.name or Muon optim.muon_exclude switch); on the main rank cut metrics.jsonl back to its step and write the run's
     config.json and run_config.json. Returns the step to start from."""
     start = 0
     if found:
         try:
-            switched = _flat(ckpt.read_meta(found).get("config", {}))["optim.name"] != config.optim.name  # optim.allow_switch
+            old, o = _flat(ckpt.read_meta(found).get("config", {})), config.optim  # optim.allow_switch: state starts fresh
+            exclude = list(o.muon_exclude)
+            switched = old["optim.name"] != o.name or o.name == "muon" and old.get("optim.muon_exclude", exclude) != exclude
             meta = ckpt.load_training_state(found, model, optimizer, mesh, with_optim=not switched)
         except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
             cause = ckpt.dcp_cause(e)
@@ -672,6 +674,10 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
         raise UserError(f"cannot resume from {checkpoint}: it holds {was} optimizer state and optim.name={now}; set "
                         f"optim.name={was}, or --set optim.allow_switch=true to go on with {now} from fresh optimizer "
                         f"state, or train into a new --out")
+    if "optim.muon_exclude" in changed and config.optim.name == "muon" and not config.optim.allow_switch:
+        raise UserError(f"cannot resume from {checkpoint}: {show(['optim.muon_exclude'])} moves weights between Muon and AdamW, "
+                        "whose optimizer states differ; undo the change, or --set optim.allow_switch=true to go on from fresh "
+                        "optimizer state, or train into a new --out")
     step = meta["step"]
     for name, value in (("train.steps", config.train.steps), ("--stop-after", stop_after)):
         if value is not None and value < step:
