@@ -137,6 +137,7 @@ def test_leftovers_of_a_killed_run(tmp_path, dataset_dir, capsys, monkeypatch):
     (root / "step_00000004.tmp").mkdir()  # a save cut short
     (root / "step_00000004.tmp" / "__0_0.distcp").write_bytes(b"partial")
     (root / "notes.tmp").write_text("not ours")
+    (root / "step_00000000").symlink_to(shutil.copytree(root / "step_00000002", tmp_path / "other"))  # a link to another run's
     dead = subprocess.Popen(["true"])
     dead.wait()
     (run / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "start": "1"}))
@@ -145,4 +146,5 @@ def test_leftovers_of_a_killed_run(tmp_path, dataset_dir, capsys, monkeypatch):
     assert f"note: removed {root / 'step_00000004.tmp'}" in out and f"resumed from {root / 'step_00000003'} (step 3)" in out
     assert sorted(os.listdir(root)) == ["notes.tmp", "step_00000003", "step_00000004"]  # the half-deleted one went at rotation
     assert ckpt.check_checkpoint(root / "step_00000004") is None and (run / "run.lock").read_text() == ""
+    assert ckpt.check_checkpoint(tmp_path / "other") is None  # rotation removed the link, not what it points to
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]

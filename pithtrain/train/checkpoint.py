@@ -142,6 +142,9 @@ def save_checkpoint(run_dir, step: int, state: dict, meta: dict, hf_config: dict
     final = write_checkpoint(Path(run_dir) / "checkpoints" / f"step_{step:08d}", state, dict(meta, step=step), hf_config)
     if _is_main():
         for old in list_checkpoints(run_dir)[:-keep]:  # its marker first: a half-deleted one never counts
+            if old.is_symlink():  # a user's link to another run's checkpoint: the link alone
+                old.unlink()
+                continue
             (old / "meta.json").unlink(missing_ok=True)
             _fsync_dir(old)
             shutil.rmtree(old, ignore_errors=True)
