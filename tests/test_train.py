@@ -310,7 +310,8 @@ def test_progress_line_durations_and_tensorboard_tags(tmp_path):
     assert "| 0.001234 TFLOP/s/GPU |" in format_line(dict(m, tflops_per_gpu=0.0012341), 100)  # a CPU run's, not 0.0
     assert format_line(m, 100, elapsed=75).endswith("| 1m15s elapsed")  # no ETA from a step that compiled
     assert line.startswith("step 7/100 | loss 2.0000 | eval 2.5000 |") and line.endswith("| 1m15s elapsed, ETA 2h03m")
-    assert [duration(s) for s in (0.2, 59.6, 3599, 36000)] == ["0s", "1m00s", "59m59s", "10h00m"]
+    assert [duration(s) for s in (0.2, 59.6, 3599, 36000, 86399, 1.1e6)] == ["0s", "1m00s", "59m59s", "10h00m", "23h59m", "12d17h"]
+    assert "| 2.50M tok/s |" in format_line(dict(m, tokens_per_s=2.5e6), 100)  # not 2500.0k
     log, scalars = MetricsLog(tmp_path, tensorboard=False), []
     log.writer = type("Writer", (), {"add_scalar": lambda self, *a: scalars.append(a), "close": lambda self: None})()
     log.log(dict(m, time=1.7e9), 100, echo=False)

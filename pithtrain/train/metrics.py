@@ -68,14 +68,15 @@ def flops_per_token(cfg, seq: int) -> float:
 
 
 def duration(seconds: float) -> str:
-    """45s, 3m05s, 2h03m."""
+    """45s, 3m05s, 2h03m, 12d16h."""
     s = int(max(seconds, 0) + 0.5)
-    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s // 60 % 60:02d}m"
+    return (f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s // 60 % 60:02d}m"
+            if s < 86400 else f"{s // 86400}d{s // 3600 % 24:02d}h")
 
 
 def format_line(m: dict, total_steps: int, elapsed: float | None = None, eta: float | None = None) -> str:
     tps = m["tokens_per_s"]
-    tps_text = f"{tps / 1e3:.1f}k" if tps >= 1e3 else f"{tps:.0f}"
+    tps_text = f"{tps / 1e6:.2f}M" if tps >= 1e6 else f"{tps / 1e3:.1f}k" if tps >= 1e3 else f"{tps:.0f}"
     progress = "" if elapsed is None else f" | {duration(elapsed)} elapsed" + ("" if eta is None else f", ETA {duration(eta)}")
     return (f"step {m['step']}/{total_steps} | loss {m['loss']:.4f}"
             + (f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else "")
