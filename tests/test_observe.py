@@ -7,6 +7,7 @@ import json
 import sys
 import threading
 import types
+import warnings
 from unittest import mock
 
 import pytest
@@ -138,6 +139,10 @@ def test_plot(tmp_path, run, capsys):
     assert out == f"wrote {tmp_path / 'both.png'}\n" and (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
     cli(["plot", other], capsys)
     assert (other / "metrics.png").stat().st_size > 0
+    (other / "metrics.jsonl").write_text('{"step": 2, "eval_loss": 3.9}\n')  # eval rows alone: still in the legend
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's 'No artists with labels found to put in legend'
+        cli(["plot", other, "--out", tmp_path / "eval.png"], capsys)
 
 
 def test_plot_errors(tmp_path, run, capsys):
