@@ -98,6 +98,15 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, dataset_dir, 
 
 
 @pytest.mark.fast
+def test_a_signal_during_a_save_stops_once_it_is_written(tmp_path, dataset_dir, monkeypatch):
+    """SIGTERM while step 2's checkpoint is written: the run ends there, not after one more step and save."""
+    stop, write = type("Stop", (), {"signum": 0, "stopped_at": None})(), ckpt.write_checkpoint
+    monkeypatch.setattr(ckpt, "write_checkpoint", lambda *a: (setattr(stop, "signum", 15), write(*a))[1])
+    history = loop.train(tiny_config(dataset_dir, steps=6, checkpoint_every=2), tmp_path, echo=False, stop=stop)
+    assert len(history) == stop.stopped_at == 2 and [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000002"]
+
+
+@pytest.mark.fast
 def test_non_finite_loss_stops_with_a_clear_error(tmp_path, dataset_dir, monkeypatch):
     calls = []  # NaN from the second step on (two micro-batches a step)
     monkeypatch.setattr(loop, "cross_entropy_sum", lambda logits, labels, **_: calls.append(1) or logits.sum() * (

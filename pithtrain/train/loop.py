@@ -193,15 +193,25 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
         shown = step - run.start < 3 or (step + 1) % t.log_every == 0 or step + 1 in (t.steps, run.end) or "eval_loss" in m
         warming = t.compile and step + 1 == first_done[1] and step + 1 < run.end  # compiling: its time says nothing of the rest
         run.log.log(m, t.steps, echo=run.echo and shown, elapsed=now - began, eta=None if warming else rate * (run.end - step - 1))
-        if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < run.end or out.halt and t.checkpoint_every >= 0:
+        halt = out.halt
+        if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < run.end or halt and t.checkpoint_every >= 0:
             run.save(step + 1)
-        if out.halt:
+            halt = halt or stop is not None and signalled(stop, run.mesh)  # one came during the save: no step and save more
+        if halt:
             stop.stopped_at = step + 1
             break
     else:
         end_of_run(run)
     run.log.close()
     return history
+
+
+def signalled(stop, mesh: Mesh) -> bool:
+    """Whether a stop was requested on any rank (one collective, outside the steps)."""
+    flag = torch.tensor(float(bool(stop.signum)), device=mesh.device)
+    if mesh.world > 1:
+        torch.distributed.all_reduce(flag)
+    return bool(flag)
 
 
 def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop_after: int | None,
