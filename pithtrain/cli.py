@@ -143,7 +143,7 @@ def _drop_unused(out: Path) -> None:
     from pithtrain.train.rundir import LOCK
 
     ours = {LOCK, "config.json", "run_config.json", "checkpoints", "tensorboard", "wandb", "wandb_id"}
-    if {p.name for p in out.iterdir()} - ours or any((out / "checkpoints").glob("*")):
+    if not out.is_dir() or {p.name for p in out.iterdir()} - ours or any((out / "checkpoints").glob("*")):
         return
     for name in ("config.json", "run_config.json", "wandb_id"):
         (out / name).unlink(missing_ok=True)

@@ -117,7 +117,7 @@ class OptimConfig:
     momentum: float = 0.95  # Muon Nesterov momentum
     # Muon: parameters whose name matches one of these fnmatch patterns stay on AdamW (setting the list replaces it)
     muon_exclude: list[str] = field(default_factory=lambda: list(MUON_EXCLUDE))
-    allow_switch: bool = False  # resume a checkpoint written with another optim.name (its optimizer state is dropped)
+    allow_switch: bool = False  # resume a checkpoint written with another optim.name or Muon optim.muon_exclude (its optimizer state is dropped)
 
 
 @dataclass

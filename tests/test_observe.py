@@ -2,16 +2,19 @@
 config fields in `train --help`), TensorBoard, Weights & Biases (a fake wandb module) and `pithtrain plot`."""
 
 import dataclasses
+import errno
 import json
 import sys
+import threading
 import types
+import warnings
 from unittest import mock
 
 import pytest
 
 from cli_util import cli, one_line_error
 from conftest import tiny_config, write_run_file
-from pithtrain.config import SECTIONS, field_help, load_run_config, run_dict
+from pithtrain.config import SECTIONS, UserError, field_help, load_run_config, run_dict
 from pithtrain.train import loop
 from pithtrain.train.metrics import MetricsLog
 
@@ -110,12 +113,21 @@ def test_wandb_missing_is_refused_before_training(tmp_path, dataset_dir, capsys)
     assert not (tmp_path / "run").exists()
 
 
-def test_tensorboard_scalars(tmp_path, dataset_dir):
+def test_tensorboard_scalars(tmp_path, dataset_dir, monkeypatch):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     history = loop.train(tiny_config(dataset_dir, steps=2, tensorboard=True), tmp_path / "run", echo=False)
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([m["loss"] for m in history])
+    # a full disk under its writer thread: one error naming the directory, no thread traceback
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    monkeypatch.setattr(RecordWriter, "write", lambda *a: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    monkeypatch.setattr(threading, "excepthook", lambda args: seen.append(args.exc_value))
+    seen = []
+    with pytest.raises(UserError, match=f"writing {tmp_path}/full/tensorboard failed: No space left on device .*tensorboard=false"):
+        loop.train(tiny_config(dataset_dir, steps=2, tensorboard=True), tmp_path / "full", echo=False)
+    assert seen == []
 
 
 def test_plot(tmp_path, run, capsys):
@@ -127,6 +139,10 @@ def test_plot(tmp_path, run, capsys):
     assert out == f"wrote {tmp_path / 'both.png'}\n" and (tmp_path / "both.png").read_bytes()[:4] == b"\x89PNG"
     cli(["plot", other], capsys)
     assert (other / "metrics.png").stat().st_size > 0
+    (other / "metrics.jsonl").write_text('{"step": 2, "eval_loss": 3.9}\n')  # eval rows alone: still in the legend
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # matplotlib's 'No artists with labels found to put in legend'
+        cli(["plot", other, "--out", tmp_path / "eval.png"], capsys)
 
 
 def test_plot_errors(tmp_path, run, capsys):

@@ -83,6 +83,12 @@ def test_switching_the_optimizer_is_refused_unless_allowed(run, tmp_path):
     notes = [line for line in (printed + err).splitlines() if line.startswith(("warning:", "note:"))]
     assert code == 0 and not any("allow_switch" in line for line in notes), notes  # a permission, not a setting
     assert [m["step"] for m in read_metrics(copy / "metrics.jsonl")] == [1, 2, 3]
+    exclude = ("--set", 'optim.muon_exclude=["*norm*"]')  # the head and embedding join Muon: its state has no moments for them
+    code, _, err = cli("train", config, "--out", copy, "--steps", "4", "--set", "optim.name=muon", *exclude)
+    assert refused(code, err, "cannot resume", "optim.muon_exclude", "optim.allow_switch=true"), err
+    code, _, err = cli("train", config, "--out", copy, "--steps", "4", "--set", "optim.name=muon", *exclude,
+                       "--set", "optim.allow_switch=true")
+    assert code == 0 and [m["step"] for m in read_metrics(copy / "metrics.jsonl")] == [1, 2, 3, 4], err
 
 
 def test_lr_schedule_and_steps_change_with_a_warning_then_fewer_steps_are_refused(run):

@@ -6,6 +6,7 @@ killed run leaves behind. Signals, kill -9 and the launcher are in test_faults.p
 import pytest
 import json
 import os
+import shutil
 import socket
 import subprocess
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from cli_util import cli, one_line_error, write_config
 from pithtrain.train import checkpoint as ckpt
+from pithtrain.train import loop
 from pithtrain.train.metrics import read_metrics
 from pithtrain.train.rundir import RunLock
 
@@ -57,7 +59,7 @@ def test_convert_never_deletes_its_source_or_an_unrelated_directory(tmp_path, da
     assert files_of(hf) == before[hf]  # same weights written again
 
 
-def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, capsys):
+def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, capsys, monkeypatch):
     cfg = write_config(tmp_path / "cfg.py", dataset_dir, steps=1)
     hf = tmp_path / "hf"
     hf.mkdir()
@@ -75,6 +77,9 @@ def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, c
     err = cli(["train", cfg, "--out", empty], capsys, code=2)[1]
     one_line_error(err, f"run directory {empty} is in use by pid {os.getpid()} on host {socket.gethostname()}")
     lock.release()
+    gone = tmp_path / "gone"  # a new run directory deleted during the run: the error names the write that failed
+    monkeypatch.setattr(loop, "lr_at", lambda *a: (shutil.rmtree(gone), 1e-3)[1])
+    one_line_error(cli(["train", cfg, "--out", gone], capsys, code=2)[1], f"writing {gone / 'metrics.jsonl'} failed")
 
 
 def test_checksums_name_damaged_checkpoints_and_resume_falls_back(tmp_path, dataset_dir, capsys):
@@ -104,6 +109,8 @@ def test_checksums_name_damaged_checkpoints_and_resume_falls_back(tmp_path, data
     assert [(m["loss"], m["grad_norm"]) for m in read_metrics(run / "metrics.jsonl")] == \
            [(m["loss"], m["grad_norm"]) for m in read_metrics(ref / "metrics.jsonl")]
     assert [ckpt.check_checkpoint(p) for p in ckpt.list_checkpoints(run)] == [None] * 3  # damaged ones were rewritten
+    (s3 / "meta.json").write_text('{"step": "3", "files": 5}')  # edited by hand, without its meta_crc32: named
+    one_line_error(cli(["eval", s3, *tokens], capsys, code=2)[1], f"checkpoint {s3} is damaged: meta.json")
 
     for p in ckpt.list_checkpoints(run):
         (p / ".metadata").unlink()
@@ -130,6 +137,7 @@ def test_leftovers_of_a_killed_run(tmp_path, dataset_dir, capsys, monkeypatch):
     (root / "step_00000004.tmp").mkdir()  # a save cut short
     (root / "step_00000004.tmp" / "__0_0.distcp").write_bytes(b"partial")
     (root / "notes.tmp").write_text("not ours")
+    (root / "step_00000000").symlink_to(shutil.copytree(root / "step_00000002", tmp_path / "other"))  # a link to another run's
     dead = subprocess.Popen(["true"])
     dead.wait()
     (run / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid, "start": "1"}))
@@ -138,4 +146,5 @@ def test_leftovers_of_a_killed_run(tmp_path, dataset_dir, capsys, monkeypatch):
     assert f"note: removed {root / 'step_00000004.tmp'}" in out and f"resumed from {root / 'step_00000003'} (step 3)" in out
     assert sorted(os.listdir(root)) == ["notes.tmp", "step_00000003", "step_00000004"]  # the half-deleted one went at rotation
     assert ckpt.check_checkpoint(root / "step_00000004") is None and (run / "run.lock").read_text() == ""
+    assert ckpt.check_checkpoint(tmp_path / "other") is None  # rotation removed the link, not what it points to
     assert [m["step"] for m in read_metrics(run / "metrics.jsonl")] == [1, 2, 3, 4]

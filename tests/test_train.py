@@ -72,6 +72,11 @@ def test_resume_after_crash_is_bit_exact(tmp_path, dataset_dir):
     ckpt.read_model_state(ckpt.resolve_checkpoint(run), model_b)
     for (n, x), (_, y) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
         assert torch.equal(x, y), n
+    # the newest checkpoint damaged: through the API too (echo off) it is set aside, so pruning to one keeps the new one
+    with open(run / "checkpoints/step_00000006/__0_0.distcp", "r+b") as f:
+        f.truncate(100)
+    loop.train(tiny_config(dataset_dir, steps=6, checkpoint_every=1, keep_checkpoints=1), run, echo=False, stop_after=5)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_00000005", "step_00000006.damaged"]
 
 
 @pytest.mark.fast
@@ -93,11 +98,25 @@ def test_crash_during_save_keeps_the_previous_checkpoint(tmp_path, dataset_dir, 
 
 
 @pytest.mark.fast
+def test_a_signal_during_a_save_stops_once_it_is_written(tmp_path, dataset_dir, monkeypatch):
+    """SIGTERM while step 2's checkpoint is written: the run ends there, not after one more step and save."""
+    stop, write = type("Stop", (), {"signum": 0, "stopped_at": None})(), ckpt.write_checkpoint
+    monkeypatch.setattr(ckpt, "write_checkpoint", lambda *a: (setattr(stop, "signum", 15), write(*a))[1])
+    history = loop.train(tiny_config(dataset_dir, steps=6, checkpoint_every=2), tmp_path, echo=False, stop=stop)
+    assert len(history) == stop.stopped_at == 2 and [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000002"]
+
+
+@pytest.mark.fast
 def test_non_finite_loss_stops_with_a_clear_error(tmp_path, dataset_dir, monkeypatch):
-    monkeypatch.setattr(loop, "cross_entropy_sum", lambda logits, labels, **_: logits.sum() * float("nan"))
-    with pytest.raises(FloatingPointError, match="non-finite loss"):
-        loop.train(tiny_config(dataset_dir, steps=2), tmp_path, echo=False)
-    assert ckpt.list_checkpoints(tmp_path) == []
+    calls = []  # NaN from the second step on (two micro-batches a step)
+    monkeypatch.setattr(loop, "cross_entropy_sum", lambda logits, labels, **_: calls.append(1) or logits.sum() * (
+                        1 if len(calls) <= 2 else float("nan")))
+    with pytest.raises(FloatingPointError, match=f"non-finite loss .* at step 2; the last checkpoint, {tmp_path}/checkpoints/"
+                                                 "step_00000001, is kept.*then resume"):
+        loop.train(tiny_config(dataset_dir, steps=2, checkpoint_every=1), tmp_path, echo=False)
+    with pytest.raises(FloatingPointError, match="non-finite loss .* at step 1; no checkpoint yet.*then run again"):
+        loop.train(tiny_config(dataset_dir, steps=2), tmp_path / "new", echo=False)
+    assert ckpt.list_checkpoints(tmp_path / "new") == []
 
 
 @pytest.mark.fast
@@ -156,6 +175,9 @@ def test_lb_coef_zero_disables_the_loss(tmp_path, dataset_dir):
 def test_checkpoint_every_minus_one_writes_none(tmp_path, dataset_dir):
     history = loop.train(tiny_config(dataset_dir, steps=2, checkpoint_every=-1), tmp_path, echo=False)
     assert len(history) == 2 and ckpt.list_checkpoints(tmp_path) == []
+    logged = (tmp_path / "metrics.jsonl").read_text()  # a rerun starts over and moves them aside, echo off too
+    loop.train(tiny_config(dataset_dir, steps=1, checkpoint_every=-1), tmp_path, echo=False)
+    assert (tmp_path / "metrics_earlier.jsonl").read_text() == logged
 
 
 @pytest.mark.fast
@@ -297,7 +319,8 @@ def test_progress_line_durations_and_tensorboard_tags(tmp_path):
     assert "| 0.001234 TFLOP/s/GPU |" in format_line(dict(m, tflops_per_gpu=0.0012341), 100)  # a CPU run's, not 0.0
     assert format_line(m, 100, elapsed=75).endswith("| 1m15s elapsed")  # no ETA from a step that compiled
     assert line.startswith("step 7/100 | loss 2.0000 | eval 2.5000 |") and line.endswith("| 1m15s elapsed, ETA 2h03m")
-    assert [duration(s) for s in (0.2, 59.6, 3599, 36000)] == ["0s", "1m00s", "59m59s", "10h00m"]
+    assert [duration(s) for s in (0.2, 59.6, 3599, 36000, 86399, 1.1e6)] == ["0s", "1m00s", "59m59s", "10h00m", "23h59m", "12d17h"]
+    assert "| 2.50M tok/s |" in format_line(dict(m, tokens_per_s=2.5e6), 100)  # not 2500.0k
     log, scalars = MetricsLog(tmp_path, tensorboard=False), []
     log.writer = type("Writer", (), {"add_scalar": lambda self, *a: scalars.append(a), "close": lambda self: None})()
     log.log(dict(m, time=1.7e9), 100, echo=False)

@@ -71,7 +71,8 @@ def run_plot(args) -> int:
             ax.set(title=title, xlabel="step")
         evals = [(m["step"], m["eval_loss"]) for m in ms if "eval_loss" in m]
         if evals:
-            axes[0].plot(*zip(*evals), color=color, linestyle="--", marker=".")
+            axes[0].plot(*zip(*evals), color=color, linestyle="--", marker=".",  # named when it is the run's only loss line
+                         label=None if any("loss" in m for m in ms) else label)
     axes[0].legend(fontsize="small")
     fig.tight_layout()
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{out.suffix}")  # renamed over `out` once whole

@@ -148,6 +148,9 @@ def save_checkpoint(run_dir, step: int, state: dict, meta: dict, hf_config: dict
     final = write_checkpoint(Path(run_dir) / "checkpoints" / f"step_{step:08d}", state, dict(meta, step=step), hf_config)
     if _is_main():
         for old in list_checkpoints(run_dir)[:-keep]:  # its marker first: a half-deleted one never counts
+            if old.is_symlink():  # a user's link to another run's checkpoint: the link alone
+                old.unlink()
+                continue
             (old / "meta.json").unlink(missing_ok=True)
             _fsync_dir(old)
             shutil.rmtree(old, ignore_errors=True)
@@ -173,6 +176,9 @@ def check_checkpoint(ckpt: str | Path, rank: int = 0, world: int = 1) -> str | N
     if crc is not None and crc != _json_crc(meta):
         return "meta.json was edited or corrupted (its CRC32 does not match its content)"
     files = meta.get("files", {".metadata": None})
+    if not (isinstance(meta.get("step"), int) and isinstance(meta.get("config", {}), dict) and isinstance(files, dict)
+            and all(v is None or isinstance(v, list) and len(v) == 2 for v in files.values())):
+        return "meta.json lacks the integer step, files or config that pithtrain writes (edited by hand?)"
     for name in sorted(files)[rank::world]:
         path = ckpt / name
         if not path.is_file():

@@ -193,15 +193,25 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
         shown = step - run.start < 3 or (step + 1) % t.log_every == 0 or step + 1 in (t.steps, run.end) or "eval_loss" in m
         warming = t.compile and step + 1 == first_done[1] and step + 1 < run.end  # compiling: its time says nothing of the rest
         run.log.log(m, t.steps, echo=run.echo and shown, elapsed=now - began, eta=None if warming else rate * (run.end - step - 1))
-        if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < run.end or out.halt and t.checkpoint_every >= 0:
+        halt = out.halt
+        if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < run.end or halt and t.checkpoint_every >= 0:
             run.save(step + 1)
-        if out.halt:
+            halt = halt or stop is not None and signalled(stop, run.mesh)  # one came during the save: no step and save more
+        if halt:
             stop.stopped_at = step + 1
             break
     else:
         end_of_run(run)
     run.log.close()
     return history
+
+
+def signalled(stop, mesh: Mesh) -> bool:
+    """Whether a stop was requested on any rank (one collective, outside the steps)."""
+    flag = torch.tensor(float(bool(stop.signum)), device=mesh.device)
+    if mesh.world > 1:
+        torch.distributed.all_reduce(flag)
+    return bool(flag)
 
 
 def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop_after: int | None,
@@ -301,12 +311,14 @@ def build_model(config: RunConfig, mesh: Mesh, dtype: torch.dtype, found: Path |
 
 def resume(config: RunConfig, model, optimizer, mesh: Mesh, found: Path | None, out_dir: Path, echo: bool) -> int:
     """Load the checkpoint `found` (if any) into the model and optimizer (weights alone after an
-    optim.name switch); on the main rank cut metrics.jsonl back to its step and write the run's
+    optim.name or Muon optim.muon_exclude switch); on the main rank cut metrics.jsonl back to its step and write the run's
     config.json and run_config.json. Returns the step to start from."""
     start = 0
     if found:
         try:
-            switched = _flat(ckpt.read_meta(found).get("config", {}))["optim.name"] != config.optim.name  # optim.allow_switch
+            old, o = _flat(ckpt.read_meta(found).get("config", {})), config.optim  # optim.allow_switch: state starts fresh
+            exclude = list(o.muon_exclude)
+            switched = old["optim.name"] != o.name or o.name == "muon" and old.get("optim.muon_exclude", exclude) != exclude
             meta = ckpt.load_training_state(found, model, optimizer, mesh, with_optim=not switched)
         except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
             cause = ckpt.dcp_cause(e)
@@ -382,9 +394,9 @@ def train_step(run: Run, step: int, stop) -> Stepped:
         run.norms.grads(model.named_parameters())
     grad_norm = global_grad_norm(params, mesh)
     if not math.isfinite(loss) or not math.isfinite(grad_norm):
-        raise FloatingPointError(f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {step + 1}; the last "
-                                 "good checkpoint is kept. Lower optim.lr, raise optim.warmup_steps or check "
-                                 "the data, then resume.")
+        kept = f"the last checkpoint, {good[-1]}, is kept" if (good := ckpt.list_checkpoints(run.out_dir)) else "no checkpoint yet"
+        raise FloatingPointError(f"non-finite loss ({loss}) or grad norm ({grad_norm}) at step {step + 1}; {kept}. Lower "
+                                 f"optim.lr, raise optim.warmup_steps or check the data, then {'resume' if good else 'run again'}.")
     with named_range("pithtrain::optimizer"):
         optimizer_step(run.optimizer, params, o.grad_clip, grad_norm)  # clips first
     run.optimizer.zero_grad(set_to_none=True)
@@ -456,13 +468,14 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
         raise UserError(f"parallel.pp={pp}: with model.num_hidden_layers={layers} pipeline rank(s) "
                         f"{', '.join(map(str, idle))} hold no layer; use at least {least} layers or fewer stages")
     check_muon_takes_some(config, echo)
-    found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None,
-                               set_aside=create and echo)
+    # the run's writing process moves what it must (the --nproc launcher's check, before any worker, leaves that to rank 0)
+    act = create and (echo or world_size == 1 or torch.distributed.is_initialized())
+    found = ckpt.newest_intact(out_dir, report=lambda line: print(line, flush=True) if echo else None, set_aside=act)
     logged, n = out_dir / "metrics.jsonl", 1
     if found is None and logged.is_file() and logged.stat().st_size:  # an earlier run's steps, nothing to resume
         while (kept := out_dir / f"metrics_earlier{f'_{n}' if n > 1 else ''}.jsonl").exists():
             n += 1
-        if create and echo:  # the run, on its writing rank; a dry run only says so
+        if act:  # a dry run only says so
             logged.rename(kept)
         if echo:
             print(f"note: {logged} holds an earlier run's steps, with no checkpoint to resume from: this run starts at "
@@ -702,6 +715,10 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
         raise UserError(f"cannot resume from {checkpoint}: it holds {was} optimizer state and optim.name={now}; set "
                         f"optim.name={was}, or --set optim.allow_switch=true to go on with {now} from fresh optimizer "
                         f"state, or train into a new --out")
+    if "optim.muon_exclude" in changed and config.optim.name == "muon" and not config.optim.allow_switch:
+        raise UserError(f"cannot resume from {checkpoint}: {show(['optim.muon_exclude'])} moves weights between Muon and AdamW, "
+                        "whose optimizer states differ; undo the change, or --set optim.allow_switch=true to go on from fresh "
+                        "optimizer state, or train into a new --out")
     step = meta["step"]
     for name, value in (("train.steps", config.train.steps), ("--stop-after", stop_after)):
         if value is not None and value < step:

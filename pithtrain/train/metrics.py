@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import resource
+import threading
 import uuid
 from pathlib import Path
 
@@ -67,14 +68,15 @@ def flops_per_token(cfg, seq: int) -> float:
 
 
 def duration(seconds: float) -> str:
-    """45s, 3m05s, 2h03m."""
+    """45s, 3m05s, 2h03m, 12d16h."""
     s = int(max(seconds, 0) + 0.5)
-    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s // 60 % 60:02d}m"
+    return (f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s // 60 % 60:02d}m"
+            if s < 86400 else f"{s // 86400}d{s // 3600 % 24:02d}h")
 
 
 def format_line(m: dict, total_steps: int, elapsed: float | None = None, eta: float | None = None) -> str:
     tps = m["tokens_per_s"]
-    tps_text = f"{tps / 1e3:.1f}k" if tps >= 1e3 else f"{tps:.0f}"
+    tps_text = f"{tps / 1e6:.2f}M" if tps >= 1e6 else f"{tps / 1e3:.1f}k" if tps >= 1e3 else f"{tps:.0f}"
     progress = "" if elapsed is None else f" | {duration(elapsed)} elapsed" + ("" if eta is None else f", ETA {duration(eta)}")
     return (f"step {m['step']}/{total_steps} | loss {m['loss']:.4f}"
             + (f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else "")
@@ -98,6 +100,9 @@ class MetricsLog:
                 from torch.utils.tensorboard import SummaryWriter
 
                 # purge_step: TensorBoard hides the earlier event files' steps from here on (a killed attempt's)
+                hook = threading.excepthook  # its writer thread's failed write: raised by the next call, said there
+                threading.excepthook = lambda a: None if isinstance(a.exc_value, OSError) and \
+                    type(a.thread).__module__.startswith("tensorboard") else hook(a)
                 self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=start + 1)
             except OSError as e:
                 raise disk_error(e, Path(out_dir) / "tensorboard", then="run again (or set train.tensorboard=false)") or e
@@ -127,15 +132,24 @@ class MetricsLog:
         if echo:
             print(format_line(metrics, total_steps, elapsed, eta), flush=True)
         if self.writer is not None:
-            for k, v in metrics.items():
-                if k not in ("step", "time") and isinstance(v, (int, float)):  # eval_loss as eval/loss
-                    self.writer.add_scalar("eval/loss" if k == "eval_loss" else f"train/{k}", v, metrics["step"])
+            with self._tensorboard():
+                for k, v in metrics.items():
+                    if k not in ("step", "time") and isinstance(v, (int, float)):  # eval_loss as eval/loss
+                        self.writer.add_scalar("eval/loss" if k == "eval_loss" else f"train/{k}", v, metrics["step"])
         if self.wandb is not None:
             self.wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
 
+    @contextlib.contextmanager
+    def _tensorboard(self):
+        try:
+            yield
+        except OSError as e:  # a full disk, a deleted directory: what its writer thread met
+            raise disk_error(e, self.writer.log_dir, then="run again (or set train.tensorboard=false)") or e
+
     def close(self) -> None:
         if self.writer is not None:
-            self.writer.close()
+            with self._tensorboard():
+                self.writer.close()
         if self.wandb is not None:
             self.wandb.finish()
 
