@@ -23,7 +23,7 @@ def run_cli(args, capsys):
 
 
 @pytest.mark.fast
-def test_tokenize_train_convert_eval(tmp_path, capsys):
+def test_tokenize_train_convert_eval(tmp_path, capsys, monkeypatch):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     rng = np.random.default_rng(3)
@@ -56,6 +56,15 @@ def test_tokenize_train_convert_eval(tmp_path, capsys):
     for name, path in (("run", run), ("hf", hf_dir)):
         results[name] = json.loads(run_cli(["eval", str(path), "--tokens", str(tmp_path / "tokens.npy"), "--json"], capsys))
     assert results["run"]["tokens"] == 3 * 19
+    from pithtrain.train import checkpoint
+
+    with monkeypatch.context() as patch:  # a large model's read (minutes) is said on stderr
+        patch.setattr(checkpoint, "BIG_READ", 0)
+        for path in (run, hf_dir):
+            checkpoint.load_model(path)
+    said = capsys.readouterr().err.splitlines()
+    assert said[0].startswith(f"reading {checkpoint.resolve_checkpoint(run)} (") and said[0].endswith(" GB) ..."), said
+    assert said[1].startswith(f"reading {hf_dir / 'model.safetensors'} (1/1 of "), said
     assert results["run"]["loss"] == pytest.approx(results["hf"]["loss"], rel=1e-6)
 
     # HF -> PithTrain checkpoint -> eval again, and transformers' own loss on the export

@@ -377,13 +377,19 @@ def is_hf_dir(path: str | Path) -> bool:
     return (path / "config.json").is_file() and any(path.glob("*.safetensors"))
 
 
+BIG_READ = 2**30  # bytes of weights from which reading them is said (a read of minutes is not silence)
+
+
 def read_hf_state(path: str | Path, names_only: bool = False) -> dict[str, torch.Tensor]:
     """An HF directory's tensors by name (names_only: the names alone, from the files' headers)."""
     path, state = Path(path), {}
     index = path / "model.safetensors.index.json"
     files = (sorted({path / f for f in read_json(index, "re-download or re-export it")["weight_map"].values()})
              if index.is_file() else sorted(path.glob("*.safetensors")))
-    for f in files:
+    total = 0 if names_only else sum(f.stat().st_size for f in files if f.is_file())
+    for i, f in enumerate(files, 1):
+        if total > BIG_READ:  # minutes of reading: said file by file
+            print(f"reading {f} ({i}/{len(files)} of {total / 1e9:.1f} GB)", file=sys.stderr, flush=True)
         try:
             if names_only:
                 with safe_open(str(f), "pt") as held:
@@ -435,6 +441,8 @@ def load_model(path: str | Path):
         return model
     ck = resolve_checkpoint(path)
     model = model_config(ck).build_model()
+    if (size := sum(f.stat().st_size for f in ck.glob("*.distcp"))) > BIG_READ:
+        print(f"reading {ck} ({size / 1e9:.1f} GB) ...", file=sys.stderr, flush=True)
     try:
         read_model_state(ck, model)
     except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
