@@ -19,8 +19,6 @@ import torch
 from safetensors.torch import save_file
 
 from pithtrain.config import UserError, data_parts, disk_error, read_json
-from pithtrain.models.deepseek_v2 import DeepseekV2Config
-from pithtrain.models.qwen3_5_moe import Qwen3_5MoeConfig
 from pithtrain.ops.core import cross_entropy_sum
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train import checkpoint as ckpt
@@ -196,7 +194,7 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         dataset = (trained_on(ck, echo) if tokenizer else
                    echo(f"note: --no-tokenizer: {dst} holds the model alone (no tokenizer files, no token ids in config.json)"))
         model, meta = load_model(ck), ckpt.read_meta(ck)  # the model first: it checks config.json
-        if isinstance(model.cfg, (DeepseekV2Config, Qwen3_5MoeConfig)) and (unread := model.cfg.transformers_ignores()):
+        if unread := getattr(model.cfg, "transformers_ignores", list)():  # the families with fields transformers skips
             echo(f"warning: transformers' {model.cfg.model_type} does not read {', '.join(unread)}: it computes another "
                  f"model from this export than PithTrain does, or none (PithTrain's `eval` and `convert` back are exact)")
         extra = {k: v for k, v in read_json(ck / "config.json", "").items() if k in CARRIED}
