@@ -405,8 +405,7 @@ def runs_dualpipev(config: RunConfig, world_size: int) -> bool:
     at least 2 micro-batches per data rank (it overlaps them; `parallel.overlap_ep` turns that off;
     its two chunks cannot share a tied embedding yet)."""
     t, p = config.train, config.parallel
-    data_ranks = data_rank_count(p, world_size)
-    micro_per_rank = t.global_batch_size // (t.micro_batch_size * data_ranks)
+    micro_per_rank = t.global_batch_size // (t.micro_batch_size * data_rank_count(p, world_size))
     tied = getattr(config.model, "tie_word_embeddings", False)
     return p.pp > 1 or (p.ep > 1 and micro_per_rank >= 2 and p.overlap_ep and not tied)
 
