@@ -65,8 +65,7 @@ def check_output_dir(path) -> None:
         return
     if not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory; choose another output path")
-    foreign = sorted(p.name for p in path.iterdir() if p.name not in DATASET_FILES or not is_dataset(path))
-    if foreign:
+    if foreign := sorted(p.name for p in path.iterdir() if p.name not in DATASET_FILES or not is_dataset(path)):
         raise FileExistsError(f"{path} already holds files that are not part of a pithtrain dataset "
                               f"({', '.join(foreign[:5])}); choose an empty or new output directory")
 
