@@ -18,6 +18,9 @@ from pathlib import Path
 from pithtrain.config import ConfigError, UserError, config_help
 from pithtrain.models import families
 
+H200_GIB = 139.8  # what torch reports of an H200: the largest GPU the estimates are calibrated on
+_joined_group = False  # this process is a launched worker that set up a process group (gloo's threads run)
+
 
 def train_config(args):
     """The run config of `pithtrain train ARGS`: the file, then --set, --steps and the mesh flags."""
@@ -41,8 +44,7 @@ def train_config(args):
     for name in ("pp", "cp", "ep"):
         if getattr(args, name) is not None:
             setattr(config.parallel, name, getattr(args, name))
-    if args.hsdp:
-        config.parallel.hsdp = True
+    config.parallel.hsdp |= args.hsdp
     return config
 
 
@@ -134,9 +136,6 @@ def _check_only(args, config, out: Path, world: int) -> int:
     return 0
 
 
-H200_GIB = 139.8  # what torch reports of an H200: the largest GPU the estimates are calibrated on
-
-
 def _drop_unused(out: Path) -> None:
     """Remove the run directory this command created if the run ended before its first step: then it
     holds only what train wrote on the way (lock, config.json, an empty checkpoints/...), nothing to resume."""
@@ -150,13 +149,8 @@ def _drop_unused(out: Path) -> None:
     for name in ("checkpoints", "tensorboard", "wandb"):
         shutil.rmtree(out / name, ignore_errors=True)
     (out / LOCK).unlink()  # still held: a process that opens it now makes a new file, and then OUT stays
-    try:
+    with contextlib.suppress(OSError):
         out.rmdir()
-    except OSError:
-        pass
-
-
-_joined_group = False  # this process is a launched worker that set up a process group (gloo's threads run)
 
 
 @contextlib.contextmanager
@@ -192,14 +186,13 @@ def _rendezvous_guard(timeout_s: float, error: str):
 
 
 def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
-    from pithtrain.train.loop import train
+    from pithtrain.train.loop import pick_device, train
 
     mesh = None
     if launched:
         import torch.distributed
 
         from pithtrain.parallel.mesh import init_mesh
-        from pithtrain.train.loop import pick_device
 
         device = pick_device(config.train.device)
         global _joined_group
@@ -242,12 +235,10 @@ def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
             print(f"done: step {history[-1]['step']} of {config.train.steps}{resumed}, final loss {history[-1]['loss']:.4f}"
                   f"{held_out}; metrics in {out}/metrics.jsonl, {kept}{more}")
     if mesh is not None:
-        import torch.distributed as dist
-
         # every rank past its last collective before any tears down: a gloo peer that closes its pairs while
         # another still completes an exchange makes that one abort (seen once in ~100 CPU launches)
-        dist.barrier()
-        dist.destroy_process_group()
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 128 + (stop.signum or signal.SIGTERM) if stop.stopped_at else 0
 
 

@@ -1,9 +1,8 @@
 """Typed run configuration: dataclasses, `--set` overrides and validation with clear errors.
 
-A run is a Python file that defines `CONFIG = RunConfig(...)`. The model part is the model
-family's own dataclass (its fields are the Hugging Face `config.json` schema), so an HF config
-works as is. Everything is validated before any expensive work starts.
-"""
+A run is a Python file that defines `CONFIG = RunConfig(...)`. The model part is the model family's own dataclass
+(its fields are the Hugging Face `config.json` schema), so an HF config works as is. Everything is validated before
+any expensive work starts."""
 
 from __future__ import annotations
 
@@ -37,6 +36,12 @@ class ConfigError(UserError):
     """A config problem; the message names the field and the fix."""
 
 
+BLEND_MIN_SHARE = 1e-4  # a blend's smallest weight share (data.BLEND_PERIOD gives each dataset whole positions)
+_MAX_TIMEOUT_S = 365 * 86400.0  # a collective timeout beyond any run (a larger one overflows timedelta)
+# Kept on AdamW under optim.name=muon (besides any tensor that is not one matrix, or a stack of expert matrices):
+# embeddings, LM head, norms, biases, router gates (Qwen3/DeepSeek `mlp.gate`, GPT-OSS `mlp.router`), attention sinks.
+MUON_EXCLUDE = ("embed_tokens.*", "lm_head.*", "*norm*", "*bias", "*.mlp.gate.weight", "*.shared_expert_gate.*", "*.router.*",
+                "*.sinks")
 # What to do when a write fails for a reason of the disk, not of the program.
 _DISK_FIXES = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space within your disk quota",
                errno.EFBIG: "raise the file-size limit (ulimit -f) or write to another filesystem",
@@ -77,12 +82,6 @@ def disk_error(error: BaseException, path, removed=None, then: str = "run again"
     fix = _DISK_FIXES.get(cause.errno, "check the free space and permissions of that disk")
     return UserError(f"writing {path} failed: {cause.strerror or cause}{f' ({code})' if code else ''}"
                      f"{f'; removed {removed}' if removed else ''}; {fix}, then {then}")
-
-
-# Kept on AdamW under optim.name=muon (besides any tensor that is not one matrix, or a stack of expert matrices):
-# embeddings, LM head, norms, biases, router gates (Qwen3/DeepSeek `mlp.gate`, GPT-OSS `mlp.router`), attention sinks.
-MUON_EXCLUDE = ("embed_tokens.*", "lm_head.*", "*norm*", "*bias", "*.mlp.gate.weight", "*.shared_expert_gate.*", "*.router.*",
-                "*.sinks")
 
 
 @dataclass
@@ -275,11 +274,9 @@ def _parse_value(text: str, annotation: Any, name: str) -> Any:
             return value
         return _parse_value(text, inner[0], name)
     if annotation is bool:
-        if text.lower() in ("1", "true", "yes", "on"):
-            return True
-        if text.lower() in ("0", "false", "no", "off"):
-            return False
-        raise ConfigError(f"--set {name}={text}: expected a bool (true/false)")
+        check(text.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"),
+              f"--set {name}={text}: expected a bool (true/false)")
+        return text.lower() in ("1", "true", "yes", "on")
     if annotation in (int, float, str):
         try:
             return annotation(text)
@@ -321,11 +318,9 @@ def apply_override(config: RunConfig, assignment: str) -> None:
         meant = fields_named(part, type(config.model)) if part not in names else []  # lr: optim.lr
         check(part in names, f"--set {key}: unknown field {part!r}"
               + (f" here (did you mean {' or '.join(meant)}?)" if meant else f"; valid fields here: {', '.join(names)}"))
-        if i == len(parts) - 1:
-            hints = typing.get_type_hints(type(target))
-            setattr(target, part, _parse_value(text, hints[part], key))
-        else:
+        if i < len(parts) - 1:
             target = getattr(target, part)
+    setattr(target, parts[-1], _parse_value(text, typing.get_type_hints(type(target))[parts[-1]], key))
 
 
 def fields_named(name: str, model: type | None = None) -> list[str]:
@@ -351,8 +346,6 @@ def _has_type(value: Any, hint: Any) -> bool:
         return any(_has_type(value, a) for a in args)
     if hint is Any:
         return True
-    if hint is type(None):
-        return value is None
     if hint is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if hint is int:
@@ -374,9 +367,8 @@ def check_types(obj: Any, prefix: str = "", fix: str = "fix the run file or --se
         value, name = getattr(obj, f.name), prefix + f.name
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             check_types(value, name + ".", fix)
-        elif not _has_type(value, hints[f.name]):
-            hint = hints[f.name]
-            expected = "a finite float" if hint is float else hint.__name__ if isinstance(hint, type) else str(hint)
+        elif not _has_type(value, hint := hints[f.name]):
+            expected = "a finite float" if hint is float else _type_name(hint)
             raise ConfigError(f"{name}={value!r} ({type(value).__name__}): expected {expected}; {fix}")
 
 
@@ -413,13 +405,9 @@ def runs_dualpipev(config: RunConfig, world_size: int) -> bool:
     at least 2 micro-batches per data rank (it overlaps them; `parallel.overlap_ep` turns that off;
     its two chunks cannot share a tied embedding yet)."""
     t, p = config.train, config.parallel
-    data_ranks = data_rank_count(p, world_size)
-    micro_per_rank = t.global_batch_size // (t.micro_batch_size * data_ranks)
+    micro_per_rank = t.global_batch_size // (t.micro_batch_size * data_rank_count(p, world_size))
     tied = getattr(config.model, "tie_word_embeddings", False)
     return p.pp > 1 or (p.ep > 1 and micro_per_rank >= 2 and p.overlap_ep and not tied)
-
-
-BLEND_MIN_SHARE = 1e-4  # a blend's smallest weight share (data.BLEND_PERIOD gives each dataset whole positions)
 
 
 def data_parts(path: Any, field: str = "data.path") -> list[tuple[str, float]]:
@@ -463,9 +451,6 @@ def check(cond: bool, message: str) -> None:
     """A ConfigError with `message` unless `cond` (the config's and the models' validate())."""
     if not cond:
         raise ConfigError(message)
-
-
-_MAX_TIMEOUT_S = 365 * 86400.0  # a collective timeout beyond any run (a larger one overflows timedelta)
 
 
 def _wandb_can_log() -> bool:

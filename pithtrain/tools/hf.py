@@ -1,10 +1,8 @@
 """Hugging Face directories <-> PithTrain checkpoints, loading a model from either, and evaluation.
 
-An HF directory is `config.json` plus `model.safetensors` or sharded `*.safetensors` with
-`model.safetensors.index.json`. A PithTrain checkpoint is a DCP directory with `config.json`
-(see train/checkpoint.py). Conversion goes through the model file's own
-`hf_state_dict` / `load_hf_state_dict`, which raise on any missing or unexpected key.
-"""
+An HF directory is `config.json` plus `model.safetensors` or sharded `*.safetensors` with `model.safetensors.index.json`.
+A PithTrain checkpoint is a DCP directory with `config.json` (see train/checkpoint.py). Conversion goes through the model
+file's own `hf_state_dict` / `load_hf_state_dict`, which raise on any missing or unexpected key."""
 
 from __future__ import annotations
 
@@ -21,8 +19,6 @@ import torch
 from safetensors.torch import save_file
 
 from pithtrain.config import UserError, data_parts, disk_error, read_json
-from pithtrain.models.deepseek_v2 import DeepseekV2Config
-from pithtrain.models.qwen3_5_moe import Qwen3_5MoeConfig
 from pithtrain.ops.core import cross_entropy_sum
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train import checkpoint as ckpt
@@ -35,6 +31,8 @@ CARRIED = ("seq_length", "pad_token_id")  # config.json keys beyond the model's 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")  # kept too
 EXPORT_NAMES = (r"(config|generation_config|tokenizer|tokenizer_config|special_tokens_map|model\.safetensors\.index|meta)"
                 r"\.json|model(-\d+-of-\d+)?\.safetensors|\.metadata|__\d+_\d+\.distcp")  # what convert writes
+TOKEN_FORMS = ("a .npy file of token ids [batch, seq] or a dataset directory of `pithtrain tokenize` "
+               "(e.g. held-out texts tokenized with --tokenizer RUN_DATA/tokenizer.json)")
 
 
 def _kept(path: Path) -> list[str]:
@@ -111,21 +109,19 @@ def write_tokenizer(dataset: TokenDataset, folder: Path, max_length: int | None)
 
 
 def trained_on(ck: Path, echo=print) -> TokenDataset | None:
-    """The dataset whose tokenizer an export of checkpoint `ck` carries: the one its run recorded (real
-    path and identity, meta.json's "dataset"; a blend's first, whose tokenizer they share), found
-    unchanged. None, said through `echo`, when the run had no tokenizer, its dataset is gone, or it
-    recorded no identity and its data.path cannot be placed; a tokenizer that differs from the recorded
-    one is a UserError (--no-tokenizer exports the model alone)."""
+    """The dataset whose tokenizer an export of checkpoint `ck` carries: the one its run recorded (real path and
+    identity, meta.json's "dataset"; a blend's first, whose tokenizer they share), found unchanged. None, said through
+    `echo`, when the run had no tokenizer, its dataset is gone, or it recorded no identity and its data.path cannot be
+    placed; a tokenizer that differs from the recorded one is a UserError (--no-tokenizer exports the model alone)."""
     meta = ckpt.read_meta(ck)
     recorded = meta.get("dataset")
     path = recorded["path"] if recorded else meta.get("config", {}).get("data", {}).get("path")
     if path and not recorded:
         path = data_parts(path)[0][0]
     no_tokenizer = "note: no tokenizer written: "
-    if "source" in meta and (ck / "tokenizer.json").is_file():  # a checkpoint convert made of an HF directory, with its files
-        return None
-    if "source" in meta:
-        return echo(f"{no_tokenizer}{ck} was converted from {meta['source']}; copy its tokenizer files from there")
+    if "source" in meta:  # a checkpoint convert made of an HF directory: its tokenizer files go along, if it has them
+        return None if (ck / "tokenizer.json").is_file() else echo(
+            f"{no_tokenizer}{ck} was converted from {meta['source']}; copy its tokenizer files from there")
     if not recorded and not (path and os.path.isabs(path)):  # a run from before datasets were recorded
         return echo(f"{no_tokenizer}{ck / 'meta.json'} records no dataset and data.path={path!r} is relative (to a "
                     "working directory it does not name); copy the run's tokenizer.json by hand")
@@ -151,11 +147,10 @@ def trained_on(ck: Path, echo=print) -> TokenDataset | None:
 
 
 def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=print, tokenizer: bool = True) -> tuple[Path, str]:
-    """HF directory -> PithTrain checkpoint, or PithTrain checkpoint/run directory -> HF directory (with
-    the tokenizer and token ids of the dataset the run recorded, checked by `trained_on`; `tokenizer`
-    False: the model alone). Returns the output and what it holds (the step exported). An existing
-    non-empty `dst` is replaced only with `overwrite`, and never when it is, holds or lies in `src`
-    (replacing it would delete the source)."""
+    """HF directory -> PithTrain checkpoint, or PithTrain checkpoint/run directory -> HF directory (with the tokenizer
+    and token ids of the dataset the run recorded, checked by `trained_on`; `tokenizer` False: the model alone). Returns
+    the output and what it holds (the step exported). An existing non-empty `dst` is replaced only with `overwrite`, and
+    never when it is, holds or lies in `src` (replacing it would delete the source)."""
     src, dst = Path(src), Path(os.path.abspath(dst))  # absolute: "." has a name, and a parent to write in
     a, b = src.resolve(), dst.resolve()
     if dst.is_symlink():
@@ -199,7 +194,7 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         dataset = (trained_on(ck, echo) if tokenizer else
                    echo(f"note: --no-tokenizer: {dst} holds the model alone (no tokenizer files, no token ids in config.json)"))
         model, meta = load_model(ck), ckpt.read_meta(ck)  # the model first: it checks config.json
-        if isinstance(model.cfg, (DeepseekV2Config, Qwen3_5MoeConfig)) and (unread := model.cfg.transformers_ignores()):
+        if unread := getattr(model.cfg, "transformers_ignores", list)():  # the families with fields transformers skips
             echo(f"warning: transformers' {model.cfg.model_type} does not read {', '.join(unread)}: it computes another "
                  f"model from this export than PithTrain does, or none (PithTrain's `eval` and `convert` back are exact)")
         extra = {k: v for k, v in read_json(ck / "config.json", "").items() if k in CARRIED}
@@ -235,10 +230,6 @@ def eval_setup(path: str | Path, seq_len: int | None = None) -> tuple[int, str, 
     tokenizer = ((recorded["tokenizer_sha256"], str(Path(recorded["path"]) / "tokenizer.json")) if recorded.get("tokenizer_sha256")
                  else (_sha256(own), str(own)) if own.is_file() else None)
     return seq_len, why, cfg.vocab_size, tokenizer, limit
-
-
-TOKEN_FORMS = ("a .npy file of token ids [batch, seq] or a dataset directory of `pithtrain tokenize` "
-               "(e.g. held-out texts tokenized with --tokenizer RUN_DATA/tokenizer.json)")
 
 
 def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 128, vocab=None, tokenizer=None) -> torch.Tensor:

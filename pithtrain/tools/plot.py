@@ -65,12 +65,10 @@ def run_plot(args) -> int:
         color, label = f"C{i % 10}", str(run)
         for ax, (key, title) in zip(axes, PANELS):
             # rows may lack a key (eval-only rows, older runs): each line takes the rows that have it
-            points = [(m["step"], m[key]) for m in ms if key in m]
-            if points:
+            if points := [(m["step"], m[key]) for m in ms if key in m]:
                 ax.plot(*zip(*points), color=color, label=label)
             ax.set(title=title, xlabel="step")
-        evals = [(m["step"], m["eval_loss"]) for m in ms if "eval_loss" in m]
-        if evals:
+        if evals := [(m["step"], m["eval_loss"]) for m in ms if "eval_loss" in m]:
             axes[0].plot(*zip(*evals), color=color, linestyle="--", marker=".",  # named when it is the run's only loss line
                          label=None if any("loss" in m for m in ms) else label)
     axes[0].legend(fontsize="small")

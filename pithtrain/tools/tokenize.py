@@ -27,6 +27,7 @@ from pithtrain.train.data import TokenDataset, check_output_dir, dtype_for_vocab
 
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # common names of an end-of-document token
+PIECE_CHARS = 1 << 22  # characters encoded at once: a batch of documents, or a piece of a longer one (bounded memory)
 
 
 def _walk_files(root: Path) -> Iterator[Path]:
@@ -46,9 +47,7 @@ def _walk_files(root: Path) -> Iterator[Path]:
             yield Path(dirpath)
             continue
         dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))  # in place: prunes the walk
-        for name in sorted(filenames):
-            if not name.startswith("."):
-                yield Path(dirpath) / name
+        yield from (Path(dirpath) / name for name in sorted(filenames) if not name.startswith("."))
 
 
 def _input_files(paths: list[Path]) -> Iterator[Path]:
@@ -82,12 +81,10 @@ def _table_batches(file: Path, text_field: str) -> Iterator[list]:
 
 
 def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
-    """Documents from files and directories: JSON Lines files (.jsonl/.json) give obj[text_field]
-    per line (a .json file that is one JSON array of such objects: per item), parquet files and
-    `datasets`' save_to_disk directories their column text_field, any other file gives its whole text.
-    Non-UTF-8 (binary) files and empty documents (a JSON null text too, as parquet's) are skipped; the number of skipped files is reported
-    with a warning, as are FIFOs, devices and broken links (never read). A .jsonl file is read line by line (bounded memory),
-    and one that is not UTF-8 is an error."""
+    """Documents from files and directories: obj[text_field] of each line of a JSON Lines file (.jsonl/.json) or item of a
+    .json array, the column text_field of parquet files and `datasets`' save_to_disk directories, any other file's whole
+    text. Empty documents (a null text too) and non-UTF-8 files (an error for a .jsonl) are skipped, the files counted in
+    a warning, as are FIFOs, devices and broken links (never read)."""
     paths = [Path(p) for p in inputs]
     if missing := next((path for path in paths if not path.exists()), None):  # all up front: a typo fails before hours of work
         raise FileNotFoundError(f"input {missing} not found")
@@ -184,10 +181,9 @@ def stdlib_corpus_files(max_bytes: int = 20_000_000) -> list[str]:
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out_file: str, eos_token: str = EOS_TOKEN) -> str:
-    """Train a byte-level BPE tokenizer on `texts` and save it as `out_file` (tokenizer.json).
-
-    Byte-level means every string round-trips exactly through encode/decode. `eos_token` is the
-    only special token and gets id 0; the 256 byte symbols follow, then the learned merges."""
+    """Train a byte-level BPE tokenizer on `texts` and save it as `out_file` (tokenizer.json): every string round-trips
+    exactly through encode/decode. `eos_token` is the only special token and gets id 0; the 256 byte symbols follow, then
+    the learned merges."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -240,9 +236,6 @@ class Progress:
         self.width = len(line)
 
 
-PIECE_CHARS = 1 << 22  # characters encoded at once: a batch of documents, or a piece of a longer one (bounded memory)
-
-
 def _batched(texts: Iterable[str], size: int) -> Iterator[list[str]]:
     """Lists of up to `size` texts and about PIECE_CHARS characters, a longer text alone: bounded memory with huge files."""
     batch, chars = [], 0
@@ -273,11 +266,9 @@ def _pieces(text: str, size: int) -> Iterator[str]:
 
 def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, text_field: str = "text", batch_size: int = 1000,
                         progress: bool = True) -> dict:
-    """Tokenize every document of `inputs` with `tokenizer_file` into a dataset at `out_dir`; returns its meta.
-
-    Special tokens (BOS etc.) are not added; documents are separated only by the EOS token
-    (`<|endoftext|>` or another common EOS name found in the vocabulary, else the eos_token of a tokenizer_config.json
-    beside the tokenizer; none, with a warning, if absent)."""
+    """Tokenize every document of `inputs` with `tokenizer_file` into a dataset at `out_dir`; returns its meta. Special
+    tokens (BOS etc.) are not added; the EOS token alone ends each document (`<|endoftext|>` or another common EOS name of
+    the vocabulary, else the eos_token of a tokenizer_config.json beside the tokenizer; none, with a warning, if absent)."""
     from tokenizers import Tokenizer
 
     try:

@@ -37,6 +37,7 @@ DATASET_FILES = {TOKENS_FILE, OFFSETS_FILE, META_FILE, TOKENIZER_FILE}
 _FLUSH_TOKENS = 1 << 20  # buffer about a million tokens between writes: few syscalls, bounded memory
 _SCAN_TOKENS = 1 << 24  # check_vocab reads tokens.bin in chunks of this many tokens: bounded memory
 _RETOKENIZE = "re-run `pithtrain tokenize` to rebuild the dataset"
+BLEND_PERIOD = 1 << 16  # stream positions after which a blend's interleave repeats: weights exact to 1/65536
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -64,20 +65,16 @@ def check_output_dir(path) -> None:
         return
     if not path.is_dir():
         raise FileExistsError(f"{path} exists and is not a directory; choose another output path")
-    foreign = sorted(p.name for p in path.iterdir() if p.name not in DATASET_FILES or not is_dataset(path))
-    if foreign:
+    if foreign := sorted(p.name for p in path.iterdir() if p.name not in DATASET_FILES or not is_dataset(path)):
         raise FileExistsError(f"{path} already holds files that are not part of a pithtrain dataset "
                               f"({', '.join(foreign[:5])}); choose an empty or new output directory")
 
 
 def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: int, eos_id: int | None,
                   tokenizer_file: str | None = None) -> dict:
-    """Stream `docs` (lists/arrays of token ids) into a dataset directory at `path`; returns its meta.
-
-    EOS (if not None) is appended after every document. The dataset is built in a hidden temporary
-    directory next to `path` and renamed into place at the end, so a crash never leaves a half
-    dataset; an existing dataset at `path` is replaced.
-    """
+    """Stream `docs` (lists/arrays of token ids) into a dataset directory at `path`, EOS (if not None) after each
+    document; returns its meta. It is built in a hidden temporary directory beside `path`, then renamed over it (a crash
+    never leaves a half dataset; an existing dataset at `path` is replaced)."""
     path = Path(os.path.abspath(path))  # absolute, so "." or "out/" still has a name and a parent to rename in
     dtype = dtype_for_vocab(vocab_size)
     if eos_id is not None and not 0 <= eos_id < vocab_size:
@@ -93,7 +90,7 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
         tmp.mkdir(parents=True)
         eos = None if eos_id is None else np.array([eos_id], dtype=dtype)
         offsets = array("q", [0])
-        num_tokens, max_token_id = 0, -1
+        num_tokens, max_token_id = 0, -1 if eos_id is None else eos_id
         buffer, buffered = [], 0
         with open(tmp / TOKENS_FILE, "wb") as out:
             for index, doc in enumerate(docs):
@@ -105,8 +102,7 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
                         raise ValueError(f"document {index}: token ids must be integers, got dtype {ids.dtype}")
                     low, high = int(ids.min()), int(ids.max())
                     if low < 0 or high >= vocab_size:
-                        bad = low if low < 0 else high
-                        raise ValueError(f"document {index}: token id {bad} is outside the vocabulary "
+                        raise ValueError(f"document {index}: token id {low if low < 0 else high} is outside the vocabulary "
                                          f"[0, {vocab_size}); check that vocab_size matches the tokenizer")
                     max_token_id = max(max_token_id, high)
                     buffer.append(ids.astype(dtype, copy=False))
@@ -123,8 +119,6 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
                 out.write(np.concatenate(buffer).tobytes())
         if num_tokens == 0:
             raise ValueError(f"no tokens to write to {path}: the corpus is empty (no documents, or all empty without EOS)")
-        if eos_id is not None:
-            max_token_id = max(max_token_id, eos_id)
         np.save(tmp / OFFSETS_FILE, np.frombuffer(offsets, dtype=np.int64))
         if tokenizer_file is not None:
             shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
@@ -132,7 +126,10 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
                 "num_docs": len(offsets) - 1, "eos_id": eos_id, "max_token_id": max_token_id,
                 "tokenizer": None if tokenizer_file is None else TOKENIZER_FILE}
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        _install(tmp, path)
+        from pithtrain.train.checkpoint import replace_dir  # only now: its import resets the warnings said once
+
+        check_output_dir(path)  # re-check: something may have appeared while we were writing
+        replace_dir(tmp, path)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         failure = disk_error(e, path, removed=tmp, within=tmp) if isinstance(e, Exception) else None
@@ -140,14 +137,6 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
             raise failure from e
         raise
     return meta
-
-
-def _install(tmp: Path, path: Path) -> None:
-    """Rename the finished temporary directory to `path`, replacing a previous dataset there (filling an empty directory)."""
-    from pithtrain.train.checkpoint import replace_dir
-
-    check_output_dir(path)  # re-check: something may have appeared while we were writing
-    replace_dir(tmp, path)
 
 
 def _sha256(path) -> str:
@@ -178,16 +167,13 @@ class TokenDataset:
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             found = meta.get("format") if isinstance(meta, dict) else None
             raise ValueError(f"{meta_path}: format is {found!r}, expected {FORMAT!r}; {_RETOKENIZE}")
-        missing = [k for k in ("dtype", "vocab_size", "num_tokens", "num_docs", "eos_id", "max_token_id") if k not in meta]
-        if missing:
+        if missing := [k for k in ("dtype", "vocab_size", "num_tokens", "num_docs", "eos_id", "max_token_id")
+                       if k not in meta]:
             raise ValueError(f"{meta_path} lacks {', '.join(missing)}; {_RETOKENIZE}")
         if meta["dtype"] not in ("uint8", "uint16", "uint32"):
             raise ValueError(f"{meta_path}: dtype {meta['dtype']!r} is not uint8/uint16/uint32; {_RETOKENIZE}")
-        bad = [k for k in ("vocab_size", "num_tokens", "num_docs", "max_token_id")
-               if not isinstance(meta[k], int) or isinstance(meta[k], bool)]
-        if bad:
+        if bad := [k for k in ("vocab_size", "num_tokens", "num_docs", "max_token_id") if type(meta[k]) is not int]:
             raise ValueError(f"{meta_path}: {bad[0]}={meta[bad[0]]!r} is not an integer; {_RETOKENIZE}")
-        self.meta = meta
         self.vocab_size, self.num_tokens = meta["vocab_size"], meta["num_tokens"]
         self.eos_id, self.num_docs, self.max_token_id = meta["eos_id"], meta["num_docs"], meta["max_token_id"]
         dtype = np.dtype(meta["dtype"])
@@ -217,11 +203,9 @@ class TokenDataset:
                              f"non-decreasing from 0 to num_tokens = {self.num_tokens}); {_RETOKENIZE}")
         self.doc_offsets = offsets
 
-        self.tokenizer_file = None
-        if meta.get("tokenizer"):
-            self.tokenizer_file = str((self.path / meta["tokenizer"]).resolve())
-            if not os.path.isfile(self.tokenizer_file):
-                raise FileNotFoundError(f"{self.tokenizer_file} (named by {meta_path}) not found; {_RETOKENIZE}")
+        self.tokenizer_file = str((self.path / meta["tokenizer"]).resolve()) if meta.get("tokenizer") else None
+        if self.tokenizer_file and not os.path.isfile(self.tokenizer_file):
+            raise FileNotFoundError(f"{self.tokenizer_file} (named by {meta_path}) not found; {_RETOKENIZE}")
 
     @functools.cached_property
     def identity(self) -> dict:
@@ -256,12 +240,10 @@ class TokenDataset:
 
 
 class BatchLoader:
-    """Global batches of fixed windows, shuffled per epoch; batch `step` depends only on (seed, step).
-
-    Sample i is the window tokens[i*seq_len : i*seq_len + seq_len + 1] (inputs and shifted labels
-    share it). The stream of samples is epoch after epoch, each a fresh permutation seeded by
-    (seed, epoch); global batch `step` is stream positions [step*G, (step+1)*G).
-    """
+    """Global batches of fixed windows, shuffled per epoch; batch `step` depends only on (seed, step). Sample i is the
+    window tokens[i*seq_len : i*seq_len + seq_len + 1] (inputs and shifted labels share it). The stream of samples is
+    epoch after epoch, each a fresh permutation seeded by (seed, epoch); global batch `step` is stream positions
+    [step*G, (step+1)*G)."""
 
     def __init__(self, dataset: TokenDataset, seq_len: int, global_batch_size: int, seed: int, pack_documents: bool = False,
                  held_out: int = 0, stream: tuple = ()):
@@ -351,9 +333,6 @@ def mtp_targets(batch: dict[str, torch.Tensor], depths: int) -> dict[str, torch.
         chain = chain & valid[:, k : k + s]  # labels t .. t+k all kept: tokens t .. t+k+1 in one document
         mtp_labels.append(torch.where(chain, padded[:, k : k + s], -100))
     return {"mtp_ids": torch.stack(mtp_ids, 2), "mtp_labels": torch.stack(mtp_labels, 2)}
-
-
-BLEND_PERIOD = 1 << 16  # stream positions after which a blend's interleave repeats: weights exact to 1/65536
 
 
 def blend_pattern(weights: Sequence[float], period: int = BLEND_PERIOD) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
