@@ -79,7 +79,8 @@ def disk_error(error: BaseException, path, removed=None, then: str = "run again"
         if not (named.startswith(where) or where.startswith(named + os.sep)):
             return None
     code = errno.errorcode.get(cause.errno, "")
-    fix = _DISK_FIXES.get(cause.errno, "check the free space and permissions of that disk")
+    gone = "its folder was moved or deleted during the run: put it back or choose another location"
+    fix = _DISK_FIXES.get(cause.errno) or (gone if cause.errno == errno.ENOENT else "check the free space and permissions of that disk")
     return UserError(f"writing {path} failed: {cause.strerror or cause}{f' ({code})' if code else ''}"
                      f"{f'; removed {removed}' if removed else ''}; {fix}, then {then}")
 

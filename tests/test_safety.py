@@ -79,7 +79,8 @@ def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, c
     lock.release()
     gone = tmp_path / "gone"  # a new run directory deleted during the run: the error names the write that failed
     monkeypatch.setattr(loop, "lr_at", lambda *a: (shutil.rmtree(gone), 1e-3)[1])
-    one_line_error(cli(["train", cfg, "--out", gone], capsys, code=2)[1], f"writing {gone / 'metrics.jsonl'} failed")
+    one_line_error(cli(["train", cfg, "--out", gone], capsys, code=2)[1], f"writing {gone / 'metrics.jsonl'} failed",
+                   "its folder was moved or deleted during the run")
 
 
 def test_checksums_name_damaged_checkpoints_and_resume_falls_back(tmp_path, dataset_dir, capsys):
