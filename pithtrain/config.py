@@ -252,7 +252,7 @@ def load_run_config(path: str | Path) -> RunConfig:
           f"CONFIG = RunConfig(...), not {path.suffix[1:].upper()}; start from examples/qwen3_tiny.py (fields: pithtrain train --help)")
     try:
         namespace = runpy.run_path(str(path))
-    except Exception as e:  # a syntax, import or runtime error of the run file: point at its line
+    except (Exception, SystemExit) as e:  # a syntax, import or runtime error (or an exit) of the run file: point at its line
         lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path)]
         where = f"{path}:{lines[-1]}" if lines else str(path)
         raise ConfigError(f"{where}: {type(e).__name__}: {e}; fix the run file") from e

@@ -41,6 +41,7 @@ RUN_FILES = {  # run files: the tiny one, then one hostile edit
     "lr_inf": "CONFIG.optim.lr = float('inf')\n",
     "field_typo": "CONFIG.optim.warmup = 3\n",
     "field_section": "CONFIG.train.lr = 1e-3\n",
+    "exits": "import sys\nsys.exit(3)\n",
 }
 
 CASES = [  # (id, command line, what the one line must name)
@@ -57,6 +58,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("type-bool-int", "train {pack_int}", "data.pack_documents"),
     ("type-list-str", "train {layers_str}", "model.mlp_only_layers"),
     ("type-lr-inf-file", "train {lr_inf}", "optim.lr"),
+    ("file-exits", "train {exits}", "exits.py:14: SystemExit: 3; fix the run file"),
     ("file-field-typo", "train {field_typo}", "optim.warmup: OptimConfig has no such field (did you mean optim.warmup_steps?)"),
     ("file-field-section", "train {field_section}", "train.lr: TrainConfig has no such field (did you mean optim.lr?)"),
     ("set-type", "train {cfg} --set train.steps=ten", "train.steps"),
