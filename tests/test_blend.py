@@ -3,6 +3,7 @@
 token shares, a bit-exact resume, ep2 equal to one process, and one-line refusals."""
 
 import json
+import shutil
 import sys
 from unittest import mock
 
@@ -91,7 +92,7 @@ def _tokenizer(path, words):
 
 
 @pytest.mark.fast
-@pytest.mark.parametrize("case", ["two-tokenizers", "odd-list", "weight-zero", "twice", "eval-samples", "missing"])
+@pytest.mark.parametrize("case", ["two-tokenizers", "odd-list", "weight-zero", "twice", "copy", "eval-samples", "missing"])
 def test_bad_blends_are_refused_in_one_line(case, tmp_path, dataset_dir, second_dataset, capsys):
     config = write_config(tmp_path / "tiny.py", dataset_dir)
     a, b = str(dataset_dir), str(second_dataset)
@@ -100,9 +101,12 @@ def test_bad_blends_are_refused_in_one_line(case, tmp_path, dataset_dir, second_
         "odd-list": ([0.7, a, 0.3], [], "data.path"),
         "weight-zero": ({a: 1, b: 0}, [], "weights > 0"),
         "twice": ({a: 1, a + "/": 2}, [], "named twice"),
+        "copy": ({a: 1, str(tmp_path / "copy"): 2}, [], f"{tmp_path / 'copy'} holds the same tokens as {a} (a copy?)"),
         "eval-samples": ({a: 1, b: 1}, ["--set", "data.eval_samples=8"], "data.eval_path"),
         "missing": ({a: 1, str(tmp_path / "nowhere"): 1}, [], "nowhere"),
     }[case]
+    if case == "copy":
+        shutil.copytree(a, tmp_path / "copy")
     if blend is None:  # the same Markov tokens, with two different tokenizer.json files
         tokens = markov_docs(np.random.default_rng(3), 64, 60)
         for name, words in (("x", ["alpha", "beta"]), ("y", ["gamma", "delta"])):

@@ -455,7 +455,11 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
         raise UserError("data.path is empty; set it to a dataset directory of `pithtrain tokenize` (--set data.path=DIR)")
     loader = open_training_data(d.path, d.seq_len, config.train.global_batch_size, d.seed, d.pack_documents,
                                 0 if d.eval_path else d.eval_samples, config.model.vocab_size)
-    _ = [dataset.identity for dataset in loader.datasets]  # hashed now: checkpoints record the data the run started on
+    seen = {}
+    for ds in loader.datasets:  # hashed now: checkpoints record the data the run started on
+        if (twin := seen.setdefault((ds.identity["content_sha256"], ds.identity["tokens_sample_sha256"]), ds.path)) != ds.path:
+            raise UserError(f"data.path: {ds.path} holds the same tokens as {twin} (a copy?); a blend names each dataset once: "
+                            "give the one its combined weight")
     vocab = config.model.vocab_size
     if echo and (short := next((ds for ds in loader.datasets if ds.tokenizer_file and ds.vocab_size > vocab), None)):
         print(f"warning: model.vocab_size={vocab} is below the {short.vocab_size} tokens of {short.tokenizer_file}: ids from "
