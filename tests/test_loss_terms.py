@@ -6,12 +6,15 @@ pipeline's one-call backward), in one two-process launch."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_config
 from dist_util import run_world
 
 from pithtrain import protocol
+from pithtrain.config import TrainConfig
 from pithtrain.models import qwen3_moe
 from pithtrain.protocol import AuxTerm, LossTerms
 from pithtrain.train.loop import train
@@ -20,12 +23,18 @@ from pithtrain.train.metrics import read_metrics
 PROBE = AuxTerm("probe", "probe_coef", "probe_loss")
 
 
+@dataclasses.dataclass
+class ProbeTrainConfig(TrainConfig):
+    """TrainConfig with the probe's scale (a real term adds its field to config.TrainConfig itself)."""
+
+    probe_coef: float = 0.0
+
+
 def probe_config(dataset_dir, coef, **parallel):
-    """4 layers (pp2 cuts them into 4 chunks), 4 micro-batches of 2 per step, and the probe's scale,
-    a field the test adds to this TrainConfig instance (a real term adds it to config.TrainConfig)."""
+    """4 layers (pp2 cuts them into 4 chunks), 4 micro-batches of 2 per step, and the probe's scale."""
     cfg = tiny_config(dataset_dir, steps=3, global_batch_size=8, micro_batch_size=2)
     cfg.model.num_hidden_layers = 4
-    cfg.train.probe_coef = coef
+    cfg.train = ProbeTrainConfig(**vars(cfg.train), probe_coef=coef)
     for key, value in parallel.items():
         setattr(cfg.parallel, key, value)
     return cfg

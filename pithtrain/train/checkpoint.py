@@ -245,10 +245,8 @@ def resolve_checkpoint(path: str | Path) -> Path:
     found = newest_intact(path, lambda line: print(line, file=sys.stderr), "pass a checkpoint or run directory with an intact one")
     if found is None:  # say what the path is instead
         missing = [name for name in ("config.json", "*.safetensors") if not any(path.glob(name))]
-        from pithtrain.train.data import is_dataset
-
         what = ("does not exist" if not path.exists() else "is a file" if not path.is_dir() else "is a run directory without checkpoints"
-                if (path / "checkpoints").is_dir() else "is a token dataset of `pithtrain tokenize`, not a model" if is_dataset(path)
+                if (path / "checkpoints").is_dir() else "is a token dataset of `pithtrain tokenize`, not a model" if (path / "tokens.bin").is_file()
                 else f"lacks the {missing[0]} of an HF directory" if len(missing) == 1 else
                 "is neither an HF directory (config.json + *.safetensors) nor a checkpoint or run directory with checkpoints")
         raise UserError(f"{path} {what}; pass an HF directory, a checkpoint or a run directory")
