@@ -136,6 +136,9 @@ def test_config_from_hf_real_qwen3_30b_a3b_schema():
     cfg.validate()
     assert cfg.dim_per_head == 128 and cfg.rope_theta == 1e6 and cfg.num_experts == 128
     assert Qwen3MoeConfig.from_hf(cfg.to_hf()) == cfg
+    # HF applies sliding_window on every layer when use_sliding_window is on: refused, not run as full attention
+    with pytest.raises(UserError, match=r"model.use_sliding_window=True \(sliding_window=4096\) is not supported"):
+        Qwen3MoeConfig.from_hf(dict(hf, use_sliding_window=True, sliding_window=4096))
 
 
 def test_stage1_hands_the_experts_rows_in_the_matmul_dtype():
