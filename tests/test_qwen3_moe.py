@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig as HFConfig, Qwen3
 
 from conftest import per_expert_grads
 from pithtrain.config import UserError
+from pithtrain.models import config_from_hf
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.tools.hf import load_model, read_hf_state, write_hf_dir
@@ -139,6 +140,11 @@ def test_config_from_hf_real_qwen3_30b_a3b_schema():
     # HF applies sliding_window on every layer when use_sliding_window is on: refused, not run as full attention
     with pytest.raises(UserError, match=r"model.use_sliding_window=True \(sliding_window=4096\) is not supported"):
         Qwen3MoeConfig.from_hf(dict(hf, use_sliding_window=True, sliding_window=4096))
+    with pytest.raises(ValueError, match=r"model.attention_dropout=0.1 is not supported by PithTrain's qwen3_moe"):
+        config_from_hf(dict(hf, attention_dropout=0.1))
+    with pytest.raises(ValueError, match=r"model.attention_dropout=0.2 is not supported by PithTrain's qwen3_5_moe"):
+        config_from_hf({"model_type": "qwen3_5_moe", "text_config": {"attention_dropout": 0.2}})
+    assert config_from_hf(dict(hf, attention_dropout=0.0)) == cfg
 
 
 def test_stage1_hands_the_experts_rows_in_the_matmul_dtype():

@@ -19,6 +19,11 @@ def config_from_hf(hf: dict):
     """The family config for an HF `config.json` dict: one branch a family."""
     Qwen3MoeConfig, DeepseekV2Config, DeepseekV3Config, GptOssConfig, Qwen3_5MoeConfig = families()
     model_type = hf.get("model_type")
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    dropout = hf.get("attention_dropout") or text.get("attention_dropout")
+    if dropout:  # transformers drops attention weights in training; PithTrain has no dropout
+        raise ValueError(f"model.attention_dropout={dropout!r} is not supported by PithTrain's {model_type} (no attention "
+                         "dropout: training would differ from transformers'); set it to 0.0 in config.json")
     if model_type == "qwen3_moe":
         return Qwen3MoeConfig.from_hf(hf)
     if model_type == "deepseek_v2":
