@@ -126,6 +126,12 @@ def test_unexpected_and_missing_keys_are_named(tmp_path):
     del state["model.norm.weight"]
     with pytest.raises(UserError, match="model.norm.weight"):
         model.load_hf_state_dict(state)
+    # tied, with a stored head: a copy is fine; a different head is what transformers computes with, so refused
+    _, tied_dir = make_hf(tmp_path / "tied", "aligned_tied")
+    tied, state = load_model(tied_dir), read_hf_state(tied_dir)
+    tied.load_hf_state_dict(dict(state, **{"lm_head.weight": state["model.embed_tokens.weight"].clone()}))
+    with pytest.raises(UserError, match=r"model.tie_word_embeddings=True but the checkpoint's lm_head.weight differs"):
+        tied.load_hf_state_dict(dict(state, **{"lm_head.weight": state["model.embed_tokens.weight"] + 1}))
 
 
 def test_config_from_hf_real_qwen3_30b_a3b_schema():
