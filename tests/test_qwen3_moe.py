@@ -151,6 +151,12 @@ def test_config_from_hf_real_qwen3_30b_a3b_schema():
     with pytest.raises(ValueError, match=r"model.attention_dropout=0.2 is not supported by PithTrain's qwen3_5_moe"):
         config_from_hf({"model_type": "qwen3_5_moe", "text_config": {"attention_dropout": 0.2}})
     assert config_from_hf(dict(hf, attention_dropout=0.0)) == cfg
+    # a yarn rope_scaling added beside a default rope_parameters: transformers runs yarn, so refused, not read as default
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    with pytest.raises(ValueError, match=r"model.rope_scaling=\{'rope_type': 'yarn'.*differ \(transformers uses rope_scaling"):
+        config_from_hf(dict(hf, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_scaling=yarn))
+    same = {"rope_type": "default", "rope_theta": 1e6}
+    assert config_from_hf(dict(hf, rope_parameters=same, rope_scaling=dict(same))) == cfg
 
 
 def test_stage1_hands_the_experts_rows_in_the_matmul_dtype():
