@@ -292,6 +292,10 @@ def check_hf_leftovers(model, hf: dict, used: set, past_layers: bool = False) ->
     layer_of = {k: int(i) for k in hf if k.startswith("model.layers.") and (i := k.split(".")[2]).isdigit()}
     other_layers = {k for k, i in layer_of.items() if not k.startswith(own_layers) and (past_layers or i < depth)}
     extra = set(hf) - used - other_layers
+    head, embed = hf.get("lm_head.weight"), hf.get("model.embed_tokens.weight")
+    if getattr(model.cfg, "tie_word_embeddings", False) and head is not None and embed is not None and not torch.equal(head, embed):
+        raise UserError("model.tie_word_embeddings=True but the checkpoint's lm_head.weight differs from model.embed_tokens"
+                        ".weight (transformers computes with the stored head); set tie_word_embeddings false in config.json")
     if model.lm_head is None:
         extra.discard("lm_head.weight")  # tied: HF may store a copy
     if model.embed_tokens is None:

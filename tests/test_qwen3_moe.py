@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, Qwen3MoeConfig as HFConfig, Qwen3
 
 from conftest import per_expert_grads
 from pithtrain.config import UserError
+from pithtrain.models import config_from_hf
 from pithtrain.models.qwen3_moe import Qwen3MoeConfig
 from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.tools.hf import load_model, read_hf_state, write_hf_dir
@@ -125,6 +126,12 @@ def test_unexpected_and_missing_keys_are_named(tmp_path):
     del state["model.norm.weight"]
     with pytest.raises(UserError, match="model.norm.weight"):
         model.load_hf_state_dict(state)
+    # tied, with a stored head: a copy is fine; a different head is what transformers computes with, so refused
+    _, tied_dir = make_hf(tmp_path / "tied", "aligned_tied")
+    tied, state = load_model(tied_dir), read_hf_state(tied_dir)
+    tied.load_hf_state_dict(dict(state, **{"lm_head.weight": state["model.embed_tokens.weight"].clone()}))
+    with pytest.raises(UserError, match=r"model.tie_word_embeddings=True but the checkpoint's lm_head.weight differs"):
+        tied.load_hf_state_dict(dict(state, **{"lm_head.weight": state["model.embed_tokens.weight"] + 1}))
 
 
 def test_config_from_hf_real_qwen3_30b_a3b_schema():
@@ -136,6 +143,20 @@ def test_config_from_hf_real_qwen3_30b_a3b_schema():
     cfg.validate()
     assert cfg.dim_per_head == 128 and cfg.rope_theta == 1e6 and cfg.num_experts == 128
     assert Qwen3MoeConfig.from_hf(cfg.to_hf()) == cfg
+    # HF applies sliding_window on every layer when use_sliding_window is on: refused, not run as full attention
+    with pytest.raises(UserError, match=r"model.use_sliding_window=True \(sliding_window=4096\) is not supported"):
+        Qwen3MoeConfig.from_hf(dict(hf, use_sliding_window=True, sliding_window=4096))
+    with pytest.raises(ValueError, match=r"model.attention_dropout=0.1 is not supported by PithTrain's qwen3_moe"):
+        config_from_hf(dict(hf, attention_dropout=0.1))
+    with pytest.raises(ValueError, match=r"model.attention_dropout=0.2 is not supported by PithTrain's qwen3_5_moe"):
+        config_from_hf({"model_type": "qwen3_5_moe", "text_config": {"attention_dropout": 0.2}})
+    assert config_from_hf(dict(hf, attention_dropout=0.0)) == cfg
+    # a yarn rope_scaling added beside a default rope_parameters: transformers runs yarn, so refused, not read as default
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    with pytest.raises(ValueError, match=r"model.rope_scaling=\{'rope_type': 'yarn'.*differ \(transformers uses rope_scaling"):
+        config_from_hf(dict(hf, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_scaling=yarn))
+    same = {"rope_type": "default", "rope_theta": 1e6}
+    assert config_from_hf(dict(hf, rope_parameters=same, rope_scaling=dict(same))) == cfg
 
 
 def test_stage1_hands_the_experts_rows_in_the_matmul_dtype():

@@ -19,6 +19,15 @@ def config_from_hf(hf: dict):
     """The family config for an HF `config.json` dict: one branch a family."""
     Qwen3MoeConfig, DeepseekV2Config, DeepseekV3Config, GptOssConfig, Qwen3_5MoeConfig = families()
     model_type = hf.get("model_type")
+    text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
+    dropout = hf.get("attention_dropout") or text.get("attention_dropout")
+    for d in (hf, text):  # transformers 5 reads rope_scaling over rope_parameters; the families read rope_parameters
+        if d.get("rope_scaling") and d.get("rope_parameters") and d["rope_scaling"] != d["rope_parameters"]:
+            raise ValueError(f"model.rope_scaling={d['rope_scaling']} and model.rope_parameters={d['rope_parameters']} "
+                             "differ (transformers uses rope_scaling); keep one of them in config.json")
+    if dropout:  # transformers drops attention weights in training; PithTrain has no dropout
+        raise ValueError(f"model.attention_dropout={dropout!r} is not supported by PithTrain's {model_type} (no attention "
+                         "dropout: training would differ from transformers'); set it to 0.0 in config.json")
     if model_type == "qwen3_moe":
         return Qwen3MoeConfig.from_hf(hf)
     if model_type == "deepseek_v2":

@@ -89,6 +89,9 @@ class Qwen3MoeConfig:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         check(rope.get("rope_type", rope.get("type", "default")) in ("default", None),
               f"qwen3_moe: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        check(not (hf.get("use_sliding_window") and hf.get("sliding_window")),
+              f"model.use_sliding_window=True (sliding_window={hf.get('sliding_window')}) is not supported by "
+              "PithTrain's qwen3_moe (full causal attention only); set use_sliding_window false")
         values = hf_values(cls, hf)
         if "num_experts" not in values and hf.get("num_local_experts") is not None:
             values["num_experts"] = hf["num_local_experts"]  # transformers 5 writes this alias
