@@ -151,6 +151,8 @@ def test_config_from_hf_real_qwen3_30b_a3b_schema():
     with pytest.raises(ValueError, match=r"model.attention_dropout=0.2 is not supported by PithTrain's qwen3_5_moe"):
         config_from_hf({"model_type": "qwen3_5_moe", "text_config": {"attention_dropout": 0.2}})
     assert config_from_hf(dict(hf, attention_dropout=0.0)) == cfg
+    with pytest.raises(ValueError, match=r"qwen3_moe: quantization_config 'fp8': quantized checkpoints are not read"):
+        config_from_hf(dict(hf, quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}))
     # a yarn rope_scaling added beside a default rope_parameters: transformers runs yarn, so refused, not read as default
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     with pytest.raises(ValueError, match=r"model.rope_scaling=\{'rope_type': 'yarn'.*differ \(transformers uses rope_scaling"):

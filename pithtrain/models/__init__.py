@@ -25,6 +25,11 @@ def config_from_hf(hf: dict):
         if d.get("rope_scaling") and d.get("rope_parameters") and d["rope_scaling"] != d["rope_parameters"]:
             raise ValueError(f"model.rope_scaling={d['rope_scaling']} and model.rope_parameters={d['rope_parameters']} "
                              "differ (transformers uses rope_scaling); keep one of them in config.json")
+    if (quant := hf.get("quantization_config") or text.get("quantization_config")) and model_type != "gpt_oss":
+        from pithtrain.config import ConfigError  # GPT-OSS's MXFP4 experts are dequantized as they load; no other's are
+
+        raise ConfigError(f"{model_type}: quantization_config {quant.get('quant_method') if isinstance(quant, dict) else quant!r}"
+                          ": quantized checkpoints are not read; dequantize to bf16 first and drop quantization_config")
     if dropout:  # transformers drops attention weights in training; PithTrain has no dropout
         raise ValueError(f"model.attention_dropout={dropout!r} is not supported by PithTrain's {model_type} (no attention "
                          "dropout: training would differ from transformers'); set it to 0.0 in config.json")

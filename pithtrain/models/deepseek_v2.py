@@ -252,13 +252,9 @@ class DeepseekV3Config(DeepseekV2Config):
                   "model_type 'kimi_k25' without a text_config: not a Kimi K2.5 checkpoint's config.json")
             print("kimi_k25: a multimodal checkpoint; its language model (text_config) is used, the vision tower "
                   "is left out", file=sys.stderr)
-            hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False),
-                  "quantization_config": hf.get("quantization_config"), **hf["text_config"]}  # K2.5's INT4 experts
+            hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
         if "num_nextn_predict_layers" not in hf and "num_mtp_layers" in hf:  # transformers 5 saves this name
             hf = {**hf, "num_nextn_predict_layers": hf["num_mtp_layers"]}
-        if hf.get("quantization_config"):
-            raise ConfigError(f"{hf.get('model_type')}: quantization_config {hf['quantization_config'].get('quant_method')!r}: "
-                              f"quantized checkpoints are not read; dequantize to bf16 first and drop quantization_config")
         return super().from_hf(hf)
 
     def to_hf(self) -> dict:
