@@ -200,7 +200,7 @@ def main():
             return verdict([f"{args.sqlite} has no table {', '.join(missing)}"])
         activity, launches, ranges = read_activity(db), read_launches(db), read_ranges(db)
     except sqlite3.DatabaseError as e:  # not SQLite; a column nsys's export names otherwise
-        return verdict([f"{args.sqlite}: {e}; expected an nsys SQLite export (make it: nsys export --type sqlite -o {target} RUN.nsys-rep) with the columns analyze_nsys.py reads"])
+        return verdict([f"{args.sqlite}: {e}; expected an nsys SQLite export (make it: {export}) with the columns analyze_nsys.py reads"])
     if not activity:
         return verdict([f"{args.sqlite} holds no GPU kernels (no rows in CUPTI_ACTIVITY_KIND_KERNEL, _MEMCPY or _MEMSET: "
                         "was the capture range empty? see capture-nsys-profile)"])
