@@ -53,9 +53,9 @@ def test_tokenize_train_convert_eval(tmp_path, capsys, monkeypatch):
     tokens = rng.integers(0, meta["vocab_size"], size=(3, 20))
     np.save(tmp_path / "tokens.npy", tokens)
     results = {}
-    for name, path in (("run", run), ("hf", hf_dir)):
+    for name, path in (("run", run), ("hf", hf_dir), ("its checkpoints folder", run / "checkpoints")):
         results[name] = json.loads(run_cli(["eval", str(path), "--tokens", str(tmp_path / "tokens.npy"), "--json"], capsys))
-    assert results["run"]["tokens"] == 3 * 19
+    assert results["run"]["tokens"] == 3 * 19 and results["its checkpoints folder"] == results["run"]
     from pithtrain.train import checkpoint
 
     with monkeypatch.context() as patch:  # a large model's read (minutes) is said on stderr

@@ -215,7 +215,7 @@ def eval_setup(path: str | Path, seq_len: int | None = None) -> tuple[int, str, 
     its source (`seq_len`, else the data.seq_len its run trained at, else config.json's seq_length, else max_position_embeddings,
     the most it takes), the vocabulary size, the tokenizer it trained with as (SHA-256, file), None when unknown, and
     max_position_embeddings."""
-    path = Path(path)
+    path = ckpt.run_of(path)
     found = path if is_hf_dir(path) or ckpt.is_checkpoint(path) else next(reversed(ckpt.list_checkpoints(path)), None)
     found = found or ckpt.resolve_checkpoint(path)  # which raises, saying what the path is instead
     cfg, config, hf = model_config(found), found / "config.json", read_json(found / "config.json", "")  # an object: checked

@@ -235,9 +235,15 @@ def load_checkpoint(ckpt: str | Path, state: dict) -> dict:
     return read_meta(ckpt)
 
 
+def run_of(path: str | Path) -> Path:
+    """What readers (eval, convert, init_from) take a run's `checkpoints/` folder for: its run directory."""
+    path = Path(path)
+    return path.parent if path.name == "checkpoints" and path.is_dir() and not is_checkpoint(path) else path
+
+
 def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory (verified), or the newest intact checkpoint of a run directory."""
-    path = Path(path)
+    path = run_of(path)
     if is_checkpoint(path):
         if problem := check_checkpoint(path):
             raise ValueError(f"checkpoint {path} is damaged: {problem}; use another checkpoint of its run")

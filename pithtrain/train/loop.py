@@ -503,7 +503,7 @@ def check_init_from(config: RunConfig, echo: bool, verify: bool = False, dataset
     those keep the run's values), read from its config.json alone, and its tokenizer (an HF directory's tokenizer.json,
     the one a checkpoint's run recorded, when there) gives its tokens the ids `dataset`'s does; says where the weights
     come from. `verify` (--dry-run): a checkpoint's files against their checksums too, as loading it would."""
-    path = Path(config.train.init_from)
+    path = ckpt.run_of(config.train.init_from)
     source = path if ckpt.is_hf_dir(path) or ckpt.is_checkpoint(path) else next(reversed(ckpt.list_checkpoints(path)), None)
     if verify and source is not None and not ckpt.is_hf_dir(source):
         try:
