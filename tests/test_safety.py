@@ -77,6 +77,9 @@ def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, c
     err = cli(["train", cfg, "--out", empty], capsys, code=2)[1]
     one_line_error(err, f"run directory {empty} is in use by pid {os.getpid()} on host {socket.gethostname()}")
     lock.release()
+    for inside in (empty / "checkpoints", next((empty / "checkpoints").iterdir())):  # the run's folders: named, not entered
+        one_line_error(cli(["train", cfg, "--out", inside], capsys, code=2)[1],
+                       f"--out {inside} lies inside the run directory {empty}; pass --out {empty} to resume")
     gone = tmp_path / "gone"  # a new run directory deleted during the run: the error names the write that failed
     monkeypatch.setattr(loop, "lr_at", lambda *a: (shutil.rmtree(gone), 1e-3)[1])
     one_line_error(cli(["train", cfg, "--out", gone], capsys, code=2)[1], f"writing {gone / 'metrics.jsonl'} failed",

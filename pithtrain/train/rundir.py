@@ -123,6 +123,9 @@ def check_out(out: Path) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a directory (new, empty, or a PithTrain run directory)")
     if out.is_dir() and any(out.iterdir()) and not is_run_dir(out):
+        if run := next((p for p in list(out.parents)[:2] if is_run_dir(p)), None):  # its checkpoints/ or a step of them
+            raise ValueError(f"--out {out} lies inside the run directory {run}; pass --out {run} to resume that run, "
+                             "or choose a new directory")
         raise ValueError(f"--out {out} is neither empty nor a PithTrain run directory (one holding {LOCK}, checkpoints/ "
                          f"or metrics.jsonl); choose a new or empty directory")
 
