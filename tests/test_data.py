@@ -424,3 +424,9 @@ def test_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(here)
     assert run_tokenize(parser.parse_args([*again[:1], "--out", ".", *again[3:]])) == 0
     assert TokenDataset(".").num_docs == 1 and "wrote ." in capsys.readouterr().out
+    # --out . --overwrite of the dataset the shell stands in: refused before any work, the directory itself kept
+    inode, names = os.stat(".").st_ino, sorted(os.listdir("."))
+    for out_here in (".", str(here), "./"):
+        with pytest.raises(UserError, match=r"--out .*current directory.*cd \.\."):
+            run_tokenize(parser.parse_args([*again[:1], "--out", out_here, *again[3:], "--overwrite"]))
+        assert os.stat(".").st_ino == inode and os.getcwd() == str(here) and sorted(os.listdir(".")) == names
