@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from pithtrain.config import UserError, disk_error
-from pithtrain.train.data import TokenDataset, check_output_dir, dtype_for_vocab, is_dataset, write_dataset
+from pithtrain.train.data import TokenDataset, check_output_dir, dtype_for_vocab, is_dataset, write_dataset, writer_lock
 
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # common names of an end-of-document token
@@ -384,7 +384,7 @@ def run_tokenize(args) -> int:
         raise UserError(f"pithtrain tokenize: {error}")
     started, out = time.perf_counter(), os.path.abspath(args.out)
     inputs = list(args.inputs) + (stdlib_corpus_files(args.max_bytes or 20_000_000) if args.stdlib else [])
-    with tempfile.TemporaryDirectory() as scratch:
+    with writer_lock(out), tempfile.TemporaryDirectory() as scratch:  # a second tokenize into --out refused before any work
         tokenizer_file = args.tokenizer
         if args.train_tokenizer:
             vocab_size = args.vocab_size or 4096
