@@ -120,6 +120,9 @@ def replace_dir(tmp: Path, final: Path) -> None:
         tmp.rmdir()
         return
     old, moved = final.with_name(f".{final.name}.old-{os.getpid()}"), final.exists()
+    if moved and Path.cwd().is_relative_to(final.resolve()):  # moved away and deleted, the shell would stand in nothing
+        raise UserError(f"cannot replace {final}: it is the current directory (or holds it), left as it was; cd .. and "
+                        f"name it from there")
     try:
         if moved:
             os.rename(final, old)
