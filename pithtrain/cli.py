@@ -215,6 +215,13 @@ def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
         raise UserError(f"rank {mesh.rank}: no answer in a collective within parallel.timeout_s="
                         f"{config.parallel.timeout_s:g}: another rank hangs or stopped (the first rank to exit is "
                         "blamed, maybe this one); the same command resumes from the last checkpoint") from None
+    except FloatingPointError as e:  # every rank met the same all-reduced loss: one line, out before any rank ends
+        if mesh is None or os.environ.get("PITHTRAIN_DEBUG"):
+            raise
+        if mesh.rank == 0:
+            print(_error_line(e), file=sys.stderr, flush=True)
+        torch.distributed.barrier()
+        return 2
     finally:
         stop.restore()
     saves, none = config.train.checkpoint_every >= 0, "no checkpoint (train.checkpoint_every=-1)"
@@ -374,6 +381,10 @@ def _not_dcp(record: logging.LogRecord) -> bool:
     return "distributed/checkpoint" not in record.pathname
 
 
+def _error_line(e: BaseException) -> str:
+    return f"error: {' '.join(str(e).split())} (PITHTRAIN_DEBUG=1 shows the traceback)"
+
+
 def _main(argv: list[str] | None = None) -> int:
     """Run one command. The one error path: a UserError (which ConfigError and argparse's errors
     are), a ValueError or an OSError (a bad file or value) or a diverged run ends in one line on
@@ -392,7 +403,7 @@ def _main(argv: list[str] | None = None) -> int:
         if os.environ.get("PITHTRAIN_DEBUG"):
             raise
         if not isinstance(e, ConfigError) or os.environ.get("LOCAL_RANK", "0") == "0":  # a config's error: once a node
-            print(f"error: {' '.join(str(e).split())} (PITHTRAIN_DEBUG=1 shows the traceback)", file=sys.stderr)
+            print(_error_line(e), file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C outside a training step (which stops after the step, cleanly)
         if os.environ.get("PITHTRAIN_DEBUG"):

@@ -26,6 +26,7 @@ from pithtrain.tools.tokenize import (
     unigram_entropy,
 )
 from pithtrain.train.data import BatchLoader, TokenDataset, dtype_for_vocab, write_dataset
+from pithtrain.train.rundir import _start_time
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 
@@ -416,6 +417,18 @@ def test_cli(tmp_path, capsys, monkeypatch):
         run_tokenize(parser.parse_args(again))
     assert TokenDataset(out).num_docs == 20
     assert run_tokenize(parser.parse_args([*again, "--overwrite"])) == 0 and TokenDataset(out).num_docs == 1
+    # a tokenize into an --out another one is writing is refused before any work (the lock beside --out names the
+    # writer) and leaves the lock; one whose writer is gone is taken over, and removed at the end
+    busy = tmp_path / f"busy{rng.integers(1000)}"
+    lock = tmp_path / f".{busy.name}.lock"
+    with subprocess.Popen(["sleep", "60"]) as other:
+        lock.write_text(held := f"{other.pid} {_start_time(other.pid)}")
+        with pytest.raises(UserError, match=rf"{busy.name} is being written by pid {other.pid} .*wait for it"):
+            run_tokenize(parser.parse_args([*again[:1], "--out", str(busy), *again[3:]]))
+        other.kill()
+    assert not busy.exists() and lock.read_text() == held
+    assert run_tokenize(parser.parse_args([*again[:1], "--out", str(busy), *again[3:]])) == 0
+    assert TokenDataset(busy).num_docs == 1 and not lock.exists()
     (Path(out) / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="notes.txt"):
         run_tokenize(parser.parse_args([*again, "--overwrite"]))
@@ -424,3 +437,9 @@ def test_cli(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(here)
     assert run_tokenize(parser.parse_args([*again[:1], "--out", ".", *again[3:]])) == 0
     assert TokenDataset(".").num_docs == 1 and "wrote ." in capsys.readouterr().out
+    # --out . --overwrite of the dataset the shell stands in: refused before any work, the directory itself kept
+    inode, names = os.stat(".").st_ino, sorted(os.listdir("."))
+    for out_here in (".", str(here), "./"):
+        with pytest.raises(UserError, match=r"--out .*current directory.*cd \.\."):
+            run_tokenize(parser.parse_args([*again[:1], "--out", out_here, *again[3:], "--overwrite"]))
+        assert os.stat(".").st_ino == inode and os.getcwd() == str(here) and sorted(os.listdir(".")) == names

@@ -302,6 +302,43 @@ def test_from_hf_reads_deepseek_published_config_layout():
         DeepseekV2Config.from_hf({**published, "mlp_bias": True})
 
 
+def test_hf_directory_with_routing_transformers_deepseek_v2_does_not_read_is_refused(tmp_path):
+    """transformers' DeepseekV2 routes by softmax and never renormalises the top-k weights, whatever config.json says:
+    an HF directory asking for sigmoid scores or norm_topk_prob is refused in one line naming the fields and the fix
+    (PithTrain would compute another model); a checkpoint's config.json (PithTrain's own) and deepseek_v3 read them."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    from pithtrain.config import UserError
+    from pithtrain.train.checkpoint import model_config
+
+    rng = np.random.default_rng()
+    asked = [{"scoring_func": "sigmoid"}, {"norm_topk_prob": True}, {"scoring_func": "sigmoid", "norm_topk_prob": True}]
+    asked = asked[rng.integers(len(asked))]
+    hf_cfg = lambda **kw: transformers.DeepseekV2Config(**{**BASE, "q_lora_rank": None, **kw})  # noqa: E731
+    plain = DeepseekV2TopkRouter(hf_cfg())
+    torch.nn.init.normal_(plain.weight)
+    asking = DeepseekV2TopkRouter(hf_cfg(**asked))
+    asking.load_state_dict(plain.state_dict())
+    x = torch.randn(5, BASE["hidden_size"])
+    assert all(torch.equal(a, b) for a, b in zip(plain(x), asking(x)))  # transformers ignores both
+    config = {**DeepseekV2Config(**{**BASE, "q_lora_rank": None}).to_hf(), **asked}
+    for kind in ("hf", "checkpoint"):
+        (tmp_path / kind).mkdir()
+        (tmp_path / kind / "config.json").write_text(json.dumps(config))
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(UserError) as refused:
+        model_config(tmp_path / "hf")
+    said = str(refused.value)
+    assert "\n" not in said and said.startswith(f"{tmp_path / 'hf' / 'config.json'}: transformers' deepseek_v2 does not read")
+    assert all(f"{k}={v!r}" in said for k, v in asked.items()) and "scoring_func='softmax', norm_topk_prob=false" in said
+    assert all(getattr(model_config(tmp_path / "checkpoint"), k) == v for k, v in asked.items())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **{k: getattr(DeepseekV2Config, k) for k in asked}}))
+    assert model_config(tmp_path / "hf").scoring_func == "softmax"
+    v3 = {**config, "model_type": "deepseek_v3", "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(v3))
+    assert model_config(tmp_path / "hf").norm_topk_prob is True
+
+
 def test_convert_says_which_options_transformers_deepseek_v2_does_not_read(tmp_path):
     """An export of a config whose routing transformers' deepseek_v2 ignores (to_hf) warns; a plain one does not."""
     from pithtrain.tools.hf import convert

@@ -515,9 +515,10 @@ def test_tool_case_ends_in_one_line(tool_env, case_id, line, names):
 
 
 @pytest.mark.fast
-def test_convert_overwrite_keeps_the_old_output_when_a_rename_fails(tool_env):
+def test_convert_overwrite_keeps_the_old_output_when_a_rename_fails(tool_env, monkeypatch):
     """convert --overwrite moves the old DST aside, renames the new one in, then deletes the old: a rename that fails
-    (DST a mount point: EBUSY) leaves the old DST as it was, in both directions, and no temporary directory."""
+    (DST a mount point: EBUSY) leaves the old DST as it was, in both directions, and no temporary directory. A DST
+    the shell stands in (`.`) is refused, not moved away."""
     tools = tool_env["tools"]
     for src, dst in ((tool_env["hf"], tools / "ow_ck"), (tool_env["tmp"] / "run_good", tools / "ow_hf")):
         assert run_case(tool_env, "ow", f"convert {src} {dst}")[0] == 0
@@ -539,6 +540,13 @@ def test_convert_overwrite_keeps_the_old_output_when_a_rename_fails(tool_env):
             assert [p.name for p in tools.iterdir() if dst.name in p.name] == [dst.name]
         assert run_case(tool_env, "ow", f"convert {src} {dst} --overwrite")[0] == 0
         assert not (dst / "model-00009-of-00009.safetensors").exists() and [p.name for p in tools.iterdir() if dst.name in p.name] == [dst.name]
+        before, inode = {p.name: p.read_bytes() for p in dst.iterdir()}, dst.stat().st_ino
+        monkeypatch.chdir(dst)
+        code, err = run_case(tool_env, "ow", f"convert {src} . --overwrite")
+        assert code == 2 and "current directory" in err.strip().splitlines()[-1] and os.getcwd() == str(dst), err
+        assert os.stat(".").st_ino == inode and {p.name: p.read_bytes() for p in dst.iterdir()} == before
+        assert [p.name for p in tools.iterdir() if dst.name in p.name] == [dst.name]
+        monkeypatch.chdir(tool_env["tmp"])
 
 
 @pytest.mark.fast

@@ -227,6 +227,19 @@ loop.lr_at = lr_at
     assert err.strip().splitlines()[-1].startswith("error: rank 1 (pid "), err
     assert "failed first (exit code 1; its error is above); the other ranks were stopped" in err
     assert time.perf_counter() - started < 90
+    # a non-finite loss: every rank meets the same all-reduced value, its error line comes once, before the launcher's
+    # (one micro-batch a rank and step: NaN from the drawn step on)
+    step = random.randint(1, 2)
+    nan = write_config(tmp_path / "nan.py", dataset_dir, f"""
+import pithtrain.train.loop as loop
+_ce, calls = loop.cross_entropy_sum, []
+loop.cross_entropy_sum = lambda *a, **k: _ce(*a, **k) * (1 if len(calls.append(1) or calls) < {step} else float("nan"))
+""", steps=2)
+    proc = spawn(["train", nan, "--nproc", "2", "--ep", "2", "--out", tmp_path / "nan"])
+    out, err = proc.communicate(timeout=120)
+    said = err.strip().splitlines()
+    assert proc.returncode == 2 and len(said) == 2 and said[0].startswith("error: non-finite loss (nan)"), err
+    assert f"at step {step};" in said[0] and "failed first (exit code 2; its error is above)" in said[1], err
     out, err = hung.communicate(timeout=100)
     assert hung.returncode == 2 and "Traceback" not in err, err
     assert "error: rank 0: no answer in a collective within parallel.timeout_s=10: another rank hangs" in err, err

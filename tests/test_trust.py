@@ -188,6 +188,22 @@ def test_every_write_of_a_run_fails_in_one_line_without_a_partial_file(tmp_path,
     monkeypatch.setattr(rundir.os, "open", no_permission)
     _, err = cli(["train", config, "--out", tmp_path / "locked"], capsys, code=2)
     one_line_error(err, f"writing {tmp_path / 'locked' / 'run.lock'} failed: Permission denied (EACCES)", "make it writable")
+    assert not (tmp_path / "locked").exists()  # the folder this start made is gone again
+    monkeypatch.undo()
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    # the disk fills as the lock's holder is written: no empty run.lock stays, nor the folders this start made
+    # (a folder there before stays)
+    monkeypatch.setattr(rundir.os, "pwrite", full)
+    depth = np.random.default_rng().integers(1, 4)
+    for out, made in ((tmp_path.joinpath(*["new"] * depth), tmp_path / "new"), (tmp_path / "mine", None)):
+        if made is None:
+            out.mkdir()
+        _, err = cli(["train", config, "--out", out], capsys, code=2)
+        one_line_error(err, f"writing {out / 'run.lock'} failed: No space left on device (ENOSPC)", "free space")
+        assert not (out / "run.lock").exists() and (made is None) == out.is_dir() and not (made and made.exists())
     monkeypatch.undo()
 
     from pithtrain.tools import hf

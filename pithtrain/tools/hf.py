@@ -196,7 +196,7 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         model, meta = load_model(ck), ckpt.read_meta(ck)  # the model first: it checks config.json
         if unread := getattr(model.cfg, "transformers_ignores", list)():  # the families with fields transformers skips
             echo(f"warning: transformers' {model.cfg.model_type} does not read {', '.join(unread)}: it computes another "
-                 f"model from this export than PithTrain does, or none (PithTrain's `eval` and `convert` back are exact)")
+                 f"model from this export than PithTrain does, or none (`eval` and `convert` of the checkpoint are exact)")
         extra = {k: v for k, v in read_json(ck / "config.json", "").items() if k in CARRIED}
         if seq_len := meta.get("config", {}).get("data", {}).get("seq_len"):
             extra["seq_length"] = seq_len

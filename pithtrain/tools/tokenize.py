@@ -23,7 +23,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from pithtrain.config import UserError, disk_error
-from pithtrain.train.data import TokenDataset, check_output_dir, dtype_for_vocab, is_dataset, write_dataset
+from pithtrain.train.data import TokenDataset, check_output_dir, dtype_for_vocab, is_dataset, write_dataset, writer_lock
 
 EOS_TOKEN = "<|endoftext|>"
 _EOS_CANDIDATES = (EOS_TOKEN, "<|end_of_text|>", "</s>", "<eos>")  # common names of an end-of-document token
@@ -363,6 +363,10 @@ def _argument_error(args) -> str | None:
         return f"--out: {e}"
     if Path(args.out).is_dir() and any(Path(args.out).iterdir()) and not args.overwrite:
         return f"--out {args.out} already holds a dataset; choose a new directory, or pass --overwrite to replace it"
+    if Path(args.out).is_dir() and any(Path(args.out).iterdir()) and Path.cwd().is_relative_to(Path(args.out).resolve()):
+        # replacing renames the directory away: the shell would stand in a deleted one
+        return (f"--out {args.out} is the current directory (or holds it), and --overwrite would swap it out from under "
+                f"the shell; cd .. and pass --out {Path(args.out).resolve().name} --overwrite")
     above = next(p for p in Path(os.path.abspath(args.out)).parents if p.exists())  # where the dataset is made, then renamed
     if not above.is_dir() or not os.access(above, os.W_OK):
         return f"--out {args.out}: {above} is not a writable directory; choose another --out"
@@ -378,9 +382,9 @@ def run_tokenize(args) -> int:
     """Run `pithtrain tokenize`; bad arguments raise a UserError before any work."""
     if error := _argument_error(args):
         raise UserError(f"pithtrain tokenize: {error}")
-    started, out = time.perf_counter(), os.path.abspath(args.out)  # absolute: `--out .` replaced with --overwrite is gone
+    started, out = time.perf_counter(), os.path.abspath(args.out)
     inputs = list(args.inputs) + (stdlib_corpus_files(args.max_bytes or 20_000_000) if args.stdlib else [])
-    with tempfile.TemporaryDirectory() as scratch:
+    with writer_lock(out), tempfile.TemporaryDirectory() as scratch:  # a second tokenize into --out refused before any work
         tokenizer_file = args.tokenizer
         if args.train_tokenizer:
             vocab_size = args.vocab_size or 4096

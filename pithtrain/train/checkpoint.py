@@ -120,6 +120,9 @@ def replace_dir(tmp: Path, final: Path) -> None:
         tmp.rmdir()
         return
     old, moved = final.with_name(f".{final.name}.old-{os.getpid()}"), final.exists()
+    if moved and Path.cwd().is_relative_to(final.resolve()):  # moved away and deleted, the shell would stand in nothing
+        raise UserError(f"cannot replace {final}: it is the current directory (or holds it), left as it was; cd .. and "
+                        f"name it from there")
     try:
         if moved:
             os.rename(final, old)
@@ -416,6 +419,12 @@ def model_config(path: Path):
         cfg.validate()
     except (TypeError, ValueError) as e:  # a field of the wrong type or value (ConfigError is a ValueError)
         raise UserError(f"{path / 'config.json'}: {e}") from None
+    # an HF directory means what transformers computes; a checkpoint's config.json (PithTrain's) keeps these options
+    if cfg.model_type == "deepseek_v2" and is_hf_dir(path) and (unread := cfg.transformers_ignores()):
+        raise UserError(f"{path / 'config.json'}: transformers' deepseek_v2 does not read {', '.join(unread)}, so PithTrain "
+                        "would compute another model than transformers does; to read it as transformers does, set "
+                        "scoring_func='softmax', norm_topk_prob=false, moe_layer_freq=1 and topk_method 'greedy' or "
+                        "'group_limited_greedy' there (or model_type deepseek_v3 for V3's sigmoid noaux_tc routing)")
     depth, first = cfg.num_nextn_predict_layers, cfg.num_hidden_layers
     if depth and is_hf_dir(path):  # multi-token prediction layers sit past the last layer, when saved at all
         names = read_hf_state(path, names_only=True)

@@ -16,6 +16,7 @@ by weight (data.path as a blend), with the same property.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 
 from pithtrain.config import UserError, data_parts, disk_error
-from pithtrain.train.rundir import alive
+from pithtrain.train.rundir import _start_time, alive
 
 FORMAT = "pithtrain-tokens-v1"
 TOKENS_FILE, OFFSETS_FILE, META_FILE, TOKENIZER_FILE = "tokens.bin", "doc_offsets.npy", "meta.json", "tokenizer.json"
@@ -70,6 +71,42 @@ def check_output_dir(path) -> None:
                               f"({', '.join(foreign[:5])}); choose an empty or new output directory")
 
 
+@contextlib.contextmanager
+def writer_lock(path):
+    """One writer for dataset directory `path`: `.NAME.lock` beside it, made with O_EXCL and removed at the end, so a
+    second writer is refused instead of replacing the first's output; one left by a process gone is taken over."""
+    path = Path(os.path.abspath(path))
+    lock, me, made = path.parent / f".{path.name}.lock", f"{os.getpid()} {_start_time(os.getpid())}", False
+    try:
+        held = lock.read_text().split()  # empty: its writer is just starting
+    except OSError:
+        held = []
+    if " ".join(held) == me:  # ours: a nested call (tokenize, then write_dataset)
+        yield
+        return
+    if len(held) == 2 and held[0].isdigit() and not alive(int(held[0]), held[1]):
+        lock.unlink(missing_ok=True)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        made = True
+        try:
+            os.write(fd, me.encode())
+        finally:
+            os.close(fd)
+    except FileExistsError:
+        raise UserError(f"{path} is being written by pid {held[0] if held else '?'} (lock {lock}); wait for it to end "
+                        "(or delete the lock if it is gone), or choose another output directory") from None
+    except OSError as e:
+        if made:
+            lock.unlink(missing_ok=True)
+        raise disk_error(e, path, removed=lock if made else None, then="run again or choose another output") or e
+    try:
+        yield
+    finally:
+        lock.unlink(missing_ok=True)
+
+
 def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: int, eos_id: int | None,
                   tokenizer_file: str | None = None) -> dict:
     """Stream `docs` (lists/arrays of token ids) into a dataset directory at `path`, EOS (if not None) after each
@@ -81,62 +118,63 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
         raise ValueError(f"eos_id {eos_id} is outside the vocabulary [0, {vocab_size})")
     if tokenizer_file is not None and not Path(tokenizer_file).is_file():
         raise FileNotFoundError(f"tokenizer file {tokenizer_file} not found")
-    check_output_dir(path)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    for stale in path.parent.glob(f".{path.name}.tmp-*"):  # this pid's, and those of writers since killed
-        if stale == tmp or ((pid := stale.name.rsplit("-", 1)[1]).isdigit() and not alive(int(pid))):
-            shutil.rmtree(stale, ignore_errors=True)
-    try:
-        tmp.mkdir(parents=True)
-        eos = None if eos_id is None else np.array([eos_id], dtype=dtype)
-        offsets = array("q", [0])
-        num_tokens, max_token_id = 0, -1 if eos_id is None else eos_id
-        buffer, buffered = [], 0
-        with open(tmp / TOKENS_FILE, "wb") as out:
-            for index, doc in enumerate(docs):
-                ids = np.asarray(doc)
-                if ids.ndim != 1:
-                    raise ValueError(f"document {index}: expected a 1-D sequence of token ids, got shape {ids.shape}")
-                if ids.size:
-                    if ids.dtype.kind not in "iu":
-                        raise ValueError(f"document {index}: token ids must be integers, got dtype {ids.dtype}")
-                    low, high = int(ids.min()), int(ids.max())
-                    if low < 0 or high >= vocab_size:
-                        raise ValueError(f"document {index}: token id {low if low < 0 else high} is outside the vocabulary "
-                                         f"[0, {vocab_size}); check that vocab_size matches the tokenizer")
-                    max_token_id = max(max_token_id, high)
-                    buffer.append(ids.astype(dtype, copy=False))
-                if eos is not None:
-                    buffer.append(eos)
-                length = ids.size + (eos is not None)
-                num_tokens += length
-                buffered += length
-                offsets.append(num_tokens)
-                if buffered >= _FLUSH_TOKENS:
+    with writer_lock(path):  # before the stale staging directories: a live writer's is not ours to remove
+        check_output_dir(path)
+        tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+        for stale in path.parent.glob(f".{path.name}.tmp-*"):  # this pid's, and those of writers since killed
+            if stale == tmp or ((pid := stale.name.rsplit("-", 1)[1]).isdigit() and not alive(int(pid))):
+                shutil.rmtree(stale, ignore_errors=True)
+        try:
+            tmp.mkdir(parents=True)
+            eos = None if eos_id is None else np.array([eos_id], dtype=dtype)
+            offsets = array("q", [0])
+            num_tokens, max_token_id = 0, -1 if eos_id is None else eos_id
+            buffer, buffered = [], 0
+            with open(tmp / TOKENS_FILE, "wb") as out:
+                for index, doc in enumerate(docs):
+                    ids = np.asarray(doc)
+                    if ids.ndim != 1:
+                        raise ValueError(f"document {index}: expected a 1-D sequence of token ids, got shape {ids.shape}")
+                    if ids.size:
+                        if ids.dtype.kind not in "iu":
+                            raise ValueError(f"document {index}: token ids must be integers, got dtype {ids.dtype}")
+                        low, high = int(ids.min()), int(ids.max())
+                        if low < 0 or high >= vocab_size:
+                            raise ValueError(f"document {index}: token id {low if low < 0 else high} is outside the vocabulary "
+                                             f"[0, {vocab_size}); check that vocab_size matches the tokenizer")
+                        max_token_id = max(max_token_id, high)
+                        buffer.append(ids.astype(dtype, copy=False))
+                    if eos is not None:
+                        buffer.append(eos)
+                    length = ids.size + (eos is not None)
+                    num_tokens += length
+                    buffered += length
+                    offsets.append(num_tokens)
+                    if buffered >= _FLUSH_TOKENS:
+                        out.write(np.concatenate(buffer).tobytes())
+                        buffer, buffered = [], 0
+                if buffer:
                     out.write(np.concatenate(buffer).tobytes())
-                    buffer, buffered = [], 0
-            if buffer:
-                out.write(np.concatenate(buffer).tobytes())
-        if num_tokens == 0:
-            raise ValueError(f"no tokens to write to {path}: the corpus is empty (no documents, or all empty without EOS)")
-        np.save(tmp / OFFSETS_FILE, np.frombuffer(offsets, dtype=np.int64))
-        if tokenizer_file is not None:
-            shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
-        meta = {"format": FORMAT, "dtype": dtype.name, "vocab_size": int(vocab_size), "num_tokens": num_tokens,
-                "num_docs": len(offsets) - 1, "eos_id": eos_id, "max_token_id": max_token_id,
-                "tokenizer": None if tokenizer_file is None else TOKENIZER_FILE}
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        from pithtrain.train.checkpoint import replace_dir  # only now: its import resets the warnings said once
+            if num_tokens == 0:
+                raise ValueError(f"no tokens to write to {path}: the corpus is empty (no documents, or all empty without EOS)")
+            np.save(tmp / OFFSETS_FILE, np.frombuffer(offsets, dtype=np.int64))
+            if tokenizer_file is not None:
+                shutil.copyfile(tokenizer_file, tmp / TOKENIZER_FILE)
+            meta = {"format": FORMAT, "dtype": dtype.name, "vocab_size": int(vocab_size), "num_tokens": num_tokens,
+                    "num_docs": len(offsets) - 1, "eos_id": eos_id, "max_token_id": max_token_id,
+                    "tokenizer": None if tokenizer_file is None else TOKENIZER_FILE}
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            from pithtrain.train.checkpoint import replace_dir  # only now: its import resets the warnings said once
 
-        check_output_dir(path)  # re-check: something may have appeared while we were writing
-        replace_dir(tmp, path)
-    except BaseException as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        failure = disk_error(e, path, removed=tmp, within=tmp) if isinstance(e, Exception) else None
-        if failure is not None:
-            raise failure from e
-        raise
-    return meta
+            check_output_dir(path)  # re-check: something may have appeared while we were writing
+            replace_dir(tmp, path)
+        except BaseException as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            failure = disk_error(e, path, removed=tmp, within=tmp) if isinstance(e, Exception) else None
+            if failure is not None:
+                raise failure from e
+            raise
+        return meta
 
 
 def _sha256(path) -> str:

@@ -8,6 +8,7 @@ tells a stale lock (same host, that process gone) from a live one where flock is
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -52,10 +53,13 @@ class RunLock:
     def __init__(self, out: Path):
         self.path = out / LOCK
         self.note = None  # what taking the lock over says, if it was stale
+        # what this start makes, removed again if the lock cannot be written: no empty run.lock marks a run directory
+        made, existed = [p for p in (out, *out.parents) if not p.exists()], self.path.exists()
         try:
             out.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
+            self._undo(made, existed)
             raise disk_error(e, self.path, then="run again or choose another --out") or e
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -84,7 +88,15 @@ class RunLock:
             os.pwrite(self.fd, json.dumps(me).encode(), 0)
         except OSError as e:
             os.close(self.fd)
+            self._undo(made, existed)
             raise disk_error(e, self.path, then="run again or choose another --out") or e
+
+    def _undo(self, made: list[Path], existed: bool) -> None:
+        if not existed:
+            self.path.unlink(missing_ok=True)
+        for folder in made:  # innermost first; one that holds anything stays
+            with contextlib.suppress(OSError):
+                folder.rmdir()
 
     def release(self) -> None:
         if self.fd is not None:
