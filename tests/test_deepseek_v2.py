@@ -3,6 +3,7 @@
 import contextlib
 import io
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -302,13 +303,13 @@ def test_from_hf_reads_deepseek_published_config_layout():
         DeepseekV2Config.from_hf({**published, "mlp_bias": True})
 
 
-def test_hf_directory_with_routing_transformers_deepseek_v2_does_not_read_is_refused(tmp_path):
+def test_hf_directory_with_routing_transformers_deepseek_v2_does_not_read_is_said(tmp_path):
     """transformers' DeepseekV2 routes by softmax and never renormalises the top-k weights, whatever config.json says:
-    an HF directory asking for sigmoid scores or norm_topk_prob is refused in one line naming the fields and the fix
-    (PithTrain would compute another model); a checkpoint's config.json (PithTrain's own) and deepseek_v3 read them."""
+    an HF directory asking for sigmoid scores or norm_topk_prob (PithTrain's export of such a run) is read as written
+    with a one-line warning naming the fields and how to match transformers; a checkpoint's config.json and
+    deepseek_v3 read them without one."""
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
 
-    from pithtrain.config import UserError
     from pithtrain.train.checkpoint import model_config
 
     rng = np.random.default_rng()
@@ -326,17 +327,20 @@ def test_hf_directory_with_routing_transformers_deepseek_v2_does_not_read_is_ref
         (tmp_path / kind).mkdir()
         (tmp_path / kind / "config.json").write_text(json.dumps(config))
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"")
-    with pytest.raises(UserError) as refused:
-        model_config(tmp_path / "hf")
-    said = str(refused.value)
+    with pytest.warns(UserWarning) as warned:
+        read = model_config(tmp_path / "hf")
+    said = str(warned[0].message)
     assert "\n" not in said and said.startswith(f"{tmp_path / 'hf' / 'config.json'}: transformers' deepseek_v2 does not read")
     assert all(f"{k}={v!r}" in said for k, v in asked.items()) and "scoring_func='softmax', norm_topk_prob=false" in said
-    assert all(getattr(model_config(tmp_path / "checkpoint"), k) == v for k, v in asked.items())
-    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **{k: getattr(DeepseekV2Config, k) for k in asked}}))
-    assert model_config(tmp_path / "hf").scoring_func == "softmax"
-    v3 = {**config, "model_type": "deepseek_v3", "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True}
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(v3))
-    assert model_config(tmp_path / "hf").norm_topk_prob is True
+    assert all(getattr(read, k) == v for k, v in asked.items()) and len(warned) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a checkpoint's config.json and a plain HF one: no warning
+        assert all(getattr(model_config(tmp_path / "checkpoint"), k) == v for k, v in asked.items())
+        (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **{k: getattr(DeepseekV2Config, k) for k in asked}}))
+        assert model_config(tmp_path / "hf").scoring_func == "softmax"
+        v3 = {**config, "model_type": "deepseek_v3", "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True}
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(v3))
+        assert model_config(tmp_path / "hf").norm_topk_prob is True
 
 
 def test_convert_says_which_options_transformers_deepseek_v2_does_not_read(tmp_path):

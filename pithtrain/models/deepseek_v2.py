@@ -177,8 +177,8 @@ class DeepseekV2Config:
     def to_hf(self) -> dict:
         """HF deepseek_v2 config.json. transformers' deepseek_v2 reads softmax greedy/group_limited_greedy
         routing only: it ignores scoring_func, moe_layer_freq and norm_topk_prob, and has no
-        e_score_correction_bias; configs using those options run in PithTrain but not in transformers, and an HF
-        directory with them is refused on import (checkpoint.model_config)."""
+        e_score_correction_bias; configs using those options run in PithTrain but not in transformers, which
+        import and export say (checkpoint.model_config, tools/hf.convert)."""
         out = asdict(self)
         rope = dict(self.rope_scaling or {})
         rope_type = rope.pop("type", None) or rope.pop("rope_type", "default")

@@ -419,12 +419,11 @@ def model_config(path: Path):
         cfg.validate()
     except (TypeError, ValueError) as e:  # a field of the wrong type or value (ConfigError is a ValueError)
         raise UserError(f"{path / 'config.json'}: {e}") from None
-    # an HF directory means what transformers computes; a checkpoint's config.json (PithTrain's) keeps these options
+    # PithTrain's own export of such a run has them (convert warned): read as written, said, as transformers computes otherwise
     if cfg.model_type == "deepseek_v2" and is_hf_dir(path) and (unread := cfg.transformers_ignores()):
-        raise UserError(f"{path / 'config.json'}: transformers' deepseek_v2 does not read {', '.join(unread)}, so PithTrain "
-                        "would compute another model than transformers does; to read it as transformers does, set "
-                        "scoring_func='softmax', norm_topk_prob=false, moe_layer_freq=1 and topk_method 'greedy' or "
-                        "'group_limited_greedy' there (or model_type deepseek_v3 for V3's sigmoid noaux_tc routing)")
+        warnings.warn(f"{path / 'config.json'}: transformers' deepseek_v2 does not read {', '.join(unread)}; PithTrain "
+                      "applies them, transformers computes another model (to match it, set scoring_func='softmax', "
+                      "norm_topk_prob=false, moe_layer_freq=1, topk_method 'greedy' or 'group_limited_greedy' there)")
     depth, first = cfg.num_nextn_predict_layers, cfg.num_hidden_layers
     if depth and is_hf_dir(path):  # multi-token prediction layers sit past the last layer, when saved at all
         names = read_hf_state(path, names_only=True)
