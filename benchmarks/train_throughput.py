@@ -511,6 +511,9 @@ def main():
               "optimizer_s": statistics.median(m["optimizer_s"] for m in warm),
               "optimizer_share": statistics.median(m["optimizer_s"] / m["step_time_s"] for m in warm),
               "allocator_max_per_step": allocator_max(warm)}
+    if args.family == "qwen3_5":  # which gated delta rule ran: FLA's kernels, or the PyTorch path without FLA importable
+        from pithtrain.ops import delta_rule
+        result["delta_rule"] = "fla" if delta_rule.USE_FLA and delta_rule._fla() is not None else "pytorch"
     if args.ab:  # each flipped arm against A; arm B's figures also under the two-arm lines' ab_b_* keys
         result.update(ab=args.ab, ab_a=arm_a, ab_steps=[[m["step"], ARMS[(m["step"] - 1) % n_arms], round(m["tokens_per_s"])]
                                                         for m in ours], ab_arms={})
