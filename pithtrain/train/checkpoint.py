@@ -290,8 +290,7 @@ def _split_experts(sd: dict, mesh) -> dict:
             continue
         full = value.full_tensor() if isinstance(value, DTensor) else value
         base = _expert_offset(mesh, full.shape[0])
-        for i in range(full.shape[0]):
-            out[f"{name}.{base + i}"] = full[i]
+        out.update((f"{name}.{base + i}", row) for i, row in enumerate(full))
     return out
 
 
@@ -303,8 +302,7 @@ def _join_experts(canonical: dict, template: dict, mesh) -> dict:
             out[name] = canonical[name]
             continue
         local = value.shape[0]  # a DTensor's shape is the whole (unsharded) local-expert block
-        base = _expert_offset(mesh, local)
-        full = torch.stack([canonical[f"{name}.{base + i}"] for i in range(local)])
+        full = torch.stack([canonical[f"{name}.{_expert_offset(mesh, local) + i}"] for i in range(local)])
         if isinstance(value, DTensor):  # back to this rank's FSDP shard, by local slicing
             full = distribute_tensor(full.to(value.device), value.device_mesh, value.placements, src_data_rank=None)
         out[name] = full
@@ -356,18 +354,16 @@ def load_training_state(ckpt: str | Path, model: torch.nn.Module, optimizer, mes
     """Load model and optimizer state; `with_optim=False` loads the weights only (the optimizer starts
     fresh: resuming with another optim.name)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = _canonical(model_sd, optim_sd, mesh)
-    if not with_optim:
-        del state["optim"]
+    state = _canonical(model_sd, optim_sd, mesh) if with_optim else {"model": _split_experts(model_sd, mesh)}
     meta = load_checkpoint(ckpt, state)
     model_sd = _join_experts(state["model"], model_sd, mesh)
-    if not with_optim:
+    if with_optim:
+        set_state_dict(model, optimizer, model_state_dict=model_sd,
+                       optim_state_dict={"state": _join_optim(state["optim"]["state"], optim_sd["state"], mesh),
+                                         "param_groups": optim_sd["param_groups"]})
+    else:
         set_model_state_dict(model, model_sd)
         optimizer.state.clear()  # get_state_dict made the state with a zero step: start truly fresh
-        return meta
-    set_state_dict(model, optimizer, model_state_dict=model_sd,
-                   optim_state_dict={"state": _join_optim(state["optim"]["state"], optim_sd["state"], mesh),
-                                     "param_groups": optim_sd["param_groups"]})
     return meta
 
 

@@ -88,12 +88,9 @@ def writer_lock(path):
         lock.unlink(missing_ok=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        made = True
-        try:
-            os.write(fd, me.encode())
-        finally:
-            os.close(fd)
+        with open(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as f:  # closed on a failed write too
+            made = True
+            f.write(me)
     except FileExistsError:
         raise UserError(f"{path} is being written by pid {held[0] if held else '?'} (lock {lock}); wait for it to end "
                         "(or delete the lock if it is gone), or choose another output directory") from None
@@ -170,8 +167,7 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
             replace_dir(tmp, path)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            failure = disk_error(e, path, removed=tmp, within=tmp) if isinstance(e, Exception) else None
-            if failure is not None:
+            if isinstance(e, Exception) and (failure := disk_error(e, path, removed=tmp, within=tmp)) is not None:
                 raise failure from e
             raise
         return meta
