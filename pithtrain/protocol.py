@@ -223,9 +223,7 @@ def hf_tensor(hf: dict, key: str, shape, used: set) -> torch.Tensor:
 def hf_name(name: str) -> str:
     """HF's name of a parameter: under `model.`, the head as `lm_head.weight`, and multi-token
     prediction layers (`mtp.{id}`, DeepSeek-V3) as the layers past the last one, as DeepSeek saves them."""
-    if name == "lm_head.weight":
-        return name
-    return "model.layers." + name[4:] if name.startswith("mtp.") else f"model.{name}"
+    return name if name == "lm_head.weight" else "model.layers." + name[4:] if name.startswith("mtp.") else f"model.{name}"
 
 
 def all_layers(model) -> dict:

@@ -112,9 +112,7 @@ class ContextParallel:
 
 def _extent(hit: torch.Tensor) -> torch.Tensor:
     """[first, end) of the True entries of a 1-D bool tensor; end <= first when there is none."""
-    n = hit.numel()
-    first = hit.int().argmax()
-    end = n - hit.flip(0).int().argmax()
+    first, end = hit.int().argmax(), hit.numel() - hit.flip(0).int().argmax()
     return torch.where(hit.any(), torch.stack([first, end]), torch.zeros(2, dtype=first.dtype, device=hit.device))
 
 

@@ -78,17 +78,13 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, name: str):
         ctx.splits, ctx.group, ctx.name = (out_splits, in_splits), group, name
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return _issue(x, out_splits, in_splits, group, async_op=False)[0]
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         with named_range(ctx.name + ".backward"):
-            dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None, None
+            return _issue(grad, in_splits, out_splits, ctx.group, async_op=False)[0], None, None, None, None
 
 
 def all_to_all(x, out_splits, in_splits, group, name: str = "pithtrain::all_to_all"):
@@ -125,9 +121,10 @@ class Exchange:
             return _issue(grad, in_splits, out_splits, self.group)
 
 
-def _issue(x, out_splits, in_splits, group):
+def _issue(x, out_splits, in_splits, group, async_op: bool = True):
+    """all_to_all_single of `x` into a new buffer: (buffer, work; None unless `async_op`)."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return out, dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    return out, dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=async_op)
 
 
 class _Plan(NamedTuple):

@@ -80,11 +80,9 @@ def estimate(config, world: int) -> list[dict]:
     if pipeline:
         placement = split_layers(cfg.num_hidden_layers, pp)
         caps = [[2 * pp - r - 1, r + 1] for r in range(pp)] if pp > 1 else [[2, 2]]
-        ranks = []
-        for r in range(pp):
-            first, second = rank_chunks(pp, r)
-            ranks.append([(placement[first], first == 0, False, caps[r][0]),
-                          (placement[second], False, second == 2 * pp - 1, caps[r][1])])
+        ranks = [[(placement[first], first == 0, False, caps[r][0]),
+                  (placement[second], False, second == 2 * pp - 1, caps[r][1])]
+                 for r in range(pp) for first, second in [rank_chunks(pp, r)]]
     else:
         ranks = [[(list(range(cfg.num_hidden_layers)), True, True, 1)]]
     out = []
