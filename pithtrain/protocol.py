@@ -59,9 +59,8 @@ class Combined(NamedTuple):
     index: torch.Tensor
 
 
-# Registered as pytrees so that FSDP2 sees the tensors inside a stage's output and gathers the
-# layer's weights before ANY gradient reaches them (the load-balance loss reads `scores`
-# without passing through stage 5).
+# Registered as pytrees so that FSDP2 sees the tensors inside a stage's output and gathers the layer's weights before
+# ANY gradient reaches them (the load-balance loss reads `scores` without passing through stage 5).
 torch.utils._pytree.register_dataclass(RoutingInfo)
 torch.utils._pytree.register_dataclass(Stage1Out)
 
@@ -106,11 +105,10 @@ def run_layer(layer, x: torch.Tensor, attn, engine) -> torch.Tensor:
 
 
 class AuxTerm(NamedTuple):
-    """An auxiliary loss term. A forward records one value per MoE layer under `name` (model code
-    in `Stage1Out.aux`; the load-balance loss in `ExpertEngine.record_routing`). The loss adds
-    train.<scale> x its mean over the layers and over the global batch's micro-batches; that mean
-    is logged per step as `metric`. A value must be the same on every CP rank of a micro-batch
-    (train/balance.py all-reduces its statistics over cp)."""
+    """An auxiliary loss term. A forward records one value per MoE layer under `name` (model code in `Stage1Out.aux`;
+    the load-balance loss in `ExpertEngine.record_routing`). The loss adds train.<scale> x its mean over the layers and
+    over the global batch's micro-batches; that mean is logged per step as `metric`. A value must be the same on every
+    CP rank of a micro-batch (train/balance.py all-reduces its statistics over cp)."""
     name: str
     scale: str  # the TrainConfig field that scales it (0: recorded and logged, not in the loss)
     metric: str  # its key in metrics.jsonl
@@ -121,16 +119,15 @@ AUX_TERMS: tuple[AuxTerm, ...] = (AuxTerm("lb", "lb_coef", "lb_loss"),)  # load 
 
 
 class LossTerms:
-    """How one step's loss is composed, the one place for both paths: the sum of token
-    cross-entropies / the global batch's label tokens, plus for each AUX_TERMS entry its scale x the
-    mean of its values over `n_layers` MoE layers and `n_micro` micro-batches (all data ranks).
+    """How one step's loss is composed, the one place for both paths: the sum of token cross-entropies / the global
+    batch's label tokens, plus for each AUX_TERMS entry its scale x the mean of its values over `n_layers` MoE layers
+    and `n_micro` micro-batches (all data ranks).
 
-    A whole-model forward (the plain loop) adds `micro_loss(ce, aux)` and backpropagates it. A
-    pipeline chunk holds some of the layers: its micro-batch's share is `ce_share(ce)` on the rank
-    with the head, and each aux value enters the backward with the gradient `weight(name)`
-    (`chunk_roots`: summed per term, or one root per value in the segmented backward). Both are
-    d(loss)/d(value); they are written as each path always computed them, so neither path's
-    numbers change."""
+    A whole-model forward (the plain loop) adds `micro_loss(ce, aux)` and backpropagates it. A pipeline chunk holds some
+    of the layers: its micro-batch's share is `ce_share(ce)` on the rank with the head, and each aux value enters the
+    backward with the gradient `weight(name)` (`chunk_roots`: summed per term, or one root per value in the segmented
+    backward). Both are d(loss)/d(value); they are written as each path always computed them, so neither path's numbers
+    change."""
 
     def __init__(self, train_config, n_label: int, n_micro: int, n_layers: int, n_mtp_label: int = 0):
         self.n_label, self.n_micro, self.n_layers = n_label, n_micro, n_layers
@@ -179,10 +176,9 @@ class LossTerms:
 
 
 class StepSums:
-    """This rank's sums over one step, by name: `ce` the token cross-entropy, `mtp` multi-token
-    prediction's (over its depths); `aux[name]` each term's per-layer mean, summed over this rank's
-    micro-batches; `stop` whether a stop was requested. One float64 tensor underneath, so `reduce` is
-    one collective and one host sync."""
+    """This rank's sums over one step, by name: `ce` the token cross-entropy, `mtp` multi-token prediction's (over its
+    depths); `aux[name]` each term's per-layer mean, summed over this rank's micro-batches; `stop` whether a stop was
+    requested. One float64 tensor underneath, so `reduce` is one collective and one host sync."""
 
     def __init__(self, device):
         self.values = torch.zeros(3 + len(AUX_TERMS), dtype=torch.float64, device=device)

@@ -1,5 +1,4 @@
-"""DeepSeek-V2 (and V2-Lite): config (HF `config.json` schema), the 5-stage decoder layer, the model,
-HF conversion.
+"""DeepSeek-V2 (and V2-Lite): config (HF `config.json` schema), the 5-stage decoder layer, the model, HF conversion.
 
 Self-contained on purpose, like qwen3_moe.py:
   - Multi-head Latent Attention (MLA). Queries come from `q_proj`, or with `q_lora_rank` from the
@@ -15,8 +14,8 @@ Self-contained on purpose, like qwen3_moe.py:
     experts computed in stage 1 and added in stage 5, routing from `routing.py` (softmax or
     sigmoid scores, greedy / group-limited / bias-corrected selection). Dense MLP layers for
     the first `first_k_dense_replace` layers and where `moe_layer_freq` says so.
-`reference_forward` is a plain, independent implementation (eager attention, complex-number
-RoPE, a loop over experts) used as the oracle in tests.
+`reference_forward` is a plain, independent implementation (eager attention, complex-number RoPE, a loop over experts)
+used as the oracle in tests.
 """
 
 from __future__ import annotations
@@ -203,12 +202,11 @@ class DeepseekV2Config:
 
 @dataclass
 class DeepseekV3Config(DeepseekV2Config):
-    """DeepSeek-V3 (and Kimi K2, Moonlight): the same model as V2 with the V3 switches on (sigmoid
-    scores, `noaux_tc` selection with its correction bias), HF's deepseek_v3 defaults, and its own
-    HF schema and model_type for import and export. `rope_interleave=False`: the rope dims are in
-    rotate-half layout already (HF's option). Multi-token prediction is not built: a checkpoint's MTP
-    layers (past num_hidden_layers) are imported, trained and exported with `num_nextn_predict_layers`
-    (MTPLayer; 0: ignored on load)."""
+    """DeepSeek-V3 (and Kimi K2, Moonlight): the same model as V2 with the V3 switches on (sigmoid scores, `noaux_tc`
+    selection with its correction bias), HF's deepseek_v3 defaults, and its own HF schema and model_type for import and
+    export. `rope_interleave=False`: the rope dims are in rotate-half layout already (HF's option). Multi-token
+    prediction is not built: a checkpoint's MTP layers (past num_hidden_layers) are imported, trained and exported with
+    `num_nextn_predict_layers` (MTPLayer; 0: ignored on load)."""
 
     vocab_size: int = 129280
     hidden_size: int = 7168
@@ -452,13 +450,12 @@ class DecoderLayer(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    """Multi-token prediction depth k (DeepSeek-V3 report, section 2.2): a decoder layer whose input at
-    token t is eh_proj([enorm(Emb(token t+k)); hnorm(h^{k-1}_t)]) (h^0: the main model's last hidden state,
-    before its final norm), and whose output h^k predicts token t+k+1 through its own norm
-    (`shared_head`) and the main model's output head. The embedding and head are shared; DeepSeek's
-    checkpoints store copies of them under the layer (`embed_tokens`, `shared_head.head`), which the HF
-    conversion reads and writes. The concatenation puts the embedding first, as the released weights
-    (eh_proj [H, 2H]) are laid out. stage1 takes [Emb(token t+k); h^{k-1}] as one [B, S, 2H] input, so
+    """Multi-token prediction depth k (DeepSeek-V3 report, section 2.2): a decoder layer whose input at token t is
+    eh_proj([enorm(Emb(token t+k)); hnorm(h^{k-1}_t)]) (h^0: the main model's last hidden state, before its final norm),
+    and whose output h^k predicts token t+k+1 through its own norm (`shared_head`) and the main model's output head. The
+    embedding and head are shared; DeepSeek's checkpoints store copies of them under the layer (`embed_tokens`,
+    `shared_head.head`), which the HF conversion reads and writes. The concatenation puts the embedding first, as the
+    released weights (eh_proj [H, 2H]) are laid out. stage1 takes [Emb(token t+k); h^{k-1}] as one [B, S, 2H] input, so
     its projections run inside the stage (where FSDP gathers the layer's weights)."""
 
     def __init__(self, cfg: DeepseekV2Config, layer_id: int, softmax_scale: float):

@@ -1,5 +1,5 @@
-"""GPT-OSS (gpt-oss-20b / -120b): config (HF `config.json` schema), the 5-stage decoder layer, the model,
-HF conversion including the MXFP4 expert weights of hub checkpoints.
+"""GPT-OSS (gpt-oss-20b / -120b): config (HF `config.json` schema), the 5-stage decoder layer, the model, HF conversion
+including the MXFP4 expert weights of hub checkpoints.
 
 What differs from Qwen3-MoE:
   - attention has biases and one learnable "sink" logit per head that joins the softmax denominator
@@ -13,10 +13,9 @@ What differs from Qwen3-MoE:
   - the router has a bias and softmaxes over the chosen k logits only;
   - experts have biases and a clamped SwiGLU: gate <= limit, |up| <= limit,
     out = (up + 1) * gate * sigmoid(alpha * gate).
-HF fuses gate/up with the two INTERLEAVED along the last dim (even columns gate, odd up); here they are
-stored gate then up (the convention of every family's `Experts`) and converted on import/export.
-`reference_forward` is an independent eager implementation (complex-number RoPE, log-sum-exp sinks,
-a loop over experts) used as the oracle in tests.
+HF fuses gate/up with the two INTERLEAVED along the last dim (even columns gate, odd up); here they are stored gate then
+up (the convention of every family's `Experts`) and converted on import/export. `reference_forward` is an independent
+eager implementation (complex-number RoPE, log-sum-exp sinks, a loop over experts) used as the oracle in tests.
 """
 
 from __future__ import annotations

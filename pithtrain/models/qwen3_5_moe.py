@@ -1,11 +1,9 @@
-"""Qwen3.5-MoE: the hybrid family (Gated DeltaNet linear attention + gated full attention) over a
-MoE with a shared expert: config (HF `config.json` schema), the 5-stage decoder layer, the model,
-HF conversion.
+"""Qwen3.5-MoE: the hybrid family (Gated DeltaNet linear attention + gated full attention) over a MoE with a shared
+expert: config (HF `config.json` schema), the 5-stage decoder layer, the model, HF conversion.
 
-HF `model_type` `qwen3_5_moe_text` (what `Qwen3_5MoeForCausalLM` saves) and `qwen3_5_moe` (the
-released multimodal checkpoints: their `text_config` and the language model's weights; the vision
-tower and the MTP weights are left out). `layer_types` says which layers are "linear_attention"
-(Gated DeltaNet) and which "full_attention"; every layer is MoE.
+HF `model_type` `qwen3_5_moe_text` (what `Qwen3_5MoeForCausalLM` saves) and `qwen3_5_moe` (the released multimodal
+checkpoints: their `text_config` and the language model's weights; the vision tower and the MTP weights are left out).
+`layer_types` says which layers are "linear_attention" (Gated DeltaNet) and which "full_attention"; every layer is MoE.
 
 - Gated DeltaNet: in_proj_qkv -> short causal depthwise conv + SiLU -> q, k (L2-normed), v;
   beta = sigmoid(in_proj_b), decay g = -exp(A_log) * softplus(in_proj_a + dt_bias); the gated delta
@@ -417,9 +415,8 @@ class Qwen3_5MoeModel(nn.Module):
 
     @torch.no_grad()
     def reference_forward(self, input_ids, position_ids=None, doc_ids=None):
-        """Plain oracle: eager softmax attention with an explicit mask; the Gated DeltaNet token by
-        token (the recurrence, not the chunked form) with F.conv1d, each document run on its own;
-        a loop over experts."""
+        """Plain oracle: eager softmax attention with an explicit mask; the Gated DeltaNet token by token (the
+        recurrence, not the chunked form) with F.conv1d, each document run on its own; a loop over experts."""
         cfg = self.cfg
         b, s = input_ids.shape
         if position_ids is None:

@@ -63,10 +63,9 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def rope_inv_freq(base: float, dim: int, yarn: dict | None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [dim/2] fp32, the factor cos/sin are scaled by), YaRN when `yarn` is given.
 
-    YaRN (arXiv 2309.00071): frequencies with fewer than beta_slow rotations over the original context are
-    interpolated (divided by `factor`), those with more than beta_fast kept, a linear ramp between; cos/sin
-    scale by mscale(mscale) / mscale(mscale_all_dim) unless attention_factor is given. fp32 in HF's order, so
-    the tables match HF's bit for bit.
+    YaRN (arXiv 2309.00071): frequencies with fewer than beta_slow rotations over the original context are interpolated
+    (divided by `factor`), those with more than beta_fast kept, a linear ramp between; cos/sin scale by mscale(mscale) /
+    mscale(mscale_all_dim) unless attention_factor is given. fp32 in HF's order, so the tables match HF's bit for bit.
     """
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if yarn is None:

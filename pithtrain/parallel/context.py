@@ -1,28 +1,24 @@
 """Context parallelism (CP): one sequence split over the CP ranks, attention computed as a ring.
 
-Layout (zigzag): the sequence is cut into 2*cp equal chunks and CP rank r holds chunks r and
-2cp-1-r. Under causal attention an early chunk has little to attend to and a late one a lot, so
-pairing them gives every rank the same work. The loop splits every [B, S] input (input_ids,
-labels, position_ids, doc_ids) with `zigzag_split`; RoPE reads the split position_ids, so the
-models change only in where attention is computed.
+Layout (zigzag): the sequence is cut into 2*cp equal chunks and CP rank r holds chunks r and 2cp-1-r. Under causal
+attention an early chunk has little to attend to and a late one a lot, so pairing them gives every rank the same work.
+The loop splits every [B, S] input (input_ids, labels, position_ids, doc_ids) with `zigzag_split`; RoPE reads the split
+position_ids, so the models change only in where attention is computed.
 
-Ring attention: each rank keeps its queries; key/value blocks travel around the CP ring (rank r
-sends to r+1 and receives from r-1), so at step i rank r holds the block of rank r-i and after
-cp steps every query has met every key. A block's scores are masked by the GLOBAL token indices
-of the queries and keys (causal, optional sliding window, optional same-document), and blocks
-combine by the log-sum-exp rule in fp32 (flash attention's online softmax). The next block's
-transfer is issued before computing on the current one, so the two overlap on GPUs. Only the
-bounding box of a block's visible (query, key) pairs is computed and empty blocks are skipped:
-with zigzag and causal attention, every step after the first computes half a block.
+Ring attention: each rank keeps its queries; key/value blocks travel around the CP ring (rank r sends to r+1 and
+receives from r-1), so at step i rank r holds the block of rank r-i and after cp steps every query has met every key. A
+block's scores are masked by the GLOBAL token indices of the queries and keys (causal, optional sliding window, optional
+same-document), and blocks combine by the log-sum-exp rule in fp32 (flash attention's online softmax). The next block's
+transfer is issued before computing on the current one, so the two overlap on GPUs. Only the bounding box of a block's
+visible (query, key) pairs is computed and empty blocks are skipped: with zigzag and causal attention, every step after
+the first computes half a block.
 
-Backward: a second ring. Each rank recomputes block scores from the saved log-sum-exp; dQ stays
-home, while dK/dV accumulate (fp32) in buffers that travel with their block and reach its owner
-after the cp-th hop.
+Backward: a second ring. Each rank recomputes block scores from the saved log-sum-exp; dQ stays home, while dK/dV
+accumulate (fp32) in buffers that travel with their block and reach its owner after the cp-th hop.
 
-What travels need not be K/V: `context_attention_expand` rings any payload, and an `expand`
-function rebuilds K/V from it on every step. MLA sends its normed latent and shared rope key
-(kv_lora_rank + rope_dim numbers per token, not heads * (qk_dim + v_dim)); the gradients of the
-payload and of expand's weights come from autograd through `expand`.
+What travels need not be K/V: `context_attention_expand` rings any payload, and an `expand` function rebuilds K/V from
+it on every step. MLA sends its normed latent and shared rope key (kv_lora_rank + rope_dim numbers per token, not
+heads * (qk_dim + v_dim)); the gradients of the payload and of expand's weights come from autograd through `expand`.
 
 Sinks (GPT-OSS): one logit per head joins the softmax denominator once, after the ring.
 
@@ -66,11 +62,10 @@ def zigzag_merge(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 @dataclass
 class ContextParallel:
-    """One micro-batch's CP layout. `positions[r]` [1 or B, S_local] and `doc_ids[r]` [B, S_local]
-    (None: no packing) are the global token indices and document ids of CP rank r's tokens; every
-    rank knows all of them, since CP ranks read the same samples. Masks come from these, never
-    from position_ids (which restart at each packed document). Build one per micro-batch: it
-    caches which blocks are visible."""
+    """One micro-batch's CP layout. `positions[r]` [1 or B, S_local] and `doc_ids[r]` [B, S_local] (None: no packing)
+    are the global token indices and document ids of CP rank r's tokens; every rank knows all of them, since CP ranks
+    read the same samples. Masks come from these, never from position_ids (which restart at each packed document). Build
+    one per micro-batch: it caches which blocks are visible."""
 
     group: dist.ProcessGroup | None  # None: cp == 1 (no communication)
     cp: int

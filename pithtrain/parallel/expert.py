@@ -36,10 +36,9 @@ class LocalDispatch:
 
 
 class ExpertEngine:
-    """What the model's layers call between their stages for one forward of one micro-batch:
-    dispatch/combine (stages 2 and 4) and the routing bookkeeping: the auxiliary loss values
-    (`aux`: term name -> one value per MoE layer, protocol.AUX_TERMS; the load-balance loss's under
-    "lb") and the expert loads."""
+    """What the model's layers call between their stages for one forward of one micro-batch: dispatch/combine (stages 2
+    and 4) and the routing bookkeeping: the auxiliary loss values (`aux`: term name -> one value per MoE layer,
+    protocol.AUX_TERMS; the load-balance loss's under "lb") and the expert loads."""
 
     def __init__(self, dispatcher, balance=None, batch: int = 0, seq: int = 0, weight_queue=None):
         self.dispatcher, self.balance, self.batch, self.seq = dispatcher, balance, batch, seq
@@ -136,11 +135,10 @@ class _Plan(NamedTuple):
 
 
 class _Counts:
-    """The split sizes [ep, 4] (rows and pairs sent, rows and pairs received) on their way to the
-    host. Async on CUDA: the count all-to-all is issued now and a side stream copies its result
-    to pinned memory behind it, so `host()` waits for that stream only. The overlapped pipeline
-    queues the other micro-batch's compute between the two: the host sync no longer drains the
-    GPU."""
+    """The split sizes [ep, 4] (rows and pairs sent, rows and pairs received) on their way to the host. Async on CUDA:
+    the count all-to-all is issued now and a side stream copies its result to pinned memory behind it, so `host()` waits
+    for that stream only. The overlapped pipeline queues the other micro-batch's compute between the two: the host sync
+    no longer drains the GPU."""
 
     def __init__(self, send_counts, group, stream: torch.cuda.Stream | None):
         """`stream`: the side stream for the async path; None: exchange and copy synchronously."""
@@ -170,16 +168,15 @@ class _Counts:
 class AllToAllDispatch:
     """Expert parallelism over `group` (size ep): rank r holds experts [r*E/ep, (r+1)*E/ep).
 
-    Dispatch sends each token ONCE to every rank that holds at least one of its chosen experts
-    (deduplication), with the local expert ids of its slots there; the receiver expands the rows
-    to one per (token, expert) and groups them by local expert. Combine returns one row per
-    (token, chosen expert) to the token's home rank, where stage 5 does the weighted sum, so the
-    arithmetic is the same as on one rank.
+    Dispatch sends each token ONCE to every rank that holds at least one of its chosen experts (deduplication), with the
+    local expert ids of its slots there; the receiver expands the rows to one per (token, expert) and groups them by
+    local expert. Combine returns one row per (token, chosen expert) to the token's home rank, where stage 5 does the
+    weighted sum, so the arithmetic is the same as on one rank.
 
-    Host synchronisations: one per MoE layer in forward, the `.tolist()` of the exchanged split
-    sizes (all_to_all_single needs them on the host); the backward reuses them. On GPUs the plan
-    is a Triton kernel (no sync) and the received pairs are expanded with a host-known size. The
-    grouped GEMM takes its group offsets on the device (no sync); its CPU fallback loop syncs.
+    Host synchronisations: one per MoE layer in forward, the `.tolist()` of the exchanged split sizes (all_to_all_single
+    needs them on the host); the backward reuses them. On GPUs the plan is a Triton kernel (no sync) and the received
+    pairs are expanded with a host-known size. The grouped GEMM takes its group offsets on the device (no sync); its CPU
+    fallback loop syncs.
     """
 
     def __init__(self, group, num_experts: int):

@@ -1,13 +1,11 @@
 """Expert sharding and FSDP2: dense weights sharded over dp x cp x ep, expert weights over dp x cp.
 
-Gradient semantics: every rank backpropagates its share of the GLOBAL mean loss (its token
-cross-entropy sum divided by the global token count), so the true gradient is the SUM over
-ranks. FSDP2 averages by default; we set the divide factor to 1 (with sum reduction forced,
-since gloo has no PREMUL_SUM). Expert gradients first gather every EP rank's tokens through the
-combine/dispatch all-to-all backward, then are summed over dp x cp: no ep-fold error.
+Gradient semantics: every rank backpropagates its share of the GLOBAL mean loss (its token cross-entropy sum divided by
+the global token count), so the true gradient is the SUM over ranks. FSDP2 averages by default; we set the divide factor
+to 1 (with sum reduction forced, since gloo has no PREMUL_SUM). Expert gradients first gather every EP rank's tokens
+through the combine/dispatch all-to-all backward, then are summed over dp x cp: no ep-fold error.
 
-With `hsdp`, weights are replicated over dp and sharded within (cp x ep) for dense weights and
-within cp for experts.
+With `hsdp`, weights are replicated over dp and sharded within (cp x ep) for dense weights and within cp for experts.
 """
 
 from __future__ import annotations

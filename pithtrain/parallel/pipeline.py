@@ -1,8 +1,8 @@
 """DualPipeV pipeline parallelism: V-shaped placement and the schedule.
 
-Placement: the model is cut into 2*pp chunks; rank r holds chunk r (phase 0, the way down) and
-chunk 2pp-1-r (phase 1, the way back up), so rank 0 holds both the embedding (chunk 0) and the
-LM head (chunk 2pp-1). Edge chunks get fewer layers since they also carry embedding and head.
+Placement: the model is cut into 2*pp chunks; rank r holds chunk r (phase 0, the way down) and chunk 2pp-1-r (phase 1,
+the way back up), so rank 0 holds both the embedding (chunk 0) and the LM head (chunk 2pp-1). Edge chunks get fewer
+layers since they also carry embedding and head.
 
 Schedule: per rank, a list of operations on (phase, micro-batch):
   F   forward of that rank's chunk of the phase
@@ -12,12 +12,11 @@ Schedule: per rank, a list of operations on (phase, micro-batch):
       chunks of the rank (phase 0 forward with phase 1 backward, or the reverse)
   FF, BB  two forwards / two backwards, one on each chunk (the pipeline's edges: warm-up, drain)
   BW  a backward with the other chunk's W work computing under its all-to-alls
-A pair is always of the two chunks (separate FSDP roots), never two ops of one chunk.
-The list is produced by simulating the pipeline in unit time with DualPipeV's rules: warm-up
-with forwards bounded per phase, a steady state of overlapped FB pairs, W work only where the
-rank would otherwise idle (or at the end), and the W queue empty at the end of the step; the
-rules for FF/BB/BW are chosen by simulation (never slower; then fewest exposed all-to-alls).
-`simulate` replays any schedule against the dependencies and reports its bubble fraction.
+A pair is always of the two chunks (separate FSDP roots), never two ops of one chunk. The list is produced by simulating
+the pipeline in unit time with DualPipeV's rules: warm-up with forwards bounded per phase, a steady state of overlapped
+FB pairs, W work only where the rank would otherwise idle (or at the end), and the W queue empty at the end of the step;
+the rules for FF/BB/BW are chosen by simulation (never slower; then fewest exposed all-to-alls). `simulate` replays any
+schedule against the dependencies and reports its bubble fraction.
 """
 
 from __future__ import annotations
@@ -95,14 +94,13 @@ def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int,
 @functools.lru_cache(maxsize=16)  # a pure function of its arguments, asked for every step
 def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True,
                        pair_edges: bool | None = None) -> tuple[tuple[Op, ...], ...]:
-    """The per-rank operation lists for `num_micro` >= 2*pp micro-batches. `pair_edges`: where
-    no FB fits, run two ready forwards (FF) or backwards (BB) of the rank's two chunks as a pair,
-    and a lone backward with the other chunk's queued W work (BW); False: none of it; None: of a
-    few pairing rules, the one the simulation finds fastest by compute alone, ties going to the
-    fewest exposed all-to-alls (a pair delays its first op's result: greedy FF/BB everywhere is
-    often slower; BW is mostly chosen, FF/BB rarely). At pp = 1, F0.0 and B0.last can never be in
-    a chunk pair and each pair takes one op of each chunk, so 4 F/B stay unpaired with FF/BB too;
-    BW pairs the last two backwards, leaving F0.0 and F1.0 (no W work exists yet)."""
+    """The per-rank operation lists for `num_micro` >= 2*pp micro-batches. `pair_edges`: where no FB fits, run two ready
+    forwards (FF) or backwards (BB) of the rank's two chunks as a pair, and a lone backward with the other chunk's
+    queued W work (BW); False: none of it; None: of a few pairing rules, the one the simulation finds fastest by compute
+    alone, ties going to the fewest exposed all-to-alls (a pair delays its first op's result: greedy FF/BB everywhere is
+    often slower; BW is mostly chosen, FF/BB rarely). At pp = 1, F0.0 and B0.last can never be in a chunk pair and each
+    pair takes one op of each chunk, so 4 F/B stay unpaired with FF/BB too; BW pairs the last two backwards, leaving
+    F0.0 and F1.0 (no W work exists yet)."""
     if num_micro < 2 * pp:
         raise ValueError(f"DualPipeV needs at least 2*pp = {2 * pp} micro-batches per step, got {num_micro}; "
                          f"raise train.global_batch_size or lower train.micro_batch_size")
@@ -184,11 +182,10 @@ def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple
 
 
 def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = True, cost_a2a: float = 0.0) -> dict:
-    """Replay the per-rank lists in order against the dependencies (a rank waits for its next op's
-    inputs). Raises on a missing, repeated or out-of-order op and on deadlock. Returns the makespan
-    and bubble fraction (idle share of rank-time). F, B and W cost 1 each (B 2 with W inside it: not
-    `defer_w`); `cost_a2a`: the exposed all-to-all time of an unpaired F or B (a pair hides it under the other
-    chunk's compute)."""
+    """Replay the per-rank lists in order against the dependencies (a rank waits for its next op's inputs). Raises on a
+    missing, repeated or out-of-order op and on deadlock. Returns the makespan and bubble fraction (idle share of
+    rank-time). F, B and W cost 1 each (B 2 with W inside it: not `defer_w`); `cost_a2a`: the exposed all-to-all time of
+    an unpaired F or B (a pair hides it under the other chunk's compute)."""
     seen, finish = set(), {}
     pos, clock = [0] * pp, [0.0] * pp
     progressed = True
@@ -227,9 +224,8 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
 
 
 class ChunkPair(torch.nn.Module):
-    """This rank's two chunks seen as one module with the model's own parameter names (global
-    layer ids, no prefix), for the optimizer, checkpoints and the grad norm. Forward goes
-    through the chunks themselves."""
+    """This rank's two chunks seen as one module with the model's own parameter names (global layer ids, no prefix), for
+    the optimizer, checkpoints and the grad norm. Forward goes through the chunks themselves."""
 
     def __init__(self, down, up):
         super().__init__()
@@ -257,11 +253,10 @@ def build_chunks(cfg, pp: int, pp_rank: int, seed: int):
 class _Tape:
     """One chunk forward cut into segments at its all-to-alls, for the segmented backward.
 
-    Segment k owns `roots[k]`, (tensor, grad) pairs known at forward time (loss, auxiliary
-    loss values with their weights), and `cuts[k]`, (leaf, src, j, exchange): `leaf` is an input of segment k
-    standing for `src` of the earlier segment j; its gradient becomes src's, through the reverse
-    all-to-all if `exchange` is set. Every cross-segment tensor is cut, so each backward call
-    stays inside one segment and every tensor gets its gradient exactly once."""
+    Segment k owns `roots[k]`, (tensor, grad) pairs known at forward time (loss, auxiliary loss values with their
+    weights), and `cuts[k]`, (leaf, src, j, exchange): `leaf` is an input of segment k standing for `src` of the earlier
+    segment j; its gradient becomes src's, through the reverse all-to-all if `exchange` is set. Every cross-segment
+    tensor is cut, so each backward call stays inside one segment and every tensor gets its gradient exactly once."""
 
     def __init__(self):
         self.roots, self.cuts = [[]], [[]]
@@ -324,13 +319,12 @@ def _layer_steps(layer, x, attn, engine, tape, terms, note):
 
 
 def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, terms, note, mtp_ids=None, mtp_embedded=None):
-    """The model's forward template (embed -> attention inputs -> layers -> norm/head, the same
-    in every family) as a generator over `_layer_steps`. Under FSDP, the chunk's own forward
-    hooks run around the embedding part and the head part (so the root's weights are gathered
-    again when backward reaches either); the layers gather theirs around their stages.
-    Multi-token prediction (DeepSeek-V3) as in the model's forward: the embedding chunk also
-    returns the MTP tokens embedded, the head chunk runs the MTP layers after the last layer and
-    then every head in the last segment (the loss is a root there), from cuts of the hidden states."""
+    """The model's forward template (embed -> attention inputs -> layers -> norm/head, the same in every family) as a
+    generator over `_layer_steps`. Under FSDP, the chunk's own forward hooks run around the embedding part and the head
+    part (so the root's weights are gathered again when backward reaches either); the layers gather theirs around their
+    stages. Multi-token prediction (DeepSeek-V3) as in the model's forward: the embedding chunk also returns the MTP
+    tokens embedded, the head chunk runs the MTP layers after the last layer and then every head in the last segment
+    (the loss is a root there), from cuts of the hidden states."""
     state = chunk._get_fsdp_state() if isinstance(chunk, FSDPModule) else None
 
     def as_root(fn, *args):
@@ -419,16 +413,14 @@ def _drive(*steps):
 
 
 class PipelineRunner:
-    """Runs one optimizer step's micro-batches through this rank's two chunks in the order of
-    the DualPipeV schedule, exchanging activations and gradients with the neighbouring pipeline
-    ranks.
+    """Runs one optimizer step's micro-batches through this rank's two chunks in the order of the DualPipeV schedule,
+    exchanging activations and gradients with the neighbouring pipeline ranks.
 
-    With `overlap` (and expert parallelism), every chunk forward is cut at its all-to-alls
-    (`_chunk_steps`, `_Tape`) and its backward walks the segments (`_backward_steps`); an FB op
-    alternates the two: forward compute, issue its all-to-all | backward compute, issue its
-    all-to-all | wait on the forward's, next forward compute ... so each micro-batch's
-    communication runs under the other's compute. Without it, forward then backward (the
-    reference; the numerics agree to rounding). `trace`, a list, records the order of events."""
+    With `overlap` (and expert parallelism), every chunk forward is cut at its all-to-alls (`_chunk_steps`, `_Tape`) and
+    its backward walks the segments (`_backward_steps`); an FB op alternates the two: forward compute, issue its
+    all-to-all | backward compute, issue its all-to-all | wait on the forward's, next forward compute ... so each
+    micro-batch's communication runs under the other's compute. Without it, forward then backward (the reference; the
+    numerics agree to rounding). `trace`, a list, records the order of events."""
 
     def __init__(self, down, up, mesh, make_engine, forward_inputs, act_dtype, overlap: bool = True):
         self.chunks = (down, up)
@@ -482,10 +474,9 @@ class PipelineRunner:
         return out
 
     def run(self, micros: list[dict], loss_fn, lists: list[list[Op]], terms: LossTerms) -> dict[str, torch.Tensor]:
-        """loss_fn(logits, micro) -> this micro-batch's share of the cross-entropy loss. Each
-        chunk's auxiliary loss values enter its backward as `terms` composes them
-        (protocol.LossTerms). Returns, per aux term, the sum of its values over this rank's chunk
-        forwards (detached, float64)."""
+        """loss_fn(logits, micro) -> this micro-batch's share of the cross-entropy loss. Each chunk's auxiliary loss
+        values enter its backward as `terms` composes them (protocol.LossTerms). Returns, per aux term, the sum of its
+        values over this rank's chunk forwards (detached, float64)."""
         mesh, rank, dtype = self.mesh, self.mesh.pp_rank, self.act_dtype
         inbox = {}  # (kind, phase, mb) -> tensor received
         expected = {d: [m for m in self._sends(lists[rank + d], rank + d) if m[0] == rank]

@@ -12,11 +12,10 @@ The variants differ only in the scope of the statistics:
   seq     f and P per sequence, L averaged over sequences (DeepSeek-V3's sequence-wise loss).
 The logged `lb_loss` is the mean of L over MoE layers; `train.lb_coef` scales it in the loss.
 
-Context parallelism (`cp_group`): each CP rank holds an equal share of every sequence of the
-micro-batch, so the per-sequence (`seq`) and per-micro-batch statistics are the means of the CP
-ranks' local ones: an all-reduce over cp_group. Every CP rank then computes the same L. P must
-stay differentiable: its all-reduce passes the gradient to the LOCAL share only (the other
-shares are constants here, and their ranks backpropagate them), so the parameter gradients
+Context parallelism (`cp_group`): each CP rank holds an equal share of every sequence of the micro-batch, so the
+per-sequence (`seq`) and per-micro-batch statistics are the means of the CP ranks' local ones: an all-reduce over
+cp_group. Every CP rank then computes the same L. P must stay differentiable: its all-reduce passes the gradient to the
+LOCAL share only (the other shares are constants here, and their ranks backpropagate them), so the parameter gradients
 summed over the CP ranks, as FSDP does, are those of L.
 """
 

@@ -8,10 +8,9 @@ A dataset is a directory written by `write_dataset` (usually via `pithtrain toke
                     "num_docs", "eos_id", "max_token_id", "tokenizer"}
   tokenizer.json   optional copy of the tokenizer ("tokenizer" in meta names it)
 
-`BatchLoader` cuts the token stream into fixed windows of seq_len + 1 tokens and serves them in
-a seeded, per-epoch shuffled order that is a pure function of the step: any step can be
-re-created after a restart without replaying history. `BlendLoader` interleaves several datasets
-by weight (data.path as a blend), with the same property.
+`BatchLoader` cuts the token stream into fixed windows of seq_len + 1 tokens and serves them in a seeded, per-epoch
+shuffled order that is a pure function of the step: any step can be re-created after a restart without replaying
+history. `BlendLoader` interleaves several datasets by weight (data.path as a blend), with the same property.
 """
 
 from __future__ import annotations

@@ -81,10 +81,9 @@ def prepare_micro(micro: dict, mesh: Mesh) -> dict:
 
 
 def rank_micro_batches(batch: dict, size: int, data_rank: int, data_ranks: int) -> list[dict]:
-    """This data rank's micro-batches: micro-batch j of the global batch goes to rank j % data_ranks,
-    so the union over ranks of micro-step i is one contiguous block of samples (the `global`
-    load-balance scope on R ranks equals the `micro` scope of one process with R-times larger
-    micro-batches)."""
+    """This data rank's micro-batches: micro-batch j of the global batch goes to rank j % data_ranks, so the union over
+    ranks of micro-step i is one contiguous block of samples (the `global` load-balance scope on R ranks equals the
+    `micro` scope of one process with R-times larger micro-batches)."""
     starts = range(data_rank * size, batch["input_ids"].shape[0], size * data_ranks)
     return [{k: v[i : i + size] for k, v in batch.items()} for i in starts]
 
@@ -151,11 +150,10 @@ class Stepped(NamedTuple):
 
 def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo: bool = True,
           stop_after: int | None = None, mesh: Mesh | None = None, stop=None) -> list[dict]:
-    """Train (resuming from the newest intact checkpoint in out_dir); returns this run's per-step metrics.
-    `stop_after` ends the run early (with a checkpoint) without changing the schedule of `train.steps`.
-    `mesh` is None for one process; launched runs pass the mesh built by `init_mesh`. `stop` (see
-    launch.GracefulStop): once its `signum` is set on any rank, every rank ends after the same step,
-    with a checkpoint, and `stop.stopped_at` is that step."""
+    """Train (resuming from the newest intact checkpoint in out_dir); returns this run's per-step metrics. `stop_after`
+    ends the run early (with a checkpoint) without changing the schedule of `train.steps`. `mesh` is None for one
+    process; launched runs pass the mesh built by `init_mesh`. `stop` (see launch.GracefulStop): once its `signum` is
+    set on any rank, every rank ends after the same step, with a checkpoint, and `stop.stopped_at` is that step."""
     began = time.time()
     run = set_up(config, Path(out_dir), steps, echo, stop_after, mesh)
     t, device = config.train, run.mesh.device
@@ -783,9 +781,8 @@ def _flat(config: dict) -> dict:
 
 
 def save_failed(error: BaseException, out_dir: Path, step: int, is_main: bool) -> BaseException:
-    """The error to raise for a failed checkpoint save. A disk error (full, read-only, gone) becomes
-    one message naming it and the last good checkpoint, after removing the partial step_N.tmp;
-    anything else is returned unchanged."""
+    """The error to raise for a failed checkpoint save. A disk error (full, read-only, gone) becomes one message naming
+    it and the last good checkpoint, after removing the partial step_N.tmp; anything else is returned unchanged."""
     tmp = out_dir / "checkpoints" / f"step_{step:08d}.tmp"  # where checkpoint.write_checkpoint writes
     good = ckpt.list_checkpoints(out_dir)
     # DCP wraps a rank's error; PyTorch's writers raise a RuntimeError that names the OS error
@@ -840,11 +837,10 @@ def compile_stages(model) -> None:
 
 
 def recompute_stages(model, mode: str) -> None:
-    """train.recompute. selective: each MoE layer's SwiGLU output is recomputed from the kept
-    gate/up product (ops/grouped_gemm.activation_mm). full: stages 1 and 3 of every layer run
-    under a non-reentrant checkpoint: only their inputs are kept and the whole stage runs again
-    when the backward reaches it. Stage 1 and 3 hold no all-to-all and no generator yield, so
-    a recomputation stays inside one segment of DualPipeV's backward."""
+    """train.recompute. selective: each MoE layer's SwiGLU output is recomputed from the kept gate/up product
+    (ops/grouped_gemm.activation_mm). full: stages 1 and 3 of every layer run under a non-reentrant checkpoint: only
+    their inputs are kept and the whole stage runs again when the backward reaches it. Stage 1 and 3 hold no all-to-all
+    and no generator yield, so a recomputation stays inside one segment of DualPipeV's backward."""
     for experts in expert_modules(model) if mode == "selective" else ():
         experts.recompute_act = True
     for layer in all_layers(model).values() if mode == "full" else ():

@@ -156,10 +156,9 @@ WANDB_ID = "wandb_id"  # in the run directory: every attempt of the run logs to 
 
 
 def _wandb_run(project: str, out_dir: Path, config: dict | None):
-    """A wandb run named after the run directory, the same one across resumes (its id kept in
-    OUT/wandb_id; wandb drops re-logged steps, which a bit-exact resume logs with the same values);
-    WANDB_MODE (offline, disabled) and the other WANDB_* variables act as wandb documents. `validate`
-    refused a missing package before training."""
+    """A wandb run named after the run directory, the same one across resumes (its id kept in OUT/wandb_id; wandb drops
+    re-logged steps, which a bit-exact resume logs with the same values); WANDB_MODE (offline, disabled) and the other
+    WANDB_* variables act as wandb documents. `validate` refused a missing package before training."""
     import wandb
 
     id_file = out_dir / WANDB_ID
