@@ -423,10 +423,8 @@ class PipelineRunner:
     numerics agree to rounding). `trace`, a list, records the order of events."""
 
     def __init__(self, down, up, mesh, make_engine, forward_inputs, act_dtype, overlap: bool = True):
-        self.chunks = (down, up)
-        self.overlap, self.trace = overlap, None
+        self.chunks, self.mesh, self.overlap, self.trace = (down, up), mesh, overlap, None
         self.act_dtype = act_dtype  # dtype of the activations and gradients exchanged
-        self.mesh = mesh
         self.make_engine = make_engine  # (batch, seq) -> ExpertEngine for one chunk forward
         self.forward_inputs = forward_inputs  # micro dict -> (position_ids, doc_ids, ContextParallel or None)
         self.group = mesh.device_mesh["pp"].get_group()
@@ -564,14 +562,8 @@ class PipelineRunner:
                 chunk.set_reshard_after_backward(last)
             if queue is not None:
                 weight_work[(phase, mb)] = queue
-            tensors = []
-            for out, g in zip(outputs, grads):
-                if g is None:
-                    tensors.append(torch.ones_like(out))
-                elif g == "mtp":
-                    tensors.append(mtp_grads.pop(mb))
-                else:
-                    tensors.append(receive("grad", phase, mb))
+            tensors = [torch.ones_like(out) if g is None else mtp_grads.pop(mb) if g == "mtp" else receive("grad", phase, mb)
+                       for out, g in zip(outputs, grads)]
             if tape is None:
                 torch.autograd.backward(outputs, tensors)
             else:
