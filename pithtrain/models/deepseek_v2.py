@@ -258,9 +258,7 @@ class DeepseekV3Config(DeepseekV2Config):
 
     def to_hf(self) -> dict:
         """HF deepseek_v3 config.json (what DeepseekV3ForCausalLM reads; a kimi_k2 import exports as this too)."""
-        out = super().to_hf()
-        out.update(architectures=["DeepseekV3ForCausalLM"])
-        return out
+        return dict(super().to_hf(), architectures=["DeepseekV3ForCausalLM"])
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -392,10 +390,8 @@ class Router(nn.Module):
         super().__init__()
         self.cfg, self.num_experts = cfg, cfg.n_routed_experts
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
-        if cfg.topk_method == "noaux_tc":  # a buffer: saved with the model, moved by the aux-free rule, no optimizer
-            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
-        else:
-            self.e_score_correction_bias = None
+        bias = torch.zeros(cfg.n_routed_experts) if cfg.topk_method == "noaux_tc" else None  # a buffer: no optimizer
+        self.register_buffer("e_score_correction_bias", bias)  # saved with the model, moved by the aux-free rule
 
     def forward(self, x) -> RoutingInfo:
         cfg = self.cfg
@@ -658,10 +654,8 @@ def _reference_routing(cfg: DeepseekV2Config, logits: torch.Tensor, bias: torch.
     biased = scores if bias is None else scores + bias
     if cfg.topk_method != "greedy" and (cfg.n_group or 1) > 1:
         per_group = biased.view(len(biased), cfg.n_group, -1)
-        if cfg.topk_method == "noaux_tc":
-            group_rank = per_group.sort(-1, descending=True).values[..., :2].sum(-1)
-        else:
-            group_rank = per_group.max(-1).values
+        group_rank = (per_group.sort(-1, descending=True).values[..., :2].sum(-1) if cfg.topk_method == "noaux_tc"
+                      else per_group.max(-1).values)
         best_groups = group_rank.argsort(-1, descending=True)[:, : cfg.topk_group]
         allowed = torch.zeros_like(group_rank).scatter(1, best_groups, 1.0).bool()
         biased = per_group.masked_fill(~allowed[..., None], float("-inf")).flatten(1)

@@ -90,9 +90,7 @@ class GptOssConfig:
         return isinstance(other, GptOssConfig) and self.to_hf() == other.to_hf()
 
     def layer_type(self, layer_id: int) -> str:
-        if self.layer_types is not None:
-            return self.layer_types[layer_id]
-        return SLIDING if layer_id % 2 == 0 else FULL
+        return self.layer_types[layer_id] if self.layer_types is not None else SLIDING if layer_id % 2 == 0 else FULL
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return True  # every GPT-OSS layer is MoE
@@ -230,8 +228,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         k, v = projections(x, self.k_proj, self.v_proj)  # not q: the attention keeps v, which would keep q's part too
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        k, v = (t.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, attn: AttnInputs):

@@ -83,9 +83,8 @@ class Qwen3_5MoeConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_type(self, layer_id: int) -> str:
-        if self.layer_types is not None:
-            return self.layer_types[layer_id]
-        return "full_attention" if (layer_id + 1) % self.full_attention_interval == 0 else "linear_attention"
+        return (self.layer_types[layer_id] if self.layer_types is not None
+                else "full_attention" if (layer_id + 1) % self.full_attention_interval == 0 else "linear_attention")
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return True
