@@ -72,9 +72,8 @@ class Op:
 
 def _parts(op: Op) -> list[tuple[str, int, int]]:
     """(kind, phase, mb) of each single op within `op`."""
-    if len(op.kind) == 1:
-        return [(op.kind, op.phase, op.mb)]
-    return [(op.kind[0], op.phase, op.mb), (op.kind[1], 1 - op.phase, op.mb_b)]
+    return ([(op.kind, op.phase, op.mb)] if len(op.kind) == 1
+            else [(op.kind[0], op.phase, op.mb), (op.kind[1], 1 - op.phase, op.mb_b)])
 
 
 def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int, str, int, int]]:

@@ -75,9 +75,8 @@ def _table_batches(file: Path, text_field: str) -> Iterator[list]:
     kind = str(getattr(feature, "dtype", type(feature).__name__) if file.is_dir() else feature)
     if kind not in ("string", "large_string", "string_view"):  # checked once: its batches then hold strings or None
         raise ValueError(f"{file}: column {text_field!r} holds {kind}, expected strings; pass --text-field with the column that holds the text")
-    if file.is_dir():
-        return (batch[text_field] for batch in table.iter(1024))
-    return (batch.column(0).to_pylist() for batch in table.iter_batches(1024, columns=[text_field]))
+    return ((batch[text_field] for batch in table.iter(1024)) if file.is_dir()
+            else (batch.column(0).to_pylist() for batch in table.iter_batches(1024, columns=[text_field])))
 
 
 def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:

@@ -954,10 +954,8 @@ def rank_balance(loads: torch.Tensor, ep: int, parts: bool = False) -> float | t
 def size_text(config: RunConfig, loader, counts: tuple[int, int]) -> str:
     """The end of the startup line, which --dry-run prints too: parameters active per token (`counts`:
     model_sizes), tokens per step, steps per epoch."""
-    if isinstance(loader, BlendLoader):
-        epochs = ": " + ", ".join(f"{n:.1f} of {part.dataset.path}" for n, part in zip(loader.steps_per_epoch(), loader.parts))
-    else:
-        epochs = f" {loader.num_samples / loader.global_batch_size:.1f}"
+    epochs = (": " + ", ".join(f"{n:.1f} of {part.dataset.path}" for n, part in zip(loader.steps_per_epoch(), loader.parts))
+              if isinstance(loader, BlendLoader) else f" {loader.num_samples / loader.global_batch_size:.1f}")
     return (f"{count_text(counts[1])} parameters active per token, "
             f"{config.train.global_batch_size * config.data.seq_len:,} tokens per step, steps per epoch{epochs}")
 
