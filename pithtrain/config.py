@@ -311,8 +311,7 @@ def apply_override(config: RunConfig, assignment: str) -> None:
     check("=" in assignment, f"--set {assignment!r}: expected the form section.field=value, e.g. train.steps=10")
     key, text = assignment.split("=", 1)
     check(key.strip(), f"--set {assignment!r}: no field named; expected section.field=value, e.g. train.steps=10")
-    parts = key.strip().split(".")
-    target = config
+    parts, target = key.strip().split("."), config
     for i, part in enumerate(parts):
         check(dataclasses.is_dataclass(target), f"--set {key}: {'.'.join(parts[:i])} is not a config section")
         names = [f.name for f in dataclasses.fields(target)]
@@ -587,8 +586,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
           f"mesh pp={p.pp} x cp={p.cp} x ep={p.ep} = {model_parallel} does not divide the {world_size} processes; "
           f"choose --nproc as a multiple of {model_parallel} (torchrun: its --nnodes x --nproc-per-node), or lower "
           "parallel.pp, parallel.cp or parallel.ep")
-    dp = world_size // model_parallel
-    num_experts = config.model.num_routed_experts()
+    dp, num_experts = world_size // model_parallel, config.model.num_routed_experts()
     check(num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide the {num_experts} experts; "
           f"choose ep among the divisors of {num_experts}")
     data_ranks = data_rank_count(p, world_size)

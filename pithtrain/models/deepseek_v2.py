@@ -178,8 +178,7 @@ class DeepseekV2Config:
         routing only: it ignores scoring_func, moe_layer_freq and norm_topk_prob, and has no
         e_score_correction_bias; configs using those options run in PithTrain but not in transformers, which
         import and export say (checkpoint.model_config, tools/hf.convert)."""
-        out = asdict(self)
-        rope = dict(self.rope_scaling or {})
+        out, rope = asdict(self), dict(self.rope_scaling or {})
         rope_type = rope.pop("type", None) or rope.pop("rope_type", "default")
         rope.pop("rope_type", None)
         del out["rope_scaling"], out["rope_theta"]
@@ -394,8 +393,7 @@ class Router(nn.Module):
         self.register_buffer("e_score_correction_bias", bias)  # saved with the model, moved by the aux-free rule
 
     def forward(self, x) -> RoutingInfo:
-        cfg = self.cfg
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        cfg, dtype = self.cfg, torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):  # routing decisions in full precision, as HF does
             logits = F.linear(x.to(dtype), self.weight.to(dtype))
         grouped = cfg.topk_method != "greedy"
@@ -578,16 +576,14 @@ class DeepseekV2Model(nn.Module):
             allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
         nope, rope, heads = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.num_attention_heads
         for layer in self.layers.values():
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
+            a, h = layer.self_attn, layer.input_layernorm(x)
             q = a.q_proj(h) if cfg.q_lora_rank is None else a.q_b_proj(a.q_a_layernorm(a.q_a_proj(h)))
             q = q.view(b, s, heads, nope + rope).transpose(1, 2)
             latent, k_rope = a.kv_a_proj_with_mqa(h).split([cfg.kv_lora_rank, rope], -1)
             kv = a.kv_b_proj(a.kv_a_layernorm(latent)).view(b, s, heads, nope + cfg.v_head_dim).transpose(1, 2)
             k_rope = rotate(k_rope[:, None]).expand(b, heads, s, rope)
             q = torch.cat([q[..., :nope], rotate(q[..., nope:])], -1)
-            k = torch.cat([kv[..., :nope], k_rope], -1)
-            v = kv[..., nope:]
+            k, v = torch.cat([kv[..., :nope], k_rope], -1), kv[..., nope:]
             scores = (q @ k.transpose(-1, -2)) * a.scale
             scores = scores.masked_fill(~allowed[:, None], float("-inf"))
             out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
@@ -597,11 +593,9 @@ class DeepseekV2Model(nn.Module):
                 m = layer.mlp  # spelled out: the model's DenseMLP stacks gate and up in one GEMM
                 x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
                 continue
-            flat = h.reshape(-1, cfg.hidden_size)
-            gate = layer.mlp.gate
+            flat, gate = h.reshape(-1, cfg.hidden_size), layer.mlp.gate
             ids, w = _reference_routing(cfg, flat.float() @ gate.weight.float().T, gate.e_score_correction_bias)
-            moe = torch.zeros_like(flat)
-            ex = layer.mlp.experts
+            moe, ex = torch.zeros_like(flat), layer.mlp.experts
             for e in range(cfg.n_routed_experts):
                 tok, slot = (ids == e).nonzero(as_tuple=True)
                 if tok.numel():

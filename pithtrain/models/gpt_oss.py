@@ -386,11 +386,9 @@ class GptOssModel(nn.Module):
         causal = (j <= i).expand(b, s, s)
         if doc_ids is not None:
             causal = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])
-        windowed = causal & (i - j < (cfg.sliding_window or s))
-        inter = cfg.intermediate_size
+        windowed, inter = causal & (i - j < (cfg.sliding_window or s)), cfg.intermediate_size
         for layer in self.layers.values():
-            a = layer.self_attn
-            hn = layer.input_layernorm(x)
+            a, hn = layer.self_attn, layer.input_layernorm(x)
             q, k, v = (p(hn).view(b, s, -1, a.head_dim).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))
             q, k = rope(q), rope(k)
             rep = a.heads // a.kv_heads
@@ -406,8 +404,7 @@ class GptOssModel(nn.Module):
             logits = flat @ layer.mlp.router.weight.T + layer.mlp.router.bias
             top, ids = logits.topk(cfg.num_experts_per_tok, -1)
             w = torch.exp(top - torch.logsumexp(top, -1, keepdim=True))
-            moe = torch.zeros_like(flat)
-            ex = layer.mlp.experts
+            moe, ex = torch.zeros_like(flat), layer.mlp.experts
             for e in range(cfg.num_local_experts):
                 tok, slot = (ids == e).nonzero(as_tuple=True)
                 if not tok.numel():

@@ -422,8 +422,7 @@ class Qwen3_5MoeModel(nn.Module):
             position_ids = torch.arange(s).expand(b, s)
         if doc_ids is None:
             doc_ids = torch.zeros(b, s, dtype=torch.long)
-        x = self.embed_tokens(input_ids)
-        freqs = position_ids[..., None].double() * self.inv_freq.double()
+        x, freqs = self.embed_tokens(input_ids), position_ids[..., None].double() * self.inv_freq.double()
         cos, sin = torch.cat([freqs, freqs], -1).cos().to(x.dtype), torch.cat([freqs, freqs], -1).sin().to(x.dtype)
         pos = torch.arange(s)
         allowed = (pos[None, :] <= pos[:, None]) & (doc_ids[:, :, None] == doc_ids[:, None, :])

@@ -288,8 +288,7 @@ class Qwen3MoeModel(nn.Module):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s).expand(b, s)
-        x = self.embed_tokens(input_ids)
-        freqs = position_ids[..., None].double() * self.inv_freq.double()
+        x, freqs = self.embed_tokens(input_ids), position_ids[..., None].double() * self.inv_freq.double()
         cos, sin = torch.cat([freqs, freqs], -1).cos().to(x.dtype), torch.cat([freqs, freqs], -1).sin().to(x.dtype)
         pos = torch.arange(s)
         allowed = (pos[None, :] <= pos[:, None]).expand(b, s, s)
@@ -314,8 +313,7 @@ class Qwen3MoeModel(nn.Module):
             w, ids = probs.topk(cfg.num_experts_per_tok, -1)
             if cfg.norm_topk_prob:
                 w = w / w.sum(-1, keepdim=True)
-            moe = torch.zeros_like(flat)
-            ex = layer.mlp.experts
+            moe, ex = torch.zeros_like(flat), layer.mlp.experts
             for e in range(cfg.num_experts):
                 tok, slot = (ids == e).nonzero(as_tuple=True)
                 if tok.numel():

@@ -50,8 +50,7 @@ def stable_argsort_ids(ids: torch.Tensor, bound: int) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 and cast back before the weight, as the HF reference does; the weight in x's dtype
     # too under ACTIVATIONS_IN_COMPUTE_DTYPE (an fp32 master weight times bf16 x would give fp32).
-    dtype = x.dtype
-    x32 = x.float()
+    dtype, x32 = x.dtype, x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.to(dtype) if ACTIVATIONS_IN_COMPUTE_DTYPE else weight) * x32.to(dtype)
 

@@ -42,8 +42,7 @@ def zigzag_indices(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Te
     """Global token indices held by `cp_rank`: chunks cp_rank and 2cp-1-cp_rank of 2cp."""
     if seq_len % (2 * cp):
         raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp={2 * cp}; change data.seq_len")
-    chunk = seq_len // (2 * cp)
-    late = 2 * cp - 1 - cp_rank
+    chunk, late = seq_len // (2 * cp), 2 * cp - 1 - cp_rank
     return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
                       torch.arange(late * chunk, (late + 1) * chunk, device=device)])
 
@@ -199,8 +198,7 @@ class _RingAttention(torch.autograd.Function):
                 current = incoming
         if sinks is not None:  # the sink's exp joins the denominator; its share of the mass is dropped
             with_sink = torch.logaddexp(lse, sinks.to(acc).view(1, out.shape[1], -1, 1))
-            out = out * torch.exp(lse - with_sink).unsqueeze(-1)
-            lse = with_sink
+            out, lse = out * torch.exp(lse - with_sink).unsqueeze(-1), with_sink
         result = out.to(v.dtype).flatten(1, 2).transpose(1, 2).flatten(2)  # [B, S, Hq*Dv]
         ctx.setup = (cp, scale, window, expand, n_payload)
         ctx.save_for_backward(q, sinks, *tensors, result, lse)
@@ -224,15 +222,13 @@ def _ring_backward(ctx, grad_out):
     acc = _wide(q)
     zeros = lambda t: torch.zeros(t.shape, dtype=acc, device=t.device)  # noqa: E731
     delta = (d_out.to(acc) * out.to(acc)).sum(-1)  # dO . O per query row (the softmax backward's row term)
-    dq = zeros(q).unflatten(1, (hkv, rep))
-    d_params = [zeros(p) for p in params]
+    dq, d_params = zeros(q).unflatten(1, (hkv, rep)), [zeros(p) for p in params]
     current, travelling = payload, None
     for step in range(cp.cp):
         source = (cp.rank - step) % cp.cp
         if step + 1 < cp.cp:
             kv_handle, incoming = _ring_shift(current, cp, KV_TAG)
-        box = cp.box(source, window)
-        part = None
+        box, part = cp.box(source, window), None
         if box is not None:
             qs, ks = box
             if expand is None:
@@ -245,8 +241,7 @@ def _ring_backward(ctx, grad_out):
             # the softmax backward on the block (backward runs without grad mode: nothing below is recorded)
             qb = q[:, :, qs].unflatten(1, (hkv, rep))
             s = _scores(qb, kb, cp.mask(source, window, box), scale)
-            probs = torch.exp(s - _finite(lse[..., qs]).unsqueeze(-1))
-            dob = d_out[..., qs, :]
+            probs, dob = torch.exp(s - _finite(lse[..., qs]).unsqueeze(-1)), d_out[..., qs, :]
             d_probs = (dob @ vb.unsqueeze(2).transpose(-1, -2)).to(acc)
             d_scores = (probs * (d_probs - delta[..., qs].unsqueeze(-1))).to(q.dtype)
             dv = (probs.to(dob.dtype).transpose(-1, -2) @ dob).to(acc).sum(2)
@@ -275,8 +270,7 @@ def _ring_backward(ctx, grad_out):
             _wait(kv_handle)
             current = incoming
     _wait(grad_handle)  # after cp hops our own block's gradients are home
-    d_payload = [g.to(t.dtype) for g, t in zip(arrived, payload)]
-    d_sinks = None
+    d_payload, d_sinks = [g.to(t.dtype) for g, t in zip(arrived, payload)], None
     if sinks is not None:  # d(sink) = -sum over rows of p(sink) * (dO . O)
         p_sink = torch.exp(sinks.to(acc).view(1, hkv, rep, 1) - lse)
         d_sinks = -(p_sink * delta).sum((0, 3)).flatten().to(sinks.dtype)
@@ -311,8 +305,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        cp = ctx.cp
-        grad = grad.contiguous()
+        cp, grad = ctx.cp, grad.contiguous()
         dist.all_reduce(grad, group=cp.group)
         return zigzag_split(grad, cp.cp, cp.rank), None
 

@@ -22,8 +22,7 @@ class LocalDispatch:
     def dispatch(self, x: torch.Tensor, routing: RoutingInfo, loads: torch.Tensor | None = None):
         """x: [T, H]. Returns rows grouped by expert [T*k, H], rows per expert [E] (`loads` where counted
         already), a handle. The rows offer FP8 experts their FP8 copy quantized from the T tokens (`_fp8_rows`)."""
-        topk = routing.topk_ids.shape[1]
-        flat = routing.topk_ids.flatten()
+        topk, flat = routing.topk_ids.shape[1], routing.topk_ids.flatten()
         order = stable_argsort_ids(flat, routing.num_experts)  # (token, slot) pairs sorted by expert
         counts = count_ids(flat, routing.num_experts) if loads is None else loads
         rows = expand(x, order, topk)
@@ -199,8 +198,7 @@ class AllToAllDispatch:
         """Where each token goes (ops/kernels.dispatch_plan: no host sync on GPUs), and the exchange
         of the split sizes, started but not waited on."""
         ids = routing.topk_ids
-        plan = dispatch_plan(ids, self.local_experts, self.ep)
-        stream = None
+        plan, stream = dispatch_plan(ids, self.local_experts, self.ep), None
         if async_op and ids.is_cuda:  # the async counts' copy stream, made on first use
             stream = self.side_stream = self.side_stream or torch.cuda.Stream(ids.device)
         with named_range("pithtrain::dispatch"):  # the exchange of the split sizes

@@ -92,8 +92,7 @@ def _fsdp_meshes(mesh: Mesh):
 @torch.no_grad()
 def global_grad_norm(params, mesh: Mesh) -> float:
     """sqrt of the sum of squares of every gradient element counted once across the mesh."""
-    local = torch.zeros((), dtype=torch.float64, device=mesh.device)
-    grads = _local_grads(params)
+    local, grads = torch.zeros((), dtype=torch.float64, device=mesh.device), _local_grads(params)
     if grads:  # one fused norm kernel per tensor (fp32 accumulation), summed in float64
         local += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
     if mesh.world > 1:

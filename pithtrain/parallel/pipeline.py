@@ -126,8 +126,7 @@ def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple
     # pp = 1: one rank holds both chunks; two forwards in flight per phase let the forward of
     # micro-batch i+1 overlap the backward of micro-batch i (FB ops) all the way through
     cap = [[2 * pp - r - 1, r + 1] for r in range(pp)] if pp > 1 else [[2, 2]]
-    remaining = pp * 2 * num_micro * (3 if defer_w else 2)
-    t = 0
+    remaining, t = pp * 2 * num_micro * (3 if defer_w else 2), 0
 
     def ready(rank, kind, phase, mb):
         return mb < num_micro and all(done.get(d, 10**9) <= t for d in _deps(pp, rank, kind, phase, mb))
@@ -285,8 +284,7 @@ def _layer_steps(layer, x, attn, engine, tape, terms, note):
     with stage_range(2):  # profiler ranges never span a yield: the other generator runs in between
         engine.record_routing(layer.layer_id, s1.routing, s1.aux)
         tape.roots[-1].extend(terms.value_roots(engine.aux, recorded))  # aux values, each with d(loss)/d(value)
-        first = len(tape.roots) - 1
-        plan = engine.dispatcher.plan(s1.routing, async_op=True)
+        first, plan = len(tape.roots) - 1, engine.dispatcher.plan(s1.routing, async_op=True)
     note("counts-issue")
     yield  # the other micro-batch's compute is queued before the host reads the split sizes
     with stage_range(2):

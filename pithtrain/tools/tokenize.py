@@ -276,8 +276,7 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
         raise UserError(f"{tokenizer_file} is not a tokenizer ({e}); pass a tokenizer.json of Hugging Face tokenizers") from None
     # ids may have gaps: the dataset's vocabulary must hold the largest, not just count them
     vocab_size = max(tokenizer.get_vocab_size(), 1 + max(tokenizer.get_vocab().values(), default=-1))
-    dtype = dtype_for_vocab(vocab_size)
-    status = Progress(enabled=progress)
+    dtype, status = dtype_for_vocab(vocab_size), Progress(enabled=progress)
     # encode_batch_fast (tokenizers >= 0.21) skips computing character offsets we do not need.
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 

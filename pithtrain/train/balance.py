@@ -53,8 +53,7 @@ class LoadBalance:
             ids = routing.topk_ids.view(batch, seq * topk)
             counts = torch.zeros(batch, num_experts, device=ids.device)
             counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float))
-            f = counts / (seq * topk)
-            p = probs.view(batch, seq, num_experts).mean(1)
+            f, p = counts / (seq * topk), probs.view(batch, seq, num_experts).mean(1)
             if self.cp_group is not None:  # whole sequences: every CP rank holds `seq` of their tokens
                 f, p = (_sum_over(self.cp_group, torch.stack([f, p])) / dist.get_world_size(self.cp_group)).unbind()
             return num_experts * (f * p).sum(-1).mean()

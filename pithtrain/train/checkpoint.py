@@ -354,8 +354,7 @@ def load_training_state(ckpt: str | Path, model: torch.nn.Module, optimizer, mes
     fresh: resuming with another optim.name)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = _canonical(model_sd, optim_sd, mesh) if with_optim else {"model": _split_experts(model_sd, mesh)}
-    meta = load_checkpoint(ckpt, state)
-    model_sd = _join_experts(state["model"], model_sd, mesh)
+    meta, model_sd = load_checkpoint(ckpt, state), _join_experts(state["model"], model_sd, mesh)
     if with_optim:
         set_state_dict(model, optimizer, model_state_dict=model_sd,
                        optim_state_dict={"state": _join_optim(state["optim"]["state"], optim_sd["state"], mesh),

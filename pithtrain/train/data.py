@@ -377,8 +377,7 @@ def blend_pattern(weights: Sequence[float], period: int = BLEND_PERIOD) -> tuple
     exact = np.asarray(weights, dtype=np.float64) * period
     counts = np.floor(exact).astype(np.int64)
     counts[np.argsort(counts - exact, kind="stable")[: period - counts.sum()]] += 1
-    which = np.repeat(np.arange(len(counts)), counts)
-    rank = np.concatenate([np.arange(q) for q in counts])
+    which, rank = np.repeat(np.arange(len(counts)), counts), np.concatenate([np.arange(q) for q in counts])
     order = np.lexsort((which, (rank + 0.5) / counts[which]))
     return which[order], rank[order], counts
 
@@ -426,8 +425,7 @@ def open_training_data(path, seq_len: int, global_batch_size: int, seed: int, pa
                        model_vocab_size: int) -> BatchLoader | BlendLoader:
     """The loader of data.path (one dataset, or a blend whose datasets share one tokenizer); each
     dataset opened and its ids checked against the model's vocabulary, a failure named by its path."""
-    parts = data_parts(path)
-    datasets = []
+    parts, datasets = data_parts(path), []
     for name, _ in parts:
         try:
             datasets.append(TokenDataset(name))

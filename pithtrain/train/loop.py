@@ -121,8 +121,7 @@ class Run:
         return self.engines[-1]
 
     def save(self, step: int) -> None:
-        t = self.config.train
-        state = ckpt.training_state(self.model, self.optimizer, self.mesh)
+        t, state = self.config.train, ckpt.training_state(self.model, self.optimizer, self.mesh)
         meta = {"samples_consumed": step * t.global_batch_size, "config": run_dict(self.config),
                 "dataset": self.loader.dataset.identity,  # what convert's tokenizer and a resume are checked against
                 "datasets": [dataset.identity for dataset in self.loader.datasets],  # each of a blend's
@@ -154,8 +153,7 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
     ends the run early (with a checkpoint) without changing the schedule of `train.steps`. `mesh` is None for one
     process; launched runs pass the mesh built by `init_mesh`. `stop` (see launch.GracefulStop): once its `signum` is
     set on any rank, every rank ends after the same step, with a checkpoint, and `stop.stopped_at` is that step."""
-    began = time.time()
-    run = set_up(config, Path(out_dir), steps, echo, stop_after, mesh)
+    began, run = time.time(), set_up(config, Path(out_dir), steps, echo, stop_after, mesh)
     t, device = config.train, run.mesh.device
     history, profiler, memory = [], None, None
     first_done = None  # (time, step) at the end of this run's first step: the ETA's rate excludes its warm-up
@@ -219,8 +217,7 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
     if steps is not None:
         config.train.steps = steps
     t, o = config.train, config.optim
-    device = pick_device(t.device)
-    capture = cuda_profiler_steps()
+    device, capture = pick_device(t.device), cuda_profiler_steps()
     memory_step = os.environ.get("PITHTRAIN_DEBUG_MEMORY") or "0"  # the debug-memory skill's step
     if not memory_step.isdigit():
         raise UserError(f"PITHTRAIN_DEBUG_MEMORY={memory_step!r}: expected a step number (1-based), e.g. 3")
@@ -232,8 +229,7 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
         print(line, flush=True)
     device = mesh.device
     dtype = torch.bfloat16 if t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda") else torch.float32
-    echo = echo and mesh.is_main
-    threads = cpu_threads(device)
+    echo, threads = echo and mesh.is_main, cpu_threads(device)
     loader, evaluation, found = check_run(config, out_dir, stop_after, echo, create=mesh.is_main, world_size=mesh.world)
 
     model, chunks = build_model(config, mesh, dtype, found)
@@ -385,8 +381,7 @@ def train_step(run: Run, step: int, stop) -> Stepped:
     # cross-entropy: pipeline rank 0 of every dp x cp x ep rank holds a share; aux terms: every rank
     group = None if mesh.pp > 1 or mesh.world == 1 else mesh.dense_mesh.get_group()
     ce_sum, mtp_sum, aux_sums, stops = sums.reduce(group, mesh.world, mesh.cp)  # the step's one host sync for its scalars
-    loss = ce_sum / max(n_label, 1)
-    halt = stops and step + 1 < run.end
+    loss, halt = ce_sum / max(n_label, 1), stops and step + 1 < run.end
     params = list(model.parameters())
     if run.norms:
         run.norms.grads(model.named_parameters())

@@ -75,8 +75,7 @@ def estimate(config, world: int) -> list[dict]:
     pp, cp, ep = p.pp, p.cp, p.ep
     dp = world // (pp * cp * ep)
     micro_per_rank = t.global_batch_size // (t.micro_batch_size * dp * ep)  # per data rank: dp x ep of them
-    pipeline = runs_dualpipev(config, world)
-    tokens = t.micro_batch_size * config.data.seq_len // cp
+    pipeline, tokens = runs_dualpipev(config, world), t.micro_batch_size * config.data.seq_len // cp
     if pipeline:
         placement = split_layers(cfg.num_hidden_layers, pp)
         caps = [[2 * pp - r - 1, r + 1] for r in range(pp)] if pp > 1 else [[2, 2]]

@@ -19,8 +19,7 @@ def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConf
     FSDP-sharded (DTensor) and plain local parameters (experts that FSDP leaves alone) go to
     separate groups: one fused kernel call cannot mix the two. With optim.name=muon the matrices
     (`takes_muon`) form one more group, `muon=True`, with the same learning rate and weight decay."""
-    muon = cfg.name == "muon"
-    groups = {}
+    muon, groups = cfg.name == "muon", {}
     for name, p in params:
         decay = not (p.ndim < 2 or "embed" in name or "norm" in name)
         key = "muon" if muon and takes_muon(name, p, cfg.muon_exclude) else (decay, isinstance(p, DTensor))
