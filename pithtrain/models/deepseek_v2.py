@@ -276,8 +276,7 @@ class AttnInputs(NamedTuple):
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
@@ -319,8 +318,7 @@ class Attention(nn.Module):
         if self.interleaved:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
-        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin)
-        return q, self.kv_a_layernorm(latent), k_rope
+        return q, self.kv_a_layernorm(latent), apply_rope(k_rope.unsqueeze(1), cos, sin)
 
     def expand_kv(self, latent, k_rope, kv_b_weight):
         """k [B, heads, S, nope + rope] and v [B, heads, S, v_dim] from the normed latent and the shared
@@ -586,8 +584,7 @@ class DeepseekV2Model(nn.Module):
             k, v = torch.cat([kv[..., :nope], k_rope], -1), kv[..., nope:]
             scores = (q @ k.transpose(-1, -2)) * a.scale
             scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-            out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
-            x = x + a.o_proj(out)
+            x = x + a.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))
             h = layer.post_attention_layernorm(x)
             if not layer.is_moe:
                 m = layer.mlp  # spelled out: the model's DenseMLP stacks gate and up in one GEMM

@@ -202,8 +202,7 @@ class AttnInputs(NamedTuple):
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):
         # HF's GPT-OSS order: the weight multiplies in fp32, then the cast back (Llama casts first).
@@ -394,15 +393,12 @@ class GptOssModel(nn.Module):
             rep = a.heads // a.kv_heads
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(a.head_dim)
-            allowed = windowed if a.sliding else causal
-            scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+            scores = scores.masked_fill(~(windowed if a.sliding else causal)[:, None], float("-inf"))
             # The sink joins the normaliser only: p = exp(score - log(sum exp(scores) + exp(sink))).
             lse = torch.logaddexp(torch.logsumexp(scores, -1, keepdim=True), a.sinks.view(1, -1, 1, 1))
-            out = torch.einsum("bhqk,bhkd->bqhd", torch.exp(scores - lse), v).reshape(b, s, -1)
-            x = x + a.o_proj(out)
+            x = x + a.o_proj(torch.einsum("bhqk,bhkd->bqhd", torch.exp(scores - lse), v).reshape(b, s, -1))
             flat = layer.post_attention_layernorm(x).reshape(-1, cfg.hidden_size)
-            logits = flat @ layer.mlp.router.weight.T + layer.mlp.router.bias
-            top, ids = logits.topk(cfg.num_experts_per_tok, -1)
+            top, ids = (flat @ layer.mlp.router.weight.T + layer.mlp.router.bias).topk(cfg.num_experts_per_tok, -1)
             w = torch.exp(top - torch.logsumexp(top, -1, keepdim=True))
             moe, ex = torch.zeros_like(flat), layer.mlp.experts
             for e in range(cfg.num_local_experts):

@@ -168,8 +168,7 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.zeros(dim)), eps
 
     def forward(self, x):
         x32 = x.float()
@@ -182,8 +181,7 @@ class GatedRMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x, gate):
         x32 = x.float()
@@ -248,8 +246,7 @@ class GatedDeltaNet(nn.Module):
         conv output `mixed` and the a-projection."""
         b, s, _ = mixed.shape
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        q = l2norm(q.reshape(b, s, self.k_heads, self.k_dim).float())
-        k = l2norm(k.reshape(b, s, self.k_heads, self.k_dim).float())
+        q, k = (l2norm(t.reshape(b, s, self.k_heads, self.k_dim).float()) for t in (q, k))
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return q, k, v.reshape(b, s, self.v_heads, self.v_dim), g
 
@@ -262,8 +259,7 @@ class GatedDeltaNet(nn.Module):
             both = gather_sequence(torch.cat([qkv, beta_in.to(qkv.dtype), a.to(qkv.dtype)], -1), attn.cp)
             qkv, beta_in, a = both.split([qkv.shape[-1], self.v_heads, self.v_heads], dim=-1)
             doc_ids = gathered_doc_ids(attn.cp)
-        mixed = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), doc_ids)
-        q, k, v, g = self.split_heads(mixed, a)
+        q, k, v, g = self.split_heads(causal_conv1d(qkv, self.conv1d.weight.squeeze(1), doc_ids), a)
         out = gated_delta_rule(q, k, v, g, torch.sigmoid(beta_in.float()), doc_ids, cu_seqlens=attn.cu_seqlens)
         if attn.cp is not None:
             out = zigzag_split(out, attn.cp.cp, attn.cp.rank)
@@ -441,8 +437,7 @@ class Qwen3_5MoeModel(nn.Module):
                 mixed = a.o_proj(out * torch.sigmoid(gate))
             x = x + mixed
             flat = layer.post_attention_layernorm(x).reshape(-1, cfg.hidden_size)
-            probs = torch.softmax(flat @ layer.mlp.gate.weight.T, -1)
-            w, ids = probs.topk(cfg.num_experts_per_tok, -1)
+            w, ids = torch.softmax(flat @ layer.mlp.gate.weight.T, -1).topk(cfg.num_experts_per_tok, -1)
             w = w / w.sum(-1, keepdim=True)
             m = layer.mlp.shared_expert  # spelled out: the model's DenseMLP stacks gate and up in one GEMM
             moe = torch.sigmoid(flat @ layer.mlp.shared_expert_gate.weight.T) * m.down_proj(F.silu(m.gate_proj(flat)) * m.up_proj(flat))

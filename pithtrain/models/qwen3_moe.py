@@ -118,8 +118,7 @@ class AttnInputs(NamedTuple):
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
@@ -301,16 +300,14 @@ class Qwen3MoeModel(nn.Module):
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(a.head_dim)
             scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-            out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
-            x = x + a.o_proj(out)
+            x = x + a.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))
             h = layer.post_attention_layernorm(x)
             if not layer.is_moe:
                 m = layer.mlp  # spelled out: the model's DenseMLP stacks gate and up in one GEMM
                 x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
                 continue
             flat = h.reshape(-1, cfg.hidden_size)
-            probs = torch.softmax(flat @ layer.mlp.gate.weight.T, -1)
-            w, ids = probs.topk(cfg.num_experts_per_tok, -1)
+            w, ids = torch.softmax(flat @ layer.mlp.gate.weight.T, -1).topk(cfg.num_experts_per_tok, -1)
             if cfg.norm_topk_prob:
                 w = w / w.sum(-1, keepdim=True)
             moe, ex = torch.zeros_like(flat), layer.mlp.experts

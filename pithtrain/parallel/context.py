@@ -183,8 +183,7 @@ class _RingAttention(torch.autograd.Function):
                 if out is None:  # step 0 always computes: every token sees itself
                     out = torch.zeros(b, hkv, hq // hkv, sq, v.shape[-1], dtype=acc, device=q.device)
                     lse = torch.full((b, hkv, hq // hkv, sq), float("-inf"), dtype=acc, device=q.device)
-                qb = q[:, :, qs].unflatten(1, (hkv, -1))
-                s = _scores(qb, k[:, :, ks], cp.mask(source, window, box), scale)
+                s = _scores(q[:, :, qs].unflatten(1, (hkv, -1)), k[:, :, ks], cp.mask(source, window, box), scale)
                 block_lse = s.logsumexp(-1)
                 probs = torch.exp(s - _finite(block_lse).unsqueeze(-1))
                 block_out = (probs.to(v.dtype) @ v[:, :, ks].unsqueeze(2)).to(acc)
@@ -281,8 +280,7 @@ def _ring_backward(ctx, grad_out):
 def shard_micro_batch(micro: dict, group) -> tuple[dict, ContextParallel]:
     """This CP rank's zigzag share of a micro-batch of [B, S] tensors (input_ids, labels,
     position_ids, doc_ids: already on the device) and the ContextParallel to pass to the model."""
-    seq = micro["input_ids"].shape[1]
-    cp = ContextParallel.zigzag(group, seq, micro.get("doc_ids"), micro["input_ids"].device)
+    cp = ContextParallel.zigzag(group, micro["input_ids"].shape[1], micro.get("doc_ids"), micro["input_ids"].device)
     return {k: zigzag_split(v, cp.cp, cp.rank) for k, v in micro.items()}, cp
 
 

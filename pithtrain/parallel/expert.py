@@ -232,8 +232,7 @@ class AllToAllDispatch:
     def combine_start(self, expert_out: torch.Tensor, handle, async_op: bool = False):
         order, recv_pairs, send_pairs, home_index = handle
         by_source = unpermute(expert_out, order, expert_out.shape[0])  # undo expert grouping
-        back = Exchange(by_source, send_pairs, recv_pairs, self.group, async_op, "pithtrain::combine")
-        return back, home_index
+        return Exchange(by_source, send_pairs, recv_pairs, self.group, async_op, "pithtrain::combine"), home_index
 
     def combine_finish(self, pending) -> Combined:
         back, home_index = pending

@@ -227,5 +227,4 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
     decay_start = total_steps - decay_steps
     if step < decay_start:
         return cfg.lr
-    progress = min(1.0, (step - decay_start + 1) / decay_steps)
-    return cfg.lr + (min_lr - cfg.lr) * progress
+    return cfg.lr + (min_lr - cfg.lr) * min(1.0, (step - decay_start + 1) / decay_steps)
