@@ -15,8 +15,7 @@ and their output in `residual`. `run_layer` below is the plain sequential compos
 pipeline engine interleaves the same calls of two micro-batches.
 
 The loss's terms (`AUX_TERMS`, `LossTerms`, `StepSums`) live here too, below the models that record
-them, the engine and pipeline that carry them and the loop.
-"""
+them, the engine and pipeline that carry them and the loop."""
 
 from __future__ import annotations
 

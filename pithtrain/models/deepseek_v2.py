@@ -15,8 +15,7 @@ Self-contained on purpose, like qwen3_moe.py:
     sigmoid scores, greedy / group-limited / bias-corrected selection). Dense MLP layers for
     the first `first_k_dense_replace` layers and where `moe_layer_freq` says so.
 `reference_forward` is a plain, independent implementation (eager attention, complex-number RoPE, a loop over experts)
-used as the oracle in tests.
-"""
+used as the oracle in tests."""
 
 from __future__ import annotations
 

@@ -15,8 +15,7 @@ What differs from Qwen3-MoE:
     out = (up + 1) * gate * sigmoid(alpha * gate).
 HF fuses gate/up with the two INTERLEAVED along the last dim (even columns gate, odd up); here they are stored gate then
 up (the convention of every family's `Experts`) and converted on import/export. `reference_forward` is an independent
-eager implementation (complex-number RoPE, log-sum-exp sinks, a loop over experts) used as the oracle in tests.
-"""
+eager implementation (complex-number RoPE, log-sum-exp sinks, a loop over experts) used as the oracle in tests."""
 
 from __future__ import annotations
 

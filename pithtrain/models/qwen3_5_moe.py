@@ -15,8 +15,7 @@ checkpoints: their `text_config` and the language model's weights; the vision to
   rotary embedding (the first `partial_rotary_factor` of each head's dims).
 - RMSNorms are zero-centred (scale 1 + weight, weights initialised to 0), except the gated norm.
 - MoE: softmax router, top-k renormalised; a shared expert whose output is scaled by
-  sigmoid(shared_expert_gate(x)), added in stage 5.
-"""
+  sigmoid(shared_expert_gate(x)), added in stage 5."""
 
 from __future__ import annotations
 

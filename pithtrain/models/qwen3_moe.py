@@ -3,8 +3,7 @@
 Self-contained on purpose: GQA attention with per-head q/k RMSNorm and RoPE, a softmax top-k router (optionally
 renormalised over the chosen k), experts as stacked weights run by a grouped GEMM, and dense MLP layers where
 `mlp_only_layers` / `decoder_sparse_step` say so. `reference_forward` is a plain, independent implementation (eager
-attention, a loop over experts) used as the oracle in tests.
-"""
+attention, a loop over experts) used as the oracle in tests."""
 
 from __future__ import annotations
 

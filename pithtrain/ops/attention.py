@@ -20,8 +20,7 @@ one more score, with dp_z = 0): d loss/dz = sum_rows p_z (dp_z - delta) = -sum_r
 the rows of that head over batch and positions.
 Key blocks wholly outside the window or before the document of the block's first query are never
 visited (and query blocks after the window or document of a key block in dK/dV). dQ and dK/dV are
-separate kernels, so no atomics: gradients are bit-identical run to run.
-"""
+separate kernels, so no atomics: gradients are bit-identical run to run."""
 
 from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotations unevaluated
 

@@ -1,8 +1,7 @@
 """Plain-PyTorch operators shared by the model files: RMSNorm, RoPE, attention, SwiGLU, cross-entropy.
 
 These are the reference implementations: they run on the CPU and are the oracle that GPU kernels
-are tested against. Each is written so that torch.compile(fullgraph=True) can trace it.
-"""
+are tested against. Each is written so that torch.compile(fullgraph=True) can trace it."""
 
 from __future__ import annotations
 

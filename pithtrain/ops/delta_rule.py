@@ -27,8 +27,7 @@ compiled stage traces through them. FLA refuses its gated `chunk_bwd_dqkwg` kern
 (its issue #640: wrong results); there our `dqkwg_triton` (the same chunk formulas as one Triton kernel that never
 transposes a matmul result; `dqkwg_torch` is its batched PyTorch reference) takes its place in FLA's gated-delta-rule
 backward (`_patch_fla`). Without fla on CUDA: the chunked PyTorch path, with one warning per process. How each path is
-checked, and its speed: docs/performance.md, "The gated delta rule".
-"""
+checked, and its speed: docs/performance.md, "The gated delta rule"."""
 
 from __future__ import annotations
 

@@ -24,8 +24,7 @@ Sinks (GPT-OSS): one logit per head joins the softmax denominator once, after th
 
 Use, per micro-batch already on the device:
     micro, cp = shard_micro_batch(micro, mesh.cp_group)
-    logits = model(micro["input_ids"], micro["position_ids"], engine, doc_ids=micro.get("doc_ids"), cp=cp)
-"""
+    logits = model(micro["input_ids"], micro["position_ids"], engine, doc_ids=micro.get("doc_ids"), cp=cp)"""
 
 from __future__ import annotations
 

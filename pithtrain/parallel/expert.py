@@ -2,8 +2,7 @@
 
 `LocalDispatch` is the single-rank case (expert parallelism 1): tokens are permuted into the
 expert-grouped layout and back, with no communication. It returns the same (tokens, counts,
-handle) triple the all-to-all dispatcher does, so the model code does not know which one runs.
-"""
+handle) triple the all-to-all dispatcher does, so the model code does not know which one runs."""
 
 from __future__ import annotations
 
@@ -175,8 +174,7 @@ class AllToAllDispatch:
     Host synchronisations: one per MoE layer in forward, the `.tolist()` of the exchanged split sizes (all_to_all_single
     needs them on the host); the backward reuses them. On GPUs the plan is a Triton kernel (no sync) and the received
     pairs are expanded with a host-known size. The grouped GEMM takes its group offsets on the device (no sync); its CPU
-    fallback loop syncs.
-    """
+    fallback loop syncs."""
 
     def __init__(self, group, num_experts: int):
         self.group, self.ep, self.side_stream = group, dist.get_world_size(group), None

@@ -5,8 +5,7 @@ the global token count), so the true gradient is the SUM over ranks. FSDP2 avera
 to 1 (with sum reduction forced, since gloo has no PREMUL_SUM). Expert gradients first gather every EP rank's tokens
 through the combine/dispatch all-to-all backward, then are summed over dp x cp: no ep-fold error.
 
-With `hsdp`, weights are replicated over dp and sharded within (cp x ep) for dense weights and within cp for experts.
-"""
+With `hsdp`, weights are replicated over dp and sharded within (cp x ep) for dense weights and within cp for experts."""
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ A pair is always of the two chunks (separate FSDP roots), never two ops of one c
 the pipeline in unit time with DualPipeV's rules: warm-up with forwards bounded per phase, a steady state of overlapped
 FB pairs, W work only where the rank would otherwise idle (or at the end), and the W queue empty at the end of the step;
 the rules for FF/BB/BW are chosen by simulation (never slower; then fewest exposed all-to-alls). `simulate` replays any
-schedule against the dependencies and reports its bubble fraction.
-"""
+schedule against the dependencies and reports its bubble fraction."""
 
 from __future__ import annotations
 

@@ -16,8 +16,7 @@ Context parallelism (`cp_group`): each CP rank holds an equal share of every seq
 per-sequence (`seq`) and per-micro-batch statistics are the means of the CP ranks' local ones: an all-reduce over
 cp_group. Every CP rank then computes the same L. P must stay differentiable: its all-reduce passes the gradient to the
 LOCAL share only (the other shares are constants here, and their ranks backpropagate them), so the parameter gradients
-summed over the CP ranks, as FSDP does, are those of L.
-"""
+summed over the CP ranks, as FSDP does, are those of L."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ Layout of a run directory:  OUT/checkpoints/step_00000100/{DCP files, meta.json,
 A checkpoint is written into `step_N.tmp` and renamed when complete, so a crash mid-save leaves the previous checkpoint
 as the latest usable one. `config.json` is the HF model config, so a checkpoint can be converted or evaluated on its
 own. `meta.json`, written last, marks it complete and lists the size and CRC32 of every other file (each rank hashes the
-files it wrote); resume takes the newest checkpoint that matches them.
-"""
+files it wrote); resume takes the newest checkpoint that matches them."""
 
 from __future__ import annotations
 

@@ -10,8 +10,7 @@ A dataset is a directory written by `write_dataset` (usually via `pithtrain toke
 
 `BatchLoader` cuts the token stream into fixed windows of seq_len + 1 tokens and serves them in a seeded, per-epoch
 shuffled order that is a pure function of the step: any step can be re-created after a restart without replaying
-history. `BlendLoader` interleaves several datasets by weight (data.path as a blend), with the same property.
-"""
+history. `BlendLoader` interleaves several datasets by weight (data.path as a blend), with the same property."""
 
 from __future__ import annotations
 

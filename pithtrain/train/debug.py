@@ -8,8 +8,7 @@ per tensor to OUT/norms_rank<r>.jsonl, in the order the tensors are made: forwar
 PITHTRAIN_DEBUG_MEMORY names one step, for the debug-memory skill: on CUDA the caching allocator's history over that
 step (`_record_memory_history`, Python stacks) and its snapshot at the end, in OUT/memory/rank<r>.pickle; on the CPU,
 which keeps no history, torch.profiler's allocation events (sizes, addresses, the Python stack of each) in
-OUT/memory/rank<r>.json.
-"""
+OUT/memory/rank<r>.json."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The training loop: data -> micro-batches -> forward/backward -> clip -> optimizer step -> metrics -> checkpoints.
 
 The loss (cross-entropy over the global batch's label tokens, plus multi-token prediction's and the auxiliary
-terms) is composed in one place, `protocol.LossTerms`, whatever the micro-batch cut or pipeline schedule.
-"""
+terms) is composed in one place, `protocol.LossTerms`, whatever the micro-batch cut or pipeline schedule."""
 
 from __future__ import annotations
 

@@ -4,8 +4,7 @@ and the estimate-memory skill, whose SKILL.md explains the terms and their calib
 Static part (exact: counted from the model built on the meta device, split and sharded as the run
 will be): fp32 master weights, gradients and AdamW moments of the rank's shard, the bf16 copies,
 FP8 caches and accumulation buffers. Activation part (calibrated to measured H200 peaks, bf16
-compute): bytes per token per layer times a factor, times the micro-batches a rank holds at once.
-"""
+compute): bytes per token per layer times a factor, times the micro-batches a rank holds at once."""
 
 from __future__ import annotations
 

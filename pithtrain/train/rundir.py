@@ -3,8 +3,7 @@
 A run directory holds `run.lock`, `checkpoints/` or `metrics.jsonl`. `run.lock` marks it and, while a
 run writes to it, names the writer (host, pid, process start time); it is emptied when the writer
 ends. Taking it is atomic through flock; the recorded holder names a live writer in the refusal and
-tells a stale lock (same host, that process gone) from a live one where flock is unavailable.
-"""
+tells a stale lock (same host, that process gone) from a live one where flock is unavailable."""
 
 from __future__ import annotations
 
