@@ -232,8 +232,7 @@ def hf_state(model) -> dict[str, torch.Tensor]:
     [E, I, H]): those as HF saves them, per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`)."""
     out = {hf_name(name): t for name, t in model.state_dict().items() if ".mlp.experts." not in name}
     for lid, layer in all_layers(model).items():
-        ex = getattr(layer.mlp, "experts", None)  # None: a dense-MLP layer
-        if ex is None:
+        if (ex := getattr(layer.mlp, "experts", None)) is None:  # a dense-MLP layer
             continue
         inter = ex.down.shape[1]
         for e in range(ex.gate_up.shape[0]):
@@ -259,8 +258,7 @@ def load_hf_state(model, hf: dict[str, torch.Tensor], past_layers: bool = False)
         if ".mlp.experts." not in name:
             t.copy_(take(hf_name(name), t.shape))
     for lid, layer in all_layers(model).items():
-        ex = getattr(layer.mlp, "experts", None)
-        if ex is None:
+        if (ex := getattr(layer.mlp, "experts", None)) is None:
             continue
         n, hidden, inter = ex.down.shape[0], ex.down.shape[2], ex.down.shape[1]
         fused = f"model.layers.{lid}.mlp.experts.gate_up_proj"

@@ -164,8 +164,7 @@ class DeepseekV2Config:
         values = hf_values(cls, hf, frozenset(f.name for f in fields(cls) if "None" in str(f.type)))
         # HF 5 writes `rope_parameters` (with rope_theta inside); DeepSeek's own configs `rope_scaling` + `rope_theta`.
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", hf.get("rope_theta"))
-        if theta is not None:
+        if (theta := rope.pop("rope_theta", hf.get("rope_theta"))) is not None:
             values["rope_theta"] = theta
         rope_type = rope.pop("rope_type", None) or rope.get("type") or "default"
         rope.pop("type", None)
@@ -346,8 +345,7 @@ def mla_attention(q, k, v, mask, scale: float, pad_v: bool) -> torch.Tensor:
     """SDPA for v narrower than q and k ([B, heads, S, v_dim] against [.., qk_dim]); [B, S, heads * v_dim].
     pad_v: v padded with zero columns to q's width and the output sliced back, the same attention for the fused
     kernels that need one head dim (flash on GPU, the CPU one; the unfused fallback is ~10x slower)."""
-    pad = q.shape[-1] - v.shape[-1]
-    if pad <= 0 or not pad_v:
+    if (pad := q.shape[-1] - v.shape[-1]) <= 0 or not pad_v:
         return attention(q, k, v, mask, scale)
     out = attention(q, k, F.pad(v, (0, pad)), mask, scale)
     return out.unflatten(-1, (q.shape[1], -1))[..., : v.shape[-1]].flatten(2)

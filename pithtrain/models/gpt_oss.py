@@ -344,8 +344,7 @@ class GptOssModel(nn.Module):
         if attention.use_flash(cos):
             return AttnInputs(cos, sin, None, None, flash=True, doc_ids=doc_ids)
         s, device = position_ids.shape[1], position_ids.device
-        full = attention_mask(doc_ids, s, device)
-        if full is None:  # sink attention always takes an explicit mask
+        if (full := attention_mask(doc_ids, s, device)) is None:  # sink attention always takes an explicit mask
             full = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None, None]
         sliding = any(layer.self_attn.sliding for layer in self.layers.values())
         return AttnInputs(cos, sin, full, attention_mask(doc_ids, s, device, self.cfg.sliding_window) if sliding else None)

@@ -174,8 +174,7 @@ class _RingAttention(torch.autograd.Function):
             source = (cp.rank - step) % cp.cp
             if step + 1 < cp.cp:
                 handle, incoming = _ring_shift(current, cp, KV_TAG)
-            box = cp.box(source, window)
-            if box is not None:
+            if (box := cp.box(source, window)) is not None:
                 qs, ks = box
                 k, v = current if expand is None else expand(*current, *params)
                 hkv = k.shape[1]

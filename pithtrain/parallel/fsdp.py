@@ -109,8 +109,7 @@ def clip_coefficient(max_norm: float, total_norm: float) -> float:
 @torch.no_grad()
 def clip_grads(params, max_norm: float, total_norm: float) -> None:
     scale = clip_coefficient(max_norm, total_norm)
-    grads = _local_grads(params) if scale != 1.0 else []
-    if grads:
+    if scale != 1.0 and (grads := _local_grads(params)):
         torch._foreach_mul_(grads, scale)
 
 

@@ -199,8 +199,7 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
                 cost = sum(2 if k == "B" and not defer_w else 1 for k, _, _ in parts)
                 cost += cost_a2a if op.kind in ("F", "B") else 0  # exposed: no other chunk computes
                 for kind, phase, mb in parts:
-                    key = (rank, kind, phase, mb)
-                    if key in seen:
+                    if (key := (rank, kind, phase, mb)) in seen:
                         raise AssertionError(f"rank {rank} runs {kind} phase {phase} mb {mb} twice")
                     seen.add(key)
                     finish[key] = start + cost
@@ -462,8 +461,7 @@ class PipelineRunner:
             for kind, phase, mb in _parts(op):
                 if kind == "W":
                     continue
-                dest = rank + (1 if phase == 0 else -1) * (1 if kind == "F" else -1)
-                if 0 <= dest < pp:
+                if 0 <= (dest := rank + (1 if phase == 0 else -1) * (1 if kind == "F" else -1)) < pp:
                     out.append((dest, "act" if kind == "F" else "grad", phase, mb))
         return out
 
@@ -498,8 +496,7 @@ class PipelineRunner:
             return buf
 
         def send(tensor, kind, phase):
-            dest = (1 if phase == 0 else -1) * (1 if kind == "act" else -1)
-            if dest in self.peer:
+            if (dest := (1 if phase == 0 else -1) * (1 if kind == "act" else -1)) in self.peer:
                 pending_send.append((tensor, dist.isend(tensor.contiguous(), self.peer[dest], group=self.group)))
                 return True
             return False

@@ -68,8 +68,7 @@ def _table_batches(file: Path, text_field: str) -> Iterator[list]:
         table = reader.load_from_disk(str(file)) if file.is_dir() else reader.ParquetFile(file)
     except Exception as e:  # the libraries' errors name no file
         raise ValueError(f"{file}: not a readable {module} dataset ({e})") from None
-    columns = table.column_names if file.is_dir() else table.schema_arrow.names
-    if text_field not in columns:
+    if text_field not in (columns := table.column_names if file.is_dir() else table.schema_arrow.names):
         raise ValueError(f"{file}: no column {text_field!r} (it has {', '.join(columns)}); pass --text-field")
     feature = table.features[text_field] if file.is_dir() else table.schema_arrow.field(text_field).type
     kind = str(getattr(feature, "dtype", type(feature).__name__) if file.is_dir() else feature)

@@ -203,8 +203,7 @@ def newest_intact(run_dir, report=print, fix: str = "move or delete that directo
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     bad = []
     for _, path in reversed(_step_dirs(run_dir)):
-        problem = next((p for p in _all_ranks(check_checkpoint(path, rank, world)) if p), None)
-        if problem is None:
+        if (problem := next((p for p in _all_ranks(check_checkpoint(path, rank, world)) if p), None)) is None:
             for damaged, why in bad if rank == 0 else ():  # said only when there is one to fall back to
                 report(f"warning: checkpoint {damaged} is damaged ({why}); falling back to {path.name}")
                 if set_aside and (damaged / "meta.json").exists():  # without it: a deletion cut short, pruned anyway
@@ -403,8 +402,7 @@ def read_hf_state(path: str | Path, names_only: bool = False) -> dict[str, torch
 
 def model_config(path: Path):
     """The family config of the HF `config.json` in directory `path`, type-checked and validated."""
-    hf = read_json(path / "config.json", "re-download or re-export it")
-    if not isinstance(hf, dict):
+    if not isinstance(hf := read_json(path / "config.json", "re-download or re-export it"), dict):
         raise UserError(f"{path / 'config.json'} holds a JSON {type(hf).__name__}, not an object; re-download or re-export it")
     try:
         cfg = config_from_hf(hf)

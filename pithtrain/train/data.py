@@ -127,8 +127,7 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
             buffer, buffered = [], 0
             with open(tmp / TOKENS_FILE, "wb") as out:
                 for index, doc in enumerate(docs):
-                    ids = np.asarray(doc)
-                    if ids.ndim != 1:
+                    if (ids := np.asarray(doc)).ndim != 1:
                         raise ValueError(f"document {index}: expected a 1-D sequence of token ids, got shape {ids.shape}")
                     if ids.size:
                         if ids.dtype.kind not in "iu":
@@ -189,8 +188,7 @@ class TokenDataset:
                     ) if self.path.exists() else "not found"
             raise FileNotFoundError(f"dataset directory {self.path} {what}; create one with `pithtrain tokenize`"
                                     + (" (the examples' data/stdlib: `make data`)" if self.path.name == "stdlib" else ""))
-        meta_path = self.path / META_FILE
-        if not meta_path.is_file():
+        if not (meta_path := self.path / META_FILE).is_file():
             raise FileNotFoundError(f"{meta_path} not found: {self.path} is not a pithtrain dataset; {_RETOKENIZE}")
         try:
             meta = json.loads(meta_path.read_text())
@@ -210,8 +208,7 @@ class TokenDataset:
         self.eos_id, self.num_docs, self.max_token_id = meta["eos_id"], meta["num_docs"], meta["max_token_id"]
         dtype = np.dtype(meta["dtype"])
 
-        tokens_path = self.path / TOKENS_FILE
-        if not tokens_path.is_file():
+        if not (tokens_path := self.path / TOKENS_FILE).is_file():
             raise FileNotFoundError(f"{tokens_path} not found; {_RETOKENIZE}")
         size, expected = tokens_path.stat().st_size, self.num_tokens * dtype.itemsize
         if size != expected:
@@ -222,8 +219,7 @@ class TokenDataset:
             raise ValueError(f"{self.path} holds no tokens (meta.json says 0); {_RETOKENIZE} from some text")
         self.tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(self.num_tokens,))
 
-        offsets_path = self.path / OFFSETS_FILE
-        if not offsets_path.is_file():
+        if not (offsets_path := self.path / OFFSETS_FILE).is_file():
             raise FileNotFoundError(f"{offsets_path} not found; {_RETOKENIZE}")
         try:
             offsets = np.load(offsets_path)  # allow_pickle stays off: a file of objects is damaged, not to be trusted

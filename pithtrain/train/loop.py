@@ -128,8 +128,7 @@ class Run:
         try:
             ckpt.save_checkpoint(self.out_dir, step, state, meta, self.config.model.to_hf(), t.keep_checkpoints)
         except (Exception, CheckpointException) as e:
-            failure = save_failed(e, self.out_dir, step, self.mesh.is_main)
-            if failure is e:
+            if (failure := save_failed(e, self.out_dir, step, self.mesh.is_main)) is e:
                 raise
             raise failure from e
 
@@ -855,8 +854,7 @@ def cuda_profiler_steps() -> tuple[int, int] | None:
     """PITHTRAIN_PROFILE_STEPS=FIRST:LAST (1-based, inclusive): on GPUs the loop calls
     torch.cuda.profiler.start() before step FIRST and stop() after step LAST, the capture range of
     `nsys profile --capture-range=cudaProfilerApi` and `ncu --profile-from-start off`."""
-    spec = os.environ.get("PITHTRAIN_PROFILE_STEPS")
-    if not spec:
+    if not (spec := os.environ.get("PITHTRAIN_PROFILE_STEPS")):
         return None
     first, _, last = spec.partition(":")
     if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):

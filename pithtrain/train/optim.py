@@ -224,7 +224,6 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
         return min_lr + (cfg.lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
     # wsd: warmup, stable at lr, then a linear decay to min_lr over the last decay_fraction of the steps
     decay_steps = max(1, round(cfg.decay_fraction * total_steps))
-    decay_start = total_steps - decay_steps
-    if step < decay_start:
+    if step < (decay_start := total_steps - decay_steps):
         return cfg.lr
     return cfg.lr + (min_lr - cfg.lr) * min(1.0, (step - decay_start + 1) / decay_steps)
