@@ -45,8 +45,7 @@ MUON_EXCLUDE = ("embed_tokens.*", "lm_head.*", "*norm*", "*bias", "*.mlp.gate.we
 # What to do when a write fails for a reason of the disk, not of the program.
 _DISK_FIXES = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space within your disk quota",
                errno.EFBIG: "raise the file-size limit (ulimit -f) or write to another filesystem",
-               errno.EACCES: "make it writable (or choose another location)",
-               errno.EPERM: "make it writable (or choose another location)",
+               **dict.fromkeys((errno.EACCES, errno.EPERM), "make it writable (or choose another location)"),
                errno.EROFS: "the filesystem is read-only: choose a writable location"}
 
 

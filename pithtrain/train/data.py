@@ -141,8 +141,7 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
                     if eos is not None:
                         buffer.append(eos)
                     length = ids.size + (eos is not None)
-                    num_tokens += length
-                    buffered += length
+                    num_tokens, buffered = num_tokens + length, buffered + length
                     offsets.append(num_tokens)
                     if buffered >= _FLUSH_TOKENS:
                         out.write(np.concatenate(buffer).tobytes())

@@ -347,8 +347,7 @@ def train_step(run: Run, step: int, stop) -> Stepped:
         group["lr"] = lr
     batch = run.loader.global_batch(step)
     n_label = int((batch["labels"] != -100).sum())  # over the whole global batch
-    depths = config.model.num_nextn_predict_layers
-    if depths:  # multi-token prediction: each depth's input tokens and labels
+    if depths := config.model.num_nextn_predict_layers:  # multi-token prediction: each depth's input tokens and labels
         batch.update(mtp_targets(batch, depths))
     n_mtp_label = int((batch["mtp_labels"] != -100).sum()) if depths else 0
     micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
