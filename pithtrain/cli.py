@@ -119,8 +119,7 @@ def _check_only(args, config, out: Path, world: int) -> int:
         print(line)
     print(f"config:\n{describe(config)}", flush=True)
     loader, _, found = check_run(config, out, args.stop_after, echo=True, create=False, world_size=world)
-    p = config.parallel
-    peaks = [r["total"] for r in estimate(config, world)]
+    p, peaks = config.parallel, [r["total"] for r in estimate(config, world)]
     stages = [f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.0f} MiB" for gib in peaks]
     counts = model_sizes(config.model)
     has = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else None

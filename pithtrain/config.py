@@ -45,8 +45,7 @@ MUON_EXCLUDE = ("embed_tokens.*", "lm_head.*", "*norm*", "*bias", "*.mlp.gate.we
 # What to do when a write fails for a reason of the disk, not of the program.
 _DISK_FIXES = {errno.ENOSPC: "free space on that disk", errno.EDQUOT: "free space within your disk quota",
                errno.EFBIG: "raise the file-size limit (ulimit -f) or write to another filesystem",
-               errno.EACCES: "make it writable (or choose another location)",
-               errno.EPERM: "make it writable (or choose another location)",
+               **dict.fromkeys((errno.EACCES, errno.EPERM), "make it writable (or choose another location)"),
                errno.EROFS: "the filesystem is read-only: choose a writable location"}
 
 
@@ -311,8 +310,7 @@ def apply_override(config: RunConfig, assignment: str) -> None:
     check("=" in assignment, f"--set {assignment!r}: expected the form section.field=value, e.g. train.steps=10")
     key, text = assignment.split("=", 1)
     check(key.strip(), f"--set {assignment!r}: no field named; expected section.field=value, e.g. train.steps=10")
-    parts = key.strip().split(".")
-    target = config
+    parts, target = key.strip().split("."), config
     for i, part in enumerate(parts):
         check(dataclasses.is_dataclass(target), f"--set {key}: {'.'.join(parts[:i])} is not a config section")
         names = [f.name for f in dataclasses.fields(target)]
@@ -587,8 +585,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
           f"mesh pp={p.pp} x cp={p.cp} x ep={p.ep} = {model_parallel} does not divide the {world_size} processes; "
           f"choose --nproc as a multiple of {model_parallel} (torchrun: its --nnodes x --nproc-per-node), or lower "
           "parallel.pp, parallel.cp or parallel.ep")
-    dp = world_size // model_parallel
-    num_experts = config.model.num_routed_experts()
+    dp, num_experts = world_size // model_parallel, config.model.num_routed_experts()
     check(num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide the {num_experts} experts; "
           f"choose ep among the divisors of {num_experts}")
     data_ranks = data_rank_count(p, world_size)

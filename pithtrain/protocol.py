@@ -15,8 +15,7 @@ and their output in `residual`. `run_layer` below is the plain sequential compos
 pipeline engine interleaves the same calls of two micro-batches.
 
 The loss's terms (`AUX_TERMS`, `LossTerms`, `StepSums`) live here too, below the models that record
-them, the engine and pipeline that carry them and the loop.
-"""
+them, the engine and pipeline that carry them and the loop."""
 
 from __future__ import annotations
 
@@ -59,9 +58,8 @@ class Combined(NamedTuple):
     index: torch.Tensor
 
 
-# Registered as pytrees so that FSDP2 sees the tensors inside a stage's output and gathers the
-# layer's weights before ANY gradient reaches them (the load-balance loss reads `scores`
-# without passing through stage 5).
+# Registered as pytrees so that FSDP2 sees the tensors inside a stage's output and gathers the layer's weights before
+# ANY gradient reaches them (the load-balance loss reads `scores` without passing through stage 5).
 torch.utils._pytree.register_dataclass(RoutingInfo)
 torch.utils._pytree.register_dataclass(Stage1Out)
 
@@ -106,11 +104,10 @@ def run_layer(layer, x: torch.Tensor, attn, engine) -> torch.Tensor:
 
 
 class AuxTerm(NamedTuple):
-    """An auxiliary loss term. A forward records one value per MoE layer under `name` (model code
-    in `Stage1Out.aux`; the load-balance loss in `ExpertEngine.record_routing`). The loss adds
-    train.<scale> x its mean over the layers and over the global batch's micro-batches; that mean
-    is logged per step as `metric`. A value must be the same on every CP rank of a micro-batch
-    (train/balance.py all-reduces its statistics over cp)."""
+    """An auxiliary loss term. A forward records one value per MoE layer under `name` (model code in `Stage1Out.aux`;
+    the load-balance loss in `ExpertEngine.record_routing`). The loss adds train.<scale> x its mean over the layers and
+    over the global batch's micro-batches; that mean is logged per step as `metric`. A value must be the same on every
+    CP rank of a micro-batch (train/balance.py all-reduces its statistics over cp)."""
     name: str
     scale: str  # the TrainConfig field that scales it (0: recorded and logged, not in the loss)
     metric: str  # its key in metrics.jsonl
@@ -121,16 +118,15 @@ AUX_TERMS: tuple[AuxTerm, ...] = (AuxTerm("lb", "lb_coef", "lb_loss"),)  # load 
 
 
 class LossTerms:
-    """How one step's loss is composed, the one place for both paths: the sum of token
-    cross-entropies / the global batch's label tokens, plus for each AUX_TERMS entry its scale x the
-    mean of its values over `n_layers` MoE layers and `n_micro` micro-batches (all data ranks).
+    """How one step's loss is composed, the one place for both paths: the sum of token cross-entropies / the global
+    batch's label tokens, plus for each AUX_TERMS entry its scale x the mean of its values over `n_layers` MoE layers
+    and `n_micro` micro-batches (all data ranks).
 
-    A whole-model forward (the plain loop) adds `micro_loss(ce, aux)` and backpropagates it. A
-    pipeline chunk holds some of the layers: its micro-batch's share is `ce_share(ce)` on the rank
-    with the head, and each aux value enters the backward with the gradient `weight(name)`
-    (`chunk_roots`: summed per term, or one root per value in the segmented backward). Both are
-    d(loss)/d(value); they are written as each path always computed them, so neither path's
-    numbers change."""
+    A whole-model forward (the plain loop) adds `micro_loss(ce, aux)` and backpropagates it. A pipeline chunk holds some
+    of the layers: its micro-batch's share is `ce_share(ce)` on the rank with the head, and each aux value enters the
+    backward with the gradient `weight(name)` (`chunk_roots`: summed per term, or one root per value in the segmented
+    backward). Both are d(loss)/d(value); they are written as each path always computed them, so neither path's numbers
+    change."""
 
     def __init__(self, train_config, n_label: int, n_micro: int, n_layers: int, n_mtp_label: int = 0):
         self.n_label, self.n_micro, self.n_layers = n_label, n_micro, n_layers
@@ -179,10 +175,9 @@ class LossTerms:
 
 
 class StepSums:
-    """This rank's sums over one step, by name: `ce` the token cross-entropy, `mtp` multi-token
-    prediction's (over its depths); `aux[name]` each term's per-layer mean, summed over this rank's
-    micro-batches; `stop` whether a stop was requested. One float64 tensor underneath, so `reduce` is
-    one collective and one host sync."""
+    """This rank's sums over one step, by name: `ce` the token cross-entropy, `mtp` multi-token prediction's (over its
+    depths); `aux[name]` each term's per-layer mean, summed over this rank's micro-batches; `stop` whether a stop was
+    requested. One float64 tensor underneath, so `reduce` is one collective and one host sync."""
 
     def __init__(self, device):
         self.values = torch.zeros(3 + len(AUX_TERMS), dtype=torch.float64, device=device)
@@ -223,9 +218,7 @@ def hf_tensor(hf: dict, key: str, shape, used: set) -> torch.Tensor:
 def hf_name(name: str) -> str:
     """HF's name of a parameter: under `model.`, the head as `lm_head.weight`, and multi-token
     prediction layers (`mtp.{id}`, DeepSeek-V3) as the layers past the last one, as DeepSeek saves them."""
-    if name == "lm_head.weight":
-        return name
-    return "model.layers." + name[4:] if name.startswith("mtp.") else f"model.{name}"
+    return name if name == "lm_head.weight" else "model.layers." + name[4:] if name.startswith("mtp.") else f"model.{name}"
 
 
 def all_layers(model) -> dict:
@@ -239,8 +232,7 @@ def hf_state(model) -> dict[str, torch.Tensor]:
     [E, I, H]): those as HF saves them, per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`)."""
     out = {hf_name(name): t for name, t in model.state_dict().items() if ".mlp.experts." not in name}
     for lid, layer in all_layers(model).items():
-        ex = getattr(layer.mlp, "experts", None)  # None: a dense-MLP layer
-        if ex is None:
+        if (ex := getattr(layer.mlp, "experts", None)) is None:  # a dense-MLP layer
             continue
         inter = ex.down.shape[1]
         for e in range(ex.gate_up.shape[0]):
@@ -266,8 +258,7 @@ def load_hf_state(model, hf: dict[str, torch.Tensor], past_layers: bool = False)
         if ".mlp.experts." not in name:
             t.copy_(take(hf_name(name), t.shape))
     for lid, layer in all_layers(model).items():
-        ex = getattr(layer.mlp, "experts", None)
-        if ex is None:
+        if (ex := getattr(layer.mlp, "experts", None)) is None:
             continue
         n, hidden, inter = ex.down.shape[0], ex.down.shape[2], ex.down.shape[1]
         fused = f"model.layers.{lid}.mlp.experts.gate_up_proj"

@@ -1,5 +1,4 @@
-"""DeepSeek-V2 (and V2-Lite): config (HF `config.json` schema), the 5-stage decoder layer, the model,
-HF conversion.
+"""DeepSeek-V2 (and V2-Lite): config (HF `config.json` schema), the 5-stage decoder layer, the model, HF conversion.
 
 Self-contained on purpose, like qwen3_moe.py:
   - Multi-head Latent Attention (MLA). Queries come from `q_proj`, or with `q_lora_rank` from the
@@ -15,9 +14,8 @@ Self-contained on purpose, like qwen3_moe.py:
     experts computed in stage 1 and added in stage 5, routing from `routing.py` (softmax or
     sigmoid scores, greedy / group-limited / bias-corrected selection). Dense MLP layers for
     the first `first_k_dense_replace` layers and where `moe_layer_freq` says so.
-`reference_forward` is a plain, independent implementation (eager attention, complex-number
-RoPE, a loop over experts) used as the oracle in tests.
-"""
+`reference_forward` is a plain, independent implementation (eager attention, complex-number RoPE, a loop over experts)
+used as the oracle in tests."""
 
 from __future__ import annotations
 
@@ -166,8 +164,7 @@ class DeepseekV2Config:
         values = hf_values(cls, hf, frozenset(f.name for f in fields(cls) if "None" in str(f.type)))
         # HF 5 writes `rope_parameters` (with rope_theta inside); DeepSeek's own configs `rope_scaling` + `rope_theta`.
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", hf.get("rope_theta"))
-        if theta is not None:
+        if (theta := rope.pop("rope_theta", hf.get("rope_theta"))) is not None:
             values["rope_theta"] = theta
         rope_type = rope.pop("rope_type", None) or rope.get("type") or "default"
         rope.pop("type", None)
@@ -179,8 +176,7 @@ class DeepseekV2Config:
         routing only: it ignores scoring_func, moe_layer_freq and norm_topk_prob, and has no
         e_score_correction_bias; configs using those options run in PithTrain but not in transformers, which
         import and export say (checkpoint.model_config, tools/hf.convert)."""
-        out = asdict(self)
-        rope = dict(self.rope_scaling or {})
+        out, rope = asdict(self), dict(self.rope_scaling or {})
         rope_type = rope.pop("type", None) or rope.pop("rope_type", "default")
         rope.pop("rope_type", None)
         del out["rope_scaling"], out["rope_theta"]
@@ -203,12 +199,11 @@ class DeepseekV2Config:
 
 @dataclass
 class DeepseekV3Config(DeepseekV2Config):
-    """DeepSeek-V3 (and Kimi K2, Moonlight): the same model as V2 with the V3 switches on (sigmoid
-    scores, `noaux_tc` selection with its correction bias), HF's deepseek_v3 defaults, and its own
-    HF schema and model_type for import and export. `rope_interleave=False`: the rope dims are in
-    rotate-half layout already (HF's option). Multi-token prediction is not built: a checkpoint's MTP
-    layers (past num_hidden_layers) are imported, trained and exported with `num_nextn_predict_layers`
-    (MTPLayer; 0: ignored on load)."""
+    """DeepSeek-V3 (and Kimi K2, Moonlight): the same model as V2 with the V3 switches on (sigmoid scores, `noaux_tc`
+    selection with its correction bias), HF's deepseek_v3 defaults, and its own HF schema and model_type for import and
+    export. `rope_interleave=False`: the rope dims are in rotate-half layout already (HF's option). Multi-token
+    prediction is not built: a checkpoint's MTP layers (past num_hidden_layers) are imported, trained and exported with
+    `num_nextn_predict_layers` (MTPLayer; 0: ignored on load)."""
 
     vocab_size: int = 129280
     hidden_size: int = 7168
@@ -260,9 +255,7 @@ class DeepseekV3Config(DeepseekV2Config):
 
     def to_hf(self) -> dict:
         """HF deepseek_v3 config.json (what DeepseekV3ForCausalLM reads; a kimi_k2 import exports as this too)."""
-        out = super().to_hf()
-        out.update(architectures=["DeepseekV3ForCausalLM"])
-        return out
+        return dict(super().to_hf(), architectures=["DeepseekV3ForCausalLM"])
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:
@@ -281,8 +274,7 @@ class AttnInputs(NamedTuple):
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
@@ -324,8 +316,7 @@ class Attention(nn.Module):
         if self.interleaved:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         q = torch.cat([q_nope, apply_rope(q_rope, cos, sin)], dim=-1)
-        k_rope = apply_rope(k_rope.unsqueeze(1), cos, sin)
-        return q, self.kv_a_layernorm(latent), k_rope
+        return q, self.kv_a_layernorm(latent), apply_rope(k_rope.unsqueeze(1), cos, sin)
 
     def expand_kv(self, latent, k_rope, kv_b_weight):
         """k [B, heads, S, nope + rope] and v [B, heads, S, v_dim] from the normed latent and the shared
@@ -354,8 +345,7 @@ def mla_attention(q, k, v, mask, scale: float, pad_v: bool) -> torch.Tensor:
     """SDPA for v narrower than q and k ([B, heads, S, v_dim] against [.., qk_dim]); [B, S, heads * v_dim].
     pad_v: v padded with zero columns to q's width and the output sliced back, the same attention for the fused
     kernels that need one head dim (flash on GPU, the CPU one; the unfused fallback is ~10x slower)."""
-    pad = q.shape[-1] - v.shape[-1]
-    if pad <= 0 or not pad_v:
+    if (pad := q.shape[-1] - v.shape[-1]) <= 0 or not pad_v:
         return attention(q, k, v, mask, scale)
     out = attention(q, k, F.pad(v, (0, pad)), mask, scale)
     return out.unflatten(-1, (q.shape[1], -1))[..., : v.shape[-1]].flatten(2)
@@ -394,14 +384,11 @@ class Router(nn.Module):
         super().__init__()
         self.cfg, self.num_experts = cfg, cfg.n_routed_experts
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size))
-        if cfg.topk_method == "noaux_tc":  # a buffer: saved with the model, moved by the aux-free rule, no optimizer
-            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts))
-        else:
-            self.e_score_correction_bias = None
+        bias = torch.zeros(cfg.n_routed_experts) if cfg.topk_method == "noaux_tc" else None  # a buffer: no optimizer
+        self.register_buffer("e_score_correction_bias", bias)  # saved with the model, moved by the aux-free rule
 
     def forward(self, x) -> RoutingInfo:
-        cfg = self.cfg
-        dtype = torch.promote_types(x.dtype, torch.float32)
+        cfg, dtype = self.cfg, torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):  # routing decisions in full precision, as HF does
             logits = F.linear(x.to(dtype), self.weight.to(dtype))
         grouped = cfg.topk_method != "greedy"
@@ -452,13 +439,12 @@ class DecoderLayer(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    """Multi-token prediction depth k (DeepSeek-V3 report, section 2.2): a decoder layer whose input at
-    token t is eh_proj([enorm(Emb(token t+k)); hnorm(h^{k-1}_t)]) (h^0: the main model's last hidden state,
-    before its final norm), and whose output h^k predicts token t+k+1 through its own norm
-    (`shared_head`) and the main model's output head. The embedding and head are shared; DeepSeek's
-    checkpoints store copies of them under the layer (`embed_tokens`, `shared_head.head`), which the HF
-    conversion reads and writes. The concatenation puts the embedding first, as the released weights
-    (eh_proj [H, 2H]) are laid out. stage1 takes [Emb(token t+k); h^{k-1}] as one [B, S, 2H] input, so
+    """Multi-token prediction depth k (DeepSeek-V3 report, section 2.2): a decoder layer whose input at token t is
+    eh_proj([enorm(Emb(token t+k)); hnorm(h^{k-1}_t)]) (h^0: the main model's last hidden state, before its final norm),
+    and whose output h^k predicts token t+k+1 through its own norm (`shared_head`) and the main model's output head. The
+    embedding and head are shared; DeepSeek's checkpoints store copies of them under the layer (`embed_tokens`,
+    `shared_head.head`), which the HF conversion reads and writes. The concatenation puts the embedding first, as the
+    released weights (eh_proj [H, 2H]) are laid out. stage1 takes [Emb(token t+k); h^{k-1}] as one [B, S, 2H] input, so
     its projections run inside the stage (where FSDP gathers the layer's weights)."""
 
     def __init__(self, cfg: DeepseekV2Config, layer_id: int, softmax_scale: float):
@@ -585,30 +571,25 @@ class DeepseekV2Model(nn.Module):
             allowed = allowed & (doc_ids[:, :, None] == doc_ids[:, None, :])
         nope, rope, heads = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.num_attention_heads
         for layer in self.layers.values():
-            a = layer.self_attn
-            h = layer.input_layernorm(x)
+            a, h = layer.self_attn, layer.input_layernorm(x)
             q = a.q_proj(h) if cfg.q_lora_rank is None else a.q_b_proj(a.q_a_layernorm(a.q_a_proj(h)))
             q = q.view(b, s, heads, nope + rope).transpose(1, 2)
             latent, k_rope = a.kv_a_proj_with_mqa(h).split([cfg.kv_lora_rank, rope], -1)
             kv = a.kv_b_proj(a.kv_a_layernorm(latent)).view(b, s, heads, nope + cfg.v_head_dim).transpose(1, 2)
             k_rope = rotate(k_rope[:, None]).expand(b, heads, s, rope)
             q = torch.cat([q[..., :nope], rotate(q[..., nope:])], -1)
-            k = torch.cat([kv[..., :nope], k_rope], -1)
-            v = kv[..., nope:]
+            k, v = torch.cat([kv[..., :nope], k_rope], -1), kv[..., nope:]
             scores = (q @ k.transpose(-1, -2)) * a.scale
             scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-            out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
-            x = x + a.o_proj(out)
+            x = x + a.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))
             h = layer.post_attention_layernorm(x)
             if not layer.is_moe:
                 m = layer.mlp  # spelled out: the model's DenseMLP stacks gate and up in one GEMM
                 x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
                 continue
-            flat = h.reshape(-1, cfg.hidden_size)
-            gate = layer.mlp.gate
+            flat, gate = h.reshape(-1, cfg.hidden_size), layer.mlp.gate
             ids, w = _reference_routing(cfg, flat.float() @ gate.weight.float().T, gate.e_score_correction_bias)
-            moe = torch.zeros_like(flat)
-            ex = layer.mlp.experts
+            moe, ex = torch.zeros_like(flat), layer.mlp.experts
             for e in range(cfg.n_routed_experts):
                 tok, slot = (ids == e).nonzero(as_tuple=True)
                 if tok.numel():
@@ -661,10 +642,8 @@ def _reference_routing(cfg: DeepseekV2Config, logits: torch.Tensor, bias: torch.
     biased = scores if bias is None else scores + bias
     if cfg.topk_method != "greedy" and (cfg.n_group or 1) > 1:
         per_group = biased.view(len(biased), cfg.n_group, -1)
-        if cfg.topk_method == "noaux_tc":
-            group_rank = per_group.sort(-1, descending=True).values[..., :2].sum(-1)
-        else:
-            group_rank = per_group.max(-1).values
+        group_rank = (per_group.sort(-1, descending=True).values[..., :2].sum(-1) if cfg.topk_method == "noaux_tc"
+                      else per_group.max(-1).values)
         best_groups = group_rank.argsort(-1, descending=True)[:, : cfg.topk_group]
         allowed = torch.zeros_like(group_rank).scatter(1, best_groups, 1.0).bool()
         biased = per_group.masked_fill(~allowed[..., None], float("-inf")).flatten(1)

@@ -1,5 +1,5 @@
-"""GPT-OSS (gpt-oss-20b / -120b): config (HF `config.json` schema), the 5-stage decoder layer, the model,
-HF conversion including the MXFP4 expert weights of hub checkpoints.
+"""GPT-OSS (gpt-oss-20b / -120b): config (HF `config.json` schema), the 5-stage decoder layer, the model, HF conversion
+including the MXFP4 expert weights of hub checkpoints.
 
 What differs from Qwen3-MoE:
   - attention has biases and one learnable "sink" logit per head that joins the softmax denominator
@@ -13,11 +13,9 @@ What differs from Qwen3-MoE:
   - the router has a bias and softmaxes over the chosen k logits only;
   - experts have biases and a clamped SwiGLU: gate <= limit, |up| <= limit,
     out = (up + 1) * gate * sigmoid(alpha * gate).
-HF fuses gate/up with the two INTERLEAVED along the last dim (even columns gate, odd up); here they are
-stored gate then up (the convention of every family's `Experts`) and converted on import/export.
-`reference_forward` is an independent eager implementation (complex-number RoPE, log-sum-exp sinks,
-a loop over experts) used as the oracle in tests.
-"""
+HF fuses gate/up with the two INTERLEAVED along the last dim (even columns gate, odd up); here they are stored gate then
+up (the convention of every family's `Experts`) and converted on import/export. `reference_forward` is an independent
+eager implementation (complex-number RoPE, log-sum-exp sinks, a loop over experts) used as the oracle in tests."""
 
 from __future__ import annotations
 
@@ -91,9 +89,7 @@ class GptOssConfig:
         return isinstance(other, GptOssConfig) and self.to_hf() == other.to_hf()
 
     def layer_type(self, layer_id: int) -> str:
-        if self.layer_types is not None:
-            return self.layer_types[layer_id]
-        return SLIDING if layer_id % 2 == 0 else FULL
+        return self.layer_types[layer_id] if self.layer_types is not None else SLIDING if layer_id % 2 == 0 else FULL
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return True  # every GPT-OSS layer is MoE
@@ -205,8 +201,7 @@ class AttnInputs(NamedTuple):
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):
         # HF's GPT-OSS order: the weight multiplies in fp32, then the cast back (Llama casts first).
@@ -231,8 +226,7 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         k, v = projections(x, self.k_proj, self.v_proj)  # not q: the attention keeps v, which would keep q's part too
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        k, v = (t.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2) for t in (k, v))
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def forward(self, x, attn: AttnInputs):
@@ -350,8 +344,7 @@ class GptOssModel(nn.Module):
         if attention.use_flash(cos):
             return AttnInputs(cos, sin, None, None, flash=True, doc_ids=doc_ids)
         s, device = position_ids.shape[1], position_ids.device
-        full = attention_mask(doc_ids, s, device)
-        if full is None:  # sink attention always takes an explicit mask
+        if (full := attention_mask(doc_ids, s, device)) is None:  # sink attention always takes an explicit mask
             full = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None, None]
         sliding = any(layer.self_attn.sliding for layer in self.layers.values())
         return AttnInputs(cos, sin, full, attention_mask(doc_ids, s, device, self.cfg.sliding_window) if sliding else None)
@@ -390,28 +383,22 @@ class GptOssModel(nn.Module):
         causal = (j <= i).expand(b, s, s)
         if doc_ids is not None:
             causal = causal & (doc_ids[:, :, None] == doc_ids[:, None, :])
-        windowed = causal & (i - j < (cfg.sliding_window or s))
-        inter = cfg.intermediate_size
+        windowed, inter = causal & (i - j < (cfg.sliding_window or s)), cfg.intermediate_size
         for layer in self.layers.values():
-            a = layer.self_attn
-            hn = layer.input_layernorm(x)
+            a, hn = layer.self_attn, layer.input_layernorm(x)
             q, k, v = (p(hn).view(b, s, -1, a.head_dim).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))
             q, k = rope(q), rope(k)
             rep = a.heads // a.kv_heads
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             scores = torch.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(a.head_dim)
-            allowed = windowed if a.sliding else causal
-            scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+            scores = scores.masked_fill(~(windowed if a.sliding else causal)[:, None], float("-inf"))
             # The sink joins the normaliser only: p = exp(score - log(sum exp(scores) + exp(sink))).
             lse = torch.logaddexp(torch.logsumexp(scores, -1, keepdim=True), a.sinks.view(1, -1, 1, 1))
-            out = torch.einsum("bhqk,bhkd->bqhd", torch.exp(scores - lse), v).reshape(b, s, -1)
-            x = x + a.o_proj(out)
+            x = x + a.o_proj(torch.einsum("bhqk,bhkd->bqhd", torch.exp(scores - lse), v).reshape(b, s, -1))
             flat = layer.post_attention_layernorm(x).reshape(-1, cfg.hidden_size)
-            logits = flat @ layer.mlp.router.weight.T + layer.mlp.router.bias
-            top, ids = logits.topk(cfg.num_experts_per_tok, -1)
+            top, ids = (flat @ layer.mlp.router.weight.T + layer.mlp.router.bias).topk(cfg.num_experts_per_tok, -1)
             w = torch.exp(top - torch.logsumexp(top, -1, keepdim=True))
-            moe = torch.zeros_like(flat)
-            ex = layer.mlp.experts
+            moe, ex = torch.zeros_like(flat), layer.mlp.experts
             for e in range(cfg.num_local_experts):
                 tok, slot = (ids == e).nonzero(as_tuple=True)
                 if not tok.numel():

@@ -1,11 +1,9 @@
-"""Qwen3.5-MoE: the hybrid family (Gated DeltaNet linear attention + gated full attention) over a
-MoE with a shared expert: config (HF `config.json` schema), the 5-stage decoder layer, the model,
-HF conversion.
+"""Qwen3.5-MoE: the hybrid family (Gated DeltaNet linear attention + gated full attention) over a MoE with a shared
+expert: config (HF `config.json` schema), the 5-stage decoder layer, the model, HF conversion.
 
-HF `model_type` `qwen3_5_moe_text` (what `Qwen3_5MoeForCausalLM` saves) and `qwen3_5_moe` (the
-released multimodal checkpoints: their `text_config` and the language model's weights; the vision
-tower and the MTP weights are left out). `layer_types` says which layers are "linear_attention"
-(Gated DeltaNet) and which "full_attention"; every layer is MoE.
+HF `model_type` `qwen3_5_moe_text` (what `Qwen3_5MoeForCausalLM` saves) and `qwen3_5_moe` (the released multimodal
+checkpoints: their `text_config` and the language model's weights; the vision tower and the MTP weights are left out).
+`layer_types` says which layers are "linear_attention" (Gated DeltaNet) and which "full_attention"; every layer is MoE.
 
 - Gated DeltaNet: in_proj_qkv -> short causal depthwise conv + SiLU -> q, k (L2-normed), v;
   beta = sigmoid(in_proj_b), decay g = -exp(A_log) * softplus(in_proj_a + dt_bias); the gated delta
@@ -17,8 +15,7 @@ tower and the MTP weights are left out). `layer_types` says which layers are "li
   rotary embedding (the first `partial_rotary_factor` of each head's dims).
 - RMSNorms are zero-centred (scale 1 + weight, weights initialised to 0), except the gated norm.
 - MoE: softmax router, top-k renormalised; a shared expert whose output is scaled by
-  sigmoid(shared_expert_gate(x)), added in stage 5.
-"""
+  sigmoid(shared_expert_gate(x)), added in stage 5."""
 
 from __future__ import annotations
 
@@ -85,9 +82,8 @@ class Qwen3_5MoeConfig:
         return int(self.head_dim * self.partial_rotary_factor)
 
     def layer_type(self, layer_id: int) -> str:
-        if self.layer_types is not None:
-            return self.layer_types[layer_id]
-        return "full_attention" if (layer_id + 1) % self.full_attention_interval == 0 else "linear_attention"
+        return (self.layer_types[layer_id] if self.layer_types is not None
+                else "full_attention" if (layer_id + 1) % self.full_attention_interval == 0 else "linear_attention")
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return True
@@ -171,8 +167,7 @@ class ZeroCenteredRMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.zeros(dim)), eps
 
     def forward(self, x):
         x32 = x.float()
@@ -185,8 +180,7 @@ class GatedRMSNorm(nn.Module):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x, gate):
         x32 = x.float()
@@ -251,8 +245,7 @@ class GatedDeltaNet(nn.Module):
         conv output `mixed` and the a-projection."""
         b, s, _ = mixed.shape
         q, k, v = mixed.split([self.key_size, self.key_size, self.value_size], dim=-1)
-        q = l2norm(q.reshape(b, s, self.k_heads, self.k_dim).float())
-        k = l2norm(k.reshape(b, s, self.k_heads, self.k_dim).float())
+        q, k = (l2norm(t.reshape(b, s, self.k_heads, self.k_dim).float()) for t in (q, k))
         g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         return q, k, v.reshape(b, s, self.v_heads, self.v_dim), g
 
@@ -265,8 +258,7 @@ class GatedDeltaNet(nn.Module):
             both = gather_sequence(torch.cat([qkv, beta_in.to(qkv.dtype), a.to(qkv.dtype)], -1), attn.cp)
             qkv, beta_in, a = both.split([qkv.shape[-1], self.v_heads, self.v_heads], dim=-1)
             doc_ids = gathered_doc_ids(attn.cp)
-        mixed = causal_conv1d(qkv, self.conv1d.weight.squeeze(1), doc_ids)
-        q, k, v, g = self.split_heads(mixed, a)
+        q, k, v, g = self.split_heads(causal_conv1d(qkv, self.conv1d.weight.squeeze(1), doc_ids), a)
         out = gated_delta_rule(q, k, v, g, torch.sigmoid(beta_in.float()), doc_ids, cu_seqlens=attn.cu_seqlens)
         if attn.cp is not None:
             out = zigzag_split(out, attn.cp.cp, attn.cp.rank)
@@ -417,17 +409,15 @@ class Qwen3_5MoeModel(nn.Module):
 
     @torch.no_grad()
     def reference_forward(self, input_ids, position_ids=None, doc_ids=None):
-        """Plain oracle: eager softmax attention with an explicit mask; the Gated DeltaNet token by
-        token (the recurrence, not the chunked form) with F.conv1d, each document run on its own;
-        a loop over experts."""
+        """Plain oracle: eager softmax attention with an explicit mask; the Gated DeltaNet token by token (the
+        recurrence, not the chunked form) with F.conv1d, each document run on its own; a loop over experts."""
         cfg = self.cfg
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s).expand(b, s)
         if doc_ids is None:
             doc_ids = torch.zeros(b, s, dtype=torch.long)
-        x = self.embed_tokens(input_ids)
-        freqs = position_ids[..., None].double() * self.inv_freq.double()
+        x, freqs = self.embed_tokens(input_ids), position_ids[..., None].double() * self.inv_freq.double()
         cos, sin = torch.cat([freqs, freqs], -1).cos().to(x.dtype), torch.cat([freqs, freqs], -1).sin().to(x.dtype)
         pos = torch.arange(s)
         allowed = (pos[None, :] <= pos[:, None]) & (doc_ids[:, :, None] == doc_ids[:, None, :])
@@ -446,8 +436,7 @@ class Qwen3_5MoeModel(nn.Module):
                 mixed = a.o_proj(out * torch.sigmoid(gate))
             x = x + mixed
             flat = layer.post_attention_layernorm(x).reshape(-1, cfg.hidden_size)
-            probs = torch.softmax(flat @ layer.mlp.gate.weight.T, -1)
-            w, ids = probs.topk(cfg.num_experts_per_tok, -1)
+            w, ids = torch.softmax(flat @ layer.mlp.gate.weight.T, -1).topk(cfg.num_experts_per_tok, -1)
             w = w / w.sum(-1, keepdim=True)
             m = layer.mlp.shared_expert  # spelled out: the model's DenseMLP stacks gate and up in one GEMM
             moe = torch.sigmoid(flat @ layer.mlp.shared_expert_gate.weight.T) * m.down_proj(F.silu(m.gate_proj(flat)) * m.up_proj(flat))

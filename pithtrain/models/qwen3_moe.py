@@ -1,11 +1,9 @@
 """Qwen3-MoE: config (HF `config.json` schema), the 5-stage decoder layer, the model, HF conversion.
 
-Self-contained on purpose: GQA attention with per-head q/k RMSNorm and RoPE, a softmax top-k
-router (optionally renormalised over the chosen k), experts as stacked weights run by a grouped
-GEMM, and dense MLP layers where `mlp_only_layers` / `decoder_sparse_step` say so.
-`reference_forward` is a plain, independent implementation (eager attention, a loop over
-experts) used as the oracle in tests.
-"""
+Self-contained on purpose: GQA attention with per-head q/k RMSNorm and RoPE, a softmax top-k router (optionally
+renormalised over the chosen k), experts as stacked weights run by a grouped GEMM, and dense MLP layers where
+`mlp_only_layers` / `decoder_sparse_step` say so. `reference_forward` is a plain, independent implementation (eager
+attention, a loop over experts) used as the oracle in tests."""
 
 from __future__ import annotations
 
@@ -119,8 +117,7 @@ class AttnInputs(NamedTuple):
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+        self.weight, self.eps = nn.Parameter(torch.ones(dim)), eps
 
     def forward(self, x):
         return rms_norm(x, self.weight, self.eps)
@@ -289,8 +286,7 @@ class Qwen3MoeModel(nn.Module):
         b, s = input_ids.shape
         if position_ids is None:
             position_ids = torch.arange(s).expand(b, s)
-        x = self.embed_tokens(input_ids)
-        freqs = position_ids[..., None].double() * self.inv_freq.double()
+        x, freqs = self.embed_tokens(input_ids), position_ids[..., None].double() * self.inv_freq.double()
         cos, sin = torch.cat([freqs, freqs], -1).cos().to(x.dtype), torch.cat([freqs, freqs], -1).sin().to(x.dtype)
         pos = torch.arange(s)
         allowed = (pos[None, :] <= pos[:, None]).expand(b, s, s)
@@ -303,20 +299,17 @@ class Qwen3MoeModel(nn.Module):
             k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             scores = (q @ k.transpose(-1, -2)) / math.sqrt(a.head_dim)
             scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-            out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1)
-            x = x + a.o_proj(out)
+            x = x + a.o_proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, -1))
             h = layer.post_attention_layernorm(x)
             if not layer.is_moe:
                 m = layer.mlp  # spelled out: the model's DenseMLP stacks gate and up in one GEMM
                 x = x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
                 continue
             flat = h.reshape(-1, cfg.hidden_size)
-            probs = torch.softmax(flat @ layer.mlp.gate.weight.T, -1)
-            w, ids = probs.topk(cfg.num_experts_per_tok, -1)
+            w, ids = torch.softmax(flat @ layer.mlp.gate.weight.T, -1).topk(cfg.num_experts_per_tok, -1)
             if cfg.norm_topk_prob:
                 w = w / w.sum(-1, keepdim=True)
-            moe = torch.zeros_like(flat)
-            ex = layer.mlp.experts
+            moe, ex = torch.zeros_like(flat), layer.mlp.experts
             for e in range(cfg.num_experts):
                 tok, slot = (ids == e).nonzero(as_tuple=True)
                 if tok.numel():

@@ -10,8 +10,7 @@
     V3's noaux_tc);
   - optional renormalisation of the chosen k weights, then a constant `routed_scaling_factor`.
 
-`update_correction_bias` is the aux-loss-free balancing rule that moves the bias between steps.
-"""
+`update_correction_bias` is the aux-loss-free balancing rule that moves the bias between steps."""
 
 from __future__ import annotations
 
@@ -28,8 +27,7 @@ def select_experts(logits: torch.Tensor, topk: int, score_func: str = "softmax",
     scores [T, E] (the unbiased softmax/sigmoid scores, for the load-balance loss).
 
     Computed in at least fp32 (routing decisions are sensitive to rounding). Gradients reach the
-    logits through the weights; selection and the bias carry none.
-    """
+    logits through the weights; selection and the bias carry none."""
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     scores = logits.sigmoid() if score_func == "sigmoid" else logits.softmax(dim=-1)  # the config allows these two
     with torch.no_grad():

@@ -1,1 +1,0 @@
-"""PithTrain ops package."""

@@ -1,6 +1,6 @@
-"""Causal attention for the GPU fast path: a Triton flash-attention forward and backward with GQA, an
-optional learnable per-head "sink" logit in the softmax denominator (GPT-OSS), an optional sliding
-window and packed documents, none of which materialises an [S, S] mask or score tensor.
+"""Causal attention for the GPU fast path: a Triton flash-attention forward and backward with GQA, an optional learnable
+per-head "sink" logit in the softmax denominator (GPT-OSS), an optional sliding window and packed documents, none of
+which materialises an [S, S] mask or score tensor.
 
   attention(q, k, v, scale, sinks=None, window=None, doc_ids=None) -> [B, S, Hq*D]
       q: [B, Hq, S, D], k/v: [B, Hkv, S, D] (Hq a multiple of Hkv), sinks: [Hq] or None,
@@ -20,8 +20,7 @@ one more score, with dp_z = 0): d loss/dz = sum_rows p_z (dp_z - delta) = -sum_r
 the rows of that head over batch and positions.
 Key blocks wholly outside the window or before the document of the block's first query are never
 visited (and query blocks after the window or document of a key block in dK/dV). dQ and dK/dV are
-separate kernels, so no atomics: gradients are bit-identical run to run.
-"""
+separate kernels, so no atomics: gradients are bit-identical run to run."""
 
 from __future__ import annotations  # keeps the kernels' `tl.constexpr` annotations unevaluated
 
@@ -45,15 +44,14 @@ def use_flash(x: torch.Tensor) -> bool:
 
 
 def sink_attention(q, k, v, sinks, mask, scale: float) -> torch.Tensor:
-    """Causal GQA attention whose softmax denominator also holds one learnable logit per head.
-    q: [B, Hq, S, D], k/v: [B, Hkv, S, D], sinks: [Hq], mask: bool [B or 1, 1, S, S] (True = attend).
-    Returns [B, S, Hq*Dv]; gradients reach q, k, v and the sinks.
+    """Causal GQA attention whose softmax denominator also holds one learnable logit per head. q: [B, Hq, S, D], k/v:
+    [B, Hkv, S, D], sinks: [Hq], mask: bool [B or 1, 1, S, S] (True = attend). Returns [B, S, Hq*Dv]; gradients reach q,
+    k, v and the sinks.
 
-    The sink becomes one more key that every query sees, so SDPA's fused kernels do the work
-    (no [S, S] fp32 scores): queries get an extra coordinate holding sink/scale, the sink key is
-    the unit vector along it (the other keys are 0 there) and its value is 0. Then
-    q'.k_sink * scale = sink and q'.k_j = q.k_j, and the sink only adds to the denominator.
-    Seven more zero coordinates keep the head dim a multiple of 8, as the fused kernels want."""
+    The sink becomes one more key that every query sees, so SDPA's fused kernels do the work (no [S, S] fp32 scores):
+    queries get an extra coordinate holding sink/scale, the sink key is the unit vector along it (the other keys are 0
+    there) and its value is 0. Then q'.k_sink * scale = sink and q'.k_j = q.k_j, and the sink only adds to the
+    denominator. Seven more zero coordinates keep the head dim a multiple of 8, as the fused kernels want."""
     b, hq, s, d = q.shape
     rep = hq // k.shape[1]
     if rep > 1:  # the masked fused kernel takes equal head counts

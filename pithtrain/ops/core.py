@@ -1,8 +1,7 @@
 """Plain-PyTorch operators shared by the model files: RMSNorm, RoPE, attention, SwiGLU, cross-entropy.
 
 These are the reference implementations: they run on the CPU and are the oracle that GPU kernels
-are tested against. Each is written so that torch.compile(fullgraph=True) can trace it.
-"""
+are tested against. Each is written so that torch.compile(fullgraph=True) can trace it."""
 
 from __future__ import annotations
 
@@ -50,8 +49,7 @@ def stable_argsort_ids(ids: torch.Tensor, bound: int) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Normalise in fp32 and cast back before the weight, as the HF reference does; the weight in x's dtype
     # too under ACTIVATIONS_IN_COMPUTE_DTYPE (an fp32 master weight times bf16 x would give fp32).
-    dtype = x.dtype
-    x32 = x.float()
+    dtype, x32 = x.dtype, x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.to(dtype) if ACTIVATIONS_IN_COMPUTE_DTYPE else weight) * x32.to(dtype)
 
@@ -63,10 +61,9 @@ def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
 def rope_inv_freq(base: float, dim: int, yarn: dict | None) -> tuple[torch.Tensor, float]:
     """(inverse frequencies [dim/2] fp32, the factor cos/sin are scaled by), YaRN when `yarn` is given.
 
-    YaRN (arXiv 2309.00071): frequencies with fewer than beta_slow rotations over the original context are
-    interpolated (divided by `factor`), those with more than beta_fast kept, a linear ramp between; cos/sin
-    scale by mscale(mscale) / mscale(mscale_all_dim) unless attention_factor is given. fp32 in HF's order, so
-    the tables match HF's bit for bit.
+    YaRN (arXiv 2309.00071): frequencies with fewer than beta_slow rotations over the original context are interpolated
+    (divided by `factor`), those with more than beta_fast kept, a linear ramp between; cos/sin scale by mscale(mscale) /
+    mscale(mscale_all_dim) unless attention_factor is given. fp32 in HF's order, so the tables match HF's bit for bit.
     """
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
     if yarn is None:
@@ -101,8 +98,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """x: [B, heads, S, D]; cos/sin: [B, S, D]."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 def attention_mask(doc_ids: torch.Tensor | None, seq_len: int, device, sliding_window: int | None = None):

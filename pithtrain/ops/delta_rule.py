@@ -1,5 +1,5 @@
-"""Gated DeltaNet's token mixer (Qwen3.5-MoE's linear-attention layers): the gated delta rule and the
-short causal conv before it, both with packed documents.
+"""Gated DeltaNet's token mixer (Qwen3.5-MoE's linear-attention layers): the gated delta rule and the short causal conv
+before it, both with packed documents.
 
   gated_delta_rule(q, k, v, g, beta, doc_ids=None, chunk_size=64, cu_seqlens=None) -> o [B, S, H, Dv]
       chunked (WY/UT form): batched matmuls over all chunks, a sequential scan only over chunk states.
@@ -13,23 +13,21 @@ short causal conv before it, both with packed documents.
 
 Recurrence per head, S: [Dk, Dv], zero at each document start, q scaled by Dk**-0.5 here:
   S_t = exp(g_t) S_{t-1};  S_t += k_t (beta_t (v_t - S_t^T k_t))^T;  o_t = S_t^T q_t.
-Chunked form (chunk of C tokens, G the within-chunk cumsum of g, seg the document run of a token,
-S0 the state carried in, c_i = [seg_i == seg of the token before the chunk]):
+Chunked form (chunk of C tokens, G the within-chunk cumsum of g, seg the document run of a token, S0 the state carried
+in, c_i = [seg_i == seg of the token before the chunk]):
   M_ij = [j <= i][seg_i == seg_j] exp(G_i - G_j)   (the decay between two tokens of one document)
   A = strictly-lower(M * beta k k^T);  [u | w] = (I + A)^-1 [beta v | beta c exp(G) k]
   v_new = u - w S0;  o = scale (c exp(G) q S0 + (M * q k^T) v_new)
   S_end = c_last exp(G_last) S0 + (k * [seg == seg_last] exp(G_last - G))^T v_new.
 Document resets are masks, never -inf in g, so cumsums stay exact and nothing turns NaN.
 
-GPU path (CUDA inputs, `fla` importable, USE_FLA, chunk_size in 16/32/64): FLA 0.6.0's
-chunk_gated_delta_rule forward and backward, documents as varlen sequences (B*S tokens flattened,
-cu_seqlens), wrapped as torch.library custom ops so a compiled stage traces through them. FLA refuses
-its gated `chunk_bwd_dqkwg` kernel on Hopper with Triton in [3.4, 3.7.1) (its issue #640: wrong
-results); there our `dqkwg_triton` (the same chunk formulas as one Triton kernel that never transposes
-a matmul result; `dqkwg_torch` is its batched PyTorch reference) takes its place in FLA's gated-delta-
-rule backward (`_patch_fla`). Without fla on CUDA: the chunked PyTorch path, with one warning per
-process. How each path is checked, and its speed: docs/performance.md, "The gated delta rule".
-"""
+GPU path (CUDA inputs, `fla` importable, USE_FLA, chunk_size in 16/32/64): FLA 0.6.0's chunk_gated_delta_rule forward
+and backward, documents as varlen sequences (B*S tokens flattened, cu_seqlens), wrapped as torch.library custom ops so a
+compiled stage traces through them. FLA refuses its gated `chunk_bwd_dqkwg` kernel on Hopper with Triton in [3.4, 3.7.1)
+(its issue #640: wrong results); there our `dqkwg_triton` (the same chunk formulas as one Triton kernel that never
+transposes a matmul result; `dqkwg_torch` is its batched PyTorch reference) takes its place in FLA's gated-delta-rule
+backward (`_patch_fla`). Without fla on CUDA: the chunked PyTorch path, with one warning per process. How each path is
+checked, and its speed: docs/performance.md, "The gated delta rule"."""
 
 from __future__ import annotations
 
@@ -94,13 +92,12 @@ def gated_delta_rule_recurrent(q, k, v, g, beta, doc_ids=None) -> torch.Tensor:
 
 
 def gated_delta_rule(q, k, v, g, beta, doc_ids=None, chunk_size=64, cu_seqlens=None) -> torch.Tensor:
-    """q, k: [B, S, Hk, Dk] (already L2-normed, NOT yet scaled; the op scales q by Dk**-0.5), v: [B, S, H, Dv]
-    (Hk = H, or a divisor of it: each q/k head then serves H/Hk consecutive value heads), g: [B, S, H]
-    log-decay (<= 0), beta: [B, S, H] in (0, 1). doc_ids: [B, S] int or None: packed documents; the state
-    resets to zero at the first token of every document. cu_seqlens: optional, only read on FLA's path:
-    doc_cu_seqlens(doc_ids) computed once by the caller (else computed here: one host sync per call, and
-    a graph break under torch.compile, so a compiled caller with documents must pass it).
-    Returns o [B, S, H, Dv] in v's dtype; computes in fp32 (fp64 if inputs are fp64)."""
+    """q, k: [B, S, Hk, Dk] (already L2-normed, NOT yet scaled; the op scales q by Dk**-0.5), v: [B, S, H, Dv] (Hk = H,
+    or a divisor of it: each q/k head then serves H/Hk consecutive value heads), g: [B, S, H] log-decay (<= 0), beta:
+    [B, S, H] in (0, 1). doc_ids: [B, S] int or None: packed documents; the state resets to zero at the first token of
+    every document. cu_seqlens: optional, only read on FLA's path: doc_cu_seqlens(doc_ids) computed once by the caller
+    (else computed here: one host sync per call, and a graph break under torch.compile, so a compiled caller with
+    documents must pass it). Returns o [B, S, H, Dv] in v's dtype; computes in fp32 (fp64 if inputs are fp64)."""
     if v.is_cuda and USE_FLA and chunk_size in FLA_CHUNKS and v.dtype != torch.float64 and _fla_ready():
         return _fla_path(q, k, v, g, beta, doc_ids, chunk_size, cu_seqlens)
     return gated_delta_rule_chunked(q, k, v, g, beta, doc_ids, chunk_size)

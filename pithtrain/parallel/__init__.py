@@ -1,1 +1,0 @@
-"""PithTrain parallel package."""

@@ -1,35 +1,30 @@
 """Context parallelism (CP): one sequence split over the CP ranks, attention computed as a ring.
 
-Layout (zigzag): the sequence is cut into 2*cp equal chunks and CP rank r holds chunks r and
-2cp-1-r. Under causal attention an early chunk has little to attend to and a late one a lot, so
-pairing them gives every rank the same work. The loop splits every [B, S] input (input_ids,
-labels, position_ids, doc_ids) with `zigzag_split`; RoPE reads the split position_ids, so the
-models change only in where attention is computed.
+Layout (zigzag): the sequence is cut into 2*cp equal chunks and CP rank r holds chunks r and 2cp-1-r. Under causal
+attention an early chunk has little to attend to and a late one a lot, so pairing them gives every rank the same work.
+The loop splits every [B, S] input (input_ids, labels, position_ids, doc_ids) with `zigzag_split`; RoPE reads the split
+position_ids, so the models change only in where attention is computed.
 
-Ring attention: each rank keeps its queries; key/value blocks travel around the CP ring (rank r
-sends to r+1 and receives from r-1), so at step i rank r holds the block of rank r-i and after
-cp steps every query has met every key. A block's scores are masked by the GLOBAL token indices
-of the queries and keys (causal, optional sliding window, optional same-document), and blocks
-combine by the log-sum-exp rule in fp32 (flash attention's online softmax). The next block's
-transfer is issued before computing on the current one, so the two overlap on GPUs. Only the
-bounding box of a block's visible (query, key) pairs is computed and empty blocks are skipped:
-with zigzag and causal attention, every step after the first computes half a block.
+Ring attention: each rank keeps its queries; key/value blocks travel around the CP ring (rank r sends to r+1 and
+receives from r-1), so at step i rank r holds the block of rank r-i and after cp steps every query has met every key. A
+block's scores are masked by the GLOBAL token indices of the queries and keys (causal, optional sliding window, optional
+same-document), and blocks combine by the log-sum-exp rule in fp32 (flash attention's online softmax). The next block's
+transfer is issued before computing on the current one, so the two overlap on GPUs. Only the bounding box of a block's
+visible (query, key) pairs is computed and empty blocks are skipped: with zigzag and causal attention, every step after
+the first computes half a block.
 
-Backward: a second ring. Each rank recomputes block scores from the saved log-sum-exp; dQ stays
-home, while dK/dV accumulate (fp32) in buffers that travel with their block and reach its owner
-after the cp-th hop.
+Backward: a second ring. Each rank recomputes block scores from the saved log-sum-exp; dQ stays home, while dK/dV
+accumulate (fp32) in buffers that travel with their block and reach its owner after the cp-th hop.
 
-What travels need not be K/V: `context_attention_expand` rings any payload, and an `expand`
-function rebuilds K/V from it on every step. MLA sends its normed latent and shared rope key
-(kv_lora_rank + rope_dim numbers per token, not heads * (qk_dim + v_dim)); the gradients of the
-payload and of expand's weights come from autograd through `expand`.
+What travels need not be K/V: `context_attention_expand` rings any payload, and an `expand` function rebuilds K/V from
+it on every step. MLA sends its normed latent and shared rope key (kv_lora_rank + rope_dim numbers per token, not
+heads * (qk_dim + v_dim)); the gradients of the payload and of expand's weights come from autograd through `expand`.
 
 Sinks (GPT-OSS): one logit per head joins the softmax denominator once, after the ring.
 
 Use, per micro-batch already on the device:
     micro, cp = shard_micro_batch(micro, mesh.cp_group)
-    logits = model(micro["input_ids"], micro["position_ids"], engine, doc_ids=micro.get("doc_ids"), cp=cp)
-"""
+    logits = model(micro["input_ids"], micro["position_ids"], engine, doc_ids=micro.get("doc_ids"), cp=cp)"""
 
 from __future__ import annotations
 
@@ -46,8 +41,7 @@ def zigzag_indices(seq_len: int, cp: int, cp_rank: int, device=None) -> torch.Te
     """Global token indices held by `cp_rank`: chunks cp_rank and 2cp-1-cp_rank of 2cp."""
     if seq_len % (2 * cp):
         raise ValueError(f"sequence length {seq_len} is not divisible by 2*cp={2 * cp}; change data.seq_len")
-    chunk = seq_len // (2 * cp)
-    late = 2 * cp - 1 - cp_rank
+    chunk, late = seq_len // (2 * cp), 2 * cp - 1 - cp_rank
     return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk, device=device),
                       torch.arange(late * chunk, (late + 1) * chunk, device=device)])
 
@@ -66,11 +60,10 @@ def zigzag_merge(parts: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 @dataclass
 class ContextParallel:
-    """One micro-batch's CP layout. `positions[r]` [1 or B, S_local] and `doc_ids[r]` [B, S_local]
-    (None: no packing) are the global token indices and document ids of CP rank r's tokens; every
-    rank knows all of them, since CP ranks read the same samples. Masks come from these, never
-    from position_ids (which restart at each packed document). Build one per micro-batch: it
-    caches which blocks are visible."""
+    """One micro-batch's CP layout. `positions[r]` [1 or B, S_local] and `doc_ids[r]` [B, S_local] (None: no packing)
+    are the global token indices and document ids of CP rank r's tokens; every rank knows all of them, since CP ranks
+    read the same samples. Masks come from these, never from position_ids (which restart at each packed document). Build
+    one per micro-batch: it caches which blocks are visible."""
 
     group: dist.ProcessGroup | None  # None: cp == 1 (no communication)
     cp: int
@@ -112,9 +105,7 @@ class ContextParallel:
 
 def _extent(hit: torch.Tensor) -> torch.Tensor:
     """[first, end) of the True entries of a 1-D bool tensor; end <= first when there is none."""
-    n = hit.numel()
-    first = hit.int().argmax()
-    end = n - hit.flip(0).int().argmax()
+    first, end = hit.int().argmax(), hit.numel() - hit.flip(0).int().argmax()
     return torch.where(hit.any(), torch.stack([first, end]), torch.zeros(2, dtype=first.dtype, device=hit.device))
 
 
@@ -183,16 +174,14 @@ class _RingAttention(torch.autograd.Function):
             source = (cp.rank - step) % cp.cp
             if step + 1 < cp.cp:
                 handle, incoming = _ring_shift(current, cp, KV_TAG)
-            box = cp.box(source, window)
-            if box is not None:
+            if (box := cp.box(source, window)) is not None:
                 qs, ks = box
                 k, v = current if expand is None else expand(*current, *params)
                 hkv = k.shape[1]
                 if out is None:  # step 0 always computes: every token sees itself
                     out = torch.zeros(b, hkv, hq // hkv, sq, v.shape[-1], dtype=acc, device=q.device)
                     lse = torch.full((b, hkv, hq // hkv, sq), float("-inf"), dtype=acc, device=q.device)
-                qb = q[:, :, qs].unflatten(1, (hkv, -1))
-                s = _scores(qb, k[:, :, ks], cp.mask(source, window, box), scale)
+                s = _scores(q[:, :, qs].unflatten(1, (hkv, -1)), k[:, :, ks], cp.mask(source, window, box), scale)
                 block_lse = s.logsumexp(-1)
                 probs = torch.exp(s - _finite(block_lse).unsqueeze(-1))
                 block_out = (probs.to(v.dtype) @ v[:, :, ks].unsqueeze(2)).to(acc)
@@ -206,8 +195,7 @@ class _RingAttention(torch.autograd.Function):
                 current = incoming
         if sinks is not None:  # the sink's exp joins the denominator; its share of the mass is dropped
             with_sink = torch.logaddexp(lse, sinks.to(acc).view(1, out.shape[1], -1, 1))
-            out = out * torch.exp(lse - with_sink).unsqueeze(-1)
-            lse = with_sink
+            out, lse = out * torch.exp(lse - with_sink).unsqueeze(-1), with_sink
         result = out.to(v.dtype).flatten(1, 2).transpose(1, 2).flatten(2)  # [B, S, Hq*Dv]
         ctx.setup = (cp, scale, window, expand, n_payload)
         ctx.save_for_backward(q, sinks, *tensors, result, lse)
@@ -231,15 +219,13 @@ def _ring_backward(ctx, grad_out):
     acc = _wide(q)
     zeros = lambda t: torch.zeros(t.shape, dtype=acc, device=t.device)  # noqa: E731
     delta = (d_out.to(acc) * out.to(acc)).sum(-1)  # dO . O per query row (the softmax backward's row term)
-    dq = zeros(q).unflatten(1, (hkv, rep))
-    d_params = [zeros(p) for p in params]
+    dq, d_params = zeros(q).unflatten(1, (hkv, rep)), [zeros(p) for p in params]
     current, travelling = payload, None
     for step in range(cp.cp):
         source = (cp.rank - step) % cp.cp
         if step + 1 < cp.cp:
             kv_handle, incoming = _ring_shift(current, cp, KV_TAG)
-        box = cp.box(source, window)
-        part = None
+        box, part = cp.box(source, window), None
         if box is not None:
             qs, ks = box
             if expand is None:
@@ -252,8 +238,7 @@ def _ring_backward(ctx, grad_out):
             # the softmax backward on the block (backward runs without grad mode: nothing below is recorded)
             qb = q[:, :, qs].unflatten(1, (hkv, rep))
             s = _scores(qb, kb, cp.mask(source, window, box), scale)
-            probs = torch.exp(s - _finite(lse[..., qs]).unsqueeze(-1))
-            dob = d_out[..., qs, :]
+            probs, dob = torch.exp(s - _finite(lse[..., qs]).unsqueeze(-1)), d_out[..., qs, :]
             d_probs = (dob @ vb.unsqueeze(2).transpose(-1, -2)).to(acc)
             d_scores = (probs * (d_probs - delta[..., qs].unsqueeze(-1))).to(q.dtype)
             dv = (probs.to(dob.dtype).transpose(-1, -2) @ dob).to(acc).sum(2)
@@ -282,8 +267,7 @@ def _ring_backward(ctx, grad_out):
             _wait(kv_handle)
             current = incoming
     _wait(grad_handle)  # after cp hops our own block's gradients are home
-    d_payload = [g.to(t.dtype) for g, t in zip(arrived, payload)]
-    d_sinks = None
+    d_payload, d_sinks = [g.to(t.dtype) for g, t in zip(arrived, payload)], None
     if sinks is not None:  # d(sink) = -sum over rows of p(sink) * (dO . O)
         p_sink = torch.exp(sinks.to(acc).view(1, hkv, rep, 1) - lse)
         d_sinks = -(p_sink * delta).sum((0, 3)).flatten().to(sinks.dtype)
@@ -294,8 +278,7 @@ def _ring_backward(ctx, grad_out):
 def shard_micro_batch(micro: dict, group) -> tuple[dict, ContextParallel]:
     """This CP rank's zigzag share of a micro-batch of [B, S] tensors (input_ids, labels,
     position_ids, doc_ids: already on the device) and the ContextParallel to pass to the model."""
-    seq = micro["input_ids"].shape[1]
-    cp = ContextParallel.zigzag(group, seq, micro.get("doc_ids"), micro["input_ids"].device)
+    cp = ContextParallel.zigzag(group, micro["input_ids"].shape[1], micro.get("doc_ids"), micro["input_ids"].device)
     return {k: zigzag_split(v, cp.cp, cp.rank) for k, v in micro.items()}, cp
 
 
@@ -318,8 +301,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        cp = ctx.cp
-        grad = grad.contiguous()
+        cp, grad = ctx.cp, grad.contiguous()
         dist.all_reduce(grad, group=cp.group)
         return zigzag_split(grad, cp.cp, cp.rank), None
 

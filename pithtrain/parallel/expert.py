@@ -2,8 +2,7 @@
 
 `LocalDispatch` is the single-rank case (expert parallelism 1): tokens are permuted into the
 expert-grouped layout and back, with no communication. It returns the same (tokens, counts,
-handle) triple the all-to-all dispatcher does, so the model code does not know which one runs.
-"""
+handle) triple the all-to-all dispatcher does, so the model code does not know which one runs."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ class LocalDispatch:
     def dispatch(self, x: torch.Tensor, routing: RoutingInfo, loads: torch.Tensor | None = None):
         """x: [T, H]. Returns rows grouped by expert [T*k, H], rows per expert [E] (`loads` where counted
         already), a handle. The rows offer FP8 experts their FP8 copy quantized from the T tokens (`_fp8_rows`)."""
-        topk = routing.topk_ids.shape[1]
-        flat = routing.topk_ids.flatten()
+        topk, flat = routing.topk_ids.shape[1], routing.topk_ids.flatten()
         order = stable_argsort_ids(flat, routing.num_experts)  # (token, slot) pairs sorted by expert
         counts = count_ids(flat, routing.num_experts) if loads is None else loads
         rows = expand(x, order, topk)
@@ -36,10 +34,9 @@ class LocalDispatch:
 
 
 class ExpertEngine:
-    """What the model's layers call between their stages for one forward of one micro-batch:
-    dispatch/combine (stages 2 and 4) and the routing bookkeeping: the auxiliary loss values
-    (`aux`: term name -> one value per MoE layer, protocol.AUX_TERMS; the load-balance loss's under
-    "lb") and the expert loads."""
+    """What the model's layers call between their stages for one forward of one micro-batch: dispatch/combine (stages 2
+    and 4) and the routing bookkeeping: the auxiliary loss values (`aux`: term name -> one value per MoE layer,
+    protocol.AUX_TERMS; the load-balance loss's under "lb") and the expert loads."""
 
     def __init__(self, dispatcher, balance=None, batch: int = 0, seq: int = 0, weight_queue=None):
         self.dispatcher, self.balance, self.batch, self.seq = dispatcher, balance, batch, seq
@@ -78,17 +75,13 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, out_splits: list[int], in_splits: list[int], group, name: str):
         ctx.splits, ctx.group, ctx.name = (out_splits, in_splits), group, name
-        out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
-        return out
+        return _issue(x, out_splits, in_splits, group, async_op=False)[0]
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
-        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
         with named_range(ctx.name + ".backward"):
-            dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
-        return back, None, None, None, None
+            return _issue(grad, in_splits, out_splits, ctx.group, async_op=False)[0], None, None, None, None
 
 
 def all_to_all(x, out_splits, in_splits, group, name: str = "pithtrain::all_to_all"):
@@ -125,9 +118,10 @@ class Exchange:
             return _issue(grad, in_splits, out_splits, self.group)
 
 
-def _issue(x, out_splits, in_splits, group):
+def _issue(x, out_splits, in_splits, group, async_op: bool = True):
+    """all_to_all_single of `x` into a new buffer: (buffer, work; None unless `async_op`)."""
     out = x.new_empty((sum(out_splits), *x.shape[1:]))
-    return out, dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=True)
+    return out, dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group, async_op=async_op)
 
 
 class _Plan(NamedTuple):
@@ -139,11 +133,10 @@ class _Plan(NamedTuple):
 
 
 class _Counts:
-    """The split sizes [ep, 4] (rows and pairs sent, rows and pairs received) on their way to the
-    host. Async on CUDA: the count all-to-all is issued now and a side stream copies its result
-    to pinned memory behind it, so `host()` waits for that stream only. The overlapped pipeline
-    queues the other micro-batch's compute between the two: the host sync no longer drains the
-    GPU."""
+    """The split sizes [ep, 4] (rows and pairs sent, rows and pairs received) on their way to the host. Async on CUDA:
+    the count all-to-all is issued now and a side stream copies its result to pinned memory behind it, so `host()` waits
+    for that stream only. The overlapped pipeline queues the other micro-batch's compute between the two: the host sync
+    no longer drains the GPU."""
 
     def __init__(self, send_counts, group, stream: torch.cuda.Stream | None):
         """`stream`: the side stream for the async path; None: exchange and copy synchronously."""
@@ -173,17 +166,15 @@ class _Counts:
 class AllToAllDispatch:
     """Expert parallelism over `group` (size ep): rank r holds experts [r*E/ep, (r+1)*E/ep).
 
-    Dispatch sends each token ONCE to every rank that holds at least one of its chosen experts
-    (deduplication), with the local expert ids of its slots there; the receiver expands the rows
-    to one per (token, expert) and groups them by local expert. Combine returns one row per
-    (token, chosen expert) to the token's home rank, where stage 5 does the weighted sum, so the
-    arithmetic is the same as on one rank.
+    Dispatch sends each token ONCE to every rank that holds at least one of its chosen experts (deduplication), with the
+    local expert ids of its slots there; the receiver expands the rows to one per (token, expert) and groups them by
+    local expert. Combine returns one row per (token, chosen expert) to the token's home rank, where stage 5 does the
+    weighted sum, so the arithmetic is the same as on one rank.
 
-    Host synchronisations: one per MoE layer in forward, the `.tolist()` of the exchanged split
-    sizes (all_to_all_single needs them on the host); the backward reuses them. On GPUs the plan
-    is a Triton kernel (no sync) and the received pairs are expanded with a host-known size. The
-    grouped GEMM takes its group offsets on the device (no sync); its CPU fallback loop syncs.
-    """
+    Host synchronisations: one per MoE layer in forward, the `.tolist()` of the exchanged split sizes (all_to_all_single
+    needs them on the host); the backward reuses them. On GPUs the plan is a Triton kernel (no sync) and the received
+    pairs are expanded with a host-known size. The grouped GEMM takes its group offsets on the device (no sync); its CPU
+    fallback loop syncs."""
 
     def __init__(self, group, num_experts: int):
         self.group, self.ep, self.side_stream = group, dist.get_world_size(group), None
@@ -205,8 +196,7 @@ class AllToAllDispatch:
         """Where each token goes (ops/kernels.dispatch_plan: no host sync on GPUs), and the exchange
         of the split sizes, started but not waited on."""
         ids = routing.topk_ids
-        plan = dispatch_plan(ids, self.local_experts, self.ep)
-        stream = None
+        plan, stream = dispatch_plan(ids, self.local_experts, self.ep), None
         if async_op and ids.is_cuda:  # the async counts' copy stream, made on first use
             stream = self.side_stream = self.side_stream or torch.cuda.Stream(ids.device)
         with named_range("pithtrain::dispatch"):  # the exchange of the split sizes
@@ -240,8 +230,7 @@ class AllToAllDispatch:
     def combine_start(self, expert_out: torch.Tensor, handle, async_op: bool = False):
         order, recv_pairs, send_pairs, home_index = handle
         by_source = unpermute(expert_out, order, expert_out.shape[0])  # undo expert grouping
-        back = Exchange(by_source, send_pairs, recv_pairs, self.group, async_op, "pithtrain::combine")
-        return back, home_index
+        return Exchange(by_source, send_pairs, recv_pairs, self.group, async_op, "pithtrain::combine"), home_index
 
     def combine_finish(self, pending) -> Combined:
         back, home_index = pending

@@ -1,14 +1,11 @@
 """Expert sharding and FSDP2: dense weights sharded over dp x cp x ep, expert weights over dp x cp.
 
-Gradient semantics: every rank backpropagates its share of the GLOBAL mean loss (its token
-cross-entropy sum divided by the global token count), so the true gradient is the SUM over
-ranks. FSDP2 averages by default; we set the divide factor to 1 (with sum reduction forced,
-since gloo has no PREMUL_SUM). Expert gradients first gather every EP rank's tokens through the
-combine/dispatch all-to-all backward, then are summed over dp x cp: no ep-fold error.
+Gradient semantics: every rank backpropagates its share of the GLOBAL mean loss (its token cross-entropy sum divided by
+the global token count), so the true gradient is the SUM over ranks. FSDP2 averages by default; we set the divide factor
+to 1 (with sum reduction forced, since gloo has no PREMUL_SUM). Expert gradients first gather every EP rank's tokens
+through the combine/dispatch all-to-all backward, then are summed over dp x cp: no ep-fold error.
 
-With `hsdp`, weights are replicated over dp and sharded within (cp x ep) for dense weights and
-within cp for experts.
-"""
+With `hsdp`, weights are replicated over dp and sharded within (cp x ep) for dense weights and within cp for experts."""
 
 from __future__ import annotations
 
@@ -94,8 +91,7 @@ def _fsdp_meshes(mesh: Mesh):
 @torch.no_grad()
 def global_grad_norm(params, mesh: Mesh) -> float:
     """sqrt of the sum of squares of every gradient element counted once across the mesh."""
-    local = torch.zeros((), dtype=torch.float64, device=mesh.device)
-    grads = _local_grads(params)
+    local, grads = torch.zeros((), dtype=torch.float64, device=mesh.device), _local_grads(params)
     if grads:  # one fused norm kernel per tensor (fp32 accumulation), summed in float64
         local += torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
     if mesh.world > 1:
@@ -113,8 +109,7 @@ def clip_coefficient(max_norm: float, total_norm: float) -> float:
 @torch.no_grad()
 def clip_grads(params, max_norm: float, total_norm: float) -> None:
     scale = clip_coefficient(max_norm, total_norm)
-    grads = _local_grads(params) if scale != 1.0 else []
-    if grads:
+    if scale != 1.0 and (grads := _local_grads(params)):
         torch._foreach_mul_(grads, scale)
 
 

@@ -8,8 +8,7 @@ Groups:
   cp      a sequence is split across it
   dense   dp x cp x ep: dense weights are sharded (FSDP) over it; gradients summed over it
   expert  dp x cp: expert weights are sharded over it
-  data    dp x ep: ranks that read different samples (cp ranks share theirs)
-"""
+  data    dp x ep: ranks that read different samples (cp ranks share theirs)"""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """DualPipeV pipeline parallelism: V-shaped placement and the schedule.
 
-Placement: the model is cut into 2*pp chunks; rank r holds chunk r (phase 0, the way down) and
-chunk 2pp-1-r (phase 1, the way back up), so rank 0 holds both the embedding (chunk 0) and the
-LM head (chunk 2pp-1). Edge chunks get fewer layers since they also carry embedding and head.
+Placement: the model is cut into 2*pp chunks; rank r holds chunk r (phase 0, the way down) and chunk 2pp-1-r (phase 1,
+the way back up), so rank 0 holds both the embedding (chunk 0) and the LM head (chunk 2pp-1). Edge chunks get fewer
+layers since they also carry embedding and head.
 
 Schedule: per rank, a list of operations on (phase, micro-batch):
   F   forward of that rank's chunk of the phase
@@ -12,13 +12,11 @@ Schedule: per rank, a list of operations on (phase, micro-batch):
       chunks of the rank (phase 0 forward with phase 1 backward, or the reverse)
   FF, BB  two forwards / two backwards, one on each chunk (the pipeline's edges: warm-up, drain)
   BW  a backward with the other chunk's W work computing under its all-to-alls
-A pair is always of the two chunks (separate FSDP roots), never two ops of one chunk.
-The list is produced by simulating the pipeline in unit time with DualPipeV's rules: warm-up
-with forwards bounded per phase, a steady state of overlapped FB pairs, W work only where the
-rank would otherwise idle (or at the end), and the W queue empty at the end of the step; the
-rules for FF/BB/BW are chosen by simulation (never slower; then fewest exposed all-to-alls).
-`simulate` replays any schedule against the dependencies and reports its bubble fraction.
-"""
+A pair is always of the two chunks (separate FSDP roots), never two ops of one chunk. The list is produced by simulating
+the pipeline in unit time with DualPipeV's rules: warm-up with forwards bounded per phase, a steady state of overlapped
+FB pairs, W work only where the rank would otherwise idle (or at the end), and the W queue empty at the end of the step;
+the rules for FF/BB/BW are chosen by simulation (never slower; then fewest exposed all-to-alls). `simulate` replays any
+schedule against the dependencies and reports its bubble fraction."""
 
 from __future__ import annotations
 
@@ -73,9 +71,8 @@ class Op:
 
 def _parts(op: Op) -> list[tuple[str, int, int]]:
     """(kind, phase, mb) of each single op within `op`."""
-    if len(op.kind) == 1:
-        return [(op.kind, op.phase, op.mb)]
-    return [(op.kind[0], op.phase, op.mb), (op.kind[1], 1 - op.phase, op.mb_b)]
+    return ([(op.kind, op.phase, op.mb)] if len(op.kind) == 1
+            else [(op.kind[0], op.phase, op.mb), (op.kind[1], 1 - op.phase, op.mb_b)])
 
 
 def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int, str, int, int]]:
@@ -95,14 +92,13 @@ def _deps(pp: int, rank: int, kind: str, phase: int, mb: int) -> list[tuple[int,
 @functools.lru_cache(maxsize=16)  # a pure function of its arguments, asked for every step
 def dualpipev_schedule(pp: int, num_micro: int, defer_w: bool = True,
                        pair_edges: bool | None = None) -> tuple[tuple[Op, ...], ...]:
-    """The per-rank operation lists for `num_micro` >= 2*pp micro-batches. `pair_edges`: where
-    no FB fits, run two ready forwards (FF) or backwards (BB) of the rank's two chunks as a pair,
-    and a lone backward with the other chunk's queued W work (BW); False: none of it; None: of a
-    few pairing rules, the one the simulation finds fastest by compute alone, ties going to the
-    fewest exposed all-to-alls (a pair delays its first op's result: greedy FF/BB everywhere is
-    often slower; BW is mostly chosen, FF/BB rarely). At pp = 1, F0.0 and B0.last can never be in
-    a chunk pair and each pair takes one op of each chunk, so 4 F/B stay unpaired with FF/BB too;
-    BW pairs the last two backwards, leaving F0.0 and F1.0 (no W work exists yet)."""
+    """The per-rank operation lists for `num_micro` >= 2*pp micro-batches. `pair_edges`: where no FB fits, run two ready
+    forwards (FF) or backwards (BB) of the rank's two chunks as a pair, and a lone backward with the other chunk's
+    queued W work (BW); False: none of it; None: of a few pairing rules, the one the simulation finds fastest by compute
+    alone, ties going to the fewest exposed all-to-alls (a pair delays its first op's result: greedy FF/BB everywhere is
+    often slower; BW is mostly chosen, FF/BB rarely). At pp = 1, F0.0 and B0.last can never be in a chunk pair and each
+    pair takes one op of each chunk, so 4 F/B stay unpaired with FF/BB too; BW pairs the last two backwards, leaving
+    F0.0 and F1.0 (no W work exists yet)."""
     if num_micro < 2 * pp:
         raise ValueError(f"DualPipeV needs at least 2*pp = {2 * pp} micro-batches per step, got {num_micro}; "
                          f"raise train.global_batch_size or lower train.micro_batch_size")
@@ -129,8 +125,7 @@ def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple
     # pp = 1: one rank holds both chunks; two forwards in flight per phase let the forward of
     # micro-batch i+1 overlap the backward of micro-batch i (FB ops) all the way through
     cap = [[2 * pp - r - 1, r + 1] for r in range(pp)] if pp > 1 else [[2, 2]]
-    remaining = pp * 2 * num_micro * (3 if defer_w else 2)
-    t = 0
+    remaining, t = pp * 2 * num_micro * (3 if defer_w else 2), 0
 
     def ready(rank, kind, phase, mb):
         return mb < num_micro and all(done.get(d, 10**9) <= t for d in _deps(pp, rank, kind, phase, mb))
@@ -184,11 +179,10 @@ def _schedule(pp: int, num_micro: int, defer_w: bool, pairs: frozenset) -> tuple
 
 
 def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = True, cost_a2a: float = 0.0) -> dict:
-    """Replay the per-rank lists in order against the dependencies (a rank waits for its next op's
-    inputs). Raises on a missing, repeated or out-of-order op and on deadlock. Returns the makespan
-    and bubble fraction (idle share of rank-time). F, B and W cost 1 each (B 2 with W inside it: not
-    `defer_w`); `cost_a2a`: the exposed all-to-all time of an unpaired F or B (a pair hides it under the other
-    chunk's compute)."""
+    """Replay the per-rank lists in order against the dependencies (a rank waits for its next op's inputs). Raises on a
+    missing, repeated or out-of-order op and on deadlock. Returns the makespan and bubble fraction (idle share of
+    rank-time). F, B and W cost 1 each (B 2 with W inside it: not `defer_w`); `cost_a2a`: the exposed all-to-all time of
+    an unpaired F or B (a pair hides it under the other chunk's compute)."""
     seen, finish = set(), {}
     pos, clock = [0] * pp, [0.0] * pp
     progressed = True
@@ -205,8 +199,7 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
                 cost = sum(2 if k == "B" and not defer_w else 1 for k, _, _ in parts)
                 cost += cost_a2a if op.kind in ("F", "B") else 0  # exposed: no other chunk computes
                 for kind, phase, mb in parts:
-                    key = (rank, kind, phase, mb)
-                    if key in seen:
+                    if (key := (rank, kind, phase, mb)) in seen:
                         raise AssertionError(f"rank {rank} runs {kind} phase {phase} mb {mb} twice")
                     seen.add(key)
                     finish[key] = start + cost
@@ -227,9 +220,8 @@ def simulate(lists: list[list[Op]], pp: int, num_micro: int, defer_w: bool = Tru
 
 
 class ChunkPair(torch.nn.Module):
-    """This rank's two chunks seen as one module with the model's own parameter names (global
-    layer ids, no prefix), for the optimizer, checkpoints and the grad norm. Forward goes
-    through the chunks themselves."""
+    """This rank's two chunks seen as one module with the model's own parameter names (global layer ids, no prefix), for
+    the optimizer, checkpoints and the grad norm. Forward goes through the chunks themselves."""
 
     def __init__(self, down, up):
         super().__init__()
@@ -257,11 +249,10 @@ def build_chunks(cfg, pp: int, pp_rank: int, seed: int):
 class _Tape:
     """One chunk forward cut into segments at its all-to-alls, for the segmented backward.
 
-    Segment k owns `roots[k]`, (tensor, grad) pairs known at forward time (loss, auxiliary
-    loss values with their weights), and `cuts[k]`, (leaf, src, j, exchange): `leaf` is an input of segment k
-    standing for `src` of the earlier segment j; its gradient becomes src's, through the reverse
-    all-to-all if `exchange` is set. Every cross-segment tensor is cut, so each backward call
-    stays inside one segment and every tensor gets its gradient exactly once."""
+    Segment k owns `roots[k]`, (tensor, grad) pairs known at forward time (loss, auxiliary loss values with their
+    weights), and `cuts[k]`, (leaf, src, j, exchange): `leaf` is an input of segment k standing for `src` of the earlier
+    segment j; its gradient becomes src's, through the reverse all-to-all if `exchange` is set. Every cross-segment
+    tensor is cut, so each backward call stays inside one segment and every tensor gets its gradient exactly once."""
 
     def __init__(self):
         self.roots, self.cuts = [[]], [[]]
@@ -291,8 +282,7 @@ def _layer_steps(layer, x, attn, engine, tape, terms, note):
     with stage_range(2):  # profiler ranges never span a yield: the other generator runs in between
         engine.record_routing(layer.layer_id, s1.routing, s1.aux)
         tape.roots[-1].extend(terms.value_roots(engine.aux, recorded))  # aux values, each with d(loss)/d(value)
-        first = len(tape.roots) - 1
-        plan = engine.dispatcher.plan(s1.routing, async_op=True)
+        first, plan = len(tape.roots) - 1, engine.dispatcher.plan(s1.routing, async_op=True)
     note("counts-issue")
     yield  # the other micro-batch's compute is queued before the host reads the split sizes
     with stage_range(2):
@@ -324,13 +314,12 @@ def _layer_steps(layer, x, attn, engine, tape, terms, note):
 
 
 def _chunk_steps(chunk, x, pos, doc, cp, engine, tape, terms, note, mtp_ids=None, mtp_embedded=None):
-    """The model's forward template (embed -> attention inputs -> layers -> norm/head, the same
-    in every family) as a generator over `_layer_steps`. Under FSDP, the chunk's own forward
-    hooks run around the embedding part and the head part (so the root's weights are gathered
-    again when backward reaches either); the layers gather theirs around their stages.
-    Multi-token prediction (DeepSeek-V3) as in the model's forward: the embedding chunk also
-    returns the MTP tokens embedded, the head chunk runs the MTP layers after the last layer and
-    then every head in the last segment (the loss is a root there), from cuts of the hidden states."""
+    """The model's forward template (embed -> attention inputs -> layers -> norm/head, the same in every family) as a
+    generator over `_layer_steps`. Under FSDP, the chunk's own forward hooks run around the embedding part and the head
+    part (so the root's weights are gathered again when backward reaches either); the layers gather theirs around their
+    stages. Multi-token prediction (DeepSeek-V3) as in the model's forward: the embedding chunk also returns the MTP
+    tokens embedded, the head chunk runs the MTP layers after the last layer and then every head in the last segment
+    (the loss is a root there), from cuts of the hidden states."""
     state = chunk._get_fsdp_state() if isinstance(chunk, FSDPModule) else None
 
     def as_root(fn, *args):
@@ -419,22 +408,18 @@ def _drive(*steps):
 
 
 class PipelineRunner:
-    """Runs one optimizer step's micro-batches through this rank's two chunks in the order of
-    the DualPipeV schedule, exchanging activations and gradients with the neighbouring pipeline
-    ranks.
+    """Runs one optimizer step's micro-batches through this rank's two chunks in the order of the DualPipeV schedule,
+    exchanging activations and gradients with the neighbouring pipeline ranks.
 
-    With `overlap` (and expert parallelism), every chunk forward is cut at its all-to-alls
-    (`_chunk_steps`, `_Tape`) and its backward walks the segments (`_backward_steps`); an FB op
-    alternates the two: forward compute, issue its all-to-all | backward compute, issue its
-    all-to-all | wait on the forward's, next forward compute ... so each micro-batch's
-    communication runs under the other's compute. Without it, forward then backward (the
-    reference; the numerics agree to rounding). `trace`, a list, records the order of events."""
+    With `overlap` (and expert parallelism), every chunk forward is cut at its all-to-alls (`_chunk_steps`, `_Tape`) and
+    its backward walks the segments (`_backward_steps`); an FB op alternates the two: forward compute, issue its
+    all-to-all | backward compute, issue its all-to-all | wait on the forward's, next forward compute ... so each
+    micro-batch's communication runs under the other's compute. Without it, forward then backward (the reference; the
+    numerics agree to rounding). `trace`, a list, records the order of events."""
 
     def __init__(self, down, up, mesh, make_engine, forward_inputs, act_dtype, overlap: bool = True):
-        self.chunks = (down, up)
-        self.overlap, self.trace = overlap, None
+        self.chunks, self.mesh, self.overlap, self.trace = (down, up), mesh, overlap, None
         self.act_dtype = act_dtype  # dtype of the activations and gradients exchanged
-        self.mesh = mesh
         self.make_engine = make_engine  # (batch, seq) -> ExpertEngine for one chunk forward
         self.forward_inputs = forward_inputs  # micro dict -> (position_ids, doc_ids, ContextParallel or None)
         self.group = mesh.device_mesh["pp"].get_group()
@@ -476,16 +461,14 @@ class PipelineRunner:
             for kind, phase, mb in _parts(op):
                 if kind == "W":
                     continue
-                dest = rank + (1 if phase == 0 else -1) * (1 if kind == "F" else -1)
-                if 0 <= dest < pp:
+                if 0 <= (dest := rank + (1 if phase == 0 else -1) * (1 if kind == "F" else -1)) < pp:
                     out.append((dest, "act" if kind == "F" else "grad", phase, mb))
         return out
 
     def run(self, micros: list[dict], loss_fn, lists: list[list[Op]], terms: LossTerms) -> dict[str, torch.Tensor]:
-        """loss_fn(logits, micro) -> this micro-batch's share of the cross-entropy loss. Each
-        chunk's auxiliary loss values enter its backward as `terms` composes them
-        (protocol.LossTerms). Returns, per aux term, the sum of its values over this rank's chunk
-        forwards (detached, float64)."""
+        """loss_fn(logits, micro) -> this micro-batch's share of the cross-entropy loss. Each chunk's auxiliary loss
+        values enter its backward as `terms` composes them (protocol.LossTerms). Returns, per aux term, the sum of its
+        values over this rank's chunk forwards (detached, float64)."""
         mesh, rank, dtype = self.mesh, self.mesh.pp_rank, self.act_dtype
         inbox = {}  # (kind, phase, mb) -> tensor received
         expected = {d: [m for m in self._sends(lists[rank + d], rank + d) if m[0] == rank]
@@ -513,8 +496,7 @@ class PipelineRunner:
             return buf
 
         def send(tensor, kind, phase):
-            dest = (1 if phase == 0 else -1) * (1 if kind == "act" else -1)
-            if dest in self.peer:
+            if (dest := (1 if phase == 0 else -1) * (1 if kind == "act" else -1)) in self.peer:
                 pending_send.append((tensor, dist.isend(tensor.contiguous(), self.peer[dest], group=self.group)))
                 return True
             return False
@@ -573,14 +555,8 @@ class PipelineRunner:
                 chunk.set_reshard_after_backward(last)
             if queue is not None:
                 weight_work[(phase, mb)] = queue
-            tensors = []
-            for out, g in zip(outputs, grads):
-                if g is None:
-                    tensors.append(torch.ones_like(out))
-                elif g == "mtp":
-                    tensors.append(mtp_grads.pop(mb))
-                else:
-                    tensors.append(receive("grad", phase, mb))
+            tensors = [torch.ones_like(out) if g is None else mtp_grads.pop(mb) if g == "mtp" else receive("grad", phase, mb)
+                       for out, g in zip(outputs, grads)]
             if tape is None:
                 torch.autograd.backward(outputs, tensors)
             else:

@@ -1,1 +1,0 @@
-"""PithTrain tools package."""

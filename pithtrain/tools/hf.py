@@ -253,10 +253,8 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
         # --max-tokens takes the last of them, as data.eval_samples holds them out (N = eval_samples x seq_len + 1)
         samples = (len(dataset.tokens) - 1) // seq_len
         rows = min(samples, (max_tokens - 1) // seq_len) if max_tokens else samples
-        if rows:
-            stream = dataset.tokens[(samples - rows) * seq_len:samples * seq_len + 1]
-        else:  # fewer tokens than one sample: one row of the last ones
-            stream = dataset.tokens[-max_tokens:] if max_tokens else dataset.tokens
+        stream = dataset.tokens[(samples - rows) * seq_len:samples * seq_len + 1] if rows else (
+            dataset.tokens[-max_tokens:] if max_tokens else dataset.tokens)  # under one sample: one row of the last
         stream = np.asarray(stream, dtype=np.int64)
         arr = np.lib.stride_tricks.sliding_window_view(stream, seq_len + 1)[::seq_len] if len(stream) > seq_len else stream[None]
     elif not path.is_file():

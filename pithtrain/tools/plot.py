@@ -12,8 +12,7 @@ PANELS = (("loss", "loss (dashed: eval_loss)"), ("lr", "learning rate"), ("token
 
 
 def _rows(run: Path) -> list[dict]:
-    path = run if run.is_file() else run / "metrics.jsonl"
-    if not path.is_file():
+    if not (path := run if run.is_file() else run / "metrics.jsonl").is_file():
         raise UserError(f"{run}: {'no metrics.jsonl there' if run.exists() else 'does not exist'}; pass run directories "
                         "written by pithtrain train")
     fix = "pass a metrics.jsonl of pithtrain train"

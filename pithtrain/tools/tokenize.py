@@ -68,16 +68,14 @@ def _table_batches(file: Path, text_field: str) -> Iterator[list]:
         table = reader.load_from_disk(str(file)) if file.is_dir() else reader.ParquetFile(file)
     except Exception as e:  # the libraries' errors name no file
         raise ValueError(f"{file}: not a readable {module} dataset ({e})") from None
-    columns = table.column_names if file.is_dir() else table.schema_arrow.names
-    if text_field not in columns:
+    if text_field not in (columns := table.column_names if file.is_dir() else table.schema_arrow.names):
         raise ValueError(f"{file}: no column {text_field!r} (it has {', '.join(columns)}); pass --text-field")
     feature = table.features[text_field] if file.is_dir() else table.schema_arrow.field(text_field).type
     kind = str(getattr(feature, "dtype", type(feature).__name__) if file.is_dir() else feature)
     if kind not in ("string", "large_string", "string_view"):  # checked once: its batches then hold strings or None
         raise ValueError(f"{file}: column {text_field!r} holds {kind}, expected strings; pass --text-field with the column that holds the text")
-    if file.is_dir():
-        return (batch[text_field] for batch in table.iter(1024))
-    return (batch.column(0).to_pylist() for batch in table.iter_batches(1024, columns=[text_field]))
+    return ((batch[text_field] for batch in table.iter(1024)) if file.is_dir()
+            else (batch.column(0).to_pylist() for batch in table.iter_batches(1024, columns=[text_field])))
 
 
 def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]:
@@ -277,8 +275,7 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
         raise UserError(f"{tokenizer_file} is not a tokenizer ({e}); pass a tokenizer.json of Hugging Face tokenizers") from None
     # ids may have gaps: the dataset's vocabulary must hold the largest, not just count them
     vocab_size = max(tokenizer.get_vocab_size(), 1 + max(tokenizer.get_vocab().values(), default=-1))
-    dtype = dtype_for_vocab(vocab_size)
-    status = Progress(enabled=progress)
+    dtype, status = dtype_for_vocab(vocab_size), Progress(enabled=progress)
     # encode_batch_fast (tokenizers >= 0.21) skips computing character offsets we do not need.
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
 

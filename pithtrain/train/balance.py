@@ -12,13 +12,11 @@ The variants differ only in the scope of the statistics:
   seq     f and P per sequence, L averaged over sequences (DeepSeek-V3's sequence-wise loss).
 The logged `lb_loss` is the mean of L over MoE layers; `train.lb_coef` scales it in the loss.
 
-Context parallelism (`cp_group`): each CP rank holds an equal share of every sequence of the
-micro-batch, so the per-sequence (`seq`) and per-micro-batch statistics are the means of the CP
-ranks' local ones: an all-reduce over cp_group. Every CP rank then computes the same L. P must
-stay differentiable: its all-reduce passes the gradient to the LOCAL share only (the other
-shares are constants here, and their ranks backpropagate them), so the parameter gradients
-summed over the CP ranks, as FSDP does, are those of L.
-"""
+Context parallelism (`cp_group`): each CP rank holds an equal share of every sequence of the micro-batch, so the
+per-sequence (`seq`) and per-micro-batch statistics are the means of the CP ranks' local ones: an all-reduce over
+cp_group. Every CP rank then computes the same L. P must stay differentiable: its all-reduce passes the gradient to the
+LOCAL share only (the other shares are constants here, and their ranks backpropagate them), so the parameter gradients
+summed over the CP ranks, as FSDP does, are those of L."""
 
 from __future__ import annotations
 
@@ -54,8 +52,7 @@ class LoadBalance:
             ids = routing.topk_ids.view(batch, seq * topk)
             counts = torch.zeros(batch, num_experts, device=ids.device)
             counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float))
-            f = counts / (seq * topk)
-            p = probs.view(batch, seq, num_experts).mean(1)
+            f, p = counts / (seq * topk), probs.view(batch, seq, num_experts).mean(1)
             if self.cp_group is not None:  # whole sequences: every CP rank holds `seq` of their tokens
                 f, p = (_sum_over(self.cp_group, torch.stack([f, p])) / dist.get_world_size(self.cp_group)).unbind()
             return num_experts * (f * p).sum(-1).mean()

@@ -1,12 +1,10 @@
 """Checkpoints with torch.distributed.checkpoint (DCP), written atomically, found and resumed automatically.
 
 Layout of a run directory:  OUT/checkpoints/step_00000100/{DCP files, meta.json, config.json}
-A checkpoint is written into `step_N.tmp` and renamed when complete, so a crash mid-save leaves
-the previous checkpoint as the latest usable one. `config.json` is the HF model config, so a
-checkpoint can be converted or evaluated on its own. `meta.json`, written last, marks it complete
-and lists the size and CRC32 of every other file (each rank hashes the files it wrote); resume
-takes the newest checkpoint that matches them.
-"""
+A checkpoint is written into `step_N.tmp` and renamed when complete, so a crash mid-save leaves the previous checkpoint
+as the latest usable one. `config.json` is the HF model config, so a checkpoint can be converted or evaluated on its
+own. `meta.json`, written last, marks it complete and lists the size and CRC32 of every other file (each rank hashes the
+files it wrote); resume takes the newest checkpoint that matches them."""
 
 from __future__ import annotations
 
@@ -205,8 +203,7 @@ def newest_intact(run_dir, report=print, fix: str = "move or delete that directo
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     bad = []
     for _, path in reversed(_step_dirs(run_dir)):
-        problem = next((p for p in _all_ranks(check_checkpoint(path, rank, world)) if p), None)
-        if problem is None:
+        if (problem := next((p for p in _all_ranks(check_checkpoint(path, rank, world)) if p), None)) is None:
             for damaged, why in bad if rank == 0 else ():  # said only when there is one to fall back to
                 report(f"warning: checkpoint {damaged} is damaged ({why}); falling back to {path.name}")
                 if set_aside and (damaged / "meta.json").exists():  # without it: a deletion cut short, pruned anyway
@@ -290,8 +287,7 @@ def _split_experts(sd: dict, mesh) -> dict:
             continue
         full = value.full_tensor() if isinstance(value, DTensor) else value
         base = _expert_offset(mesh, full.shape[0])
-        for i in range(full.shape[0]):
-            out[f"{name}.{base + i}"] = full[i]
+        out.update((f"{name}.{base + i}", row) for i, row in enumerate(full))
     return out
 
 
@@ -303,8 +299,7 @@ def _join_experts(canonical: dict, template: dict, mesh) -> dict:
             out[name] = canonical[name]
             continue
         local = value.shape[0]  # a DTensor's shape is the whole (unsharded) local-expert block
-        base = _expert_offset(mesh, local)
-        full = torch.stack([canonical[f"{name}.{base + i}"] for i in range(local)])
+        full = torch.stack([canonical[f"{name}.{_expert_offset(mesh, local) + i}"] for i in range(local)])
         if isinstance(value, DTensor):  # back to this rank's FSDP shard, by local slicing
             full = distribute_tensor(full.to(value.device), value.device_mesh, value.placements, src_data_rank=None)
         out[name] = full
@@ -356,18 +351,15 @@ def load_training_state(ckpt: str | Path, model: torch.nn.Module, optimizer, mes
     """Load model and optimizer state; `with_optim=False` loads the weights only (the optimizer starts
     fresh: resuming with another optim.name)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = _canonical(model_sd, optim_sd, mesh)
-    if not with_optim:
-        del state["optim"]
-    meta = load_checkpoint(ckpt, state)
-    model_sd = _join_experts(state["model"], model_sd, mesh)
-    if not with_optim:
+    state = _canonical(model_sd, optim_sd, mesh) if with_optim else {"model": _split_experts(model_sd, mesh)}
+    meta, model_sd = load_checkpoint(ckpt, state), _join_experts(state["model"], model_sd, mesh)
+    if with_optim:
+        set_state_dict(model, optimizer, model_state_dict=model_sd,
+                       optim_state_dict={"state": _join_optim(state["optim"]["state"], optim_sd["state"], mesh),
+                                         "param_groups": optim_sd["param_groups"]})
+    else:
         set_model_state_dict(model, model_sd)
         optimizer.state.clear()  # get_state_dict made the state with a zero step: start truly fresh
-        return meta
-    set_state_dict(model, optimizer, model_state_dict=model_sd,
-                   optim_state_dict={"state": _join_optim(state["optim"]["state"], optim_sd["state"], mesh),
-                                     "param_groups": optim_sd["param_groups"]})
     return meta
 
 
@@ -410,8 +402,7 @@ def read_hf_state(path: str | Path, names_only: bool = False) -> dict[str, torch
 
 def model_config(path: Path):
     """The family config of the HF `config.json` in directory `path`, type-checked and validated."""
-    hf = read_json(path / "config.json", "re-download or re-export it")
-    if not isinstance(hf, dict):
+    if not isinstance(hf := read_json(path / "config.json", "re-download or re-export it"), dict):
         raise UserError(f"{path / 'config.json'} holds a JSON {type(hf).__name__}, not an object; re-download or re-export it")
     try:
         cfg = config_from_hf(hf)

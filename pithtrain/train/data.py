@@ -8,11 +8,9 @@ A dataset is a directory written by `write_dataset` (usually via `pithtrain toke
                     "num_docs", "eos_id", "max_token_id", "tokenizer"}
   tokenizer.json   optional copy of the tokenizer ("tokenizer" in meta names it)
 
-`BatchLoader` cuts the token stream into fixed windows of seq_len + 1 tokens and serves them in
-a seeded, per-epoch shuffled order that is a pure function of the step: any step can be
-re-created after a restart without replaying history. `BlendLoader` interleaves several datasets
-by weight (data.path as a blend), with the same property.
-"""
+`BatchLoader` cuts the token stream into fixed windows of seq_len + 1 tokens and serves them in a seeded, per-epoch
+shuffled order that is a pure function of the step: any step can be re-created after a restart without replaying
+history. `BlendLoader` interleaves several datasets by weight (data.path as a blend), with the same property."""
 
 from __future__ import annotations
 
@@ -88,12 +86,9 @@ def writer_lock(path):
         lock.unlink(missing_ok=True)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        made = True
-        try:
-            os.write(fd, me.encode())
-        finally:
-            os.close(fd)
+        with open(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as f:  # closed on a failed write too
+            made = True
+            f.write(me)
     except FileExistsError:
         raise UserError(f"{path} is being written by pid {held[0] if held else '?'} (lock {lock}); wait for it to end "
                         "(or delete the lock if it is gone), or choose another output directory") from None
@@ -132,8 +127,7 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
             buffer, buffered = [], 0
             with open(tmp / TOKENS_FILE, "wb") as out:
                 for index, doc in enumerate(docs):
-                    ids = np.asarray(doc)
-                    if ids.ndim != 1:
+                    if (ids := np.asarray(doc)).ndim != 1:
                         raise ValueError(f"document {index}: expected a 1-D sequence of token ids, got shape {ids.shape}")
                     if ids.size:
                         if ids.dtype.kind not in "iu":
@@ -147,8 +141,7 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
                     if eos is not None:
                         buffer.append(eos)
                     length = ids.size + (eos is not None)
-                    num_tokens += length
-                    buffered += length
+                    num_tokens, buffered = num_tokens + length, buffered + length
                     offsets.append(num_tokens)
                     if buffered >= _FLUSH_TOKENS:
                         out.write(np.concatenate(buffer).tobytes())
@@ -170,8 +163,7 @@ def write_dataset(path, docs: Iterable[Sequence[int] | np.ndarray], vocab_size: 
             replace_dir(tmp, path)
         except BaseException as e:
             shutil.rmtree(tmp, ignore_errors=True)
-            failure = disk_error(e, path, removed=tmp, within=tmp) if isinstance(e, Exception) else None
-            if failure is not None:
+            if isinstance(e, Exception) and (failure := disk_error(e, path, removed=tmp, within=tmp)) is not None:
                 raise failure from e
             raise
         return meta
@@ -195,8 +187,7 @@ class TokenDataset:
                     ) if self.path.exists() else "not found"
             raise FileNotFoundError(f"dataset directory {self.path} {what}; create one with `pithtrain tokenize`"
                                     + (" (the examples' data/stdlib: `make data`)" if self.path.name == "stdlib" else ""))
-        meta_path = self.path / META_FILE
-        if not meta_path.is_file():
+        if not (meta_path := self.path / META_FILE).is_file():
             raise FileNotFoundError(f"{meta_path} not found: {self.path} is not a pithtrain dataset; {_RETOKENIZE}")
         try:
             meta = json.loads(meta_path.read_text())
@@ -216,8 +207,7 @@ class TokenDataset:
         self.eos_id, self.num_docs, self.max_token_id = meta["eos_id"], meta["num_docs"], meta["max_token_id"]
         dtype = np.dtype(meta["dtype"])
 
-        tokens_path = self.path / TOKENS_FILE
-        if not tokens_path.is_file():
+        if not (tokens_path := self.path / TOKENS_FILE).is_file():
             raise FileNotFoundError(f"{tokens_path} not found; {_RETOKENIZE}")
         size, expected = tokens_path.stat().st_size, self.num_tokens * dtype.itemsize
         if size != expected:
@@ -228,8 +218,7 @@ class TokenDataset:
             raise ValueError(f"{self.path} holds no tokens (meta.json says 0); {_RETOKENIZE} from some text")
         self.tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(self.num_tokens,))
 
-        offsets_path = self.path / OFFSETS_FILE
-        if not offsets_path.is_file():
+        if not (offsets_path := self.path / OFFSETS_FILE).is_file():
             raise FileNotFoundError(f"{offsets_path} not found; {_RETOKENIZE}")
         try:
             offsets = np.load(offsets_path)  # allow_pickle stays off: a file of objects is damaged, not to be trusted
@@ -382,8 +371,7 @@ def blend_pattern(weights: Sequence[float], period: int = BLEND_PERIOD) -> tuple
     exact = np.asarray(weights, dtype=np.float64) * period
     counts = np.floor(exact).astype(np.int64)
     counts[np.argsort(counts - exact, kind="stable")[: period - counts.sum()]] += 1
-    which = np.repeat(np.arange(len(counts)), counts)
-    rank = np.concatenate([np.arange(q) for q in counts])
+    which, rank = np.repeat(np.arange(len(counts)), counts), np.concatenate([np.arange(q) for q in counts])
     order = np.lexsort((which, (rank + 0.5) / counts[which]))
     return which[order], rank[order], counts
 
@@ -431,8 +419,7 @@ def open_training_data(path, seq_len: int, global_batch_size: int, seed: int, pa
                        model_vocab_size: int) -> BatchLoader | BlendLoader:
     """The loader of data.path (one dataset, or a blend whose datasets share one tokenizer); each
     dataset opened and its ids checked against the model's vocabulary, a failure named by its path."""
-    parts = data_parts(path)
-    datasets = []
+    parts, datasets = data_parts(path), []
     for name, _ in parts:
         try:
             datasets.append(TokenDataset(name))

@@ -1,16 +1,14 @@
 """Debugging instruments, off unless their environment variable is set (loop.py reads them once).
 
-PITHTRAIN_DEBUG_NORMS names steps ("7", "3-5", "1,4"), for the debug-divergence skill: every rank
-appends one JSON line per tensor to OUT/norms_rank<r>.jsonl, in the order the tensors are made:
-forward outputs of the embedding, of stages 1, 3 and 5 of every layer and of the final norm; the
-gradient reaching each of them in backward; each parameter's gradient (this rank's shard) before
-clipping.
+PITHTRAIN_DEBUG_NORMS names steps ("7", "3-5", "1,4"), for the debug-divergence skill: every rank appends one JSON line
+per tensor to OUT/norms_rank<r>.jsonl, in the order the tensors are made: forward outputs of the embedding, of stages 1,
+3 and 5 of every layer and of the final norm; the gradient reaching each of them in backward; each parameter's gradient
+(this rank's shard) before clipping.
 
-PITHTRAIN_DEBUG_MEMORY names one step, for the debug-memory skill: on CUDA the caching
-allocator's history over that step (`_record_memory_history`, Python stacks) and its snapshot at
-the end, in OUT/memory/rank<r>.pickle; on the CPU, which keeps no history, torch.profiler's
-allocation events (sizes, addresses, the Python stack of each) in OUT/memory/rank<r>.json.
-"""
+PITHTRAIN_DEBUG_MEMORY names one step, for the debug-memory skill: on CUDA the caching allocator's history over that
+step (`_record_memory_history`, Python stacks) and its snapshot at the end, in OUT/memory/rank<r>.pickle; on the CPU,
+which keeps no history, torch.profiler's allocation events (sizes, addresses, the Python stack of each) in
+OUT/memory/rank<r>.json."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """The training loop: data -> micro-batches -> forward/backward -> clip -> optimizer step -> metrics -> checkpoints.
 
 The loss (cross-entropy over the global batch's label tokens, plus multi-token prediction's and the auxiliary
-terms) is composed in one place, `protocol.LossTerms`, whatever the micro-batch cut or pipeline schedule.
-"""
+terms) is composed in one place, `protocol.LossTerms`, whatever the micro-batch cut or pipeline schedule."""
 
 from __future__ import annotations
 
@@ -81,10 +80,9 @@ def prepare_micro(micro: dict, mesh: Mesh) -> dict:
 
 
 def rank_micro_batches(batch: dict, size: int, data_rank: int, data_ranks: int) -> list[dict]:
-    """This data rank's micro-batches: micro-batch j of the global batch goes to rank j % data_ranks,
-    so the union over ranks of micro-step i is one contiguous block of samples (the `global`
-    load-balance scope on R ranks equals the `micro` scope of one process with R-times larger
-    micro-batches)."""
+    """This data rank's micro-batches: micro-batch j of the global batch goes to rank j % data_ranks, so the union over
+    ranks of micro-step i is one contiguous block of samples (the `global` load-balance scope on R ranks equals the
+    `micro` scope of one process with R-times larger micro-batches)."""
     starts = range(data_rank * size, batch["input_ids"].shape[0], size * data_ranks)
     return [{k: v[i : i + size] for k, v in batch.items()} for i in starts]
 
@@ -122,8 +120,7 @@ class Run:
         return self.engines[-1]
 
     def save(self, step: int) -> None:
-        t = self.config.train
-        state = ckpt.training_state(self.model, self.optimizer, self.mesh)
+        t, state = self.config.train, ckpt.training_state(self.model, self.optimizer, self.mesh)
         meta = {"samples_consumed": step * t.global_batch_size, "config": run_dict(self.config),
                 "dataset": self.loader.dataset.identity,  # what convert's tokenizer and a resume are checked against
                 "datasets": [dataset.identity for dataset in self.loader.datasets],  # each of a blend's
@@ -131,8 +128,7 @@ class Run:
         try:
             ckpt.save_checkpoint(self.out_dir, step, state, meta, self.config.model.to_hf(), t.keep_checkpoints)
         except (Exception, CheckpointException) as e:
-            failure = save_failed(e, self.out_dir, step, self.mesh.is_main)
-            if failure is e:
+            if (failure := save_failed(e, self.out_dir, step, self.mesh.is_main)) is e:
                 raise
             raise failure from e
 
@@ -151,13 +147,11 @@ class Stepped(NamedTuple):
 
 def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo: bool = True,
           stop_after: int | None = None, mesh: Mesh | None = None, stop=None) -> list[dict]:
-    """Train (resuming from the newest intact checkpoint in out_dir); returns this run's per-step metrics.
-    `stop_after` ends the run early (with a checkpoint) without changing the schedule of `train.steps`.
-    `mesh` is None for one process; launched runs pass the mesh built by `init_mesh`. `stop` (see
-    launch.GracefulStop): once its `signum` is set on any rank, every rank ends after the same step,
-    with a checkpoint, and `stop.stopped_at` is that step."""
-    began = time.time()
-    run = set_up(config, Path(out_dir), steps, echo, stop_after, mesh)
+    """Train (resuming from the newest intact checkpoint in out_dir); returns this run's per-step metrics. `stop_after`
+    ends the run early (with a checkpoint) without changing the schedule of `train.steps`. `mesh` is None for one
+    process; launched runs pass the mesh built by `init_mesh`. `stop` (see launch.GracefulStop): once its `signum` is
+    set on any rank, every rank ends after the same step, with a checkpoint, and `stop.stopped_at` is that step."""
+    began, run = time.time(), set_up(config, Path(out_dir), steps, echo, stop_after, mesh)
     t, device = config.train, run.mesh.device
     history, profiler, memory = [], None, None
     first_done = None  # (time, step) at the end of this run's first step: the ETA's rate excludes its warm-up
@@ -221,8 +215,7 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
     if steps is not None:
         config.train.steps = steps
     t, o = config.train, config.optim
-    device = pick_device(t.device)
-    capture = cuda_profiler_steps()
+    device, capture = pick_device(t.device), cuda_profiler_steps()
     memory_step = os.environ.get("PITHTRAIN_DEBUG_MEMORY") or "0"  # the debug-memory skill's step
     if not memory_step.isdigit():
         raise UserError(f"PITHTRAIN_DEBUG_MEMORY={memory_step!r}: expected a step number (1-based), e.g. 3")
@@ -234,8 +227,7 @@ def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop
         print(line, flush=True)
     device = mesh.device
     dtype = torch.bfloat16 if t.dtype == "bf16" or (t.dtype == "auto" and device.type == "cuda") else torch.float32
-    echo = echo and mesh.is_main
-    threads = cpu_threads(device)
+    echo, threads = echo and mesh.is_main, cpu_threads(device)
     loader, evaluation, found = check_run(config, out_dir, stop_after, echo, create=mesh.is_main, world_size=mesh.world)
 
     model, chunks = build_model(config, mesh, dtype, found)
@@ -355,8 +347,7 @@ def train_step(run: Run, step: int, stop) -> Stepped:
         group["lr"] = lr
     batch = run.loader.global_batch(step)
     n_label = int((batch["labels"] != -100).sum())  # over the whole global batch
-    depths = config.model.num_nextn_predict_layers
-    if depths:  # multi-token prediction: each depth's input tokens and labels
+    if depths := config.model.num_nextn_predict_layers:  # multi-token prediction: each depth's input tokens and labels
         batch.update(mtp_targets(batch, depths))
     n_mtp_label = int((batch["mtp_labels"] != -100).sum()) if depths else 0
     micros = [prepare_micro(m, mesh) for m in rank_micro_batches(batch, t.micro_batch_size, mesh.data_rank, mesh.data_ranks)]
@@ -387,8 +378,7 @@ def train_step(run: Run, step: int, stop) -> Stepped:
     # cross-entropy: pipeline rank 0 of every dp x cp x ep rank holds a share; aux terms: every rank
     group = None if mesh.pp > 1 or mesh.world == 1 else mesh.dense_mesh.get_group()
     ce_sum, mtp_sum, aux_sums, stops = sums.reduce(group, mesh.world, mesh.cp)  # the step's one host sync for its scalars
-    loss = ce_sum / max(n_label, 1)
-    halt = stops and step + 1 < run.end
+    loss, halt = ce_sum / max(n_label, 1), stops and step + 1 < run.end
     params = list(model.parameters())
     if run.norms:
         run.norms.grads(model.named_parameters())
@@ -783,9 +773,8 @@ def _flat(config: dict) -> dict:
 
 
 def save_failed(error: BaseException, out_dir: Path, step: int, is_main: bool) -> BaseException:
-    """The error to raise for a failed checkpoint save. A disk error (full, read-only, gone) becomes
-    one message naming it and the last good checkpoint, after removing the partial step_N.tmp;
-    anything else is returned unchanged."""
+    """The error to raise for a failed checkpoint save. A disk error (full, read-only, gone) becomes one message naming
+    it and the last good checkpoint, after removing the partial step_N.tmp; anything else is returned unchanged."""
     tmp = out_dir / "checkpoints" / f"step_{step:08d}.tmp"  # where checkpoint.write_checkpoint writes
     good = ckpt.list_checkpoints(out_dir)
     # DCP wraps a rank's error; PyTorch's writers raise a RuntimeError that names the OS error
@@ -840,11 +829,10 @@ def compile_stages(model) -> None:
 
 
 def recompute_stages(model, mode: str) -> None:
-    """train.recompute. selective: each MoE layer's SwiGLU output is recomputed from the kept
-    gate/up product (ops/grouped_gemm.activation_mm). full: stages 1 and 3 of every layer run
-    under a non-reentrant checkpoint: only their inputs are kept and the whole stage runs again
-    when the backward reaches it. Stage 1 and 3 hold no all-to-all and no generator yield, so
-    a recomputation stays inside one segment of DualPipeV's backward."""
+    """train.recompute. selective: each MoE layer's SwiGLU output is recomputed from the kept gate/up product
+    (ops/grouped_gemm.activation_mm). full: stages 1 and 3 of every layer run under a non-reentrant checkpoint: only
+    their inputs are kept and the whole stage runs again when the backward reaches it. Stage 1 and 3 hold no all-to-all
+    and no generator yield, so a recomputation stays inside one segment of DualPipeV's backward."""
     for experts in expert_modules(model) if mode == "selective" else ():
         experts.recompute_act = True
     for layer in all_layers(model).values() if mode == "full" else ():
@@ -865,8 +853,7 @@ def cuda_profiler_steps() -> tuple[int, int] | None:
     """PITHTRAIN_PROFILE_STEPS=FIRST:LAST (1-based, inclusive): on GPUs the loop calls
     torch.cuda.profiler.start() before step FIRST and stop() after step LAST, the capture range of
     `nsys profile --capture-range=cudaProfilerApi` and `ncu --profile-from-start off`."""
-    spec = os.environ.get("PITHTRAIN_PROFILE_STEPS")
-    if not spec:
+    if not (spec := os.environ.get("PITHTRAIN_PROFILE_STEPS")):
         return None
     first, _, last = spec.partition(":")
     if not (first.isdigit() and last.isdigit() and 1 <= int(first) <= int(last)):
@@ -958,10 +945,8 @@ def rank_balance(loads: torch.Tensor, ep: int, parts: bool = False) -> float | t
 def size_text(config: RunConfig, loader, counts: tuple[int, int]) -> str:
     """The end of the startup line, which --dry-run prints too: parameters active per token (`counts`:
     model_sizes), tokens per step, steps per epoch."""
-    if isinstance(loader, BlendLoader):
-        epochs = ": " + ", ".join(f"{n:.1f} of {part.dataset.path}" for n, part in zip(loader.steps_per_epoch(), loader.parts))
-    else:
-        epochs = f" {loader.num_samples / loader.global_batch_size:.1f}"
+    epochs = (": " + ", ".join(f"{n:.1f} of {part.dataset.path}" for n, part in zip(loader.steps_per_epoch(), loader.parts))
+              if isinstance(loader, BlendLoader) else f" {loader.num_samples / loader.global_batch_size:.1f}")
     return (f"{count_text(counts[1])} parameters active per token, "
             f"{config.train.global_batch_size * config.data.seq_len:,} tokens per step, steps per epoch{epochs}")
 

@@ -4,8 +4,7 @@ and the estimate-memory skill, whose SKILL.md explains the terms and their calib
 Static part (exact: counted from the model built on the meta device, split and sharded as the run
 will be): fp32 master weights, gradients and AdamW moments of the rank's shard, the bf16 copies,
 FP8 caches and accumulation buffers. Activation part (calibrated to measured H200 peaks, bf16
-compute): bytes per token per layer times a factor, times the micro-batches a rank holds at once.
-"""
+compute): bytes per token per layer times a factor, times the micro-batches a rank holds at once."""
 
 from __future__ import annotations
 
@@ -75,16 +74,13 @@ def estimate(config, world: int) -> list[dict]:
     pp, cp, ep = p.pp, p.cp, p.ep
     dp = world // (pp * cp * ep)
     micro_per_rank = t.global_batch_size // (t.micro_batch_size * dp * ep)  # per data rank: dp x ep of them
-    pipeline = runs_dualpipev(config, world)
-    tokens = t.micro_batch_size * config.data.seq_len // cp
+    pipeline, tokens = runs_dualpipev(config, world), t.micro_batch_size * config.data.seq_len // cp
     if pipeline:
         placement = split_layers(cfg.num_hidden_layers, pp)
         caps = [[2 * pp - r - 1, r + 1] for r in range(pp)] if pp > 1 else [[2, 2]]
-        ranks = []
-        for r in range(pp):
-            first, second = rank_chunks(pp, r)
-            ranks.append([(placement[first], first == 0, False, caps[r][0]),
-                          (placement[second], False, second == 2 * pp - 1, caps[r][1])])
+        ranks = [[(placement[first], first == 0, False, caps[r][0]),
+                  (placement[second], False, second == 2 * pp - 1, caps[r][1])]
+                 for r in range(pp) for first, second in [rank_chunks(pp, r)]]
     else:
         ranks = [[(list(range(cfg.num_hidden_layers)), True, True, 1)]]
     out = []

@@ -81,11 +81,9 @@ def format_line(m: dict, total_steps: int, elapsed: float | None = None, eta: fl
     return (f"step {m['step']}/{total_steps} | loss {m['loss']:.4f}"
             + (f" | eval {m['eval_loss']:.4f}" if "eval_loss" in m else "")
             + (f" | mtp {m['mtp_loss']:.4f}" if "mtp_loss" in m else "")
-            + f" | lb {m['lb_loss']:.4f} | lr {m['lr']:.2e} | "
-            f"gnorm {m['grad_norm']:.3f} | {tps_text} tok/s"
+            + f" | lb {m['lb_loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | {tps_text} tok/s"
             + (f" | {m['tflops_per_gpu']:.4g} TFLOP/s/GPU" if "tflops_per_gpu" in m else "")
-            + f" | {m['step_time_s']:.3f} s/step | "
-            f"mem {m['peak_mem_bytes'] / 2**30:.2f} GiB"
+            + f" | {m['step_time_s']:.3f} s/step | mem {m['peak_mem_bytes'] / 2**30:.2f} GiB"
             + (f" | ep balance {m['ep_load_balance']:.2f}" if "ep_load_balance" in m else "") + progress)
 
 
@@ -158,10 +156,9 @@ WANDB_ID = "wandb_id"  # in the run directory: every attempt of the run logs to 
 
 
 def _wandb_run(project: str, out_dir: Path, config: dict | None):
-    """A wandb run named after the run directory, the same one across resumes (its id kept in
-    OUT/wandb_id; wandb drops re-logged steps, which a bit-exact resume logs with the same values);
-    WANDB_MODE (offline, disabled) and the other WANDB_* variables act as wandb documents. `validate`
-    refused a missing package before training."""
+    """A wandb run named after the run directory, the same one across resumes (its id kept in OUT/wandb_id; wandb drops
+    re-logged steps, which a bit-exact resume logs with the same values); WANDB_MODE (offline, disabled) and the other
+    WANDB_* variables act as wandb documents. `validate` refused a missing package before training."""
     import wandb
 
     id_file = out_dir / WANDB_ID

@@ -19,8 +19,7 @@ def build_optimizer(params: list[tuple[str, torch.nn.Parameter]], cfg: OptimConf
     FSDP-sharded (DTensor) and plain local parameters (experts that FSDP leaves alone) go to
     separate groups: one fused kernel call cannot mix the two. With optim.name=muon the matrices
     (`takes_muon`) form one more group, `muon=True`, with the same learning rate and weight decay."""
-    muon = cfg.name == "muon"
-    groups = {}
+    muon, groups = cfg.name == "muon", {}
     for name, p in params:
         decay = not (p.ndim < 2 or "embed" in name or "norm" in name)
         key = "muon" if muon and takes_muon(name, p, cfg.muon_exclude) else (decay, isinstance(p, DTensor))
@@ -225,8 +224,6 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
         return min_lr + (cfg.lr - min_lr) * 0.5 * (1 + math.cos(math.pi * progress))
     # wsd: warmup, stable at lr, then a linear decay to min_lr over the last decay_fraction of the steps
     decay_steps = max(1, round(cfg.decay_fraction * total_steps))
-    decay_start = total_steps - decay_steps
-    if step < decay_start:
+    if step < (decay_start := total_steps - decay_steps):
         return cfg.lr
-    progress = min(1.0, (step - decay_start + 1) / decay_steps)
-    return cfg.lr + (min_lr - cfg.lr) * progress
+    return cfg.lr + (min_lr - cfg.lr) * min(1.0, (step - decay_start + 1) / decay_steps)

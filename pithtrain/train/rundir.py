@@ -3,8 +3,7 @@
 A run directory holds `run.lock`, `checkpoints/` or `metrics.jsonl`. `run.lock` marks it and, while a
 run writes to it, names the writer (host, pid, process start time); it is emptied when the writer
 ends. Taking it is atomic through flock; the recorded holder names a live writer in the refusal and
-tells a stale lock (same host, that process gone) from a live one where flock is unavailable.
-"""
+tells a stale lock (same host, that process gone) from a live one where flock is unavailable."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ class RunLock:
             out.mkdir(parents=True, exist_ok=True)
             self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            self._undo(made, existed)
-            raise disk_error(e, self.path, then="run again or choose another --out") or e
+            raise self._undo(e, made, existed)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             taken = True
@@ -88,15 +86,15 @@ class RunLock:
             os.pwrite(self.fd, json.dumps(me).encode(), 0)
         except OSError as e:
             os.close(self.fd)
-            self._undo(made, existed)
-            raise disk_error(e, self.path, then="run again or choose another --out") or e
+            raise self._undo(e, made, existed)
 
-    def _undo(self, made: list[Path], existed: bool) -> None:
+    def _undo(self, error: OSError, made: list[Path], existed: bool) -> Exception:  # what this start made, removed
         if not existed:
             self.path.unlink(missing_ok=True)
         for folder in made:  # innermost first; one that holds anything stays
             with contextlib.suppress(OSError):
                 folder.rmdir()
+        return disk_error(error, self.path, then="run again or choose another --out") or error
 
     def release(self) -> None:
         if self.fd is not None:
