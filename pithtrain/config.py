@@ -256,7 +256,8 @@ def load_run_config(path: str | Path) -> RunConfig:
         where = f"{path}:{lines[-1]}" if lines else str(path)
         raise ConfigError(f"{where}: {type(e).__name__}: {e}; fix the run file") from e
     config = namespace.get("CONFIG")
-    check(isinstance(config, RunConfig), f"{path} must define CONFIG = RunConfig(...) (found {type(config).__name__})")
+    check(isinstance(config, RunConfig), f"{path} must define CONFIG = RunConfig(...) (" + (f"found {type(config).__name__})"
+          if "CONFIG" in namespace else "it defines none: a script? run it with python; a run file: examples/qwen3_tiny.py)"))
     return config
 
 

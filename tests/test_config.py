@@ -77,7 +77,10 @@ def test_pipeline_error_names_a_batch_that_fits(tmp_path):
 def test_run_file_and_cli_errors(tmp_path, capsys):
     bad = tmp_path / "bad.py"
     bad.write_text("X = 1\n")
-    with pytest.raises(ConfigError, match="must define CONFIG"):
+    with pytest.raises(ConfigError, match=r"must define CONFIG = RunConfig\(...\) \(it defines none: a script\? run it with python"):
+        load_run_config(bad)  # a script such as examples/quickstart.py: said, and its main() not run
+    bad.write_text("CONFIG = 1\n")
+    with pytest.raises(ConfigError, match=r"must define CONFIG = RunConfig\(...\) \(found int\)"):
         load_run_config(bad)
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "examples/qwen3_tiny.py", "--set", "train.micro_batch_size=3"])
