@@ -178,6 +178,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("eval-tokens-1d", "eval {hf} --tokens {tokens_1d}", "tokens_1d.npy"),
     ("eval-tokens-float", "eval {hf} --tokens {tokens_float}", "tokens_float.npy"),
     ("eval-tokens-vocab", "eval {hf} --tokens {tokens_big}", "tokens_big.npy"),
+    ("eval-tokens-negative", "eval {hf} --tokens {tokens_negative}", "(2, 5) with negative ids"),
+    ("eval-tokens-bin", "eval {hf} --tokens {data}/tokens.bin", "not a .npy file: pass its dataset directory, "),
     ("eval-tokens-no-rows", "eval {hf} --tokens {tokens_none}", "tokens_none.npy"),
     ("eval-tokens-missing", "eval {hf} --tokens {tmp}/none.npy", "none.npy"),
     ("eval-batch-zero", "eval {hf} --tokens {tokens} --batch-size 0", "--batch-size"),
@@ -298,7 +300,7 @@ def make_env(tmp: Path) -> dict:
 
     rng = np.random.default_rng(1)
     for name, array in {"tokens": rng.integers(0, 64, (3, 12)), "tokens_1d": np.arange(5), "tokens_float": np.ones((2, 5)),
-                        "tokens_big": np.full((2, 5), 64), "tokens_none": np.zeros((0, 12), np.int64)}.items():
+                        "tokens_big": np.full((2, 5), 64), "tokens_negative": -rng.integers(1, 64, (2, 5)), "tokens_none": np.zeros((0, 12), np.int64)}.items():
         env[name] = tmp / f"{name}.npy"
         np.save(env[name], array)
     env["empty_npy"] = tmp / "empty.npy"

@@ -24,7 +24,7 @@ from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import rundir
 from pithtrain.train.checkpoint import is_hf_dir, load_model, model_config, read_hf_state  # noqa: F401 (hf.load_model)
-from pithtrain.train.data import TokenDataset, _sha256
+from pithtrain.train.data import TokenDataset, _sha256, is_dataset
 
 SHARD_BYTES = 4 * 2**30
 CARRIED = ("seq_length", "pad_token_id")  # config.json keys beyond the model's that convert keeps, both ways
@@ -265,15 +265,18 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
         except (ValueError, OSError, EOFError) as e:  # not an .npy file (numpy refuses pickles)
             why = ("an array of Python objects" if "Object arrays" in str(e) else "not a .npy file" if "pickled" in str(e)
                    else str(e).split(". ")[0])
+            why += f": pass its dataset directory, {path.parent}" if is_dataset(path.parent) else ""  # its tokens.bin
             raise UserError(f"--tokens {path} is not a .npy array of token ids ({why}); it takes {TOKEN_FORMS}") from None
         if max_tokens and arr.ndim == 2:
             if max_tokens < arr.shape[1]:
                 raise UserError(f"--max-tokens {max_tokens}: fewer than one row of {path} ({arr.shape[1]} tokens); give at "
                                 f"least {arr.shape[1]}")
             arr = arr[: max_tokens // arr.shape[1]]
-    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 2 or not np.issubdtype(arr.dtype, np.integer) or arr.min() < 0:
+    ids = np.issubdtype(arr.dtype, np.integer)
+    if arr.ndim != 2 or arr.shape[0] < 1 or arr.shape[1] < 2 or not ids or arr.min() < 0:
+        negative = " with negative ids" if ids and arr.size and arr.min() < 0 else ""
         raise UserError(f"{path}: expected non-negative integer token ids of shape [batch, seq] with batch >= 1 and "
-                        f"seq >= 2, got {arr.dtype} {arr.shape}; --tokens takes {TOKEN_FORMS}")
+                        f"seq >= 2, got {arr.dtype} {arr.shape}{negative}; --tokens takes {TOKEN_FORMS}")
     if vocab and int(arr.max()) >= vocab:  # before the int64 cast: a uint64 id past 2**63 keeps its value
         raise UserError(f"--tokens {path}: token id {int(arr.max())} is outside the model's vocabulary [0, {vocab}); "
                         "tokenize with the model's tokenizer")
