@@ -74,6 +74,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("file-device", "train /dev/null", "'/dev/null' is not a regular file"),
     ("out-empty", "train {cfg} --out ''", "--out is empty"),
     ("data-path-empty", "train {cfg} --set data.path=", "data.path is empty"),
+    ("data-path-tokens-bin", "train {cfg} --set data.path={data}/tokens.bin", "is a file of the dataset"),
+    ("data-path-texts", "train {cfg} --set data.path={tmp}", "is not a pithtrain dataset; make one of its texts: pithtrain tokenize"),
     ("pp-empty-rank", "train {cfg} --nproc 4 --pp 4 --set train.micro_batch_size=1 --dry-run", "use at least 5 layers"),
     ("env-rank", "train {cfg}", "RANK='5' WORLD_SIZE='2'"),
     ("env-rank-nproc", "train {cfg} --nproc 4 --ep 2", "--nproc 4: RANK and WORLD_SIZE=2 are set"),

@@ -183,12 +183,16 @@ class TokenDataset:
     def __init__(self, path):
         self.path = Path(path)
         if not self.path.is_dir():
+            if self.path.exists() and is_dataset(self.path.parent):
+                raise FileNotFoundError(f"dataset directory {self.path} is a file of the dataset {self.path.parent}; "
+                                        f"name the directory, {self.path.parent}")
             what = ("is a .npy array (those are for `pithtrain eval --tokens`)" if self.path.suffix == ".npy" else "is a file"
                     ) if self.path.exists() else "not found"
             raise FileNotFoundError(f"dataset directory {self.path} {what}; create one with `pithtrain tokenize`"
                                     + (" (the examples' data/stdlib: `make data`)" if self.path.name == "stdlib" else ""))
         if not (meta_path := self.path / META_FILE).is_file():
-            raise FileNotFoundError(f"{meta_path} not found: {self.path} is not a pithtrain dataset; {_RETOKENIZE}")
+            fix = _RETOKENIZE if (self.path / TOKENS_FILE).exists() else f"make one of its texts: pithtrain tokenize {self.path} ..."
+            raise FileNotFoundError(f"{meta_path} not found: {self.path} is not a pithtrain dataset; {fix}")
         try:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as e:
