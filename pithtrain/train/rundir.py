@@ -157,3 +157,40 @@ def claim(out: Path, echo=print) -> RunLock:
         raise ValueError(f"{out / 'checkpoints'}: no checkpoint has its meta.json ({', '.join(sorted(p.name for p in done))}): "
                          f"none can be resumed; move or delete that directory to start over, or choose another --out")
     return lock
+
+
+_OWNED: set[Path] = set()  # the run directories an `owned` of this process holds now
+
+
+@contextlib.contextmanager
+def owned(out: Path, echo=print):
+    """`out` claimed for one run and released after it, unless an `owned` of this process holds it already
+    (the CLI's, around loop.train); a directory this made is removed again if the run ended before its first step."""
+    if (key := out.resolve()) in _OWNED:
+        yield
+        return
+    created = not out.exists()
+    lock = claim(out, echo)
+    _OWNED.add(key)
+    try:
+        yield
+    finally:
+        _OWNED.discard(key)
+        if created:
+            drop_unused(out)
+        lock.release()
+
+
+def drop_unused(out: Path) -> None:
+    """Remove the run directory a run created if it ended before its first step: then it holds only
+    what train wrote on the way (lock, config.json, an empty checkpoints/...), nothing to resume."""
+    ours = {LOCK, "config.json", "run_config.json", "checkpoints", "tensorboard", "wandb", "wandb_id"}
+    if not out.is_dir() or {p.name for p in out.iterdir()} - ours or any((out / "checkpoints").glob("*")):
+        return
+    for name in ("config.json", "run_config.json", "wandb_id"):
+        (out / name).unlink(missing_ok=True)
+    for name in ("checkpoints", "tensorboard", "wandb"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    (out / LOCK).unlink()  # still held: a process that opens it now makes a new file, and then OUT stays
+    with contextlib.suppress(OSError):
+        out.rmdir()
