@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import types
@@ -164,6 +165,13 @@ def test_a_long_eval_reports_its_progress(monkeypatch, capsys):
     assert count == 40 * 8 and loss == pytest.approx(ref.item(), rel=1e-6)
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"eval: {done} of 40 rows, {left}s left" for done, left in ((8, 56), (16, 42), (24, 28), (32, 14))]
+    rows = int(torch.randint(1, 5, ()))  # the Python API's bad inputs: one ValueError naming them, not torch's
+    for bad, size, got in ((tokens[:rows].tolist(), 4, "got list"), (tokens[:rows].float(), 4, f"got torch.float32 ({rows}, 9)"),
+                           (tokens[0], 4, "got torch.int64 (9,)"), (tokens[:rows, :1], 4, f"({rows}, 1)"),
+                           (tokens[:0], 4, "(0, 9)"), (tokens[:rows], 0, "batch_size >= 1, got 0")):
+        with pytest.raises(ValueError, match=re.escape(got)):
+            hf.evaluate(model, bad, batch_size=size)
+    assert hf.evaluate(model, tokens.int(), batch_size=4) == (loss, count)  # int32 ids as int64
 
 
 @pytest.mark.fast
