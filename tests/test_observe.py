@@ -119,6 +119,9 @@ def test_tensorboard_scalars(tmp_path, dataset_dir, monkeypatch):
     history = loop.train(tiny_config(dataset_dir, steps=2, tensorboard=True), tmp_path / "run", echo=False)
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([m["loss"] for m in history])
+    hook = threading.excepthook  # a second run in this process wraps it no further
+    loop.train(tiny_config(dataset_dir, steps=1, tensorboard=True), tmp_path / "again", echo=False)
+    assert threading.excepthook is hook
     # a full disk under its writer thread: one error naming the directory, no thread traceback
     from tensorboard.summary.writer.record_writer import RecordWriter
 
