@@ -118,6 +118,13 @@ class Run:
     runner: PipelineRunner | None = None
     engines: list = dataclasses.field(default_factory=list)
 
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, failed, *_) -> None:  # the log's writer thread and W&B run end with a failed call too (a notebook's)
+        with contextlib.suppress(Exception) if failed else contextlib.nullcontext():
+            self.log.close()
+
     def new_engine(self, batch: int, seq: int) -> ExpertEngine:
         self.engines.append(ExpertEngine(self.dispatcher, self.balance, batch, seq))
         return self.engines[-1]
@@ -161,8 +168,9 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=steps))
     out_dir = Path(out_dir)
     # one process of its own (a notebook; the CLI holds the lock already): one writer per run directory here too
-    with owned(out_dir, print if echo else lambda line: None) if mesh is None else contextlib.nullcontext():
-        began, run = time.time(), set_up(config, out_dir, echo, stop_after, mesh)
+    began = time.time()
+    with owned(out_dir, print if echo else lambda line: None) if mesh is None else contextlib.nullcontext(), \
+            set_up(config, out_dir, echo, stop_after, mesh) as run:
         t, device = config.train, run.mesh.device
         history, profiler, memory = [], None, None
         first_done = None  # (time, step) at the end of this run's first step: the ETA's rate excludes its warm-up
@@ -207,7 +215,6 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
                 break
         else:
             end_of_run(run)
-        run.log.close()
         return history
 
 
