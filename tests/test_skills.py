@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import subprocess
 import sys
 import types
@@ -70,6 +71,12 @@ def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, caps
     assert not (tmp_path / "w").exists() and "$ " not in meshes.stdout  # nothing trained
     shared = compare("examples/qwen3_tiny.py", "--steps", 4, "--a", "--nproc 1 --out=x", "--b", "--nproc 1", "--work", tmp_path / "w")
     assert shared.returncode == 1 and shared.stdout.startswith("FAIL: run a (--nproc 1 --out=x): --out is the script's own")
+    assert not (tmp_path / "w").exists() and not Path("x").exists()
+    for given, said in ((random.choice(["--ou x", "--out x"]), "--out is the script's own"), ("--step 3", "--steps is the"),
+                        ("--stop 2", "--stop-after is the"), (random.choice(["--dry", "--dry-run"]), "--dry-run trains nothing"),
+                        ("--print", "--print-config trains nothing")):  # as argparse reads them: abbreviated too
+        out = compare("examples/qwen3_tiny.py", "--steps", 4, "--a", "--nproc 1", f"--b={given}", "--work", tmp_path / "w")
+        assert out.returncode == 1 and out.stdout.startswith(f"FAIL: run b ({given}): {said}"), out.stdout
     assert not (tmp_path / "w").exists() and not Path("x").exists()
     for bad in ("nan", "-1"):
         assert compare("--metrics", tmp_path / "a.jsonl", tmp_path / "a.jsonl", "--rtol", bad).returncode == 2
