@@ -301,7 +301,7 @@ def test_add_new_model_parity_script_refuses_bad_configs_before_building(tmp_pat
         out = run_script(script, tmp_path / name)
         assert out.returncode == 1 and out.stdout.startswith(f"FAIL: {tmp_path / name}") and says in out.stdout, (name, out.stdout)
         assert len(out.stdout.splitlines()) == 1, out.stdout
-    for flag, value in (("--seq", 0), ("--batch", -1), ("--std", "nan"), ("--work", tmp_path / "bad.json")):
+    for flag, value in (("--seq", 0), ("--seq", 1), ("--batch", -1), ("--std", "nan"), ("--work", tmp_path / "bad.json")):
         assert run_script(script, tmp_path / "abc.json", flag, value).returncode == 2
         assert f"argument {flag}: " in capsys.readouterr().err
 
