@@ -843,6 +843,10 @@ def test_compile_kernels_records_launches_and_reports_compile_failures(tmp_path)
                           cwd=tmp_path)
     assert none.returncode == 1 and none.stdout.splitlines()[-1].startswith(
         "FAIL: -k 'no_such_case' selects no interpreter case (list them: pytest --collect-only -q"), none.stdout + none.stderr
+    expr = random.choice(["and or", "not", "(a"])  # not an expression: said so, not "the interpreter cases failed"
+    bad = subprocess.run([sys.executable, script, "-k", expr], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stdout.splitlines()[-1] == f"FAIL: -k {expr!r} is not a pytest -k expression (its message " \
+        "is above), e.g. -k 'cross_entropy'", bad.stdout + bad.stderr
 
 
 def test_train_throughput_refuses_bad_ab_switches_before_any_gpu_work(monkeypatch, capsys):
