@@ -1,5 +1,6 @@
 """Config validation and `--set` overrides: each bad input names the field and the fix."""
 
+import random
 import re
 
 import pytest
@@ -100,3 +101,8 @@ def test_example_configs_validate():
         config = load_run_config(path)
         validate(config, 1)  # raises ConfigError naming the field on any problem
         assert config.model.model_type == model_type, path
+        if "tiny" in path:  # a model built from a config edited after validation: its field named, not torch's error
+            k = config.model.num_routed_experts() + random.randint(1, 3)
+            config.model.num_experts_per_tok = k
+            with pytest.raises(ConfigError, match=f"model.num_experts_per_tok={k} must be in"):
+                config.model.build_model()
