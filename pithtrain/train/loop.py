@@ -166,9 +166,8 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
           "with pithtrain.config.load_run_config(path)")
     if steps is not None:
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=steps))
-    out_dir = Path(out_dir)
+    out_dir, began = Path(out_dir), time.time()
     # one process of its own (a notebook; the CLI holds the lock already): one writer per run directory here too
-    began = time.time()
     with owned(out_dir, print if echo else lambda line: None) if mesh is None else contextlib.nullcontext(), \
             set_up(config, out_dir, echo, stop_after, mesh) as run:
         t, device = config.train, run.mesh.device

@@ -169,8 +169,7 @@ def owned(out: Path, echo=print):
     if (key := out.resolve()) in _OWNED:
         yield
         return
-    created = not out.exists()
-    lock = claim(out, echo)
+    created, lock = not out.exists(), claim(out, echo)  # in this order: claim makes the directory
     _OWNED.add(key)
     try:
         yield
