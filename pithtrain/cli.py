@@ -365,6 +365,7 @@ def _main(argv: list[str] | None = None) -> int:
     stderr and exit code 2; anything else is a bug and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.getLogger().addFilter(_not_dcp)
+    formatwarning = warnings.formatwarning  # restored at the end: main() called from Python leaves its warnings as they were
     warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"  # one line, without its source line
     from pithtrain.launch import SafeStdout
 
@@ -385,4 +386,5 @@ def _main(argv: list[str] | None = None) -> int:
         print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
         return 128 + signal.SIGINT
     finally:
-        sys.stdout = sys.stdout.stream
+        sys.stdout, warnings.formatwarning = sys.stdout.stream, formatwarning
+        logging.getLogger().removeFilter(_not_dcp)

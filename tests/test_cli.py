@@ -1,11 +1,13 @@
 """The command line end to end: tokenize -> train -> convert (both ways) -> eval, checked against transformers."""
 
 import json
+import logging
 import os
 import re
 import subprocess
 import sys
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -127,6 +129,7 @@ def check_hf_export(hf_dir, eos_id):
 
 @pytest.mark.fast
 def test_bad_inputs_give_clear_errors(tmp_path, capsys):
+    formatwarning, filters = warnings.formatwarning, list(logging.getLogger().filters)  # main() from Python leaves them
     np.save(tmp_path / "bad.npy", np.arange(5))
     np.save(tmp_path / "good.npy", np.arange(10).reshape(2, 5))
     with pytest.raises(SystemExit) as exit_info:
@@ -138,6 +141,7 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["tokenize", "--out", str(tmp_path / "d")])
     assert exit_info.value.code == 2 and "--stdlib" in capsys.readouterr().err
+    assert warnings.formatwarning is formatwarning and logging.getLogger().filters == filters
 
 
 @pytest.mark.fast
