@@ -369,6 +369,7 @@ def check_types(obj: Any, prefix: str = "", fix: str = "fix the run file or --se
             check_types(value, name + ".", fix)
         elif not _has_type(value, hint := hints[f.name]):
             expected = "a finite float" if hint is float else _type_name(hint)
+            fix = f"write it as a string, {str(value)!r}" if isinstance(value, os.PathLike) else fix  # a notebook's Path
             raise ConfigError(f"{name}={value!r} ({type(value).__name__}): expected {expected}; {fix}")
 
 

@@ -37,6 +37,12 @@ def test_overrides_are_type_checked(tmp_path):
         apply_override(cfg, "trian.steps=3")
     with pytest.raises(ConfigError, match="section.field=value"):
         apply_override(cfg, "train.steps")
+    field = random.choice(["data.path", "data.eval_path", "train.init_from"])  # a pathlib.Path set from Python
+    section, name = field.split(".")
+    setattr(getattr(cfg, section), name, tmp_path / "x")
+    with pytest.raises(ConfigError, match=re.escape(f"{field}=PosixPath('{tmp_path / 'x'}') (PosixPath): expected ")
+                       + ".*; write it as a string, " + re.escape(repr(str(tmp_path / "x"))) + "$"):
+        validate(cfg)
 
 
 @pytest.mark.parametrize(
