@@ -89,6 +89,12 @@ def test_run_file_and_cli_errors(tmp_path, capsys):
     bad.write_text("CONFIG = 1\n")
     with pytest.raises(ConfigError, match=r"must define CONFIG = RunConfig\(...\) \(found int\)"):
         load_run_config(bad)
+    name = f"base_{random.randrange(10**6)}"  # a module beside the run file: named with the line that imports it
+    (tmp_path / f"{name}.py").write_text("CONFIG = None\n")
+    bad.write_text(f"from {name} import CONFIG\n")
+    with pytest.raises(ConfigError, match=rf"bad.py:1: ModuleNotFoundError: .*; {name}.py beside it is not on sys.path: put "
+                       r"`import os, sys; sys.path.insert\(0, os.path.dirname\(__file__\)\)` before that import$"):
+        load_run_config(bad)
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "examples/qwen3_tiny.py", "--set", "train.micro_batch_size=3"])
     assert exit_info.value.code == 2
