@@ -74,6 +74,8 @@ def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, c
         loop.train(config, hf, echo=False)
     assert (hf / "config.json").read_text() == '{"model_type": "qwen3_moe"}' and sorted(os.listdir(hf)) == ["config.json", "model.safetensors"]
     one_line_error(cli(["train", cfg, "--out", cfg], capsys, code=2)[1], f"--out {cfg} is a file")
+    under = os.path.join(cfg, *random.choice([["sub"], ["a", "b"]]))  # a file on the way: named, not "[Errno 20]"
+    one_line_error(cli(["train", cfg, "--out", under], capsys, code=2)[1], f"--out {under}: {cfg} is a file, not a directory")
     empty = tmp_path / "empty"
     empty.mkdir()
     cli(["train", cfg, "--out", empty], capsys)

@@ -132,6 +132,8 @@ def check_out(out: Path) -> None:
                          "directory, or pass another --out")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a directory (new, empty, or a PithTrain run directory)")
+    if not out.exists() and (up := next((p for p in out.parents if p.exists()), None)) and not up.is_dir():
+        raise ValueError(f"--out {out}: {up} is a file, not a directory; choose another --out")
     if out.is_dir() and any(out.iterdir()) and not is_run_dir(out):
         if run := next((p for p in list(out.parents)[:2] if is_run_dir(p)), None):  # its checkpoints/ or a step of them
             raise ValueError(f"--out {out} lies inside the run directory {run}; pass --out {run} to resume that run, "
