@@ -164,8 +164,7 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
     `steps` overrides train.steps in a copy: the caller's config is left as it was."""
     check(isinstance(config, RunConfig), f"config: expected a RunConfig, got {type(config).__name__}; read a run file "
           "with pithtrain.config.load_run_config(path)")
-    if steps is not None:
-        config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=steps))
+    config = config if steps is None else dataclasses.replace(config, train=dataclasses.replace(config.train, steps=steps))
     out_dir, began = Path(out_dir), time.time()
     # one process of its own (a notebook; the CLI holds the lock already): one writer per run directory here too
     with owned(out_dir, print if echo else lambda line: None) if mesh is None else contextlib.nullcontext(), \
