@@ -224,7 +224,8 @@ def main(argv=None) -> int:
             raise ConfigError(f"--out {args.out}: {existing} is a file, not a directory; choose a directory that every node mounts")
         if args.out:  # what `pithtrain train` refuses there (a directory of other files, one a live run holds)
             check_out(Path(args.out))
-            check_unheld(Path(args.out))
+            if rank == 0:  # one prober of the lock: ranks flocking it at once would see each other as its holder
+                check_unheld(Path(args.out))
         device = pick_device(config.train.device)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if launched else args.nproc
         if device.type == "cuda" and local > torch.cuda.device_count():
