@@ -38,6 +38,8 @@ def load_module():
 def test_preflight_passes(tmp_path):
     # DualPipeV needs 2*pp = 4 micro-batches per data rank: 16 / (micro 2 x 2 data ranks) = 4
     out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.lock").write_text("")  # a run directory no run holds: free for the launch, so a PASS (rank 0 alone probes it)
     result, _ = preflight("--nproc", "4", "--pp", "2", "--ep", "2", "--set", "train.micro_batch_size=2",
                           "--set", f"data.path={tmp_path}", "--out", str(out))  # a directory on every host
     text = result.stdout
