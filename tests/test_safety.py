@@ -10,6 +10,7 @@ import random
 import shutil
 import socket
 import subprocess
+import threading
 
 import numpy as np
 
@@ -18,9 +19,17 @@ from conftest import tiny_config
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import loop
 from pithtrain.train.metrics import read_metrics
-from pithtrain.train.rundir import RunLock
+from pithtrain.train.rundir import RunLock, owned
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
+
+def _refusal(call) -> list:
+    try:
+        call()
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def files_of(path):
@@ -86,6 +95,12 @@ def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, c
     with pytest.raises(ValueError, match=f"run directory {empty} is in use by pid {os.getpid()}"):
         loop.train(config, empty, echo=False)
     lock.release()
+    with owned(empty):  # as the CLI holds it around loop.train: a train on another thread is a second writer, refused
+        refused = []
+        worker = threading.Thread(target=lambda: refused.extend(_refusal(lambda: loop.train(config, empty, echo=False))))
+        worker.start()
+        worker.join()
+        assert refused and refused[0].startswith(f"run directory {empty} is in use by pid {os.getpid()}"), refused
     steps = random.randint(2, 3)  # the caller's config is left as it was; the lock is released after the run
     assert len(loop.train(config, empty, steps=steps, echo=False)) == steps - 1 and config.train.steps == 1
     assert (empty / "run.lock").read_text() == ""

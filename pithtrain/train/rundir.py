@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 from pathlib import Path
 
 from pithtrain.config import disk_error
@@ -161,22 +162,22 @@ def claim(out: Path, echo=print) -> RunLock:
     return lock
 
 
-_OWNED: set[Path] = set()  # the run directories an `owned` of this process holds now
+_OWNED: dict[Path, int] = {}  # the run directories an `owned` holds now, each with its thread
 
 
 @contextlib.contextmanager
 def owned(out: Path, echo=print):
-    """`out` claimed for one run and released after it, unless an `owned` of this process holds it already
+    """`out` claimed for one run and released after it, unless an `owned` of this thread holds it already
     (the CLI's, around loop.train); a directory this made is removed again if the run ended before its first step."""
-    if (key := out.resolve()) in _OWNED:
+    if _OWNED.get(key := out.resolve()) == threading.get_ident():  # another thread's run is another writer: refused
         yield
         return
     created, lock = not out.exists(), claim(out, echo)  # in this order: claim makes the directory
-    _OWNED.add(key)
+    _OWNED[key] = threading.get_ident()
     try:
         yield
     finally:
-        _OWNED.discard(key)
+        _OWNED.pop(key, None)
         if created:
             drop_unused(out)
         lock.release()
