@@ -9,7 +9,6 @@ import json
 import logging
 import os
 import shlex
-import shutil
 import signal
 import sys
 import warnings
@@ -51,7 +50,7 @@ def train_config(args):
 def _cmd_train(args) -> int:
     from pithtrain.config import describe, validate
     from pithtrain.launch import GracefulStop, die_with_launcher, launch_local
-    from pithtrain.train.rundir import claim
+    from pithtrain.train.rundir import owned
 
     if "PITHTRAIN_LAUNCHER" in os.environ:  # a worker of launch_local
         die_with_launcher(int(os.environ["PITHTRAIN_LAUNCHER"]))
@@ -77,9 +76,7 @@ def _cmd_train(args) -> int:
     owner = "PITHTRAIN_LAUNCHER" not in os.environ and os.environ.get("RANK", "0") == "0"
     if owner:
         print(f"config:\n{describe(config)}", flush=True)
-    created = owner and not out.exists()
-    lock = claim(out) if owner else None
-    try:
+    with owned(out) if owner else contextlib.nullcontext():
         if not launched and args.nproc > 1:
             from pithtrain.train.loop import check_run, pick_device
 
@@ -87,11 +84,6 @@ def _cmd_train(args) -> int:
             check_run(config, out, args.stop_after, world_size=args.nproc)  # paths, data, resume: once, here
             return launch_local(args.argv, args.nproc)
         return _train_here(args, config, out, launched, GracefulStop)
-    finally:
-        if lock is not None:
-            if created:
-                _drop_unused(out)
-            lock.release()
 
 
 def _check_only(args, config, out: Path, world: int) -> int:
@@ -133,23 +125,6 @@ def _check_only(args, config, out: Path, world: int) -> int:
           f"dry run ok: {world} process(es), mesh pp={p.pp} dp={world // (p.pp * p.cp * p.ep)} cp={p.cp} ep={p.ep}; "
           f"{f'would resume from {found}' if found else 'would start at step 0'} in {out}; nothing was written")
     return 0
-
-
-def _drop_unused(out: Path) -> None:
-    """Remove the run directory this command created if the run ended before its first step: then it
-    holds only what train wrote on the way (lock, config.json, an empty checkpoints/...), nothing to resume."""
-    from pithtrain.train.rundir import LOCK
-
-    ours = {LOCK, "config.json", "run_config.json", "checkpoints", "tensorboard", "wandb", "wandb_id"}
-    if not out.is_dir() or {p.name for p in out.iterdir()} - ours or any((out / "checkpoints").glob("*")):
-        return
-    for name in ("config.json", "run_config.json", "wandb_id"):
-        (out / name).unlink(missing_ok=True)
-    for name in ("checkpoints", "tensorboard", "wandb"):
-        shutil.rmtree(out / name, ignore_errors=True)
-    (out / LOCK).unlink()  # still held: a process that opens it now makes a new file, and then OUT stays
-    with contextlib.suppress(OSError):
-        out.rmdir()
 
 
 @contextlib.contextmanager
@@ -390,6 +365,7 @@ def _main(argv: list[str] | None = None) -> int:
     stderr and exit code 2; anything else is a bug and keeps its traceback."""
     argv = sys.argv[1:] if argv is None else list(argv)
     logging.getLogger().addFilter(_not_dcp)
+    formatwarning = warnings.formatwarning  # restored at the end: main() called from Python leaves its warnings as they were
     warnings.formatwarning = lambda message, *_, **__: f"warning: {message}\n"  # one line, without its source line
     from pithtrain.launch import SafeStdout
 
@@ -410,4 +386,5 @@ def _main(argv: list[str] | None = None) -> int:
         print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
         return 128 + signal.SIGINT
     finally:
-        sys.stdout = sys.stdout.stream
+        sys.stdout, warnings.formatwarning = sys.stdout.stream, formatwarning
+        logging.getLogger().removeFilter(_not_dcp)

@@ -254,7 +254,10 @@ def load_run_config(path: str | Path) -> RunConfig:
     except (Exception, SystemExit) as e:  # a syntax, import or runtime error (or an exit) of the run file: point at its line
         lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == str(path)]
         where = f"{path}:{lines[-1]}" if lines else str(path)
-        raise ConfigError(f"{where}: {type(e).__name__}: {e}; fix the run file") from e
+        beside = isinstance(e, ModuleNotFoundError) and (path.parent / f"{e.name}.py").is_file()  # run_path adds no folder
+        fix = (f"{e.name}.py beside it is not on sys.path: put `import os, sys; sys.path.insert(0, os.path.dirname(__file__))` "
+               "before that import") if beside else "fix the run file"
+        raise ConfigError(f"{where}: {type(e).__name__}: {e}; {fix}") from e
     config = namespace.get("CONFIG")
     check(isinstance(config, RunConfig), f"{path} must define CONFIG = RunConfig(...) (" + (f"found {type(config).__name__})"
           if "CONFIG" in namespace else "it defines none: a script? run it with python; a run file: examples/qwen3_tiny.py)"))
@@ -369,6 +372,7 @@ def check_types(obj: Any, prefix: str = "", fix: str = "fix the run file or --se
             check_types(value, name + ".", fix)
         elif not _has_type(value, hint := hints[f.name]):
             expected = "a finite float" if hint is float else _type_name(hint)
+            fix = f"write it as a string, {str(value)!r}" if isinstance(value, os.PathLike) else fix  # a notebook's Path
             raise ConfigError(f"{name}={value!r} ({type(value).__name__}): expected {expected}; {fix}")
 
 

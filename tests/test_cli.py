@@ -1,10 +1,13 @@
 """The command line end to end: tokenize -> train -> convert (both ways) -> eval, checked against transformers."""
 
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import types
+import warnings
 
 import numpy as np
 import pytest
@@ -126,6 +129,7 @@ def check_hf_export(hf_dir, eos_id):
 
 @pytest.mark.fast
 def test_bad_inputs_give_clear_errors(tmp_path, capsys):
+    formatwarning, filters = warnings.formatwarning, list(logging.getLogger().filters)  # main() from Python leaves them
     np.save(tmp_path / "bad.npy", np.arange(5))
     np.save(tmp_path / "good.npy", np.arange(10).reshape(2, 5))
     with pytest.raises(SystemExit) as exit_info:
@@ -137,6 +141,7 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["tokenize", "--out", str(tmp_path / "d")])
     assert exit_info.value.code == 2 and "--stdlib" in capsys.readouterr().err
+    assert warnings.formatwarning is formatwarning and logging.getLogger().filters == filters
 
 
 @pytest.mark.fast
@@ -164,6 +169,13 @@ def test_a_long_eval_reports_its_progress(monkeypatch, capsys):
     assert count == 40 * 8 and loss == pytest.approx(ref.item(), rel=1e-6)
     lines = capsys.readouterr().err.splitlines()
     assert lines == [f"eval: {done} of 40 rows, {left}s left" for done, left in ((8, 56), (16, 42), (24, 28), (32, 14))]
+    rows = int(torch.randint(1, 5, ()))  # the Python API's bad inputs: one ValueError naming them, not torch's
+    for bad, size, got in ((tokens[:rows].tolist(), 4, "got list"), (tokens[:rows].float(), 4, f"got torch.float32 ({rows}, 9)"),
+                           (tokens[0], 4, "got torch.int64 (9,)"), (tokens[:rows, :1], 4, f"({rows}, 1)"),
+                           (tokens[:0], 4, "(0, 9)"), (tokens[:rows], 0, "batch_size >= 1, got 0")):
+        with pytest.raises(ValueError, match=re.escape(got)):
+            hf.evaluate(model, bad, batch_size=size)
+    assert hf.evaluate(model, tokens.int(), batch_size=4) == (loss, count)  # int32 ids as int64
 
 
 @pytest.mark.fast

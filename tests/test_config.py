@@ -1,5 +1,6 @@
 """Config validation and `--set` overrides: each bad input names the field and the fix."""
 
+import random
 import re
 
 import pytest
@@ -36,6 +37,12 @@ def test_overrides_are_type_checked(tmp_path):
         apply_override(cfg, "trian.steps=3")
     with pytest.raises(ConfigError, match="section.field=value"):
         apply_override(cfg, "train.steps")
+    field = random.choice(["data.path", "data.eval_path", "train.init_from"])  # a pathlib.Path set from Python
+    section, name = field.split(".")
+    setattr(getattr(cfg, section), name, tmp_path / "x")
+    with pytest.raises(ConfigError, match=re.escape(f"{field}=PosixPath('{tmp_path / 'x'}') (PosixPath): expected ")
+                       + ".*; write it as a string, " + re.escape(repr(str(tmp_path / "x"))) + "$"):
+        validate(cfg)
 
 
 @pytest.mark.parametrize(
@@ -82,6 +89,12 @@ def test_run_file_and_cli_errors(tmp_path, capsys):
     bad.write_text("CONFIG = 1\n")
     with pytest.raises(ConfigError, match=r"must define CONFIG = RunConfig\(...\) \(found int\)"):
         load_run_config(bad)
+    name = f"base_{random.randrange(10**6)}"  # a module beside the run file: named with the line that imports it
+    (tmp_path / f"{name}.py").write_text("CONFIG = None\n")
+    bad.write_text(f"from {name} import CONFIG\n")
+    with pytest.raises(ConfigError, match=rf"bad.py:1: ModuleNotFoundError: .*; {name}.py beside it is not on sys.path: put "
+                       r"`import os, sys; sys.path.insert\(0, os.path.dirname\(__file__\)\)` before that import$"):
+        load_run_config(bad)
     with pytest.raises(SystemExit) as exit_info:
         main(["train", "examples/qwen3_tiny.py", "--set", "train.micro_batch_size=3"])
     assert exit_info.value.code == 2
@@ -100,3 +113,8 @@ def test_example_configs_validate():
         config = load_run_config(path)
         validate(config, 1)  # raises ConfigError naming the field on any problem
         assert config.model.model_type == model_type, path
+        if "tiny" in path:  # a model built from a config edited after validation: its field named, not torch's error
+            k = config.model.num_routed_experts() + random.randint(1, 3)
+            config.model.num_experts_per_tok = k
+            with pytest.raises(ConfigError, match=f"model.num_experts_per_tok={k} must be in"):
+                config.model.build_model()

@@ -4,6 +4,7 @@ import argparse
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 import warnings
@@ -267,8 +268,12 @@ def test_iter_documents(tmp_path):
     single.write_text(json.dumps({"text": "ok"}) + "\n{not json\n")
     with pytest.raises(ValueError, match=r"one\.jsonl:2: not valid JSON"):
         list(iter_documents([str(single)]))
-    with pytest.raises(FileNotFoundError, match="missing.txt"):
+    with pytest.raises(UserError, match="missing.txt"):
         list(iter_documents([str(root), str(tmp_path / "missing.txt")]))
+    assert list(iter_documents(random.choice([str(root / "b.txt"), root / "b.txt"]))) == ["bravo"]  # one path, not a list
+    tokenizer = train_bpe(["alpha bravo"], 260, str(tmp_path / "tok.json"))  # a missing input is named as one, not a failed write
+    with pytest.raises(UserError, match=f"^input {tmp_path / 'missing.txt'} not found; check the path$"):
+        tokenize_to_dataset([str(tmp_path / "missing.txt")], tokenizer, str(tmp_path / "ds"), progress=False)
     # .json: one JSON document (an array of records, or one record), else JSON Lines (datasets' to_json writes those)
     array = tmp_path / "array.json"
     for content, docs in ((json.dumps([{"text": "one"}, {"text": ""}, {"text": None}, {"text": "two"}], indent=2), ["one", "two"]),

@@ -4,6 +4,7 @@ config fields in `train --help`), TensorBoard, Weights & Biases (a fake wandb mo
 import dataclasses
 import errno
 import json
+import random
 import sys
 import threading
 import types
@@ -119,6 +120,15 @@ def test_tensorboard_scalars(tmp_path, dataset_dir, monkeypatch):
     history = loop.train(tiny_config(dataset_dir, steps=2, tensorboard=True), tmp_path / "run", echo=False)
     events = EventAccumulator(str(tmp_path / "run" / "tensorboard")).Reload()
     assert [e.value for e in events.Scalars("train/loss")] == pytest.approx([m["loss"] for m in history])
+    hook = threading.excepthook  # a second run in this process wraps it no further
+    loop.train(tiny_config(dataset_dir, steps=1, tensorboard=True), tmp_path / "again", echo=False)
+    assert threading.excepthook is hook
+    step, stop_at = loop.train_step, random.randint(0, 1)  # a failed call (Ctrl-C in a notebook) ends its writer thread too
+    monkeypatch.setattr(loop, "train_step", lambda run, i, stop: step(run, i, stop) if i < stop_at else exec("raise KeyboardInterrupt"))
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(tiny_config(dataset_dir, steps=2, tensorboard=True), tmp_path / "stopped", echo=False)
+    assert not [t for t in threading.enumerate() if type(t).__module__.startswith("tensorboard")]
+    monkeypatch.setattr(loop, "train_step", step)
     # a full disk under its writer thread: one error naming the directory, no thread traceback
     from tensorboard.summary.writer.record_writer import RecordWriter
 

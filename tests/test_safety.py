@@ -6,19 +6,30 @@ killed run leaves behind. Signals, kill -9 and the launcher are in test_faults.p
 import pytest
 import json
 import os
+import random
 import shutil
 import socket
 import subprocess
+import threading
 
 import numpy as np
 
 from cli_util import cli, one_line_error, write_config
+from conftest import tiny_config
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import loop
 from pithtrain.train.metrics import read_metrics
-from pithtrain.train.rundir import RunLock
+from pithtrain.train.rundir import RunLock, owned
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
+
+
+def _refusal(call) -> list:
+    try:
+        call()
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def files_of(path):
@@ -67,8 +78,13 @@ def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, c
     (hf / "model.safetensors").write_bytes(b"weights")
     err = cli(["train", cfg, "--out", hf], capsys, code=2)[1]
     one_line_error(err, f"--out {hf} is neither empty nor a PithTrain run directory", "run.lock, checkpoints/ or metrics.jsonl")
+    config = tiny_config(dataset_dir, steps=1)  # the Python API takes only such a directory too, and one writer
+    with pytest.raises(ValueError, match="neither empty nor a PithTrain run directory"):
+        loop.train(config, hf, echo=False)
     assert (hf / "config.json").read_text() == '{"model_type": "qwen3_moe"}' and sorted(os.listdir(hf)) == ["config.json", "model.safetensors"]
     one_line_error(cli(["train", cfg, "--out", cfg], capsys, code=2)[1], f"--out {cfg} is a file")
+    under = os.path.join(cfg, *random.choice([["sub"], ["a", "b"]]))  # a file on the way: named, not "[Errno 20]"
+    one_line_error(cli(["train", cfg, "--out", under], capsys, code=2)[1], f"--out {under}: {cfg} is a file, not a directory")
     empty = tmp_path / "empty"
     empty.mkdir()
     cli(["train", cfg, "--out", empty], capsys)
@@ -76,7 +92,24 @@ def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, c
     lock = RunLock(empty)  # a live writer: a second train is refused, naming it
     err = cli(["train", cfg, "--out", empty], capsys, code=2)[1]
     one_line_error(err, f"run directory {empty} is in use by pid {os.getpid()} on host {socket.gethostname()}")
+    with pytest.raises(ValueError, match=f"run directory {empty} is in use by pid {os.getpid()}"):
+        loop.train(config, empty, echo=False)
     lock.release()
+    with owned(empty):  # as the CLI holds it around loop.train: a train on another thread is a second writer, refused
+        refused = []
+        worker = threading.Thread(target=lambda: refused.extend(_refusal(lambda: loop.train(config, empty, echo=False))))
+        worker.start()
+        worker.join()
+        assert refused and refused[0].startswith(f"run directory {empty} is in use by pid {os.getpid()}"), refused
+    steps = random.randint(2, 3)  # the caller's config is left as it was; the lock is released after the run
+    assert len(loop.train(config, empty, steps=steps, echo=False)) == steps - 1 and config.train.steps == 1
+    assert (empty / "run.lock").read_text() == ""
+    with pytest.raises(ValueError, match="config: expected a RunConfig, got str; read a run file with"):
+        loop.train(cfg, tmp_path / "new", echo=False)
+    config.train.device = "tpu"  # set after the run file was read: set_up picks the device before it validates
+    with pytest.raises(ValueError, match="train.device='tpu': use auto, cpu or cuda"):
+        loop.train(config, tmp_path / "new", echo=False)
+    assert not (tmp_path / "new").exists()  # the run directory it made, removed again
     for inside in (empty / "checkpoints", next((empty / "checkpoints").iterdir())):  # the run's folders: named, not entered
         one_line_error(cli(["train", cfg, "--out", inside], capsys, code=2)[1],
                        f"--out {inside} lies inside the run directory {empty}; pass --out {empty} to resume")

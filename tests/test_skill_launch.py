@@ -5,6 +5,7 @@ import contextlib
 import importlib.util
 import io
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 
 from dist_util import run_fn
+from pithtrain.train.rundir import RunLock
 
 SCRIPT = ".agents/skills/launch-multi-node/preflight.py"
 CONFIG = "examples/qwen3_tiny.py"  # global batch 16, micro 8, 8 experts; its data is never read
@@ -36,6 +38,8 @@ def load_module():
 def test_preflight_passes(tmp_path):
     # DualPipeV needs 2*pp = 4 micro-batches per data rank: 16 / (micro 2 x 2 data ranks) = 4
     out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.lock").write_text("")  # a run directory no run holds: free for the launch, so a PASS (rank 0 alone probes it)
     result, _ = preflight("--nproc", "4", "--pp", "2", "--ep", "2", "--set", "train.micro_batch_size=2",
                           "--set", f"data.path={tmp_path}", "--out", str(out))  # a directory on every host
     text = result.stdout
@@ -68,7 +72,7 @@ def test_preflight_fails_fast_on_impossible_mesh():
 
 
 @pytest.mark.fast
-def test_preflight_config_errors_start_nothing(monkeypatch, capsys):
+def test_preflight_config_errors_start_nothing(monkeypatch, capsys, tmp_path):
     module = load_module()
     started = []
     monkeypatch.setattr(module, "launch_local", lambda *a: started.append("launch") or 0)
@@ -81,6 +85,15 @@ def test_preflight_config_errors_start_nothing(monkeypatch, capsys):
     assert "parallel.pp=2 needs at least 2*pp = 4 micro-batches per data rank" in capsys.readouterr().out
     assert module.main([CONFIG, "--set", "train.stepz=3"]) == 1
     assert "unknown field 'stepz'" in capsys.readouterr().out
+    other = tmp_path / random.choice(["hf", "a/b"])  # an --out train refuses: a directory of other files, a run a live process holds
+    other.mkdir(parents=True)
+    (other / "config.json").write_text("{}")
+    assert module.main([CONFIG, "--nproc", "2", "--ep", "2", "--out", str(other)]) == 1
+    assert capsys.readouterr().out.startswith(f"FAIL: --out {other} is neither empty nor a PithTrain run directory")
+    lock = RunLock(tmp_path / "run")
+    assert module.main([CONFIG, "--nproc", "2", "--ep", "2", "--out", str(tmp_path / "run")]) == 1
+    assert capsys.readouterr().out.startswith(f"FAIL: run directory {tmp_path / 'run'} is in use by pid {os.getpid()}")
+    lock.release()
     assert started == []
     assert module.main([CONFIG, "--nproc", "2", "--set", "train.micro_batch_size=4"]) == 0
     assert started == ["launch"]

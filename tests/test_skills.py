@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import subprocess
 import sys
 import types
@@ -70,6 +71,12 @@ def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, caps
     assert not (tmp_path / "w").exists() and "$ " not in meshes.stdout  # nothing trained
     shared = compare("examples/qwen3_tiny.py", "--steps", 4, "--a", "--nproc 1 --out=x", "--b", "--nproc 1", "--work", tmp_path / "w")
     assert shared.returncode == 1 and shared.stdout.startswith("FAIL: run a (--nproc 1 --out=x): --out is the script's own")
+    assert not (tmp_path / "w").exists() and not Path("x").exists()
+    for given, said in ((random.choice(["--ou x", "--out x"]), "--out is the script's own"), ("--step 3", "--steps is the"),
+                        ("--stop 2", "--stop-after is the"), (random.choice(["--dry", "--dry-run"]), "--dry-run trains nothing"),
+                        ("--print", "--print-config trains nothing")):  # as argparse reads them: abbreviated too
+        out = compare("examples/qwen3_tiny.py", "--steps", 4, "--a", "--nproc 1", f"--b={given}", "--work", tmp_path / "w")
+        assert out.returncode == 1 and out.stdout.startswith(f"FAIL: run b ({given}): {said}"), out.stdout
     assert not (tmp_path / "w").exists() and not Path("x").exists()
     for bad in ("nan", "-1"):
         assert compare("--metrics", tmp_path / "a.jsonl", tmp_path / "a.jsonl", "--rtol", bad).returncode == 2
@@ -294,7 +301,7 @@ def test_add_new_model_parity_script_refuses_bad_configs_before_building(tmp_pat
         out = run_script(script, tmp_path / name)
         assert out.returncode == 1 and out.stdout.startswith(f"FAIL: {tmp_path / name}") and says in out.stdout, (name, out.stdout)
         assert len(out.stdout.splitlines()) == 1, out.stdout
-    for flag, value in (("--seq", 0), ("--batch", -1), ("--std", "nan"), ("--work", tmp_path / "bad.json")):
+    for flag, value in (("--seq", 0), ("--seq", 1), ("--batch", -1), ("--std", "nan"), ("--work", tmp_path / "bad.json")):
         assert run_script(script, tmp_path / "abc.json", flag, value).returncode == 2
         assert f"argument {flag}: " in capsys.readouterr().err
 
@@ -836,6 +843,10 @@ def test_compile_kernels_records_launches_and_reports_compile_failures(tmp_path)
                           cwd=tmp_path)
     assert none.returncode == 1 and none.stdout.splitlines()[-1].startswith(
         "FAIL: -k 'no_such_case' selects no interpreter case (list them: pytest --collect-only -q"), none.stdout + none.stderr
+    expr = random.choice(["and or", "not", "(a"])  # not an expression: said so, not "the interpreter cases failed"
+    bad = subprocess.run([sys.executable, script, "-k", expr], capture_output=True, text=True)
+    assert bad.returncode == 1 and bad.stdout.splitlines()[-1] == f"FAIL: -k {expr!r} is not a pytest -k expression (its message " \
+        "is above), e.g. -k 'cross_entropy'", bad.stdout + bad.stderr
 
 
 def test_train_throughput_refuses_bad_ab_switches_before_any_gpu_work(monkeypatch, capsys):

@@ -110,6 +110,7 @@ def test_debug_divergence_refuses_what_it_cannot_diagnose_before_any_run(tmp_pat
     (tmp_path / "text" / "metrics.jsonl").write_text("oops\n")
     for args, says in [(["--run", tmp_path / "none"], f"--run {tmp_path / 'none'}: no metrics.jsonl (not a run directory)"),
                        (["--run", tmp_path / "empty"], f"--run {tmp_path / 'empty'}: metrics.jsonl logs no step; nothing to diagnose"),
+                       (["--run", tmp_path / "empty" / "metrics.jsonl"], f"--run {tmp_path / 'empty'}: metrics.jsonl logs no"),
                        (["--run", tmp_path / "text"], f"--run: {tmp_path / 'text' / 'metrics.jsonl'} line 1 is not JSON (Expecting value)"),
                        (["--args", "--nproc 3 --ep 2"], "the run (--nproc 3 --ep 2): mesh pp=1 x cp=1 x ep=2 = 2 does not divide")]:
         out = run_script(DIVERGENCE, config, "--steps", 300, "--factors", "dtype", "--work", tmp_path / "w", *args)

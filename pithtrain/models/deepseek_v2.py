@@ -194,6 +194,7 @@ class DeepseekV2Config:
         return unread + (["topk_method='noaux_tc' (its correction bias)"] if self.topk_method == "noaux_tc" else [])
 
     def build_model(self, layer_ids=None, embed: bool = True, head: bool = True) -> "DeepseekV2Model":
+        self.validate()  # a config edited after its run file was read: its field named, not torch's error in forward
         return DeepseekV2Model(self, layer_ids, embed, head)
 
 

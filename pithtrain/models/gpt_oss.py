@@ -148,6 +148,7 @@ class GptOssConfig:
                                "model_type": self.model_type, "architectures": ["GptOssForCausalLM"], "dtype": "float32"}
 
     def build_model(self, layer_ids=None, embed: bool = True, head: bool = True) -> "GptOssModel":
+        self.validate()  # a config edited after its run file was read: its field named, not torch's error in forward
         return GptOssModel(self, layer_ids, embed, head)
 
 

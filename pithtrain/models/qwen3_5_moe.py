@@ -150,6 +150,7 @@ class Qwen3_5MoeConfig:
         return out
 
     def build_model(self, layer_ids=None, embed: bool = True, head: bool = True) -> "Qwen3_5MoeModel":
+        self.validate()  # a config edited after its run file was read: its field named, not torch's error in forward
         return Qwen3_5MoeModel(self, layer_ids, embed, head)
 
 

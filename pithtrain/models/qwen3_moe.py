@@ -103,6 +103,7 @@ class Qwen3MoeConfig:
                                "architectures": ["Qwen3MoeForCausalLM"], "dtype": "float32"}
 
     def build_model(self, layer_ids=None, embed: bool = True, head: bool = True) -> "Qwen3MoeModel":
+        self.validate()  # a config edited after its run file was read: its field named, not torch's error in forward
         return Qwen3MoeModel(self, layer_ids, embed, head)
 
 

@@ -287,13 +287,18 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
 def evaluate(model, tokens: torch.Tensor, batch_size: int = 8, device: str | torch.device = "cpu") -> tuple[float, int]:
     """Mean next-token cross-entropy over tokens [B, S] (predicting tokens[:, 1:]); returns (loss, count)."""
     vocab = model.cfg.vocab_size
+    if not (isinstance(tokens, torch.Tensor) and tokens.ndim == 2 and tokens.shape[0] >= 1 and tokens.shape[1] >= 2
+            and not tokens.is_floating_point() and tokens.dtype != torch.bool) or not (isinstance(batch_size, int) and batch_size >= 1):
+        got = f"{tokens.dtype} {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+        raise ValueError(f"tokens: expected integer ids as a torch.Tensor [batch >= 1, seq >= 2], got {got}, and batch_size "
+                         f">= 1, got {batch_size}; e.g. from tools.hf.load_tokens (a dataset or .npy)")
     if int(tokens.max()) >= vocab or int(tokens.min()) < 0:
         raise ValueError(f"token ids must lie in [0, {vocab}); found {int(tokens.min())}..{int(tokens.max())}")
     model.eval().to(device)
     total, count, rows = 0.0, 0, tokens.shape[0]
     started = shown = time.perf_counter()
     for i in range(0, rows, batch_size):
-        chunk = tokens[i : i + batch_size].to(device)
+        chunk = tokens[i : i + batch_size].to(device, torch.int64)
         b, s = chunk.shape
         pos = torch.arange(s - 1, device=device).expand(b, s - 1)
         logits = model(chunk[:, :-1], pos, ExpertEngine(LocalDispatch()))

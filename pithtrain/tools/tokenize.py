@@ -83,9 +83,9 @@ def iter_documents(inputs: list[str], text_field: str = "text") -> Iterator[str]
     .json array, the column text_field of parquet files and `datasets`' save_to_disk directories, any other file's whole
     text. Empty documents (a null text too) and non-UTF-8 files (an error for a .jsonl) are skipped, the files counted in
     a warning, as are FIFOs, devices and broken links (never read)."""
-    paths = [Path(p) for p in inputs]
+    paths = [Path(p) for p in ([inputs] if isinstance(inputs, (str, os.PathLike)) else inputs)]  # one path given alone
     if missing := next((path for path in paths if not path.exists()), None):  # all up front: a typo fails before hours of work
-        raise FileNotFoundError(f"input {missing} not found")
+        raise UserError(f"input {missing} not found; check the path")  # a UserError: no write failed (disk_error)
     skipped, special = [], []
     for file in _input_files(paths):
         if file.is_dir() or file.suffix.lower() == ".parquet":

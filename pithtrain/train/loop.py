@@ -5,6 +5,7 @@ terms) is composed in one place, `protocol.LossTerms`, whatever the micro-batch 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -40,9 +41,11 @@ from pithtrain.train.debug import MemoryRecorder, NormLog, chosen_steps
 from pithtrain.train.metrics import (MetricsLog, flops_per_token, model_sizes, peak_memory_bytes, read_metrics,
                                      reset_peak_memory)
 from pithtrain.train.optim import build_optimizer, lr_at, optimizer_step, takes_muon
+from pithtrain.train.rundir import owned
 
 
 def pick_device(name: str, field: str = "train.device") -> torch.device:
+    check(name in ("auto", "cpu", "cuda"), f"{field}={name!r}: use auto, cpu or cuda")  # before validate (set_up): not torch's
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"{field}=cuda but no CUDA device is visible; use {field}=auto or cpu")
     if name == "auto":
@@ -115,6 +118,13 @@ class Run:
     runner: PipelineRunner | None = None
     engines: list = dataclasses.field(default_factory=list)
 
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, failed, *_) -> None:  # the log's writer thread and W&B run end with a failed call too (a notebook's)
+        with contextlib.suppress(Exception) if failed else contextlib.nullcontext():
+            self.log.close()
+
     def new_engine(self, batch: int, seq: int) -> ExpertEngine:
         self.engines.append(ExpertEngine(self.dispatcher, self.balance, batch, seq))
         return self.engines[-1]
@@ -150,54 +160,60 @@ def train(config: RunConfig, out_dir: str | Path, steps: int | None = None, echo
     """Train (resuming from the newest intact checkpoint in out_dir); returns this run's per-step metrics. `stop_after`
     ends the run early (with a checkpoint) without changing the schedule of `train.steps`. `mesh` is None for one
     process; launched runs pass the mesh built by `init_mesh`. `stop` (see launch.GracefulStop): once its `signum` is
-    set on any rank, every rank ends after the same step, with a checkpoint, and `stop.stopped_at` is that step."""
-    began, run = time.time(), set_up(config, Path(out_dir), steps, echo, stop_after, mesh)
-    t, device = config.train, run.mesh.device
-    history, profiler, memory = [], None, None
-    first_done = None  # (time, step) at the end of this run's first step: the ETA's rate excludes its warm-up
-    tflop_per_gpu = flops_per_token(config.model, config.data.seq_len) / run.mesh.world / 1e12  # a global token's share
-    for step in range(run.start, run.end):
-        if t.profile_step and step + 1 == t.profile_step:
-            drain(device)  # the last step's optimizer may still run (train_step): keep it out of this step's trace
-            profiler = start_profiler(device)
-        if run.capture and step + 1 == run.capture[0] and device.type == "cuda":
-            drain(device)
-            torch.cuda.profiler.start()
-        if step + 1 == run.memory_step:
-            memory = MemoryRecorder(device)
-        t0 = time.perf_counter()
-        out = train_step(run, step, stop)
-        dt = time.perf_counter() - t0
-        m = {"step": step + 1, "loss": out.loss, **out.aux, "lr": out.lr, "grad_norm": out.grad_norm,
-             "tokens_per_s": out.n_tokens / dt, "tflops_per_gpu": out.n_tokens / dt * tflop_per_gpu, "step_time_s": dt,
-             "peak_mem_bytes": peak_memory_bytes(device), "tokens": out.n_label}
-        if out.ep_balance is not None:
-            m["ep_load_balance"] = out.ep_balance
-        if isinstance(run.loader, BlendLoader):  # each dataset's share, in data.path's order
-            m["dataset_tokens"] = run.loader.dataset_tokens(step)
-        if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
-            m["eval_loss"] = evaluate(run.chunks or (run.model,), run.runner, run.evaluation, config, run.mesh,
-                                      run.dispatcher, run.dtype)
-        m["time"] = now = time.time()
-        first_done = first_done or (now, step + 1)
-        rate = (now - first_done[0]) / (step + 1 - first_done[1]) if step + 1 > first_done[1] else time.perf_counter() - t0
-        history.append(m)
-        write_instruments(run, step, memory, profiler)
-        memory = profiler = None
-        shown = step - run.start < 3 or (step + 1) % t.log_every == 0 or step + 1 in (t.steps, run.end) or "eval_loss" in m
-        warming = t.compile and step + 1 == first_done[1] and step + 1 < run.end  # compiling: its time says nothing of the rest
-        run.log.log(m, t.steps, echo=run.echo and shown, elapsed=now - began, eta=None if warming else rate * (run.end - step - 1))
-        halt = out.halt
-        if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < run.end or halt and t.checkpoint_every >= 0:
-            run.save(step + 1)
-            halt = halt or stop is not None and signalled(stop, run.mesh)  # one came during the save: no step and save more
-        if halt:
-            stop.stopped_at = step + 1
-            break
-    else:
-        end_of_run(run)
-    run.log.close()
-    return history
+    set on any rank, every rank ends after the same step, with a checkpoint, and `stop.stopped_at` is that step.
+    `steps` overrides train.steps in a copy: the caller's config is left as it was."""
+    check(isinstance(config, RunConfig), f"config: expected a RunConfig, got {type(config).__name__}; read a run file "
+          "with pithtrain.config.load_run_config(path)")
+    config = config if steps is None else dataclasses.replace(config, train=dataclasses.replace(config.train, steps=steps))
+    out_dir, began = Path(out_dir), time.time()
+    # one process of its own (a notebook; the CLI holds the lock already): one writer per run directory here too
+    with owned(out_dir, print if echo else lambda line: None) if mesh is None else contextlib.nullcontext(), \
+            set_up(config, out_dir, echo, stop_after, mesh) as run:
+        t, device = config.train, run.mesh.device
+        history, profiler, memory = [], None, None
+        first_done = None  # (time, step) at the end of this run's first step: the ETA's rate excludes its warm-up
+        tflop_per_gpu = flops_per_token(config.model, config.data.seq_len) / run.mesh.world / 1e12  # a global token's share
+        for step in range(run.start, run.end):
+            if t.profile_step and step + 1 == t.profile_step:
+                drain(device)  # the last step's optimizer may still run (train_step): keep it out of this step's trace
+                profiler = start_profiler(device)
+            if run.capture and step + 1 == run.capture[0] and device.type == "cuda":
+                drain(device)
+                torch.cuda.profiler.start()
+            if step + 1 == run.memory_step:
+                memory = MemoryRecorder(device)
+            t0 = time.perf_counter()
+            out = train_step(run, step, stop)
+            dt = time.perf_counter() - t0
+            m = {"step": step + 1, "loss": out.loss, **out.aux, "lr": out.lr, "grad_norm": out.grad_norm,
+                 "tokens_per_s": out.n_tokens / dt, "tflops_per_gpu": out.n_tokens / dt * tflop_per_gpu, "step_time_s": dt,
+                 "peak_mem_bytes": peak_memory_bytes(device), "tokens": out.n_label}
+            if out.ep_balance is not None:
+                m["ep_load_balance"] = out.ep_balance
+            if isinstance(run.loader, BlendLoader):  # each dataset's share, in data.path's order
+                m["dataset_tokens"] = run.loader.dataset_tokens(step)
+            if t.eval_every and ((step + 1) % t.eval_every == 0 or step + 1 == t.steps):
+                m["eval_loss"] = evaluate(run.chunks or (run.model,), run.runner, run.evaluation, config, run.mesh,
+                                          run.dispatcher, run.dtype)
+            m["time"] = now = time.time()
+            first_done = first_done or (now, step + 1)
+            rate = (now - first_done[0]) / (step + 1 - first_done[1]) if step + 1 > first_done[1] else time.perf_counter() - t0
+            history.append(m)
+            write_instruments(run, step, memory, profiler)
+            memory = profiler = None
+            shown = step - run.start < 3 or (step + 1) % t.log_every == 0 or step + 1 in (t.steps, run.end) or "eval_loss" in m
+            warming = t.compile and step + 1 == first_done[1] and step + 1 < run.end  # compiling: its time says nothing of the rest
+            run.log.log(m, t.steps, echo=run.echo and shown, elapsed=now - began, eta=None if warming else rate * (run.end - step - 1))
+            halt = out.halt
+            if t.checkpoint_every > 0 and (step + 1) % t.checkpoint_every == 0 and step + 1 < run.end or halt and t.checkpoint_every >= 0:
+                run.save(step + 1)
+                halt = halt or stop is not None and signalled(stop, run.mesh)  # one came during the save: no step and save more
+            if halt:
+                stop.stopped_at = step + 1
+                break
+        else:
+            end_of_run(run)
+        return history
 
 
 def signalled(stop, mesh: Mesh) -> bool:
@@ -208,12 +224,9 @@ def signalled(stop, mesh: Mesh) -> bool:
     return bool(flag)
 
 
-def set_up(config: RunConfig, out_dir: Path, steps: int | None, echo: bool, stop_after: int | None,
-           mesh: Mesh | None) -> Run:
+def set_up(config: RunConfig, out_dir: Path, echo: bool, stop_after: int | None, mesh: Mesh | None) -> Run:
     """Everything before the first step: debug settings, mesh, checks (check_run), model or pipeline chunks
     (build_model), optimizer, resume, the startup line."""
-    if steps is not None:
-        config.train.steps = steps
     t, o = config.train, config.optim
     device, capture = pick_device(t.device), cuda_profiler_steps()
     memory_step = os.environ.get("PITHTRAIN_DEBUG_MEMORY") or "0"  # the debug-memory skill's step

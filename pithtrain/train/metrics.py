@@ -99,8 +99,10 @@ class MetricsLog:
 
                 # purge_step: TensorBoard hides the earlier event files' steps from here on (a killed attempt's)
                 hook = threading.excepthook  # its writer thread's failed write: raised by the next call, said there
-                threading.excepthook = lambda a: None if isinstance(a.exc_value, OSError) and \
-                    type(a.thread).__module__.startswith("tensorboard") else hook(a)
+                if not hasattr(hook, "quiet_tensorboard"):  # once: not one more wrapper each run of a process
+                    threading.excepthook = lambda a: None if isinstance(a.exc_value, OSError) and \
+                        type(a.thread).__module__.startswith("tensorboard") else hook(a)
+                    threading.excepthook.quiet_tensorboard = True
                 self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=start + 1)
             except OSError as e:
                 raise disk_error(e, Path(out_dir) / "tensorboard", then="run again (or set train.tensorboard=false)") or e

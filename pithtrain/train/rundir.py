@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import socket
+import threading
 from pathlib import Path
 
 from pithtrain.config import disk_error
@@ -132,6 +133,8 @@ def check_out(out: Path) -> None:
                          "directory, or pass another --out")
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; pass a directory (new, empty, or a PithTrain run directory)")
+    if not out.exists() and (up := next((p for p in out.parents if p.exists()), None)) and not up.is_dir():
+        raise ValueError(f"--out {out}: {up} is a file, not a directory; choose another --out")
     if out.is_dir() and any(out.iterdir()) and not is_run_dir(out):
         if run := next((p for p in list(out.parents)[:2] if is_run_dir(p)), None):  # its checkpoints/ or a step of them
             raise ValueError(f"--out {out} lies inside the run directory {run}; pass --out {run} to resume that run, "
@@ -157,3 +160,39 @@ def claim(out: Path, echo=print) -> RunLock:
         raise ValueError(f"{out / 'checkpoints'}: no checkpoint has its meta.json ({', '.join(sorted(p.name for p in done))}): "
                          f"none can be resumed; move or delete that directory to start over, or choose another --out")
     return lock
+
+
+_OWNED: dict[Path, int] = {}  # the run directories an `owned` holds now, each with its thread
+
+
+@contextlib.contextmanager
+def owned(out: Path, echo=print):
+    """`out` claimed for one run and released after it, unless an `owned` of this thread holds it already
+    (the CLI's, around loop.train); a directory this made is removed again if the run ended before its first step."""
+    if _OWNED.get(key := out.resolve()) == threading.get_ident():  # another thread's run is another writer: refused
+        yield
+        return
+    created, lock = not out.exists(), claim(out, echo)  # in this order: claim makes the directory
+    _OWNED[key] = threading.get_ident()
+    try:
+        yield
+    finally:
+        _OWNED.pop(key, None)
+        if created:
+            drop_unused(out)
+        lock.release()
+
+
+def drop_unused(out: Path) -> None:
+    """Remove the run directory a run created if it ended before its first step: then it holds only
+    what train wrote on the way (lock, config.json, an empty checkpoints/...), nothing to resume."""
+    ours = {LOCK, "config.json", "run_config.json", "checkpoints", "tensorboard", "wandb", "wandb_id"}
+    if not out.is_dir() or {p.name for p in out.iterdir()} - ours or any((out / "checkpoints").glob("*")):
+        return
+    for name in ("config.json", "run_config.json", "wandb_id"):
+        (out / name).unlink(missing_ok=True)
+    for name in ("checkpoints", "tensorboard", "wandb"):
+        shutil.rmtree(out / name, ignore_errors=True)
+    (out / LOCK).unlink()  # still held: a process that opens it now makes a new file, and then OUT stays
+    with contextlib.suppress(OSError):
+        out.rmdir()

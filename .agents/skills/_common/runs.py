@@ -153,9 +153,12 @@ def check_train(what: str, *args, **kwargs) -> str | None:
     try:
         argv = train_args(*args, **kwargs)
         extra = shlex.split(args[3] if len(args) > 3 else kwargs.get("extra", ""))
-        owned = next((f for f in ("--out", "--steps", "--stop-after") if any(a.split("=")[0] == f for a in extra)), None)
+        alone = build_parser().parse_args(["train", "CONFIG", *extra])  # as argparse reads them: --ou is --out
+        owned = next((f"--{f.replace('_', '-')}" for f in ("out", "steps", "stop_after") if getattr(alone, f) is not None), None)
         if owned:  # a second --out would make the runs share one directory
             return f"{what}: {owned} is the script's own (each run gets its directory and the same steps); leave it out"
+        if alone.dry_run or alone.print_config:
+            return f"{what}: --{'dry-run' if alone.dry_run else 'print-config'} trains nothing; leave it out"
         parsed = build_parser().parse_args(argv)
     except (SystemExit, ValueError) as e:  # argparse's own message is above; a shlex quote error is not
         return f"{what}: not `pithtrain train` arguments{f' ({e})' if isinstance(e, ValueError) else ''}"

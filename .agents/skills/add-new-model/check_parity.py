@@ -68,7 +68,8 @@ def read_source(source: Path) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("source", type=Path, help="an HF directory, or a config.json to instantiate with random weights")
-    parser.add_argument("--seq", type=runs.COUNT, default=17)
+    parser.add_argument("--seq", type=runs.number(int, low=2), default=17,  # one token: no mask, no relative position
+                        help="tokens a row (at least 2: one checks neither the causal mask nor RoPE)")
     parser.add_argument("--batch", type=runs.COUNT, default=2)
     parser.add_argument("--std", type=runs.POSITIVE, default=0.2, help="random weights: std (large => non-trivial routing)")
     parser.add_argument("--work", type=runs.WORK_DIR, help="directory for the HF copies, kept (default: a temporary one, removed at the end)")

@@ -148,6 +148,8 @@ def main():
     if code == 5:
         return runs.verdict(False, f"-k {args.expr!r} selects no interpreter case (list them: pytest --collect-only -q "
                                    "tests/triton_interpreter_cases.py tests/attention_interpreter_cases.py)")
+    if code == 4:  # pytest's usage error: the expression itself
+        return runs.verdict(False, f"-k {args.expr!r} is not a pytest -k expression (its message is above), e.g. -k 'cross_entropy'")
     if code != 0 or not collector.launches:
         return runs.verdict(False, "no kernel launched" if code == 0 else f"the interpreter cases failed (pytest exit {code})")
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:

@@ -153,6 +153,8 @@ def main():
     cuda = torch.cuda.is_available() and config.train.device != "cpu"
     logged = None
     if args.run:  # the run's metrics, before anything runs
+        if Path(args.run).name == "metrics.jsonl" and Path(args.run).is_file():  # the run's log named, not its directory
+            args.run = str(Path(args.run).parent)
         if not (Path(args.run) / "metrics.jsonl").is_file():
             return runs.verdict(False, f"--run {args.run}: no metrics.jsonl (not a run directory)")
         try:

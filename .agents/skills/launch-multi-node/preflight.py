@@ -37,6 +37,7 @@ import torch
 
 from pithtrain.cli import build_parser, train_config
 from pithtrain.config import ConfigError, UserError, data_parts, validate
+from pithtrain.train.rundir import check_out, check_unheld
 
 NUMEL, ITERS = 4096, 3  # int64 elements per block; checked iterations per collective (the first sets up links)
 
@@ -221,12 +222,16 @@ def main(argv=None) -> int:
         existing = next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists()), None) if args.out else None
         if existing is not None and not existing.is_dir():
             raise ConfigError(f"--out {args.out}: {existing} is a file, not a directory; choose a directory that every node mounts")
+        if args.out:  # what `pithtrain train` refuses there (a directory of other files, one a live run holds)
+            check_out(Path(args.out))
+            if rank == 0:  # one prober of the lock: ranks flocking it at once would see each other as its holder
+                check_unheld(Path(args.out))
         device = pick_device(config.train.device)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if launched else args.nproc
         if device.type == "cuda" and local > torch.cuda.device_count():
             raise ConfigError(f"{local} processes on {socket.gethostname()} but {torch.cuda.device_count()} GPUs "
                               f"visible: use --nproc-per-node (or --nproc) <= the GPU count, or --set train.device=cpu")
-    except (ConfigError, RuntimeError) as e:
+    except (ValueError, RuntimeError) as e:  # ConfigError, and rundir's refusals
         if rank == 0:
             print(f"FAIL: {e}")
         elif os.environ.get("LOCAL_RANK") == "0":  # one line per other node
