@@ -88,8 +88,8 @@ class FakeWandb(types.ModuleType):
     def log(self, data, step=None):
         self.calls.append(("log", step, data))
 
-    def finish(self):
-        self.calls.append(("finish",))
+    def finish(self, exit_code=None):
+        self.calls.append(("finish",) if exit_code is None else ("finish", exit_code))
 
 
 def test_wandb_logs_every_step_on_the_main_rank(tmp_path, dataset_dir, monkeypatch):
@@ -104,6 +104,11 @@ def test_wandb_logs_every_step_on_the_main_rank(tmp_path, dataset_dir, monkeypat
     fake.calls.clear()
     MetricsLog(tmp_path, tensorboard=False, enabled=False, wandb_project="moe").close()  # not the main rank
     assert fake.calls == []
+    step, stop_at = loop.train_step, random.randint(0, 1)  # a failed run (Ctrl-C, a crash) ends its W&B run as failed
+    monkeypatch.setattr(loop, "train_step", lambda run, i, stop: step(run, i, stop) if i < stop_at else exec("raise KeyboardInterrupt"))
+    with pytest.raises(KeyboardInterrupt):
+        loop.train(tiny_config(dataset_dir, steps=2, wandb_project="moe"), tmp_path / "failed", echo=False)
+    assert fake.calls[-1] == ("finish", 1), fake.calls
 
 
 def test_wandb_missing_is_refused_before_training(tmp_path, dataset_dir, capsys):

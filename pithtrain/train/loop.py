@@ -123,7 +123,7 @@ class Run:
 
     def __exit__(self, failed, *_) -> None:  # the log's writer thread and W&B run end with a failed call too (a notebook's)
         with contextlib.suppress(Exception) if failed else contextlib.nullcontext():
-            self.log.close()
+            self.log.close(failed is not None)
 
     def new_engine(self, batch: int, seq: int) -> ExpertEngine:
         self.engines.append(ExpertEngine(self.dispatcher, self.balance, batch, seq))

@@ -146,12 +146,12 @@ class MetricsLog:
         except OSError as e:  # a full disk, a deleted directory: what its writer thread met
             raise disk_error(e, self.writer.log_dir, then="run again (or set train.tensorboard=false)") or e
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         if self.writer is not None:
             with self._tensorboard():
                 self.writer.close()
-        if self.wandb is not None:
-            self.wandb.finish()
+        if self.wandb is not None:  # a failed run shows as failed there, not as finished
+            self.wandb.finish(exit_code=1) if failed else self.wandb.finish()
 
 
 WANDB_ID = "wandb_id"  # in the run directory: every attempt of the run logs to this one wandb run
