@@ -78,7 +78,9 @@ def disk_error(error: BaseException, path, removed=None, then: str = "run again"
         if not (named.startswith(where) or where.startswith(named + os.sep)):
             return None
     code = errno.errorcode.get(cause.errno, "")
-    gone = "its folder was moved or deleted during the run: put it back or choose another location"
+    gone = ("its folder takes no new files (a special filesystem such as /proc?): choose another location"
+            if isinstance(cause.filename, str) and os.path.isdir(os.path.dirname(os.path.abspath(cause.filename)))
+            else "its folder was moved or deleted during the run: put it back or choose another location")
     fix = _DISK_FIXES.get(cause.errno) or (gone if cause.errno == errno.ENOENT else "check the free space and permissions of that disk")
     return UserError(f"writing {path} failed: {cause.strerror or cause}{f' ({code})' if code else ''}"
                      f"{f'; removed {removed}' if removed else ''}; {fix}, then {then}")

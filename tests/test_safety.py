@@ -117,6 +117,8 @@ def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, c
     monkeypatch.setattr(loop, "lr_at", lambda *a: (shutil.rmtree(gone), 1e-3)[1])
     one_line_error(cli(["train", cfg, "--out", gone], capsys, code=2)[1], f"writing {gone / 'metrics.jsonl'} failed",
                    "its folder was moved or deleted during the run")
+    special = f"/proc/pithtrain-{os.getpid()}"  # a folder that takes no new files: not 'moved or deleted'
+    one_line_error(cli(["train", cfg, "--out", special], capsys, code=2)[1], "(ENOENT); its folder takes no new files")
 
 
 def test_checksums_name_damaged_checkpoints_and_resume_falls_back(tmp_path, dataset_dir, capsys):
