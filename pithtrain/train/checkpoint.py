@@ -410,7 +410,7 @@ def model_config(path: Path):
         cfg.validate()
     except (TypeError, ValueError) as e:  # a field of the wrong type or value (ConfigError is a ValueError)
         raise UserError(f"{path / 'config.json'}: {e}") from None
-    # PithTrain's own export of such a run has them (convert warned): read as written, said, as transformers computes otherwise
+    # read as written (PithTrain's export of such a run has them; convert warned then), but said: transformers ignores them
     if cfg.model_type == "deepseek_v2" and is_hf_dir(path) and (unread := cfg.transformers_ignores()):
         warnings.warn(f"{path / 'config.json'}: transformers' deepseek_v2 does not read {', '.join(unread)}; PithTrain "
                       "applies them, transformers computes another model (to match it, set scoring_func='softmax', "
