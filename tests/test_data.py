@@ -7,6 +7,7 @@ import os
 import random
 import subprocess
 import sys
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -434,6 +435,11 @@ def test_cli(tmp_path, capsys, monkeypatch):
     assert not busy.exists() and lock.read_text() == held
     assert run_tokenize(parser.parse_args([*again[:1], "--out", str(busy), *again[3:]])) == 0
     assert TokenDataset(busy).num_docs == 1 and not lock.exists()
+    lock.write_text("")  # a writer killed between making the lock and writing its pid: refused while fresh, then taken over
+    with pytest.raises(UserError, match=r"being written by pid \?"):
+        run_tokenize(parser.parse_args([*again[:1], "--out", str(busy), *again[3:], "--overwrite"]))
+    os.utime(lock, (time.time() - 61 - rng.integers(1000),) * 2)
+    assert run_tokenize(parser.parse_args([*again[:1], "--out", str(busy), *again[3:], "--overwrite"])) == 0 and not lock.exists()
     (Path(out) / "notes.txt").write_text("mine")
     with pytest.raises(UserError, match="notes.txt"):
         run_tokenize(parser.parse_args([*again, "--overwrite"]))

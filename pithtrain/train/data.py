@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import shutil
+import time
 from array import array
 from pathlib import Path
 from typing import Iterable, Sequence
@@ -82,8 +83,10 @@ def writer_lock(path):
     if " ".join(held) == me:  # ours: a nested call (tokenize, then write_dataset)
         yield
         return
-    if len(held) == 2 and held[0].isdigit() and not alive(int(held[0]), held[1]):
-        lock.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):  # its writer gone, or (empty for a minute) gone between making and writing it
+        if len(held) == 2 and held[0].isdigit() and not alive(int(held[0]), held[1]) or \
+                not held and time.time() - lock.stat().st_mtime > 60:
+            lock.unlink()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as f:  # closed on a failed write too
