@@ -28,7 +28,7 @@ from pithtrain.tools.tokenize import (
     unigram_entropy,
 )
 from pithtrain.train.data import BatchLoader, TokenDataset, dtype_for_vocab, write_dataset
-from pithtrain.train.rundir import _start_time
+from pithtrain.train.rundir import start_time
 
 pytestmark = pytest.mark.fast  # the fast tier (make test-fast)
 
@@ -428,7 +428,7 @@ def test_cli(tmp_path, capsys, monkeypatch):
     busy = tmp_path / f"busy{rng.integers(1000)}"
     lock = tmp_path / f".{busy.name}.lock"
     with subprocess.Popen(["sleep", "60"]) as other:
-        lock.write_text(held := f"{other.pid} {_start_time(other.pid)}")
+        lock.write_text(held := f"{other.pid} {start_time(other.pid)}")
         with pytest.raises(UserError, match=rf"{busy.name} is being written by pid {other.pid} .*wait for it"):
             run_tokenize(parser.parse_args([*again[:1], "--out", str(busy), *again[3:]]))
         other.kill()

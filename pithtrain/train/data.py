@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from pithtrain.config import UserError, data_parts, disk_error
-from pithtrain.train.rundir import _start_time, alive
+from pithtrain.train.rundir import start_time, alive
 
 FORMAT = "pithtrain-tokens-v1"
 TOKENS_FILE, OFFSETS_FILE, META_FILE, TOKENIZER_FILE = "tokens.bin", "doc_offsets.npy", "meta.json", "tokenizer.json"
@@ -75,7 +75,7 @@ def writer_lock(path):
     """One writer for dataset directory `path`: `.NAME.lock` beside it, made with O_EXCL and removed at the end, so a
     second writer is refused instead of replacing the first's output; one left by a process gone is taken over."""
     path = Path(os.path.abspath(path))
-    lock, me, made = path.parent / f".{path.name}.lock", f"{os.getpid()} {_start_time(os.getpid())}", False
+    lock, me, made = path.parent / f".{path.name}.lock", f"{os.getpid()} {start_time(os.getpid())}", False
     try:
         held = lock.read_text().split()  # empty: its writer is just starting
     except OSError:

@@ -26,7 +26,7 @@ def is_run_dir(path: Path) -> bool:
     return any((path / name).exists() for name in (LOCK, "checkpoints", "metrics.jsonl"))
 
 
-def _start_time(pid: int) -> str | None:
+def start_time(pid: int) -> str | None:
     """The process start time in clock ticks since boot (Linux), so that a reused pid is not taken for the holder."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
@@ -42,7 +42,7 @@ def alive(pid: int, start: str | None = None) -> bool:
         return False
     except PermissionError:
         pass  # another user's live process
-    now = _start_time(pid)
+    now = start_time(pid)
     return now is None or start in (None, now)
 
 
@@ -72,7 +72,7 @@ class RunLock:
             holder = holder if isinstance(holder["pid"], int) and isinstance(holder["host"], str) else None
         except (ValueError, TypeError, KeyError):  # empty, being written by a starting holder, or damaged
             holder = None
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "start": _start_time(os.getpid())}
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "start": start_time(os.getpid())}
         if holder and taken and holder["host"] == me["host"] and not alive(holder["pid"], holder.get("start")):
             self.note = f"note: took over the stale lock {self.path} of pid {holder['pid']} on {holder['host']} (no longer running)"
         elif holder or not taken:
