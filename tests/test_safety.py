@@ -16,6 +16,7 @@ import numpy as np
 
 from cli_util import cli, one_line_error, write_config
 from conftest import tiny_config
+from pithtrain.tools.hf import convert
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import loop
 from pithtrain.train.metrics import read_metrics
@@ -63,6 +64,8 @@ def test_convert_never_deletes_its_source_or_an_unrelated_directory(tmp_path, da
     for dst, held in ((run, "checkpoints"), (data, "tokens.bin"), (hf, "README.md")):  # not only an export: kept
         one_line_error(cli(["convert", run if dst == hf else hf, dst, "--overwrite"], capsys, code=2)[1],
                        "is not only an HF export or a checkpoint", held, "move the rest out")
+    with pytest.raises(ValueError, match="convert: overwrite='no'; pass True or False"):  # from Python: a true string
+        convert(run, ck, overwrite="no")
     assert {p: files_of(p) for p in (run, hf, ck, data)} == before
     (hf / "README.md").unlink()
     del before[hf]["README.md"]

@@ -151,6 +151,8 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
     and token ids of the dataset the run recorded, checked by `trained_on`; `tokenizer` False: the model alone). Returns
     the output and what it holds (the step exported). An existing non-empty `dst` is replaced only with `overwrite`, and
     never when it is, holds or lies in `src` (replacing it would delete the source)."""
+    if not isinstance(overwrite, bool):  # a string such as "no" is true: it must not replace DST
+        raise UserError(f"convert: overwrite={overwrite!r}; pass True or False")
     src, dst = Path(src), Path(os.path.abspath(dst))  # absolute: "." has a name, and a parent to write in
     a, b = src.resolve(), dst.resolve()
     if dst.is_symlink():
@@ -236,6 +238,8 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
     """Token ids [batch, seq], each below `vocab`, from a .npy array (its first rows, up to `max_tokens` tokens)
     or a token dataset directory (training's samples of `seq_len` + 1 tokens: all, or the last within `max_tokens`), refused
     when its tokenizer.json is not the model's (`tokenizer`: SHA-256 and file, as eval_setup gives)."""
+    if not (isinstance(seq_len, int) and seq_len >= 2):  # as eval's --seq-len (a 0 would divide by zero below)
+        raise UserError(f"seq_len {seq_len!r}: must be an int of at least 2")
     path = Path(path)
     if path.is_dir():
         try:
