@@ -49,9 +49,16 @@ def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, ex
     With the `dataset` the model trained on: its EOS as the bos/eos/pad ids of config.json and
     generation_config.json, and its tokenizer as files `AutoTokenizer.from_pretrained` reads.
     `extra`: more keys of config.json (`seq_length`: the training sequence length, eval's default rows). `files_of`: a
-    directory whose TOKENIZER_FILES are copied (a checkpoint convert made of an HF directory)."""
+    directory whose TOKENIZER_FILES are copied (a checkpoint convert made of an HF directory). An existing `out` is
+    replaced only when empty, an HF export or a checkpoint convert wrote, with no other files (as convert --overwrite)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
+    # convert checks its DST so before calling this; from Python too, never delete what an export did not write
+    held = (_kept(out) if out.is_dir() else []) + [  # and out.tmp, deleted below: only what an export writes
+        n for n in (os.listdir(tmp) if tmp.is_dir() else []) if not re.fullmatch(EXPORT_NAMES, n)]
+    if held or ckpt.is_checkpoint(out) and "source" not in read_json(out / "meta.json", "move it away"):
+        raise UserError(f"write_hf_dir: {out} or {tmp.name} holds {', '.join(held[:4]) or 'a training checkpoint'}, not only an HF "
+                        "export or a checkpoint convert wrote (all it replaces); move that out, or choose another out")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.hf_state_dict().items()}
