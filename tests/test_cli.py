@@ -145,7 +145,7 @@ def test_bad_inputs_give_clear_errors(tmp_path, capsys):
 
 
 @pytest.mark.fast
-def test_a_long_eval_reports_its_progress(monkeypatch, capsys):
+def test_a_long_eval_reports_its_progress(monkeypatch, capsys, tmp_path):
     """eval of many rows says on stderr how far it is (a CPU eval of a large dataset ran for minutes in silence), and its
     loss stays the plain cross-entropy of the model's logits."""
     from pithtrain.tools import hf
@@ -176,6 +176,13 @@ def test_a_long_eval_reports_its_progress(monkeypatch, capsys):
         with pytest.raises(ValueError, match=re.escape(got)):
             hf.evaluate(model, bad, batch_size=size)
     assert hf.evaluate(model, tokens.int(), batch_size=4) == (loss, count)  # int32 ids as int64
+    from pithtrain.train.data import write_dataset
+
+    write_dataset(tmp_path / "d", [tokens[i].tolist() for i in range(rows)], vocab_size=16, eos_id=None)
+    for bad in (0, 1, float(torch.randint(2, 9, ()))):  # rows of seq_len + 1 tokens: at least 2, as eval's --seq-len
+        with pytest.raises(ValueError, match=re.escape(f"seq_len {bad!r}: must be an int of at least 2")):
+            hf.load_tokens(tmp_path / "d", seq_len=bad)
+    assert hf.load_tokens(tmp_path / "d", seq_len=2).shape == ((rows * 9 - 1) // 2, 3)
 
 
 @pytest.mark.fast

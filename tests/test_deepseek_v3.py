@@ -316,6 +316,9 @@ def test_kimi_configs_load():
     assert DeepseekV3Config in families()
     with pytest.raises(ConfigError, match="text_config"):
         config_from_hf({"model_type": "kimi_k25"})
+    for bad in ([text], json.dumps(text)):  # a list, the file's text: what it takes, not an AttributeError
+        with pytest.raises(ConfigError, match=f"expected the dict of an HF config.json .*got {type(bad).__name__}$"):
+            config_from_hf(bad)
     with pytest.raises(ConfigError, match="quantization_config"):
         config_from_hf({**text, "quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(ConfigError, match="quantization_config 'compressed-tensors'"):  # K2.5's release: INT4 experts

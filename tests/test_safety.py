@@ -16,6 +16,7 @@ import numpy as np
 
 from cli_util import cli, one_line_error, write_config
 from conftest import tiny_config
+from pithtrain.tools.hf import convert, write_hf_dir
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import loop
 from pithtrain.train.metrics import read_metrics
@@ -63,6 +64,16 @@ def test_convert_never_deletes_its_source_or_an_unrelated_directory(tmp_path, da
     for dst, held in ((run, "checkpoints"), (data, "tokens.bin"), (hf, "README.md")):  # not only an export: kept
         one_line_error(cli(["convert", run if dst == hf else hf, dst, "--overwrite"], capsys, code=2)[1],
                        "is not only an HF export or a checkpoint", held, "move the rest out")
+    with pytest.raises(ValueError, match="convert: overwrite='no'; pass True or False"):  # from Python: a true string
+        convert(run, ck, overwrite="no")
+    (tmp_path / "y.tmp").mkdir()  # write_hf_dir from Python keeps them too, and what lies in its OUT.tmp
+    (tmp_path / "y.tmp" / "notes.txt").write_text("mine")
+    model, step = ckpt.load_model(run), ckpt.list_checkpoints(run)[-1]
+    for out, held in ((run, "checkpoints"), (data, "tokens.bin"), (hf, "README.md"), (tmp_path / "y", "notes.txt"),
+                      (step, "a training checkpoint")):
+        with pytest.raises(ValueError, match=f"write_hf_dir: {out} or {out.name}.tmp holds .*{held}.*choose another out"):
+            write_hf_dir(model, out)
+    assert (tmp_path / "y.tmp" / "notes.txt").read_text() == "mine" and not (tmp_path / "y").exists()
     assert {p: files_of(p) for p in (run, hf, ck, data)} == before
     (hf / "README.md").unlink()
     del before[hf]["README.md"]

@@ -1,6 +1,7 @@
 """The single-process training loop: loss, accumulation invariance, bit-exact resume, atomic checkpoints,
 non-finite stop, schedules, load-balance losses, and no host sync inside a layer."""
 
+import dataclasses
 import math
 import os
 import re
@@ -72,6 +73,15 @@ def test_resume_after_crash_is_bit_exact(tmp_path, dataset_dir):
     ckpt.read_model_state(ckpt.resolve_checkpoint(run), model_b)
     for (n, x), (_, y) in zip(model_a.state_dict().items(), model_b.state_dict().items()):
         assert torch.equal(x, y), n
+    # the Python API's bad inputs: one UserError naming the path, not DCP's traceback text or a bare OSError/TypeError
+    ck_a = ckpt.resolve_checkpoint(tmp_path / "a")
+    assert ckpt.model_config(str(ck_a)) == ckpt.model_config(ck_a)
+    change = [dict(hidden_size=48), dict(num_hidden_layers=3), dict(num_experts=8)][int(np.random.randint(3))]
+    with pytest.raises(UserError, match=f"checkpoint {re.escape(str(ck_a))} could not be read") as refused:
+        ckpt.read_model_state(ck_a, dataclasses.replace(tiny_config(dataset_dir).model, **change).build_model())
+    assert "architecture differs" in str(refused.value) and "\n" not in str(refused.value), change
+    with pytest.raises(UserError, match="nowhere is not a PithTrain checkpoint .*pass a directory under RUN/checkpoints/"):
+        ckpt.read_meta(tmp_path / "nowhere")
     # the newest checkpoint damaged: through the API too (echo off) it is set aside, so pruning to one keeps the new one
     with open(run / "checkpoints/step_00000006/__0_0.distcp", "r+b") as f:
         f.truncate(100)

@@ -17,6 +17,11 @@ def families() -> tuple[type, ...]:
 
 def config_from_hf(hf: dict):
     """The family config for an HF `config.json` dict: one branch a family."""
+    from pithtrain.config import ConfigError
+
+    if not isinstance(hf, dict):  # a list, or a path not yet read: .get below would end in an AttributeError
+        raise ConfigError("config_from_hf: expected the dict of an HF config.json (json.loads of its text; "
+                          f"checkpoint.model_config(DIR) reads a directory's), got {type(hf).__name__}")
     Qwen3MoeConfig, DeepseekV2Config, DeepseekV3Config, GptOssConfig, Qwen3_5MoeConfig = families()
     model_type = hf.get("model_type")
     text = hf.get("text_config") if isinstance(hf.get("text_config"), dict) else {}
@@ -25,9 +30,8 @@ def config_from_hf(hf: dict):
         if d.get("rope_scaling") and d.get("rope_parameters") and d["rope_scaling"] != d["rope_parameters"]:
             raise ValueError(f"model.rope_scaling={d['rope_scaling']} and model.rope_parameters={d['rope_parameters']} "
                              "differ (transformers uses rope_scaling); keep one of them in config.json")
+    # GPT-OSS's MXFP4 experts are dequantized as they load; no other's are
     if (quant := hf.get("quantization_config") or text.get("quantization_config")) and model_type != "gpt_oss":
-        from pithtrain.config import ConfigError  # GPT-OSS's MXFP4 experts are dequantized as they load; no other's are
-
         raise ConfigError(f"{model_type}: quantization_config {quant.get('quant_method') if isinstance(quant, dict) else quant!r}"
                           ": quantized checkpoints are not read; dequantize to bf16 first and drop quantization_config")
     if dropout:  # transformers drops attention weights in training; PithTrain has no dropout

@@ -49,9 +49,16 @@ def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, ex
     With the `dataset` the model trained on: its EOS as the bos/eos/pad ids of config.json and
     generation_config.json, and its tokenizer as files `AutoTokenizer.from_pretrained` reads.
     `extra`: more keys of config.json (`seq_length`: the training sequence length, eval's default rows). `files_of`: a
-    directory whose TOKENIZER_FILES are copied (a checkpoint convert made of an HF directory)."""
+    directory whose TOKENIZER_FILES are copied (a checkpoint convert made of an HF directory). An existing `out` is
+    replaced only when empty, an HF export or a checkpoint convert wrote, with no other files (as convert --overwrite)."""
     out = Path(out)
     tmp = out.with_name(out.name + ".tmp")
+    # convert checks its DST so before calling this; from Python too, never delete what an export did not write
+    held = (_kept(out) if out.is_dir() else []) + [  # and out.tmp, deleted below: only what an export writes
+        n for n in (os.listdir(tmp) if tmp.is_dir() else []) if not re.fullmatch(EXPORT_NAMES, n)]
+    if held or ckpt.is_checkpoint(out) and "source" not in read_json(out / "meta.json", "move it away"):
+        raise UserError(f"write_hf_dir: {out} or {tmp.name} holds {', '.join(held[:4]) or 'a training checkpoint'}, not only an HF "
+                        "export or a checkpoint convert wrote (all it replaces); move that out, or choose another out")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.hf_state_dict().items()}
@@ -151,6 +158,8 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
     and token ids of the dataset the run recorded, checked by `trained_on`; `tokenizer` False: the model alone). Returns
     the output and what it holds (the step exported). An existing non-empty `dst` is replaced only with `overwrite`, and
     never when it is, holds or lies in `src` (replacing it would delete the source)."""
+    if not isinstance(overwrite, bool):  # a string such as "no" is true: it must not replace DST
+        raise UserError(f"convert: overwrite={overwrite!r}; pass True or False")
     src, dst = Path(src), Path(os.path.abspath(dst))  # absolute: "." has a name, and a parent to write in
     a, b = src.resolve(), dst.resolve()
     if dst.is_symlink():
@@ -236,6 +245,8 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
     """Token ids [batch, seq], each below `vocab`, from a .npy array (its first rows, up to `max_tokens` tokens)
     or a token dataset directory (training's samples of `seq_len` + 1 tokens: all, or the last within `max_tokens`), refused
     when its tokenizer.json is not the model's (`tokenizer`: SHA-256 and file, as eval_setup gives)."""
+    if not (isinstance(seq_len, int) and seq_len >= 2):  # as eval's --seq-len (a 0 would divide by zero below)
+        raise UserError(f"seq_len {seq_len!r}: must be an int of at least 2")
     path = Path(path)
     if path.is_dir():
         try:

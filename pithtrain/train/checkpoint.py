@@ -221,6 +221,8 @@ def newest_intact(run_dir, report=print, fix: str = "move or delete that directo
 
 
 def read_meta(ckpt: str | Path) -> dict:
+    if not (Path(ckpt) / "meta.json").is_file():  # a bare FileNotFoundError would not say what to pass
+        raise UserError(f"{ckpt} is not a PithTrain checkpoint (no meta.json); pass a directory under RUN/checkpoints/")
     return json.loads((Path(ckpt) / "meta.json").read_text())
 
 
@@ -268,8 +270,13 @@ def read_model_state(ckpt: str | Path, model: torch.nn.Module) -> dict:
     """Load only the model weights of a checkpoint into a whole (unsharded) model."""
     live = model.state_dict()
     state = {"model": _split_experts(live, None)}
-    meta = load_checkpoint(ckpt, state)
-    model.load_state_dict(_join_experts(state["model"], live, None))
+    try:
+        meta = load_checkpoint(ckpt, state)
+        model.load_state_dict(_join_experts(state["model"], live, None))
+    except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
+        cause = dcp_cause(e)
+        raise UserError(f"checkpoint {ckpt} could not be read ({type(cause).__name__}: {cause}); it may be damaged, or "
+                        "its architecture differs from the model's (load_model(ckpt) builds a matching one)") from e
     return meta
 
 
@@ -400,8 +407,9 @@ def read_hf_state(path: str | Path, names_only: bool = False) -> dict[str, torch
     return state
 
 
-def model_config(path: Path):
+def model_config(path: str | Path):
     """The family config of the HF `config.json` in directory `path`, type-checked and validated."""
+    path = Path(path)
     if not isinstance(hf := read_json(path / "config.json", "re-download or re-export it"), dict):
         raise UserError(f"{path / 'config.json'} holds a JSON {type(hf).__name__}, not an object; re-download or re-export it")
     try:
@@ -446,9 +454,5 @@ def load_model(path: str | Path):
     model = model_config(ck).build_model()
     if (size := sum(f.stat().st_size for f in ck.glob("*.distcp"))) > BIG_READ:
         print(f"reading {ck} ({size / 1e9:.1f} GB) ...", file=sys.stderr, flush=True)
-    try:
-        read_model_state(ck, model)
-    except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
-        cause = dcp_cause(e)
-        raise UserError(f"checkpoint {ck} could not be read ({type(cause).__name__}: {cause}); it may be damaged") from e
+    read_model_state(ck, model)  # a failed read: a UserError naming ck
     return model
