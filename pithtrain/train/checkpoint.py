@@ -276,7 +276,7 @@ def read_model_state(ckpt: str | Path, model: torch.nn.Module) -> dict:
     except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
         cause = dcp_cause(e)
         raise UserError(f"checkpoint {ckpt} could not be read ({type(cause).__name__}: {cause}); it may be damaged, or "
-                        "its architecture differs from the model's (load_model(ckpt) builds a matching one)") from e
+                        "of another architecture than the model given (load_model builds the checkpoint's own)") from e
     return meta
 
 
