@@ -67,21 +67,13 @@ class RunLock:
             taken = False
         except OSError:  # no flock on this filesystem: the recorded holder decides alone
             taken = True
-        try:
-            holder = json.loads(os.pread(self.fd, 4096, 0) or b"null")
-            holder = holder if isinstance(holder["pid"], int) and isinstance(holder["host"], str) else None
-        except (ValueError, TypeError, KeyError):  # empty, being written by a starting holder, or damaged
-            holder = None
-        me = {"host": socket.gethostname(), "pid": os.getpid(), "start": start_time(os.getpid())}
+        holder, me = _holder(self.fd), {"host": socket.gethostname(), "pid": os.getpid(), "start": start_time(os.getpid())}
         if holder and taken and holder["host"] == me["host"] and not alive(holder["pid"], holder.get("start")):
             self.note = f"note: took over the stale lock {self.path} of pid {holder['pid']} on {holder['host']} (no longer running)"
         elif holder or not taken:
             os.close(self.fd)
-            who = f"pid {holder['pid']} on host {holder['host']}" if holder else "another process"
-            hint = ("wait for it to end or stop it" if not holder or holder["host"] == me["host"]
-                    else f"if that run is gone, delete {self.path}")
-            raise ValueError(f"run directory {self.path.parent} is in use by {who} (lock {self.path}); {hint}, "
-                             f"or choose another directory")
+            raise _in_use(self.path, holder, "wait for it to end or stop it" if not holder or holder["host"] == me["host"]
+                          else f"if that run is gone, delete {self.path}")
         try:
             os.ftruncate(self.fd, 0)
             os.pwrite(self.fd, json.dumps(me).encode(), 0)
@@ -104,6 +96,20 @@ class RunLock:
             self.fd = None
 
 
+def _holder(fd: int) -> dict | None:
+    """The writer an open run.lock names; None when it is empty, being written by a starting holder, or damaged."""
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0) or b"null")
+        return holder if isinstance(holder["pid"], int) and isinstance(holder["host"], str) else None
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+def _in_use(lock: Path, holder: dict | None, hint: str) -> ValueError:
+    who = f"pid {holder['pid']} on host {holder['host']}" if holder else "another process"
+    return ValueError(f"run directory {lock.parent} is in use by {who} (lock {lock}); {hint}, or choose another directory")
+
+
 def check_unheld(out: Path) -> None:
     """Refuse, as RunLock would, a run directory whose lock a live process holds; takes nothing."""
     try:
@@ -113,13 +119,7 @@ def check_unheld(out: Path) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released by the close below
     except BlockingIOError:
-        try:
-            holder = json.loads(os.pread(fd, 4096, 0) or b"null")
-            who = f"pid {holder['pid']} on host {holder['host']}"
-        except (ValueError, TypeError, KeyError):
-            who = "another process"
-        raise ValueError(f"run directory {out} is in use by {who} (lock {out / LOCK}); wait for it to end or stop "
-                         "it, or choose another directory") from None
+        raise _in_use(out / LOCK, _holder(fd), "wait for it to end or stop it") from None
     except OSError:
         pass  # no flock on this filesystem
     finally:
@@ -189,10 +189,8 @@ def drop_unused(out: Path) -> None:
     ours = {LOCK, "config.json", "run_config.json", "checkpoints", "tensorboard", "wandb", "wandb_id"}
     if not out.is_dir() or {p.name for p in out.iterdir()} - ours or any((out / "checkpoints").glob("*")):
         return
-    for name in ("config.json", "run_config.json", "wandb_id"):
-        (out / name).unlink(missing_ok=True)
-    for name in ("checkpoints", "tensorboard", "wandb"):
-        shutil.rmtree(out / name, ignore_errors=True)
+    for path in (out / name for name in ours - {LOCK}):
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     (out / LOCK).unlink()  # still held: a process that opens it now makes a new file, and then OUT stays
     with contextlib.suppress(OSError):
         out.rmdir()
