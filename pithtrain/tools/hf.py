@@ -69,16 +69,13 @@ def write_hf_dir(model, out: str | Path, dataset: TokenDataset | None = None, ex
             shards.append({})
             size = 0
         shards[-1][k], size = state[k], size + nbytes
-    if len(shards) == 1:
-        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, str(tmp / name), metadata={"format": "pt"})
-            weight_map.update({k: name for k in shard})
+    names = [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)] if shards[1:] else ["model.safetensors"]
+    for name, shard in zip(names, shards):
+        save_file(shard, str(tmp / name), metadata={"format": "pt"})
+    if shards[1:]:
         total = sum(v.numel() * v.element_size() for v in state.values())
-        _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total}, "weight_map": weight_map})
+        _write_json(tmp / "model.safetensors.index.json", {"metadata": {"total_size": total},
+                                                           "weight_map": {k: n for n, shard in zip(names, shards) for k in shard}})
     hf = dict(model.cfg.to_hf(), **(extra or {}))
     if dataset is not None and dataset.eos_id is not None:  # documents end with EOS; BOS and padding reuse it (as GPT-2)
         ids = {f"{k}_token_id": dataset.eos_id for k in ("bos", "eos", "pad")}
