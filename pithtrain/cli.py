@@ -374,17 +374,15 @@ def _main(argv: list[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         args.argv = argv
         return args.func(args)
-    except (ValueError, OSError, FloatingPointError) as e:
+    except (ValueError, OSError, FloatingPointError, KeyboardInterrupt) as e:
         if os.environ.get("PITHTRAIN_DEBUG"):
             raise
+        if isinstance(e, KeyboardInterrupt):  # Ctrl-C outside a training step (which stops after the step, cleanly)
+            print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
+            return 128 + signal.SIGINT
         if not isinstance(e, ConfigError) or os.environ.get("LOCAL_RANK", "0") == "0":  # a config's error: once a node
             print(_error_line(e), file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # Ctrl-C outside a training step (which stops after the step, cleanly)
-        if os.environ.get("PITHTRAIN_DEBUG"):
-            raise
-        print("stopped by SIGINT (Ctrl-C)", file=sys.stderr)
-        return 128 + signal.SIGINT
     finally:
         sys.stdout, warnings.formatwarning = sys.stdout.stream, formatwarning
         logging.getLogger().removeFilter(_not_dcp)
