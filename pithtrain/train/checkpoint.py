@@ -101,10 +101,9 @@ def write_checkpoint(final: str | Path, state: dict, meta: dict, hf_config: dict
         # last: it marks completion; its own CRC32 (of its other keys) catches an edit of its step
         (tmp / "meta.json").write_text(json.dumps(dict(meta, meta_crc32=_json_crc(meta)), indent=2))
         for f in tmp.iterdir():  # make the data durable before the rename publishes it
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
+            _fsync(f)
         replace_dir(tmp, final)
-        _fsync_dir(final.parent)
+        _fsync(final.parent)
     _barrier()
     return final
 
@@ -135,7 +134,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _fsync_dir(path: Path) -> None:
+def _fsync(path: Path) -> None:  # a file or a directory
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -153,7 +152,7 @@ def save_checkpoint(run_dir, step: int, state: dict, meta: dict, hf_config: dict
                 old.unlink()
                 continue
             (old / "meta.json").unlink(missing_ok=True)
-            _fsync_dir(old)
+            _fsync(old)
             shutil.rmtree(old, ignore_errors=True)
         for _, left in _step_dirs(run_dir):
             if not (left / "meta.json").exists():
