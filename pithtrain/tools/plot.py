@@ -16,13 +16,8 @@ def _rows(run: Path) -> list[dict]:
         raise UserError(f"{run}: {'no metrics.jsonl there' if run.exists() else 'does not exist'}; pass run directories "
                         "written by pithtrain train")
     fix = "pass a metrics.jsonl of pithtrain train"
-    try:
-        rows = read_metrics(path, numbered=True)
-    except ValueError as e:
-        raise UserError(f"{path}: {e}; {fix}") from None
+    rows = read_metrics(path, numbered=True, fix=fix)  # each row a dict with an integer "step"
     for number, m in rows:
-        if not isinstance(m, dict) or not isinstance(m.get("step"), int):
-            raise UserError(f"{path}: line {number} has no integer \"step\"; {fix}")
         if bad := next((k for k in ("loss", "eval_loss", "lr", "tokens_per_s") if k in m and type(m[k]) not in (int, float)), None):
             raise UserError(f"{path}: line {number}: {bad}={m[bad]!r} is not a number; {fix}")
     if not rows:

@@ -170,13 +170,17 @@ def _wandb_run(project: str, out_dir: Path, config: dict | None):
                       resume="allow")
 
 
-def read_metrics(path: str | Path, numbered: bool = False) -> list:
+def read_metrics(path: str | Path, numbered: bool = False, fix: str = "") -> list:
     """The rows of a metrics.jsonl (`numbered`: as (line number, row)); a last line without its newline was cut
-    short by a killed run: dropped. A line that is not JSON is a ValueError naming its number."""
+    short by a killed run: dropped. A line that is not JSON is a ValueError naming its number; with a `fix`, a
+    UserError naming the file and `fix`, as is then a row without an integer "step"."""
     rows = []
     for number, line in enumerate(Path(path).read_text(errors="replace").split("\n")[:-1], 1):
         try:
             rows += [(number, json.loads(line))] if line.strip() else []
         except ValueError as e:
-            raise ValueError(f"line {number} is not JSON ({e.msg})") from None
+            error = f"line {number} is not JSON ({e.msg})"
+            raise (UserError(f"{path}: {error}; {fix}") if fix else ValueError(error)) from None
+    if fix and (bad := next((n for n, m in rows if not isinstance(m, dict) or not isinstance(m.get("step"), int)), None)):
+        raise UserError(f'{path}: line {bad} has no integer "step"; {fix}')
     return rows if numbered else [row for _, row in rows]
