@@ -76,9 +76,7 @@ class GptOssConfig:
     def __post_init__(self):
         # One spelling of the RoPE dict: HF 5 keys, with HF's implicit defaults written out.
         rope = dict(self.rope_parameters or _default_rope())  # None: HF's GPT-OSS default
-        if "type" in rope:
-            rope.setdefault("rope_type", rope.pop("type"))
-        rope.setdefault("rope_type", "default")
+        rope.setdefault("rope_type", rope.pop("type", "default"))  # an explicit rope_type wins over `type`
         rope.setdefault("rope_theta", 150000.0)
         if rope["rope_type"] == "yarn":
             rope.setdefault("truncate", True)  # what HF's YaRN assumes when the key is absent
@@ -131,10 +129,9 @@ class GptOssConfig:
     def from_hf(cls, hf: dict) -> "GptOssConfig":
         values = hf_values(cls, hf)
         # Aliases: hub config.json files also carry `experts_per_token`; HF maps `num_experts`.
-        if "num_experts_per_tok" not in values and hf.get("experts_per_token") is not None:
-            values["num_experts_per_tok"] = hf["experts_per_token"]
-        if "num_local_experts" not in values and hf.get("num_experts") is not None:
-            values["num_local_experts"] = hf["num_experts"]
+        for ours, alias in (("num_experts_per_tok", "experts_per_token"), ("num_local_experts", "num_experts")):
+            if ours not in values and hf.get(alias) is not None:
+                values[ours] = hf[alias]
         # Hub files use transformers-4 names (`rope_scaling` + top-level `rope_theta`); HF 5 writes
         # `rope_parameters` with rope_theta inside. Absent both, HF uses GPT-OSS's YaRN default.
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or _default_rope())
