@@ -166,8 +166,7 @@ class DeepseekV2Config:
         rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
         if (theta := rope.pop("rope_theta", hf.get("rope_theta"))) is not None:
             values["rope_theta"] = theta
-        rope_type = rope.pop("rope_type", None) or rope.get("type") or "default"
-        rope.pop("type", None)
+        rope_type = next(filter(None, (rope.pop("rope_type", None), rope.pop("type", None))), "default")  # both popped
         values["rope_scaling"] = None if rope_type == "default" else {"type": rope_type, **rope}
         return cls(**values)
 
