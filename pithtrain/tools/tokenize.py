@@ -7,6 +7,7 @@ writes the dataset. `--stdlib` uses Python's own standard library sources as a r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import math
@@ -134,10 +135,9 @@ def _record_text(where: str, obj, text_field: str) -> str:
 def _json_texts(file: Path, text: str, text_field: str) -> Iterator[str]:
     """A .json file that is one JSON document: its array of records (or its one record). Otherwise JSON Lines, one
     record a line (`datasets`' to_json writes these to .json files too)."""
-    try:
+    doc = None
+    with contextlib.suppress(json.JSONDecodeError):  # JSON Lines fail at the first line's end: cheap
         doc = json.loads(text)
-    except json.JSONDecodeError:  # JSON Lines fail at the first line's end: cheap
-        doc = None
     if doc is not None:
         for i, obj in enumerate(doc if isinstance(doc, list) else [doc]):
             if value := _record_text(f"{file}: item {i}" if isinstance(doc, list) else str(file), obj, text_field):
@@ -297,10 +297,9 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
     try:
         eos_id = next((i for token in _EOS_CANDIDATES if (i := tokenizer.token_to_id(token)) is not None), None)
         if eos_id is None:  # another name (DeepSeek's <｜end▁of▁sentence｜>): the eos_token of an HF tokenizer_config.json beside it
-            try:
+            eos = None
+            with contextlib.suppress(OSError, ValueError, AttributeError):  # none, not JSON, not an object
                 eos = json.loads(Path(tokenizer_file).with_name("tokenizer_config.json").read_text()).get("eos_token")
-            except (OSError, ValueError, AttributeError):  # none, not JSON, not an object
-                eos = None
             eos_id = tokenizer.token_to_id(eos.get("content", "") if isinstance(eos, dict) else str(eos or ""))
         if eos_id is None:
             warnings.warn(f"{tokenizer_file} has no end-of-document token ({', '.join(_EOS_CANDIDATES)}, or the eos_token of a "

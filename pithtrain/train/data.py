@@ -75,11 +75,9 @@ def writer_lock(path):
     """One writer for dataset directory `path`: `.NAME.lock` beside it, made with O_EXCL and removed at the end, so a
     second writer is refused instead of replacing the first's output; one left by a process gone is taken over."""
     path = Path(os.path.abspath(path))
-    lock, me, made = path.parent / f".{path.name}.lock", f"{os.getpid()} {start_time(os.getpid())}", False
-    try:
+    lock, me, made, held = path.parent / f".{path.name}.lock", f"{os.getpid()} {start_time(os.getpid())}", False, []
+    with contextlib.suppress(OSError):
         held = lock.read_text().split()  # empty: its writer is just starting
-    except OSError:
-        held = []
     if " ".join(held) == me:  # ours: a nested call (tokenize, then write_dataset)
         yield
         return

@@ -533,10 +533,9 @@ def check_init_from(config: RunConfig, echo: bool, verify: bool = False, dataset
     if dataset is not None and dataset.tokenizer_file and (tokenizer := _tokenizer_of_model(source, dataset)):
         from tokenizers import Tokenizer
 
-        try:
+        theirs = ours = {}
+        with contextlib.suppress(Exception):  # tokenizers' bare Exception: a file it does not read is not compared (training never reads it)
             theirs, ours = (Tokenizer.from_file(str(f)).get_vocab() for f in (tokenizer, dataset.tokenizer_file))
-        except Exception:  # tokenizers' bare Exception: a file it does not read is not compared (training never reads it)
-            theirs = ours = {}
         if moved := [t for t, i in theirs.items() if ours.get(t) != i]:  # more tokens of ours (an extension) are fine
             raise UserError(f"train.init_from={path}: its tokenizer {tokenizer} gives {len(moved)} of its tokens other ids "
                             f"than the data's {dataset.tokenizer_file} (e.g. {moved[0]!r}: {theirs[moved[0]]} there, "
