@@ -82,6 +82,8 @@ def test_resume_after_crash_is_bit_exact(tmp_path, dataset_dir):
     assert "of another architecture than the model given" in str(refused.value) and "\n" not in str(refused.value), change
     with pytest.raises(UserError, match="nowhere is not a PithTrain checkpoint .*pass a directory under RUN/checkpoints/"):
         ckpt.read_meta(tmp_path / "nowhere")
+    with pytest.raises(UserError, match="^[^(]*nowhere is not a PithTrain checkpoint"):  # said as that, not as a failed read
+        ckpt.read_model_state(tmp_path / "nowhere", model_a)
     # the newest checkpoint damaged: through the API too (echo off) it is set aside, so pruning to one keeps the new one
     with open(run / "checkpoints/step_00000006/__0_0.distcp", "r+b") as f:
         f.truncate(100)

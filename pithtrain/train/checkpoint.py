@@ -269,6 +269,7 @@ def read_model_state(ckpt: str | Path, model: torch.nn.Module) -> dict:
     """Load only the model weights of a checkpoint into a whole (unsharded) model."""
     live = model.state_dict()
     state = {"model": _split_experts(live, None)}
+    read_meta(ckpt)  # no checkpoint at all: said as that, not as a failed read
     try:
         meta = load_checkpoint(ckpt, state)
         model.load_state_dict(_join_experts(state["model"], live, None))
