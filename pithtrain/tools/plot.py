@@ -37,7 +37,8 @@ def _made_by_matplotlib(path: Path) -> bool:
 def run_plot(args) -> int:
     """`pithtrain plot`: the runs' metrics.jsonl drawn into --out (default: metrics.png in the first run)."""
     runs = [Path(run) for run in args.runs]
-    if twice := next((run for i, run in enumerate(runs) if run.resolve() in {r.resolve() for r in runs[:i]}), None):
+    real = [run.resolve() for run in runs]  # each resolved once
+    if twice := next((run for i, run in enumerate(runs) if real[i] in real[:i]), None):
         raise UserError(f"pithtrain plot: {twice} is named twice; give each run once")
     rows = [(run, _rows(run)) for run in runs]  # every input is checked before anything is drawn
     out = Path(args.out) if args.out else (runs[0] if runs[0].is_dir() else runs[0].parent) / "metrics.png"

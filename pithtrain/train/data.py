@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from pithtrain.config import UserError, data_parts, disk_error
-from pithtrain.train.rundir import start_time, alive
+from pithtrain.train.rundir import alive, start_time
 
 FORMAT = "pithtrain-tokens-v1"
 TOKENS_FILE, OFFSETS_FILE, META_FILE, TOKENIZER_FILE = "tokens.bin", "doc_offsets.npy", "meta.json", "tokenizer.json"
