@@ -110,7 +110,12 @@ def _check_only(args, config, out: Path, world: int) -> int:
     for line in ignored_options(config, world):  # first, as the real run prints them
         print(line)
     print(f"config:\n{describe(config)}", flush=True)
-    loader, _, found = check_run(config, out, args.stop_after, echo=True, create=False, world_size=world)
+    try:
+        loader, _, found = check_run(config, out, args.stop_after, echo=True, create=False, world_size=world)
+    except UserError as e:  # memory alone needs no data: say where to get it
+        if str(e).startswith("data.path"):
+            raise UserError(f"{e}; memory alone, without data: .agents/skills/estimate-memory/estimate_memory.py") from None
+        raise
     p, peaks = config.parallel, [r["total"] for r in estimate(config, world)]
     stages = [f"{gib:.1f} GiB" if gib >= 1 else f"{gib * 1024:.0f} MiB" for gib in peaks]
     counts = model_sizes(config.model)

@@ -116,6 +116,8 @@ def test_bad_blends_are_refused_in_one_line(case, tmp_path, dataset_dir, second_
         _, err = cli(["train", config, "--out", tmp_path / "run", "--set", f"data.path={json.dumps(blend)}", *extra, *dry_run],
                      capsys, code=2)
         one_line_error(err, names)
+        if case == "missing":  # memory alone needs no data: a dry run says where to get it
+            assert ("estimate_memory.py" in err) == bool(dry_run)
     assert not (tmp_path / "run").exists()
 
 

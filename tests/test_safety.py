@@ -66,6 +66,9 @@ def test_convert_never_deletes_its_source_or_an_unrelated_directory(tmp_path, da
                        "is not only an HF export or a checkpoint", held, "move the rest out")
     with pytest.raises(ValueError, match="convert: overwrite='no'; pass True or False"):  # from Python: a true string
         convert(run, ck, overwrite="no")
+    with pytest.raises(ValueError, match="convert: tokenizer='no'; pass True or False"):  # would export the tokenizer
+        convert(run, tmp_path / "z", tokenizer="no")
+    assert not (tmp_path / "z").exists()
     (tmp_path / "y.tmp").mkdir()  # write_hf_dir from Python keeps them too, and what lies in its OUT.tmp
     (tmp_path / "y.tmp" / "notes.txt").write_text("mine")
     model, step = ckpt.load_model(run), ckpt.list_checkpoints(run)[-1]

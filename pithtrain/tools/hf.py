@@ -155,8 +155,9 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
     and token ids of the dataset the run recorded, checked by `trained_on`; `tokenizer` False: the model alone). Returns
     the output and what it holds (the step exported). An existing non-empty `dst` is replaced only with `overwrite`, and
     never when it is, holds or lies in `src` (replacing it would delete the source)."""
-    if not isinstance(overwrite, bool):  # a string such as "no" is true: it must not replace DST
-        raise UserError(f"convert: overwrite={overwrite!r}; pass True or False")
+    for name, flag in (("overwrite", overwrite), ("tokenizer", tokenizer)):
+        if not isinstance(flag, bool):  # a string such as "no" is true: it must not replace DST or pass for False
+            raise UserError(f"convert: {name}={flag!r}; pass True or False")
     src, dst = Path(src), Path(os.path.abspath(dst))  # absolute: "." has a name, and a parent to write in
     a, b = src.resolve(), dst.resolve()
     if dst.is_symlink():
