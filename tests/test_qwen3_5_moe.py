@@ -4,6 +4,7 @@ round trip (export loads with AutoModelForCausalLM and generates), the multimoda
 
 import dataclasses
 import json
+import warnings
 
 import pytest
 import torch
@@ -142,6 +143,24 @@ def test_round_trip_export_loads_and_generates(hf_model, tmp_path):
     assert [line for line in said if "does not read a model without full_attention layers" in line], said
     with pytest.raises(ValueError, match="Attention layers"):
         AutoModelForCausalLM.from_pretrained(str(tmp_path / "linear"), experts_implementation="eager")(ids)
+    # a byte-level BPE of our own: AutoTokenizer builds Qwen3_5Tokenizer for a qwen3_5 export (Qwen's normalizer and
+    # pre-tokenizer, not tokenizer.json's), other ids than training read; convert says so and how to load it as it is
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    from pithtrain.tools.tokenize import train_bpe
+
+    src = ckpt.write_checkpoint(tmp_path / "src", {"model": ckpt.canonical_model_state(model)}, {"step": 0, "source": "x"},
+                                model.cfg.to_hf())
+    text = "alpha 12345 beta"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a tiny corpus fills few of the 300 tokens
+        train_bpe([text] * 20, 300, str(src / "tokenizer.json"))
+    said.clear()
+    convert(src, tmp_path / "bpe", echo=said.append)
+    assert [line for line in said if "PreTrainedTokenizerFast.from_pretrained" in line], said
+    exact = Tokenizer.from_file(str(src / "tokenizer.json")).encode(text).ids
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "bpe"))(text)["input_ids"] != exact
+    assert PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "bpe"))(text)["input_ids"] == exact
 
 
 @pytest.mark.fast

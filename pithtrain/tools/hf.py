@@ -207,8 +207,14 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         extra = {k: v for k, v in read_json(ck / "config.json", "").items() if k in CARRIED}
         if seq_len := meta.get("config", {}).get("data", {}).get("seq_len"):
             extra["seq_length"] = seq_len
-        return (write_hf_dir(model, dst, dataset, extra, ck if "source" in meta else None),
-                f"the weights of step {meta.get('step')} ({ck})")
+        out = write_hf_dir(model, dst, dataset, extra, ck if "source" in meta else None)
+        qwen = model.cfg.model_type.startswith("qwen3_5") and (out / "tokenizer.json").is_file()
+        tok = read_json(out / "tokenizer.json", "") if qwen else {}
+        if tok and not ("NFC" in str(tok.get("normalizer")) and "Split" in str(tok.get("pre_tokenizer"))):  # not Qwen's
+            echo(f"warning: transformers' AutoTokenizer loads a {model.cfg.model_type} export as Qwen3_5Tokenizer, with Qwen's "
+                 f"normalizer and pre-tokenizer instead of those of {out / 'tokenizer.json'}: other token ids than training "
+                 f"read; load it as it is with PreTrainedTokenizerFast.from_pretrained('{out}')")
+        return out, f"the weights of step {meta.get('step')} ({ck})"
     except BaseException as e:  # no partial DST.tmp left (Ctrl-C and DCP's CheckpointException too); a failed write on the disk says so
         failure = disk_error(ckpt.dcp_cause(e), dst, removed=tmp if tmp.exists() else None, within=tmp)
         shutil.rmtree(tmp, ignore_errors=True)
