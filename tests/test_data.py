@@ -353,6 +353,12 @@ def test_bpe_tokenize_round_trip(tmp_path):
     with mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 1000):
         tokenize_to_dataset([str(tmp_path / "long.txt")], tokenizer_file, str(tmp_path / "long"), progress=False)
     assert TokenDataset(tmp_path / "long").tokens[:-1].tolist() == tokenizer.encode(" ".join(texts)).ids
+    # a huge line without a space, one word to BPE's trainer, which is quadratic in a word's length: trained in pieces
+    started = time.perf_counter()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "x" alone fills few tokens
+        train_bpe(["x" * 200_000], 300, str(tmp_path / "x.json"))
+    assert time.perf_counter() - started < 5  # whole: 17 s (20 MB: hours)
 
 
 def test_eos_named_by_tokenizer_config(tmp_path):
