@@ -239,6 +239,7 @@ def _cmd_convert(args) -> int:
 
 def _cmd_eval(args) -> int:
     from pithtrain.tools.hf import eval_setup, evaluate, load_model, load_tokens
+    from pithtrain.train.data import TokenDataset
     from pithtrain.train.loop import pick_device
 
     for flag, value, least in (("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2), ("--max-tokens", args.max_tokens, 2)):
@@ -248,15 +249,17 @@ def _cmd_eval(args) -> int:
         raise UserError(f"--seq-len {args.seq_len}: {args.tokens} is a .npy array, whose rows are the windows; --seq-len "
                         "cuts a dataset directory's tokens into rows")
     device = pick_device(args.device, "--device")
-    seq_len, why, vocab, tokenizer, limit = eval_setup(args.checkpoint, args.seq_len)
+    seq_len, why, vocab, tokenizer, limit, packed = eval_setup(args.checkpoint, args.seq_len)
     tokens = load_tokens(args.tokens, args.max_tokens, seq_len, vocab, tokenizer)
     if tokens.shape[1] - 1 > limit:  # a .npy array's rows (a dataset's are cut to seq_len, checked in eval_setup)
         raise UserError(f"--tokens {args.tokens}: rows of {tokens.shape[1]} tokens predict {tokens.shape[1] - 1}, more than "
                         f"the model's max_position_embeddings={limit}; cut the rows to at most {limit + 1} tokens")
     if tokens.shape[1] <= seq_len and Path(args.tokens).is_dir():  # fewer tokens than one window: one row of them all
         why = f"all {tokens.shape[1]} tokens taken, fewer than the {seq_len} + 1 of {why}"
-    loss, count = evaluate(load_model(args.checkpoint), tokens, args.batch_size, device)
+    eos = TokenDataset(args.tokens).eos_id if packed and Path(args.tokens).is_dir() else None  # documents as the run read them
+    loss, count = evaluate(load_model(args.checkpoint), tokens, args.batch_size, device, eos)
     rows = f"rows of {tokens.shape[1] - 1} predicted tokens ({why if Path(args.tokens).is_dir() else 'the .npy array'})"
+    rows += ", documents packed as the run trained" if eos is not None else ""
     print(json.dumps({"loss": loss, "tokens": count, "seq_len": tokens.shape[1] - 1}) if args.json
           else f"eval loss {loss:.6f} over {count} tokens in {rows}")
     return 0

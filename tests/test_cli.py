@@ -157,7 +157,7 @@ def test_a_long_eval_reports_its_progress(monkeypatch, capsys, tmp_path):
             super().__init__()
             self.table = torch.nn.Embedding(16, 16)
 
-        def forward(self, ids, pos, engine):
+        def forward(self, ids, pos, engine, doc_ids=None):  # as the models' forward (doc_ids: packed documents)
             return self.table(ids)
 
     model, tokens = Bigram(), torch.randint(0, 16, (40, 9), generator=torch.Generator().manual_seed(0))

@@ -2,6 +2,7 @@
 non-finite stop, schedules, load-balance losses, and no host sync inside a layer."""
 
 import dataclasses
+import json
 import math
 import os
 import re
@@ -279,7 +280,7 @@ def test_eval_on_held_out_samples_and_progress_lines(tmp_path, dataset_dir, caps
 
 
 @pytest.mark.fast
-def test_eval_on_an_eval_dataset_equals_the_direct_loss(tmp_path, dataset_dir):
+def test_eval_on_an_eval_dataset_equals_the_direct_loss(tmp_path, dataset_dir, capsys):
     write_dataset(tmp_path / "eval", markov_docs(np.random.default_rng(3), 64, 12), vocab_size=64, eos_id=0)
     cfg = tiny_config(dataset_dir, steps=1, eval_every=1)
     cfg.data.eval_path, cfg.data.pack_documents = str(tmp_path / "eval"), True
@@ -287,13 +288,23 @@ def test_eval_on_an_eval_dataset_equals_the_direct_loss(tmp_path, dataset_dir):
     eval_set = BatchLoader(TokenDataset(tmp_path / "eval"), cfg.data.seq_len, 1, 0, pack_documents=True)
     n = eval_set.num_samples // 8 * 8  # eval_samples=0: every whole global batch of the eval set
     assert n >= 16
-    batch = eval_set.windows(np.arange(n))
     model = cfg.model.build_model()
     ckpt.read_model_state(ckpt.resolve_checkpoint(tmp_path / "run"), model)
-    with torch.no_grad():  # packed documents: the model's own forward (reference_forward takes doc_ids too)
-        logits = model.reference_forward(batch["input_ids"], batch["position_ids"], batch["doc_ids"]).double()
-    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
-    assert history[0]["eval_loss"] == pytest.approx(ce.item() / int((batch["labels"] != -100).sum()), rel=1e-5)
+
+    def direct_loss(windows):
+        batch = eval_set.windows(windows)
+        with torch.no_grad():  # packed documents: the model's own forward (reference_forward takes doc_ids too)
+            logits = model.reference_forward(batch["input_ids"], batch["position_ids"], batch["doc_ids"]).double()
+        ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="sum")
+        return ce.item() / int((batch["labels"] != -100).sum())
+
+    assert history[0]["eval_loss"] == pytest.approx(direct_loss(np.arange(n)), rel=1e-5)
+    # pithtrain eval of the run on a dataset: its documents packed as the run trained (the last n windows within --max-tokens)
+    from cli_util import cli
+
+    out, _ = cli(["eval", tmp_path / "run", "--tokens", tmp_path / "eval", "--max-tokens", n * 32 + 1, "--json"], capsys)
+    last = np.arange(eval_set.num_samples - n, eval_set.num_samples)
+    assert json.loads(out)["loss"] == pytest.approx(direct_loss(last), rel=1e-5)
     # with eval off, the training order is that of a run without the eval fields
     assert BatchLoader(TokenDataset(dataset_dir), 32, 8, 5, held_out=0).global_batch(3)["input_ids"].equal(
         BatchLoader(TokenDataset(dataset_dir), 32, 8, 5).global_batch(3)["input_ids"])

@@ -223,11 +223,11 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
         raise failure from e
 
 
-def eval_setup(path: str | Path, seq_len: int | None = None) -> tuple[int, str, int, tuple[str, str] | None, int]:
+def eval_setup(path: str | Path, seq_len: int | None = None) -> tuple[int, str, int, tuple[str, str] | None, int, bool]:
     """What eval of the model at `path` takes from its config files alone, before any tokens are read: the row length and
     its source (`seq_len`, else the data.seq_len its run trained at, else config.json's seq_length, else max_position_embeddings,
     the most it takes), the vocabulary size, the tokenizer it trained with as (SHA-256, file), None when unknown, and
-    max_position_embeddings."""
+    max_position_embeddings, and whether its run packed documents (data.pack_documents)."""
     path = ckpt.run_of(path)
     found = path if is_hf_dir(path) or ckpt.is_checkpoint(path) else next(reversed(ckpt.list_checkpoints(path)), None)
     found = found or ckpt.resolve_checkpoint(path)  # which raises, saying what the path is instead
@@ -242,7 +242,7 @@ def eval_setup(path: str | Path, seq_len: int | None = None) -> tuple[int, str, 
     recorded, own = meta.get("dataset") or {}, found / "tokenizer.json"
     tokenizer = ((recorded["tokenizer_sha256"], str(Path(recorded["path"]) / "tokenizer.json")) if recorded.get("tokenizer_sha256")
                  else (_sha256(own), str(own)) if own.is_file() else None)
-    return seq_len, why, cfg.vocab_size, tokenizer, limit
+    return seq_len, why, cfg.vocab_size, tokenizer, limit, meta.get("config", {}).get("data", {}).get("pack_documents") is True
 
 
 def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 128, vocab=None, tokenizer=None) -> torch.Tensor:
@@ -299,8 +299,11 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
 
 
 @torch.no_grad()
-def evaluate(model, tokens: torch.Tensor, batch_size: int = 8, device: str | torch.device = "cpu") -> tuple[float, int]:
-    """Mean next-token cross-entropy over tokens [B, S] (predicting tokens[:, 1:]); returns (loss, count)."""
+def evaluate(model, tokens: torch.Tensor, batch_size: int = 8, device: str | torch.device = "cpu",
+             eos: int | None = None) -> tuple[float, int]:
+    """Mean next-token cross-entropy over tokens [B, S] (predicting tokens[:, 1:]); returns (loss, count). With `eos`,
+    documents packed as data.pack_documents trains them: each ends with an eos that predicts nothing, attends to itself
+    alone and has positions from 0."""
     vocab = model.cfg.vocab_size
     if not (isinstance(tokens, torch.Tensor) and tokens.ndim == 2 and tokens.shape[0] >= 1 and tokens.shape[1] >= 2
             and not tokens.is_floating_point() and tokens.dtype != torch.bool) or not (isinstance(batch_size, int) and batch_size >= 1):
@@ -315,10 +318,14 @@ def evaluate(model, tokens: torch.Tensor, batch_size: int = 8, device: str | tor
     for i in range(0, rows, batch_size):
         chunk = tokens[i : i + batch_size].to(device, torch.int64)
         b, s = chunk.shape
-        pos = torch.arange(s - 1, device=device).expand(b, s - 1)
-        logits = model(chunk[:, :-1], pos, ExpertEngine(LocalDispatch()))
-        total += cross_entropy_sum(logits, chunk[:, 1:]).double().item()
-        count += b * (s - 1)
+        pos, labels, docs = torch.arange(s - 1, device=device).expand(b, s - 1), chunk[:, 1:].clone(), None
+        if eos is not None:
+            ends = chunk[:, :-1] == eos
+            docs, labels[ends] = ends.cumsum(1) - ends.long(), -100
+            pos = pos - torch.cat([pos[:, :1] * 0, pos[:, 1:] * ends[:, :-1]], 1).cummax(1).values  # from each start
+        logits = model(chunk[:, :-1], pos, ExpertEngine(LocalDispatch()), doc_ids=docs)
+        total += cross_entropy_sum(logits, labels).double().item()
+        count += int((labels != -100).sum())
         if (now := time.perf_counter()) - shown >= 10 and i + b < rows:  # a long eval says how far it is
             shown, done = now, i + b
             print(f"eval: {done:,} of {rows:,} rows, {(now - started) * (rows - done) / done:.0f}s left", file=sys.stderr, flush=True)
