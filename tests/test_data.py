@@ -328,7 +328,7 @@ def test_iter_documents_follows_links_and_skips_fifos_and_datasets(tmp_path):
 
 
 def test_bpe_tokenize_round_trip(tmp_path):
-    from tokenizers import Tokenizer
+    from tokenizers import Tokenizer, models, normalizers, trainers
 
     files = stdlib_corpus_files(max_bytes=300_000)
     assert files and all(f.endswith(".py") and "site-packages" not in f for f in files)
@@ -353,6 +353,14 @@ def test_bpe_tokenize_round_trip(tmp_path):
     with mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 1000):
         tokenize_to_dataset([str(tmp_path / "long.txt")], tokenizer_file, str(tmp_path / "long"), progress=False)
     assert TokenDataset(tmp_path / "long").tokens[:-1].tolist() == tokenizer.encode(" ".join(texts)).ids
+    # a tokenizer whose normalizer prepends "▁" to every text (Llama 2's) would give each piece one: encoded whole
+    llama = Tokenizer(models.BPE())
+    llama.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    llama.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"]))
+    llama.save(str(tmp_path / "llama.json"))
+    with mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 1000):
+        tokenize_to_dataset([str(tmp_path / "long.txt")], str(tmp_path / "llama.json"), str(tmp_path / "llama"), progress=False)
+    assert TokenDataset(tmp_path / "llama").tokens[:-1].tolist() == llama.encode(" ".join(texts)).ids
     # a huge line without a space, one word to BPE's trainer, which is quadratic in a word's length: trained in pieces
     started = time.perf_counter()
     with warnings.catch_warnings():

@@ -279,12 +279,15 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
     dtype, status = dtype_for_vocab(vocab_size), Progress(enabled=progress)
     # encode_batch_fast (tokenizers >= 0.21) skips computing character offsets we do not need.
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    ids = lambda text: encode([text], add_special_tokens=False)[0].ids  # noqa: E731
+    # pieces cut before a space have the whole text's ids, unless its normalizer prepends to every text (Llama 2's "▁")
+    cut = ids("a b") == ids("a") + ids(" b")
 
     def token_arrays() -> Iterator[np.ndarray]:
         for texts in _batched(iter_documents(inputs, text_field), batch_size):
             if len(texts[0]) > PIECE_CHARS:  # one long document (a single huge line): its pieces in turn, with progress
                 parts = []
-                for piece in _pieces(texts[0], PIECE_CHARS):
+                for piece in _pieces(texts[0], PIECE_CHARS if cut else len(texts[0])):
                     parts.append(np.array(encode([piece], add_special_tokens=False)[0].ids, dtype=dtype))
                     status.update(0, len(piece.encode("utf-8")), parts[-1].size)
                 status.update(1, 0, 0)
