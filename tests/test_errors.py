@@ -404,6 +404,7 @@ TOOL_CASES = [  # (id, command line, what the one line must name)
     ("convert-tmp-left", "convert {hf} {tools}/left", "left.tmp, where DST is written first, exists and is not empty; choose a new "
      "DST, or remove it or pass --overwrite (an interrupted convert left it"),
     ("eval-tokens-objects", "eval {hf} --tokens {tokens_objects}", "(an array of Python objects)"),
+    ("eval-tokens-npz", "eval {hf} --tokens {tokens_npz}", "(an .npz archive of ids, more; save one array with np.save)"),
     ("eval-tokens-too-long", "eval {hf} --tokens {tokens_long}", "more than the model's max_position_embeddings="),
     ("eval-offsets-damaged", "eval {hf} --tokens {data_bad_offsets}", "doc_offsets.npy is damaged: not an .npy array"),
     ("eval-meta-not-int", "eval {hf} --tokens {data_meta_str}", "meta.json: num_tokens='lots' is not an integer"),
@@ -491,6 +492,8 @@ def tool_env(env):
     (copy(env["hf"], "hf_fewer") / "config.json").write_text(json.dumps(fewer))
     out["tokens_objects"] = tools / "tokens_objects.npy"
     np.save(out["tokens_objects"], np.array([[1, "a"]], dtype=object), allow_pickle=True)
+    out["tokens_npz"] = tools / "tokens.npz"
+    np.savez(out["tokens_npz"], ids=np.ones((2, 5), np.int64), more=np.ones(3))
     for name, file, content in (("own_meta", "meta.json", '{"my": "settings"}'), ("own_tokenizer", "tokenizer.json", "{}"),
                                 ("mine.tmp", "notes.txt", "mine"), ("left.tmp", "model.safetensors", "half")):
         (tools / name).mkdir()

@@ -276,7 +276,8 @@ def load_tokens(path: str | Path, max_tokens: int | None = None, seq_len: int = 
         raise FileNotFoundError(f"--tokens {path} does not exist; it takes {TOKEN_FORMS}")
     else:
         try:
-            arr = np.load(path)
+            if not isinstance(arr := np.load(path), np.ndarray):  # np.load reads an .npz archive as its arrays by name
+                raise ValueError(f"an .npz archive of {', '.join(arr.files[:4]) or 'nothing'}; save one array with np.save")
         except (ValueError, OSError, EOFError) as e:  # not an .npy file (numpy refuses pickles)
             why = ("an array of Python objects" if "Object arrays" in str(e) else "not a .npy file" if "pickled" in str(e)
                    else str(e).split(". ")[0])
