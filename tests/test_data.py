@@ -361,6 +361,12 @@ def test_bpe_tokenize_round_trip(tmp_path):
     with mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 1000):
         tokenize_to_dataset([str(tmp_path / "long.txt")], str(tmp_path / "llama.json"), str(tmp_path / "llama"), progress=False)
     assert TokenDataset(tmp_path / "llama").tokens[:-1].tolist() == llama.encode(" ".join(texts)).ids
+    cut = Tokenizer.from_file(tokenizer_file)  # a hub tokenizer.json's truncation and padding: not applied to documents
+    cut.enable_truncation(8)
+    cut.enable_padding(length=16)
+    cut.save(str(tmp_path / "cut.json"))
+    tokenize_to_dataset([str(tmp_path / "long.txt")], str(tmp_path / "cut.json"), str(tmp_path / "cut"), progress=False)
+    assert TokenDataset(tmp_path / "cut").tokens[:-1].tolist() == tokenizer.encode(" ".join(texts)).ids
     # a huge line without a space, one word to BPE's trainer, which is quadratic in a word's length: trained in pieces
     started = time.perf_counter()
     with warnings.catch_warnings():

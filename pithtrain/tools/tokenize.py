@@ -274,6 +274,7 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
         tokenizer = Tokenizer.from_file(str(tokenizer_file))
     except Exception as e:  # tokenizers raises plain Exceptions (a missing file too)
         raise UserError(f"{tokenizer_file} is not a tokenizer ({e}); pass a tokenizer.json of Hugging Face tokenizers") from None
+    tokenizer.no_truncation(), tokenizer.no_padding()  # a hub tokenizer.json's: every document whole, nothing added
     # ids may have gaps: the dataset's vocabulary must hold the largest, not just count them
     vocab_size = max(tokenizer.get_vocab_size(), 1 + max(tokenizer.get_vocab().values(), default=-1))
     dtype, status = dtype_for_vocab(vocab_size), Progress(enabled=progress)
