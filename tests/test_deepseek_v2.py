@@ -338,7 +338,8 @@ def test_hf_directory_with_routing_transformers_deepseek_v2_does_not_read_is_sai
         assert all(getattr(model_config(tmp_path / "checkpoint"), k) == v for k, v in asked.items())
         (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **{k: getattr(DeepseekV2Config, k) for k in asked}}))
         assert model_config(tmp_path / "hf").scoring_func == "softmax"
-        v3 = {**config, "model_type": "deepseek_v3", "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True}
+        v3 = {**config, "model_type": "deepseek_v3", "topk_method": "noaux_tc", "scoring_func": "sigmoid", "norm_topk_prob": True,
+              "num_nextn_predict_layers": 0}  # named: no MTP layers looked for in the weights (an empty file here)
         (tmp_path / "hf" / "config.json").write_text(json.dumps(v3))
         assert model_config(tmp_path / "hf").norm_topk_prob is True
 

@@ -4,6 +4,7 @@ file, against transformers' DeepseekV3ForCausalLM with every routing switch on (
 import contextlib
 import io
 import json
+import shutil
 
 import pytest
 import torch
@@ -211,6 +212,14 @@ def test_mtp_round_trip_is_exact_and_the_export_loads(tmp_path):
     run.model = cfg
     with pytest.raises(UserError, match=r"num_nextn_predict_layers \(0 there, 1 in the run\)"):
         check_init_from(run, echo=False)
+    # a config.json that names no depth (hand-edited; transformers reads 1): the MTP layers its weights hold, kept
+    (tmp_path / "unnamed").mkdir()
+    unnamed = {k: v for k, v in json.loads((out / "config.json").read_text()).items() if k != "num_nextn_predict_layers"}
+    (tmp_path / "unnamed" / "config.json").write_text(json.dumps(unnamed))
+    shutil.copyfile(out / "model.safetensors", tmp_path / "unnamed" / "model.safetensors")
+    assert load_model(tmp_path / "unnamed").mtp is not None
+    run.train.init_from = str(tmp_path / "unnamed")
+    check_init_from(run, echo=False)
 
 
 def rms(x, w, eps):

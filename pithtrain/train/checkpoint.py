@@ -423,17 +423,19 @@ def model_config(path: str | Path):
         warnings.warn(f"{path / 'config.json'}: transformers' deepseek_v2 does not read {', '.join(unread)}; PithTrain "
                       "applies them, transformers computes another model (to match it, set scoring_func='softmax', "
                       "norm_topk_prob=false, moe_layer_freq=1, topk_method 'greedy' or 'group_limited_greedy' there)")
-    depth, first = cfg.num_nextn_predict_layers, cfg.num_hidden_layers
+    text = hf["text_config"] if isinstance(hf.get("text_config"), dict) else hf  # kimi_k25's model: its text_config
+    # a config.json that names no depth (transformers reads 1): the MTP layers its weights hold
+    named = cfg.model_type != "deepseek_v3" or "num_nextn_predict_layers" in text or "num_mtp_layers" in text
+    depth, first = cfg.num_nextn_predict_layers if named else 8, cfg.num_hidden_layers
     if depth and is_hf_dir(path):  # multi-token prediction layers sit past the last layer, when saved at all
         names = read_hf_state(path, names_only=True)
         held = next((k for k in range(depth) if not any(n.startswith(f"model.layers.{first + k}.") for n in names)), depth)
-        if held < depth:
-            if path not in _MTP_NOTED:
-                _MTP_NOTED.add(path)
-                print(f"note: {path}: config.json names {depth} multi-token prediction layer(s), its weights hold {held} "
-                      f"(transformers' save_pretrained leaves them out): read as model.num_nextn_predict_layers={held}",
-                      file=sys.stderr)
-            cfg.num_nextn_predict_layers = held
+        if held < depth and named and path not in _MTP_NOTED:
+            _MTP_NOTED.add(path)
+            print(f"note: {path}: config.json names {depth} multi-token prediction layer(s), its weights hold {held} "
+                  f"(transformers' save_pretrained leaves them out): read as model.num_nextn_predict_layers={held}",
+                  file=sys.stderr)
+        cfg.num_nextn_predict_layers = held
     return cfg
 
 
