@@ -198,6 +198,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("tokenize-not-tokenizer", "tokenize {corpus} --tokenizer {notes} --out {tmp}/t1", "notes.txt"),
     ("tokenize-vocab-zero", "tokenize {corpus} --train-tokenizer --vocab-size 0 --out {tmp}/t2", "--vocab-size"),
     ("tokenize-vocab-small", "tokenize {corpus} --train-tokenizer --vocab-size 100 --out {tmp}/t3", "--vocab-size"),
+    ("tokenize-vocab-reserve", "tokenize {corpus} --train-tokenizer --vocab-size 4294967295 --out {tmp}/t3", "at most 2**24"),
     ("tokenize-vocab-huge", "tokenize {corpus} --train-tokenizer --vocab-size 99999999999999999999 --out {tmp}/t10", "--vocab-size"),
     ("tokenize-input-missing", "tokenize {tmp}/nope.txt --train-tokenizer --out {tmp}/t4", "nope.txt"),
     ("tokenize-out-foreign", "tokenize {corpus} --train-tokenizer --out {tmp}", "--out"),

@@ -346,8 +346,9 @@ def _argument_error(args) -> str | None:
         return "give exactly one of --tokenizer FILE or --train-tokenizer"
     if args.vocab_size is not None and not args.train_tokenizer:
         return "--vocab-size only applies with --train-tokenizer (an existing tokenizer fixes its own vocabulary)"
-    if args.vocab_size is not None and not 257 <= args.vocab_size <= 2**32:
-        return f"--vocab-size {args.vocab_size}: byte-level BPE needs at least 257 (256 bytes + EOS), token ids at most 2**32"
+    if args.vocab_size is not None and not 257 <= args.vocab_size <= 2**24:  # tokenizers' trainer reserves memory for each
+        return (f"--vocab-size {args.vocab_size}: byte-level BPE needs at least 257 (256 bytes + EOS), and at most 2**24 "
+                "(16,777,216): the trainer reserves about 70 bytes a token up front (a billion aborted after 70 GB)")
     if args.max_bytes is not None and not args.stdlib:
         return "--max-bytes only applies with --stdlib (your INPUT files are read whole)"
     if args.max_bytes is not None and args.max_bytes < 1:
