@@ -367,6 +367,10 @@ def test_bpe_tokenize_round_trip(tmp_path):
     cut.save(str(tmp_path / "cut.json"))
     tokenize_to_dataset([str(tmp_path / "long.txt")], str(tmp_path / "cut.json"), str(tmp_path / "cut"), progress=False)
     assert TokenDataset(tmp_path / "cut").tokens[:-1].tolist() == tokenizer.encode(" ".join(texts)).ids
+    (tmp_path / "eos.txt").write_text("a text about <|endoftext|>, the token")  # the EOS text in a document: text
+    tokenize_to_dataset([str(tmp_path / "eos.txt")], tokenizer_file, str(tmp_path / "eos"), progress=False)
+    ids = TokenDataset(tmp_path / "eos").tokens.tolist()
+    assert ids.count(0) == 1 and tokenizer.decode(ids[:-1]) == (tmp_path / "eos.txt").read_text()
     # a huge line without a space, one word to BPE's trainer, which is quadratic in a word's length: trained in pieces
     started = time.perf_counter()
     with warnings.catch_warnings():

@@ -284,18 +284,25 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
     # pieces cut before a space have the whole text's ids, unless its normalizer prepends to every text (Llama 2's "▁")
     cut = ids("a b") == ids("a") + ids(" b")
 
+    def encoded(texts: list[str]) -> list[np.ndarray]:
+        arrays = [np.array(e.ids, dtype=dtype) for e in encode(texts, add_special_tokens=False)]  # parallel in Rust
+        for i in [i for i, a in enumerate(arrays) if eos_id is not None and (a == eos_id).any()]:  # the EOS text in a text:
+            tokenizer.encode_special_tokens = True  # its special tokens encoded as text, so that EOS alone ends documents
+            arrays[i] = np.array(encode([texts[i]], add_special_tokens=False)[0].ids, dtype=dtype)
+            tokenizer.encode_special_tokens = False
+        return arrays
+
     def token_arrays() -> Iterator[np.ndarray]:
         for texts in _batched(iter_documents(inputs, text_field), batch_size):
             if len(texts[0]) > PIECE_CHARS:  # one long document (a single huge line): its pieces in turn, with progress
                 parts = []
                 for piece in _pieces(texts[0], PIECE_CHARS if cut else len(texts[0])):
-                    parts.append(np.array(encode([piece], add_special_tokens=False)[0].ids, dtype=dtype))
+                    parts.append(encoded([piece])[0])
                     status.update(0, len(piece.encode("utf-8")), parts[-1].size)
                 status.update(1, 0, 0)
                 yield np.concatenate(parts)
                 continue
-            encodings = encode(texts, add_special_tokens=False)  # parallel in Rust
-            arrays = [np.array(e.ids, dtype=dtype) for e in encodings]
+            arrays = encoded(texts)
             status.update(len(texts), sum(len(t.encode("utf-8")) for t in texts), sum(a.size for a in arrays))
             yield from arrays
 
