@@ -145,7 +145,7 @@ def test_tensorboard_scalars(tmp_path, dataset_dir, monkeypatch):
     assert seen == []
 
 
-def test_plot(tmp_path, run, capsys):
+def test_plot(tmp_path, run, capsys, monkeypatch):
     other = tmp_path / "other"
     other.mkdir()
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -158,6 +158,13 @@ def test_plot(tmp_path, run, capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # matplotlib's 'No artists with labels found to put in legend'
         cli(["plot", other, "--out", tmp_path / "eval.png"], capsys)
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # the figure drawn, kept to look at
+    (other / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")  # a run of one step: a line of one point shows nothing
+    cli(["plot", other, "--out", tmp_path / "one.png"], capsys)
+    assert all(line.get_marker() not in (None, "None", "") for ax in figures[-1].axes for line in ax.get_lines())
 
 
 def test_plot_errors(tmp_path, run, capsys):

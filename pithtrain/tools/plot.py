@@ -63,7 +63,7 @@ def run_plot(args) -> int:
         for ax, (key, title) in zip(axes, PANELS):
             # rows may lack a key (eval-only rows, older runs): each line takes the rows that have it
             if points := [(m["step"], m[key]) for m in ms if key in m]:
-                ax.plot(*zip(*points), color=color, label=label)
+                ax.plot(*zip(*points), color=color, label=label, marker="." if len(points) == 1 else None)  # one: a dot
             ax.set(title=title, xlabel="step")
         if evals := [(m["step"], m["eval_loss"]) for m in ms if "eval_loss" in m]:
             axes[0].plot(*zip(*evals), color=color, linestyle="--", marker=".",  # named when it is the run's only loss line
