@@ -76,7 +76,7 @@ class DeepseekV2Config:
     scoring_func: str = "softmax"  # softmax (V2) | sigmoid (V3)
     norm_topk_prob: bool = False  # renormalise the chosen k weights to sum 1 (before the scaling)
     routed_scaling_factor: float = 1.0
-    bias_update_speed: float = 0.001  # noaux_tc: the `rate` the training loop passes to update_correction_bias
+    bias_update_speed: float = 0.001  # noaux_tc: the `rate` the training loop passes to update_correction_bias; may change at a resume
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     # None (plain RoPE) or {"type": "yarn", "factor", "original_max_position_embeddings",

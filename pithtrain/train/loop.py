@@ -684,7 +684,8 @@ HELD_OUT = "data.eval_samples held out of data.path"
 FIXED = ("data.path", "data.seed", "data.seq_len", "train.global_batch_size", HELD_OUT)
 # Applied from the resumed step with a warning: they change the optimisation from there on. Any
 # other field (logging, checkpointing, compile, dtype, the mesh: checkpoints reshard) changes freely.
-WARNED = ("optim.", "train.steps", "train.lb_coef", "train.lb_type", "train.mtp_coef", "data.pack_documents")
+WARNED = ("optim.", "train.steps", "train.lb_coef", "train.lb_type", "train.mtp_coef", "data.pack_documents",
+          "model.bias_update_speed")  # DeepSeek-V3 sets it to 0 for its last 500B tokens
 
 
 def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = None, echo: bool = True,
@@ -712,7 +713,7 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
     def show(keys):
         return ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in keys)
 
-    if fixed := [k for k in changed if k.startswith("model.") or k in FIXED]:
+    if fixed := [k for k in changed if (k.startswith("model.") or k in FIXED) and not k.startswith(WARNED)]:
         where = " (a relative data.path resolves against the working directory)" if "data.path" in fixed else ""
         raise UserError(f"cannot resume from {checkpoint}: {show(fixed)} changed since it was written{where}; "
                         f"undo the change (--set) or train into a new --out")
