@@ -391,6 +391,14 @@ def check_numbers(mapping: dict, field: str, skip: str = "type") -> None:
         raise ConfigError(f"{field}['{text}']={mapping[text]!r}: must be a number")
 
 
+def check_yarn(rope: dict, field: str) -> None:
+    """YaRN's factor and original context set and > 0; its beta_fast/beta_slow > 0 where set (0, like None, is HF's default)."""
+    for key in ("factor", "original_max_position_embeddings"):
+        check(rope.get(key) is not None and rope[key] > 0, f"{field}['{key}']={rope.get(key)}: must be set and > 0 for YaRN")
+    if bad := next((k for k in ("beta_fast", "beta_slow") if not (rope.get(k) or 1) > 0), None):
+        raise ConfigError(f"{field}['{bad}']={rope[bad]}: must be > 0 (YaRN's rotation counts; unset: 32 and 1)")
+
+
 def hf_values(cls: type, hf: dict, nullable: frozenset = frozenset()) -> dict:
     """The config.json entries that are fields of `cls` (None dropped, except in `nullable` fields), a list of
     eos_token_id as its first."""
