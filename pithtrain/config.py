@@ -486,7 +486,7 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
     """Warnings, one line each, for options set away from their default that cannot take effect with
     the rest of the config (the option they depend on is off); `validate` refuses the ones that would
     mislead (fp8_emulate with fp8=off, a profile_step past the last step)."""
-    t, o, d, p = config.train, config.optim, config.data, config.parallel
+    t, o, d, p, m = config.train, config.optim, config.data, config.parallel, config.model
 
     def changed(section, name):
         return getattr(section, name) != _default(next(f for f in dataclasses.fields(section) if f.name == name))
@@ -504,6 +504,9 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
         (changed(t, "mtp_coef") and not getattr(config.model, "num_nextn_predict_layers", 0),
          "train.mtp_coef has no effect without multi-token prediction layers (" + ("model.num_nextn_predict_layers=0)" if
          "num_nextn_predict_layers" in {f.name for f in dataclasses.fields(config.model)} else f"{config.model.model_type} has none)")),
+        (hasattr(m, "full_attention_interval") and m.layer_types is not None and changed(m, "full_attention_interval"),
+         f"model.full_attention_interval={getattr(m, 'full_attention_interval', 0)} has no effect: model.layer_types is set "
+         "(set model.layer_types=null to place the full-attention layers by the interval)"),
         (changed(t, "keep_checkpoints") and t.checkpoint_every == -1,
          "train.keep_checkpoints has no effect with train.checkpoint_every=-1 (no checkpoints)"),
         (changed(t, "seed") and bool(t.init_from), "train.seed initialises the weights that train.init_from replaces"),
