@@ -274,8 +274,10 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_good_ones_survive(tmp_
     (tmp_path / "hf/model.safetensors.index.json").write_text('{"weight_map": {"lm_head.weight": "model-2-of-2.safetensors"}}')
     code, _, err = cli("train", config, "--out", tmp_path / "new", "--dry-run", "--set", f"train.init_from={tmp_path / 'hf'}")
     assert refused(code, err, "model-2-of-2.safetensors, a shard its model.safetensors.index.json names, is missing"), err
-    code, printed, err = cli("train", config, "--out", out, "--steps", "4", "--set", f"train.init_from={out}", *every)
+    code, printed, err = cli("train", config, "--out", out, "--steps", "5", "--set", f"train.init_from={out}", *every)
     assert code == 0 and "train.init_from is not used: the run resumes from its own" in printed, err
+    code, printed, err = cli("train", config, "--out", out, "--steps", "6", *every)  # init_from dropped: nothing to say
+    assert code == 0 and not [line for line in printed.splitlines() if line.startswith("note:") and "init_from" in line]
 
 
 def test_an_earlier_run_without_a_checkpoint_is_not_overwritten(tmp_path, dataset_dir, monkeypatch):

@@ -737,7 +737,7 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
     if moves and echo:
         print(f"note: data.path moved: {moves}; the same data as {checkpoint} recorded (tokenizer and content SHA-256, "
               "weights, order): the run goes on with it", flush=True)
-    if changed.pop("train.init_from", None) and echo:  # a resume loads its own checkpoint, never init_from's
+    if (change := changed.pop("train.init_from", None)) and change[1] and echo:  # a resume loads its own checkpoint, never init_from's
         print(f"note: train.init_from is not used: the run resumes from its own {checkpoint}; train into a new --out "
               "to start from it", flush=True)
     changed.pop("optim.allow_switch", None)  # a permission for the one resume that switches, not a setting
