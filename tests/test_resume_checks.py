@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import (markov_docs, tiny_config, tiny_deepseek_config, tiny_deepseek_v3_config, tiny_gpt_oss_config,
-                      write_run_file)
+                      tiny_qwen3_5_config, write_run_file)
 from pithtrain.cli import main
 from pithtrain.config import UserError, load_run_config, run_dict
 from pithtrain.train import checkpoint as ckpt
@@ -203,6 +203,14 @@ def test_mesh_compile_and_logging_may_change(run, tmp_path):
     (tmp_path / "meta.json").write_text(json.dumps({"step": 1, "config": run_dict(v3)}))
     v3.model.bias_update_speed = 0.0
     check_resume(v3, tmp_path, echo=False)
+    hybrid = tiny_qwen3_5_config(config.data.path)  # layer_types None and the list it stands for: the same layers
+    hybrid.model.layer_types, hybrid.model.full_attention_interval = ["linear_attention", "full_attention"] * 2, 2
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 1, "config": run_dict(hybrid)}))
+    hybrid.model.layer_types = None
+    check_resume(hybrid, tmp_path, echo=False)
+    hybrid.model.full_attention_interval = 4  # other layers: refused
+    with pytest.raises(UserError, match="model.full_attention_interval 2 -> 4"):
+        check_resume(hybrid, tmp_path, echo=False)
 
 
 def test_token_ids_outside_the_vocabulary_fail_before_step_one(tmp_path, dataset_dir):

@@ -707,6 +707,11 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
                         "tokenizer.json, meta.json, doc_offsets.npy or tokens.bin differ); restore that dataset, or "
                         "train into a new --out")
     changed = {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
+    was, named = meta.get("config", {}).get("model") or {}, {f.name for f in dataclasses.fields(config.model)}
+    with contextlib.suppress(TypeError, ValueError):  # the same model written otherwise (layer_types None and its list)
+        if was.get("model_type") == config.model.model_type and config.model.to_hf() == dataclasses.replace(
+                config.model, **{k: v for k, v in was.items() if k in named}).to_hf():
+            changed = {k: v for k, v in changed.items() if not k.startswith("model.")}
     if moves := "data.path" in changed and _moved(*changed["data.path"], ids, current):
         del changed["data.path"]
 
