@@ -378,8 +378,11 @@ def _main(argv: list[str] | None = None) -> int:
     from pithtrain.launch import SafeStdout
 
     sys.stdout = SafeStdout(sys.stdout)  # a reader that goes away (`| head -1`) must not end the run
-    try:
-        args = build_parser().parse_args(argv)
+    try:  # a Ctrl-C held while the parser's imports run: torch's C++ import of numpy would catch it (half-importing numpy)
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        parser = build_parser()
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        args = parser.parse_args(argv)
         args.argv = argv
         return args.func(args)
     except (ValueError, OSError, FloatingPointError, KeyboardInterrupt) as e:

@@ -391,6 +391,14 @@ def check_numbers(mapping: dict, field: str, skip: str = "type") -> None:
         raise ConfigError(f"{field}['{text}']={mapping[text]!r}: must be a number")
 
 
+def check_yarn(rope: dict, field: str) -> None:
+    """YaRN's factor and original context set and > 0; its beta_fast/beta_slow > 0 where set (0, like None, is HF's default)."""
+    for key in ("factor", "original_max_position_embeddings"):
+        check(rope.get(key) is not None and rope[key] > 0, f"{field}['{key}']={rope.get(key)}: must be set and > 0 for YaRN")
+    if bad := next((k for k in ("beta_fast", "beta_slow") if not (rope.get(k) or 1) > 0), None):
+        raise ConfigError(f"{field}['{bad}']={rope[bad]}: must be > 0 (YaRN's rotation counts; unset: 32 and 1)")
+
+
 def hf_values(cls: type, hf: dict, nullable: frozenset = frozenset()) -> dict:
     """The config.json entries that are fields of `cls` (None dropped, except in `nullable` fields), a list of
     eos_token_id as its first."""
@@ -478,7 +486,7 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
     """Warnings, one line each, for options set away from their default that cannot take effect with
     the rest of the config (the option they depend on is off); `validate` refuses the ones that would
     mislead (fp8_emulate with fp8=off, a profile_step past the last step)."""
-    t, o, d, p = config.train, config.optim, config.data, config.parallel
+    t, o, d, p, m = config.train, config.optim, config.data, config.parallel, config.model
 
     def changed(section, name):
         return getattr(section, name) != _default(next(f for f in dataclasses.fields(section) if f.name == name))
@@ -496,6 +504,9 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
         (changed(t, "mtp_coef") and not getattr(config.model, "num_nextn_predict_layers", 0),
          "train.mtp_coef has no effect without multi-token prediction layers (" + ("model.num_nextn_predict_layers=0)" if
          "num_nextn_predict_layers" in {f.name for f in dataclasses.fields(config.model)} else f"{config.model.model_type} has none)")),
+        (hasattr(m, "full_attention_interval") and m.layer_types is not None and changed(m, "full_attention_interval"),
+         f"model.full_attention_interval={getattr(m, 'full_attention_interval', 0)} has no effect: model.layer_types is set "
+         "(set model.layer_types=null to place the full-attention layers by the interval)"),
         (changed(t, "keep_checkpoints") and t.checkpoint_every == -1,
          "train.keep_checkpoints has no effect with train.checkpoint_every=-1 (no checkpoints)"),
         (changed(t, "seed") and bool(t.init_from), "train.seed initialises the weights that train.init_from replaces"),

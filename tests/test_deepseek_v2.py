@@ -283,6 +283,8 @@ def test_mla_attention_unpadded_v_equals_padded_and_softmax():
     (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
     (dict(rope_scaling={"type": "yarn", "factor": 2.0}), "original_max_position_embeddings"),
     (dict(rope_scaling={"type": "yarn", "factor": "4.0", "original_max_position_embeddings": 64}), r"'factor'\]='4.0'"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_slow": -1.0}),
+     r"'beta_slow'\]=-1.0"),
     (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),
 ])
 def test_invalid_configs_name_the_field(change, field):

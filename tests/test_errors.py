@@ -4,14 +4,18 @@ traceback (PITHTRAIN_DEBUG=1 shows it). Most cases call `cli.main` in-process (t
 without an interpreter start each); a few run `python -m pithtrain` to prove the exit code and the
 absence of a traceback end to end."""
 
+import contextlib
 import errno
 import io
 import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import time
 import types
 from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
 from pathlib import Path
@@ -575,6 +579,19 @@ def test_convert_stopped_by_ctrl_c_leaves_no_partial_output(tool_env):
         assert code == 130 and err.strip().splitlines()[-1] == "stopped by SIGINT (Ctrl-C)", err
         assert [p.name for p in tool_env["tools"].iterdir() if dst in p.name] == []
         assert run_case(tool_env, "ki", line)[0] == 0
+    # Ctrl-C while the commands' imports run: torch's C++ import of numpy catches the KeyboardInterrupt (and leaves numpy
+    # half-imported), so it must be held until they are done, not lost: the run would go on, or end in a traceback
+    from pithtrain import cli
+
+    def swallowing_import(build=cli.build_parser):
+        with contextlib.suppress(KeyboardInterrupt):
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)  # as a terminal's to the CLI's one thread
+            time.sleep(0.01)
+        return build()
+
+    with mock.patch.object(cli, "build_parser", swallowing_import):
+        code, err = run_case(tool_env, "ki", "train --help")
+    assert code == 130 and err.strip().splitlines() == ["stopped by SIGINT (Ctrl-C)"], err
 
 
 @pytest.mark.fast

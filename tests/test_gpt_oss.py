@@ -295,10 +295,13 @@ def test_config_from_hub_style_json():
 def test_config_errors_name_the_field():
     from pithtrain.config import ConfigError
 
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 64}
     for bad, field_name in ((dict(layer_types=["full_attention"]), "layer_types"),
                             (dict(num_experts_per_tok=200), "num_experts_per_tok"),
                             (dict(sliding_window=None), "sliding_window"),
                             (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1.0}), "rope_type"),
-                            (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), r"\['rope_theta'\]='1e4'")):
+                            (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), r"\['rope_theta'\]='1e4'"),
+                            (dict(rope_parameters={**yarn, "original_max_position_embeddings": 0}), "original_max_position_embeddings"),
+                            (dict(rope_parameters={**yarn, "beta_fast": -32.0}), r"\['beta_fast'\]=-32.0")):
         with pytest.raises(ConfigError, match=field_name):
             GptOssConfig(**bad).validate()

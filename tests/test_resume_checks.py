@@ -12,9 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import markov_docs, tiny_config, tiny_deepseek_config, tiny_gpt_oss_config, write_run_file
+from conftest import (markov_docs, tiny_config, tiny_deepseek_config, tiny_deepseek_v3_config, tiny_gpt_oss_config,
+                      tiny_qwen3_5_config, write_run_file)
 from pithtrain.cli import main
-from pithtrain.config import UserError, load_run_config
+from pithtrain.config import UserError, load_run_config, run_dict
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import loop
 from pithtrain.train.data import TokenDataset, write_dataset
@@ -185,7 +186,7 @@ def test_a_bad_line_in_metrics_is_named_before_the_model_loads(run, tmp_path, mo
             assert refused(code, err, message), err
 
 
-def test_mesh_compile_and_logging_may_change(run):
+def test_mesh_compile_and_logging_may_change(run, tmp_path):
     _, config_file, out = run
     config = load_run_config(config_file)
     config.parallel.ep, config.parallel.pp, config.parallel.hsdp = 2, 2, True  # checkpoints reshard
@@ -198,6 +199,18 @@ def test_mesh_compile_and_logging_may_change(run):
     meta["config"]["train"]["fp8"] = True  # a field this version does not know (another branch, a newer run)
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     check_resume(config, checkpoint, echo=False)
+    v3 = tiny_deepseek_v3_config(config.data.path)  # DeepSeek-V3 stops the routing-bias update for its last tokens
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 1, "config": run_dict(v3)}))
+    v3.model.bias_update_speed = 0.0
+    check_resume(v3, tmp_path, echo=False)
+    hybrid = tiny_qwen3_5_config(config.data.path)  # layer_types None and the list it stands for: the same layers
+    hybrid.model.layer_types, hybrid.model.full_attention_interval = ["linear_attention", "full_attention"] * 2, 2
+    (tmp_path / "meta.json").write_text(json.dumps({"step": 1, "config": run_dict(hybrid)}))
+    hybrid.model.layer_types = None
+    check_resume(hybrid, tmp_path, echo=False)
+    hybrid.model.full_attention_interval = 4  # other layers: refused
+    with pytest.raises(UserError, match="model.full_attention_interval 2 -> 4"):
+        check_resume(hybrid, tmp_path, echo=False)
 
 
 def test_token_ids_outside_the_vocabulary_fail_before_step_one(tmp_path, dataset_dir):
@@ -269,8 +282,10 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_good_ones_survive(tmp_
     (tmp_path / "hf/model.safetensors.index.json").write_text('{"weight_map": {"lm_head.weight": "model-2-of-2.safetensors"}}')
     code, _, err = cli("train", config, "--out", tmp_path / "new", "--dry-run", "--set", f"train.init_from={tmp_path / 'hf'}")
     assert refused(code, err, "model-2-of-2.safetensors, a shard its model.safetensors.index.json names, is missing"), err
-    code, printed, err = cli("train", config, "--out", out, "--steps", "4", "--set", f"train.init_from={out}", *every)
+    code, printed, err = cli("train", config, "--out", out, "--steps", "5", "--set", f"train.init_from={out}", *every)
     assert code == 0 and "train.init_from is not used: the run resumes from its own" in printed, err
+    code, printed, err = cli("train", config, "--out", out, "--steps", "6", *every)  # init_from dropped: nothing to say
+    assert code == 0 and not [line for line in printed.splitlines() if line.startswith("note:") and "init_from" in line]
 
 
 def test_an_earlier_run_without_a_checkpoint_is_not_overwritten(tmp_path, dataset_dir, monkeypatch):

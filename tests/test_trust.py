@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from cli_util import ROOT, cli, one_line_error
-from conftest import markov_docs, tiny_config, write_run_file
+from conftest import markov_docs, tiny_config, tiny_qwen3_5_config, write_run_file
 from pithtrain.config import ignored_options
 from pithtrain.tools.tokenize import train_bpe
 from pithtrain.train import checkpoint as ckpt
@@ -134,6 +134,13 @@ def test_options_without_effect_are_warned_about(tmp_path, dataset_dir, capsys):
     assert ignored_options(where_they_act) == [] and ignored_options(base, world_size=2) == []
     base.optim.warmup_steps = 6  # cosine: the lr reaches optim.lr at the last step
     assert ignored_options(base) == []
+    hybrid = tiny_qwen3_5_config(dataset_dir)  # its layer_types given: full_attention_interval places no layer
+    assert ignored_options(hybrid) == []
+    hybrid.model.full_attention_interval = 2
+    assert ignored_options(hybrid) == ["warning: model.full_attention_interval=2 has no effect: model.layer_types is set "
+                                       "(set model.layer_types=null to place the full-attention layers by the interval)"]
+    hybrid.model.layer_types = None
+    assert ignored_options(hybrid) == []
     from pithtrain.train.loop import check_muon_takes_some
 
     base.optim.name, base.optim.muon_exclude = "muon", ["embed_tokens.*", "embed_token.*", "*norm*"]

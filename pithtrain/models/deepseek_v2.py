@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError, UserError, check, check_numbers, check_positive, hf_values
+from pithtrain.config import ConfigError, UserError, check, check_numbers, check_positive, check_yarn, hf_values
 from pithtrain.protocol import RoutingInfo, Stage1Out, all_layers, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import (apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin,
@@ -76,7 +76,7 @@ class DeepseekV2Config:
     scoring_func: str = "softmax"  # softmax (V2) | sigmoid (V3)
     norm_topk_prob: bool = False  # renormalise the chosen k weights to sum 1 (before the scaling)
     routed_scaling_factor: float = 1.0
-    bias_update_speed: float = 0.001  # noaux_tc: the `rate` the training loop passes to update_correction_bias
+    bias_update_speed: float = 0.001  # noaux_tc: the `rate` the training loop passes to update_correction_bias; may change at a resume
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     # None (plain RoPE) or {"type": "yarn", "factor", "original_max_position_embeddings",
@@ -152,9 +152,7 @@ class DeepseekV2Config:
         check(rope_type in ("default", "yarn"),
               f"model.rope_scaling type {rope_type!r} is not supported; use None (plain RoPE) or type 'yarn'")
         if rope_type == "yarn":
-            for key in ("factor", "original_max_position_embeddings"):
-                check(rope.get(key) is not None and rope[key] > 0,
-                      f"model.rope_scaling['{key}'] must be set and > 0 for YaRN")
+            check_yarn(rope, "model.rope_scaling")
 
     @classmethod
     def from_hf(cls, hf: dict) -> "DeepseekV2Config":

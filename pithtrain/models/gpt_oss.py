@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import check, check_numbers, check_positive, hf_values
+from pithtrain.config import check, check_numbers, check_positive, check_yarn, hf_values
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_name, check_hf_leftovers, hf_tensor, init_by_name, run_layer
 from pithtrain.ops import attention, kernels
 from pithtrain.ops.attention import sink_attention  # the SDPA path (CPU)
@@ -121,8 +121,7 @@ class GptOssConfig:
         check(kind in ("yarn", "default"), f"model.rope_parameters rope_type={kind!r}: use 'yarn' (GPT-OSS) or 'default'")
         check(rope.get("rope_theta", 0) > 0, "model.rope_parameters needs rope_theta > 0")
         if kind == "yarn":
-            for key in ("factor", "original_max_position_embeddings"):
-                check(rope.get(key) is not None, f"model.rope_parameters: yarn needs {key!r}")
+            check_yarn(rope, "model.rope_parameters")
             check(rope["factor"] >= 1, f"model.rope_parameters factor={rope['factor']}: must be >= 1")
 
     @classmethod

@@ -684,7 +684,8 @@ HELD_OUT = "data.eval_samples held out of data.path"
 FIXED = ("data.path", "data.seed", "data.seq_len", "train.global_batch_size", HELD_OUT)
 # Applied from the resumed step with a warning: they change the optimisation from there on. Any
 # other field (logging, checkpointing, compile, dtype, the mesh: checkpoints reshard) changes freely.
-WARNED = ("optim.", "train.steps", "train.lb_coef", "train.lb_type", "train.mtp_coef", "data.pack_documents")
+WARNED = ("optim.", "train.steps", "train.lb_coef", "train.lb_type", "train.mtp_coef", "data.pack_documents",
+          "model.bias_update_speed")  # DeepSeek-V3 sets it to 0 for its last 500B tokens
 
 
 def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = None, echo: bool = True,
@@ -706,13 +707,18 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
                         "tokenizer.json, meta.json, doc_offsets.npy or tokens.bin differ); restore that dataset, or "
                         "train into a new --out")
     changed = {k: (old[k], new[k]) for k in sorted(old.keys() & new.keys()) if old[k] != new[k]}
+    was, named = meta.get("config", {}).get("model") or {}, {f.name for f in dataclasses.fields(config.model)}
+    with contextlib.suppress(TypeError, ValueError):  # the same model written otherwise (layer_types None and its list)
+        if was.get("model_type") == config.model.model_type and config.model.to_hf() == dataclasses.replace(
+                config.model, **{k: v for k, v in was.items() if k in named}).to_hf():
+            changed = {k: v for k, v in changed.items() if not k.startswith("model.")}
     if moves := "data.path" in changed and _moved(*changed["data.path"], ids, current):
         del changed["data.path"]
 
     def show(keys):
         return ", ".join(f"{k} {changed[k][0]!r} -> {changed[k][1]!r}" for k in keys)
 
-    if fixed := [k for k in changed if k.startswith("model.") or k in FIXED]:
+    if fixed := [k for k in changed if (k.startswith("model.") or k in FIXED) and not k.startswith(WARNED)]:
         where = " (a relative data.path resolves against the working directory)" if "data.path" in fixed else ""
         raise UserError(f"cannot resume from {checkpoint}: {show(fixed)} changed since it was written{where}; "
                         f"undo the change (--set) or train into a new --out")
@@ -736,7 +742,7 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
     if moves and echo:
         print(f"note: data.path moved: {moves}; the same data as {checkpoint} recorded (tokenizer and content SHA-256, "
               "weights, order): the run goes on with it", flush=True)
-    if changed.pop("train.init_from", None) and echo:  # a resume loads its own checkpoint, never init_from's
+    if (change := changed.pop("train.init_from", None)) and change[1] and echo:  # a resume loads its own checkpoint, never init_from's
         print(f"note: train.init_from is not used: the run resumes from its own {checkpoint}; train into a new --out "
               "to start from it", flush=True)
     changed.pop("optim.allow_switch", None)  # a permission for the one resume that switches, not a setting
