@@ -86,6 +86,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("data-path-twice", """train {cfg} --set 'data.path={{"{data}": 0.7, "{data}": 0.3}}'""", "appears twice"),
     ("eval-path-file", "train {cfg} --set data.eval_path={notes} --set train.eval_every=1", "is a file"),
     ("eval-path-npy", "train {cfg} --set data.eval_path={tokens} --set train.eval_every=1", "for `pithtrain eval --tokens`"),
+    ("eval-path-npy-in-data", "train {cfg} --set data.eval_path={data_npy} --set train.eval_every=1", "for `pithtrain eval --tokens`"),
     ("lr-inf", "train {cfg} --set optim.lr=inf", "optim.lr"),
     ("lr-nan", "train {cfg} --set optim.lr=nan", "optim.lr"),
     ("lr-negative", "train {cfg} --set optim.lr=-1", "optim.lr"),
@@ -310,6 +311,8 @@ def make_env(tmp: Path) -> dict:
                         "tokens_big": np.full((2, 5), 64), "tokens_negative": -rng.integers(1, 64, (2, 5)), "tokens_none": np.zeros((0, 12), np.int64)}.items():
         env[name] = tmp / f"{name}.npy"
         np.save(env[name], array)
+    env["data_npy"] = data / "eval.npy"  # the quickstart keeps its held-out array in its dataset directory
+    np.save(env["data_npy"], rng.integers(0, 64, (3, 12)))
     env["empty_npy"] = tmp / "empty.npy"
     env["empty_npy"].write_bytes(b"")
     (tmp / "run.toml").write_text('[model]\nname = "llama3"\n')  # torchtitan's form

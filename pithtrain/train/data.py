@@ -184,7 +184,7 @@ class TokenDataset:
     def __init__(self, path):
         self.path = Path(path)
         if not self.path.is_dir():
-            if self.path.exists() and is_dataset(self.path.parent):
+            if self.path.exists() and is_dataset(self.path.parent) and self.path.suffix != ".npy":  # not quickstart's eval.npy
                 raise FileNotFoundError(f"dataset directory {self.path} is a file of the dataset {self.path.parent}; "
                                         f"name the directory, {self.path.parent}")
             what = ("is a .npy array (those are for `pithtrain eval --tokens`)" if self.path.suffix == ".npy" else "is a file"
