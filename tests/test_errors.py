@@ -311,7 +311,7 @@ def make_env(tmp: Path) -> dict:
                         "tokens_big": np.full((2, 5), 64), "tokens_negative": -rng.integers(1, 64, (2, 5)), "tokens_none": np.zeros((0, 12), np.int64)}.items():
         env[name] = tmp / f"{name}.npy"
         np.save(env[name], array)
-    env["data_npy"] = data / "eval.npy"  # the quickstart keeps its held-out array in its dataset directory
+    env["data_npy"] = copy(data, "data_npy") / "eval.npy"  # the quickstart keeps its held-out array in its dataset directory
     np.save(env["data_npy"], rng.integers(0, 64, (3, 12)))
     env["empty_npy"] = tmp / "empty.npy"
     env["empty_npy"].write_bytes(b"")
