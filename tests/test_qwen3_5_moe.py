@@ -200,8 +200,9 @@ def test_real_config_is_the_example():
     cfg = config_from_hf({"model_type": "qwen3_5_moe", "text_config": text})
     cfg.validate()
     assert cfg == load_run_config("examples/qwen3_5_35b_a3b.py").model
-    bare = config_from_hf({k: v for k, v in text.items() if k != "rope_parameters"})  # transformers' default RoPE
-    assert bare.rope_theta == Qwen3_5MoeTextConfig().rope_parameters["rope_theta"]
+    bare = config_from_hf({k: v for k, v in text.items() if k not in ("rope_parameters", "max_position_embeddings")})
+    assert (bare.rope_theta, bare.max_position_embeddings) == (  # transformers' defaults
+        Qwen3_5MoeTextConfig().rope_parameters["rope_theta"], Qwen3_5MoeTextConfig().max_position_embeddings)
     assert [cfg.layer_type(i) for i in range(8)] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
 
 

@@ -144,8 +144,9 @@ def test_config_from_hf_real_qwen3_30b_a3b_schema():
     assert cfg.dim_per_head == 128 and cfg.rope_theta == 1e6 and cfg.num_experts == 128
     assert Qwen3MoeConfig.from_hf(cfg.to_hf()) == cfg
     # a config.json without norm_topk_prob and rope_theta: transformers' defaults, the model it computes
-    bare = Qwen3MoeConfig.from_hf({k: v for k, v in hf.items() if k not in ("norm_topk_prob", "rope_theta")})
-    assert (bare.norm_topk_prob, bare.rope_theta) == (HFConfig().norm_topk_prob, HFConfig().rope_parameters["rope_theta"])
+    bare = Qwen3MoeConfig.from_hf({k: v for k, v in hf.items() if k not in ("norm_topk_prob", "rope_theta", "max_position_embeddings")})
+    assert (bare.norm_topk_prob, bare.rope_theta, bare.max_position_embeddings) == (
+        HFConfig().norm_topk_prob, HFConfig().rope_parameters["rope_theta"], HFConfig().max_position_embeddings)
     # HF applies sliding_window on every layer when use_sliding_window is on: refused, not run as full attention
     with pytest.raises(UserError, match=r"model.use_sliding_window=True \(sliding_window=4096\) is not supported"):
         Qwen3MoeConfig.from_hf(dict(hf, use_sliding_window=True, sliding_window=4096))

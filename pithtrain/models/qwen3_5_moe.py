@@ -130,7 +130,7 @@ class Qwen3_5MoeConfig:
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
         check(rope.get("rope_type", rope.get("type", "default")) in ("default", None),
               f"qwen3_5_moe: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
-        values = {"rope_theta": 10000.0, **hf_values(cls, hf)}  # transformers' default where config.json has none
+        values = {"rope_theta": 10000.0, "max_position_embeddings": 32768, **hf_values(cls, hf)}  # transformers' defaults
         for key in ("rope_theta", "partial_rotary_factor"):  # text positions: mrope's sections all equal plain RoPE
             if key in rope:
                 values[key] = rope[key]

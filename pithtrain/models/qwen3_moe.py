@@ -90,7 +90,8 @@ class Qwen3MoeConfig:
         check(not (hf.get("use_sliding_window") and hf.get("sliding_window")),
               f"model.use_sliding_window=True (sliding_window={hf.get('sliding_window')}) is not supported by "
               "PithTrain's qwen3_moe (full causal attention only); set use_sliding_window false")
-        values = {"norm_topk_prob": False, "rope_theta": 10000.0, **hf_values(cls, hf)}  # transformers' defaults if absent
+        values = {"norm_topk_prob": False, "rope_theta": 10000.0, "max_position_embeddings": 32768,  # transformers' defaults
+                  **hf_values(cls, hf)}
         if "num_experts" not in values and hf.get("num_local_experts") is not None:
             values["num_experts"] = hf["num_local_experts"]  # transformers 5 writes this alias
         if "rope_theta" in rope:
