@@ -163,7 +163,7 @@ def causal_conv1d(x, weight, doc_ids=None) -> torch.Tensor:
     xc, wc = x.to(ct), weight.to(ct)
     seg = _segments(doc_ids, b, s, x.device)
     out = xc * wc[:, -1]
-    for j in range(1, weight.shape[1]):  # K is small (4): one shifted, masked copy per tap
+    for j in range(1, min(weight.shape[1], s)):  # K is small (4): one shifted, masked copy per tap within the sequence
         shifted = F.pad(xc, (0, 0, j, 0))[:, :s]
         if doc_ids is not None:
             shifted = shifted * (F.pad(seg, (j, 0), value=-1)[:, :s] == seg).to(ct)[..., None]
