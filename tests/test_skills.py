@@ -35,6 +35,12 @@ def test_validate_correctness_script(tmp_path):
                             capture_output=True, text=True)
     assert differ.returncode == 1 and differ.stdout.strip().splitlines()[-1] == (
         "FAIL: loss at step 2: 4.5 vs 4.5045 (relative difference 1.0e-03 > 1e-05)"), differ.stdout
+    for name, mtp in (("a", 6.0), ("b", 6.0), ("c", 6.006)):  # DeepSeek-V3's mtp_loss (not in loss) is gated as the loss
+        rows = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+        (tmp_path / f"m{name}.jsonl").write_text("".join(json.dumps({**r, "mtp_loss": 6.0 if r["step"] < 3 else mtp}) + "\n" for r in rows))
+    out = [subprocess.run([sys.executable, SCRIPT, "--metrics", str(tmp_path / "ma.jsonl"), str(tmp_path / f"m{x}.jsonl")],
+                          capture_output=True, text=True).stdout.strip().splitlines()[-1] for x in "bc"]
+    assert out[0].startswith("PASS") and out[1] == "FAIL: mtp_loss at step 3: 6 vs 6.006 (relative difference 1.0e-03 > 1e-05)", out
 
 
 @pytest.mark.fast

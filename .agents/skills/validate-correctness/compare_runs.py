@@ -20,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
 import runs  # noqa: E402  (the helpers the skill scripts share: launch a run, PASS/FAIL)
 
 KEYS = ("loss", "lb_loss", "grad_norm")
+MTP = "mtp_loss"  # DeepSeek-V3's multi-token prediction loss (not in `loss`): gated as the loss where both runs log it
 AUX_FLOOR = 1e-3  # the default --rtol-aux at least: fp32 meshes' grad_norm and lb_loss drift to 3.5e-4 in 20 steps (SKILL.md)
 
 
@@ -36,22 +37,23 @@ def compare(a, b, rtol, rtol_aux=None) -> tuple[bool, str]:
     if common and set(a) != set(b):
         only = [f"only {name} {sorted(set(x) - set(y))[:10]}" for name, x, y in (("A", a, b), ("B", b, a)) if set(x) - set(y)]
         problems.append(f"the runs logged different steps: {', '.join(only)}")
-    errors, over = {key: [] for key in KEYS}, []
+    keys = KEYS + ((MTP,) if common and all(MTP in x[s] for x in (a, b) for s in common) else ())
+    errors, over = {key: [] for key in keys}, []
     for step in common:
-        for key in KEYS:
-            tol = rtol if key == "loss" else rtol_aux
+        for key in keys:
+            tol = rtol if key in ("loss", MTP) else rtol_aux
             va, vb = a[step][key], b[step][key]
             err = abs(va - vb) / max(abs(va), 1e-12) if math.isfinite(va) and math.isfinite(vb) else math.nan
             errors[key].append(err)
             bad = not err <= tol
             if bad:
                 over.append(f"{key} at step {step}: {va:.8g} vs {vb:.8g} (relative difference {err:.1e} > {tol:.0e})")
-            if bad or key == "loss":
+            if bad or key in ("loss", MTP):
                 print(f"step {step:>4} {key:>9}: {va:.8f} vs {vb:.8f} (rel {err:.1e})" + ("   <-- over tolerance" if bad else ""))
     worst = {k: math.nan if any(map(math.isnan, v)) else max(v, default=0.0) for k, v in errors.items()}
     summary = ", ".join(f"{k} {v:.2e}" for k, v in worst.items())
     if common:
-        print(f"worst relative difference: {summary} (tolerance: loss {rtol:.0e}, lb_loss/grad_norm {rtol_aux:.0e})")
+        print(f"worst relative difference: {summary} (tolerance: loss{'/' + MTP if MTP in keys else ''} {rtol:.0e}, lb_loss/grad_norm {rtol_aux:.0e})")
     if over:
         problems.insert(0, over[0] + (f" (+{len(over) - 1} more over tolerance above)" if len(over) > 1 else ""))
     return not problems, "; ".join(problems) or f"steps {common[0]}..{common[-1]} agree (worst relative difference: {summary})"
