@@ -155,6 +155,16 @@ def test_estimate_knows_recompute():
         config.train.recompute = mode
         totals[mode] = max(r["total"] for r in est.estimate(config, 8))
     assert totals["full"] <= 0.95 * 139 < totals["off"], totals
+    # Qwen3.5 under cp: a Gated DeltaNet layer saves its mixer's tensors over the gathered sequence (full attention does not)
+    config = load_run_config("examples/qwen3_5_35b_a3b.py")
+    cfg, acts = config.model, {}
+    for i in (0, 3):
+        assert (est.layer_activation_bytes(cfg, i, 0, "off", 2) > est.layer_activation_bytes(cfg, i, 0, "off")) == (
+            cfg.layer_type(i) == "linear_attention")
+    for cp in (1, 2):  # two ranks: cp2 against dp2, the same micro-batch
+        config.parallel.cp = cp
+        acts[cp] = est.estimate(config, 2)[0]["activations"]
+    assert acts[2] > 0.6 * acts[1], acts  # not half: the linear layers hold the whole sequence
 
 
 @pytest.mark.fast

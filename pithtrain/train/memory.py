@@ -32,8 +32,9 @@ def param_counts(cfg, layer_ids, embed: bool, head: bool) -> tuple[int, int]:
     return sum(p.numel() for _, p in named) - expert, expert
 
 
-def layer_activation_bytes(cfg, layer_id: int, seq: int, recompute: str = "off") -> float:
-    """Bytes saved for backward per token by one layer (bf16, before the calibration factor).
+def layer_activation_bytes(cfg, layer_id: int, seq: int, recompute: str = "off", cp: int = 1) -> float:
+    """Bytes saved for backward per (rank-local) token by one layer (bf16, before the calibration factor).
+    cp: a Gated DeltaNet layer saves its mixer's tensors over the sequence gathered from cp ranks.
     train.recompute: selective drops the experts' SwiGLU output (top-k x I); full keeps of stages
     1 (norms, attention, shared experts or dense MLP, router) and 3 (experts) only their inputs."""
     h, heads = cfg.hidden_size, cfg.num_attention_heads
@@ -52,7 +53,7 @@ def layer_activation_bytes(cfg, layer_id: int, seq: int, recompute: str = "off")
             # the qkv projection, the conv before and after SiLU; q, k L2-normed in fp32 (2 units each) and
             # their bf16 copies for the kernel; v, z, the rule's output and the gated norm's; the kernel's
             # per-chunk solve (heads x 64, fp32)
-            q = 3 * (2 * kd + vd) + 2 * 2 * 2 * kd + 2 * kd + 4 * vd + 2 * 64 * cfg.linear_num_value_heads
+            q = cp * (3 * (2 * kd + vd) + 2 * 2 * 2 * kd + 2 * kd + 4 * vd + 2 * 64 * cfg.linear_num_value_heads)
             k = v = o = 0
     elements = h if full else 6 * h + q + k + v + o  # stage 1's input, or its norms and attention
     if cfg.is_moe_layer(layer_id):
@@ -92,7 +93,7 @@ def estimate(config, world: int) -> list[dict]:
             table += cfg.vocab_size * cfg.hidden_size * (int(embed) + int(head))
             # the head's chunk also runs the multi-token prediction layers (DeepSeek-V3), each with its head
             mtp = range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers) if head else ()
-            per_token = sum(layer_activation_bytes(cfg, i, config.data.seq_len, t.recompute) for i in [*layer_ids, *mtp])
+            per_token = sum(layer_activation_bytes(cfg, i, config.data.seq_len, t.recompute, cp) for i in [*layer_ids, *mtp])
             per_token = per_token * ACTIVATION_FACTOR + (HEAD_BYTES_PER_LOGIT * cfg.vocab_size * (1 + len(mtp)) if head else 0.0)
             act += in_flight * tokens * per_token
         local = dense / (dp * cp * ep) + expert / ep / (dp * cp)
