@@ -415,6 +415,12 @@ def test_estimate_memory_searches_deep_estimates_fp8_without_gpu_and_refuses_bad
     assert est.deepest(config, 1, budget) == 37 and est.deepest(config, 1, 0.0) is None
     est.MAX_LAYERS = 48
     assert est.deepest(config, 1, 1e9) == 48
+    hybrid, mix = load_run_config("examples/qwen3_5_tiny.py"), ["full_attention", "linear_attention"] * 5
+    hybrid.model.num_hidden_layers, hybrid.model.layer_types = 9, mix[:9]  # a written pattern, not the default: kept
+    budget = max(r["total"] for r in est.estimate(hybrid, 1)) + 1e-6
+    hybrid.model.num_hidden_layers, hybrid.model.layer_types = 4, mix[:4]
+    assert est.deepest(hybrid, 1, budget) == 9 and hybrid.model.layer_types == mix[:9]
+    assert "model.layer_types: ['full_attention', 'linear_attention'] repeated to each depth" in capsys.readouterr().out
     fp8 = run_script(script, "examples/qwen3_tiny.py", "--set", "train.fp8=rowwise")
     apply_override(config, "train.fp8=rowwise")
     config.model.num_hidden_layers = 4
