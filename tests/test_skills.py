@@ -460,6 +460,10 @@ def test_resume_and_reshard_continues_the_curve_on_another_mesh(tmp_path, datase
     mesh = run_script(script, *common, "--b", "--nproc 3 --ep 2", "--work", tmp_path / "mesh")
     assert mesh.returncode == 1 and mesh.stdout.startswith("FAIL: mesh B (--nproc 3 --ep 2): mesh pp=1 x cp=1 x ep=2"), mesh.stdout
     assert not (tmp_path / "mesh").exists()  # refused before mesh A trained
+    model = run_script(script, *common, "--b", "--nproc 1 --set model.num_hidden_layers=3", "--work", tmp_path / "model")
+    assert model.returncode == 1 and model.stdout.startswith("FAIL: mesh B (--nproc 1 --set model.num_hidden_layers=3): cannot "
+                                                             "resume from mesh A's step-2 checkpoint: model.num_hidden_layers 2 -> 3"), model.stdout
+    assert not (tmp_path / "model").exists()  # a resume's refusal too, before mesh A trained
     ok = run_script(script, *common, "--a", "--nproc 2 --ep 2", "--b", "--nproc 1", "--ref", "--nproc 1",
                     "--work", tmp_path / "ok")
     assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("PASS: steps 1..4 agree"), ok.stdout + ok.stderr
