@@ -344,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:  # the process's own command line: it ends after the command
+        import pithtrain.launch
+        pithtrain.launch.ENDS_PROCESS = True
     if "RANK" in os.environ:  # a worker under a launcher: its traceback goes to the launcher's error report
         from torch.distributed.elastic.multiprocessing.errors import record
 

@@ -12,6 +12,7 @@ import threading
 import time
 
 STOPPED = (128 + signal.SIGINT, 128 + signal.SIGTERM)  # exit codes of a run stopped by a signal (shell convention)
+ENDS_PROCESS = False  # set by cli.main run as the process's command line (not called from Python): it exits after
 
 
 def _say(text: str) -> None:
@@ -37,6 +38,8 @@ class GracefulStop:
             _say(f"{name}: stopping after this step ({name} again aborts at once)\n")
 
     def restore(self) -> None:
+        if self.signum and ENDS_PROCESS:  # kept: a second signal in the teardown still aborts in one line (Python's
+            return  # handler would print a KeyboardInterrupt traceback from an atexit callback)
         for s, handler in self.previous.items():
             signal.signal(s, handler)
 
@@ -138,6 +141,8 @@ def launch_local(argv: list[str], nproc: int) -> int:
         signal.pthread_sigmask(signal.SIG_SETMASK, unblocked)
         for s, handler in previous.items():
             signal.signal(s, handler)
+        if signals and ENDS_PROCESS:  # as after a run's stop (GracefulStop.restore)
+            GracefulStop(loud=False).signum = signals[0]
         for proc in procs:
             if proc.pid not in codes:
                 os.kill(proc.pid, signal.SIGKILL)

@@ -18,6 +18,7 @@ import torch
 
 from cli_util import alive, children, cli, one_line_error, rank_of, read_until, spawn, write_config
 from conftest import tiny_config
+from pithtrain import launch
 from pithtrain.launch import launch_local
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train.metrics import read_metrics
@@ -80,7 +81,7 @@ def test_kill9_at_a_random_point_resumes_bit_exact(trial, reference, dataset_dir
     assert not [p for p in (run / "checkpoints").iterdir() if p.suffix == ".tmp"]
 
 
-def test_sigint_stops_after_the_step_and_a_second_one_aborts(reference, tmp_path, dataset_dir, capfd):
+def test_sigint_stops_after_the_step_and_a_second_one_aborts(reference, tmp_path, dataset_dir, capfd, monkeypatch):
     capsys = capfd  # the signal handler writes to file descriptor 2 directly
     cfg, base, _ = reference
     run = tmp_path / "run"
@@ -98,7 +99,15 @@ def test_sigint_stops_after_the_step_and_a_second_one_aborts(reference, tmp_path
     assert out.splitlines()[-1] == f"resume with: pithtrain train {cfg} --out {run}"
     assert ckpt.check_checkpoint(ckpt.list_checkpoints(run)[-1]) is None
     assert f"resumed from {run}/checkpoints/step_{step:08d}" in cli(shlex.split(out.splitlines()[-1])[3:], capsys)[0]
-    assert curve(run) == curve(base / "ref")
+    assert curve(run) == curve(base / "ref") and signal.getsignal(signal.SIGINT) is signal.default_int_handler  # called from Python
+    # as the process's command line the handler stays after a stop: a second Ctrl-C in the teardown aborts in one line
+    monkeypatch.setattr(launch, "ENDS_PROCESS", True)  # (Python's handler printed a KeyboardInterrupt traceback from atexit)
+    stop = launch.GracefulStop(loud=False)
+    stop._handle(signal.SIGINT, None)
+    stop.restore()
+    assert signal.getsignal(signal.SIGINT) == stop._handle
+    stop.signum = 0
+    stop.restore()
 
     # another process: a second writer is refused while it runs; Ctrl-C twice aborts it at once
     slow = write_config(tmp_path / "slow.py", dataset_dir, SLOW_STEPS, steps=STEPS, checkpoint_every=1)
@@ -132,6 +141,7 @@ time.sleep(60)
 """)
     fake.chmod(0o755)
     monkeypatch.setattr(sys, "executable", str(fake))
+    monkeypatch.setattr(launch, "ENDS_PROCESS", True)  # the launcher's own command line: it ends after launch_local
 
     def signal_twice(stopped: bool):
         while not all((tmp_path / f"up{r}").exists() for r in range(2)):
@@ -151,6 +161,10 @@ time.sleep(60)
         thread.join()
         err = capsys.readouterr().err
         assert code == 130 and ("aborted by a second SIGINT" in err) == (not stopped), (stopped, err)
+        kept = signal.getsignal(signal.SIGINT).__self__  # one more in its teardown: the one-line abort, not a traceback
+        assert kept.signum == signal.SIGINT and not kept.loud
+        kept.signum = 0
+        kept.restore()
 
 
 def test_launcher_sigint_in_startup_sigterm_stops_every_worker_and_a_killed_launcher_leaves_none(tmp_path, dataset_dir, capsys):

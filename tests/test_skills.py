@@ -415,6 +415,12 @@ def test_estimate_memory_searches_deep_estimates_fp8_without_gpu_and_refuses_bad
     assert est.deepest(config, 1, budget) == 37 and est.deepest(config, 1, 0.0) is None
     est.MAX_LAYERS = 48
     assert est.deepest(config, 1, 1e9) == 48
+    hybrid, mix = load_run_config("examples/qwen3_5_tiny.py"), ["full_attention", "linear_attention"] * 5
+    hybrid.model.num_hidden_layers, hybrid.model.layer_types = 9, mix[:9]  # a written pattern, not the default: kept
+    budget = max(r["total"] for r in est.estimate(hybrid, 1)) + 1e-6
+    hybrid.model.num_hidden_layers, hybrid.model.layer_types = 4, mix[:4]
+    assert est.deepest(hybrid, 1, budget) == 9 and hybrid.model.layer_types == mix[:9]
+    assert "model.layer_types: ['full_attention', 'linear_attention'] repeated to each depth" in capsys.readouterr().out
     fp8 = run_script(script, "examples/qwen3_tiny.py", "--set", "train.fp8=rowwise")
     apply_override(config, "train.fp8=rowwise")
     config.model.num_hidden_layers = 4
@@ -454,6 +460,10 @@ def test_resume_and_reshard_continues_the_curve_on_another_mesh(tmp_path, datase
     mesh = run_script(script, *common, "--b", "--nproc 3 --ep 2", "--work", tmp_path / "mesh")
     assert mesh.returncode == 1 and mesh.stdout.startswith("FAIL: mesh B (--nproc 3 --ep 2): mesh pp=1 x cp=1 x ep=2"), mesh.stdout
     assert not (tmp_path / "mesh").exists()  # refused before mesh A trained
+    model = run_script(script, *common, "--b", "--nproc 1 --set model.num_hidden_layers=3", "--work", tmp_path / "model")
+    assert model.returncode == 1 and model.stdout.startswith("FAIL: mesh B (--nproc 1 --set model.num_hidden_layers=3): cannot "
+                                                             "resume from mesh A's step-2 checkpoint: model.num_hidden_layers 2 -> 3"), model.stdout
+    assert not (tmp_path / "model").exists()  # a resume's refusal too, before mesh A trained
     ok = run_script(script, *common, "--a", "--nproc 2 --ep 2", "--b", "--nproc 1", "--ref", "--nproc 1",
                     "--work", tmp_path / "ok")
     assert ok.returncode == 0 and ok.stdout.strip().splitlines()[-1].startswith("PASS: steps 1..4 agree"), ok.stdout + ok.stderr

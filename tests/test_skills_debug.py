@@ -72,6 +72,11 @@ def test_debug_divergence_scan_names_a_loss_jump():
     assert scan(steps, 4.0) is None
     steps[2]["grad_norm"] = float("nan")
     assert scan(steps, 4.0) == (3, "grad_norm is nan")
+    mtp = [{**m, "grad_norm": 1.0, "loss": 3.0, "mtp_loss": 4.0} for m in steps]  # DeepSeek-V3's MTP metric blows up first
+    mtp[3]["mtp_loss"] = 40.0
+    assert scan(mtp, 4.0) == (4, "mtp_loss 40 > 4 x the median 4 of the steps before")
+    mtp[1]["mtp_loss"] = float("inf")
+    assert scan(mtp, 4.0) == (2, "mtp_loss is inf")
 
 
 def test_debug_divergence_bisect_names_the_factor_that_changes_the_run(tmp_path, dataset_dir):

@@ -8,6 +8,8 @@ files it wrote); resume takes the newest checkpoint that matches them."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -412,8 +414,10 @@ def model_config(path: str | Path):
     path = Path(path)
     if not isinstance(hf := read_json(path / "config.json", "re-download or re-export it"), dict):
         raise UserError(f"{path / 'config.json'} holds a JSON {type(hf).__name__}, not an object; re-download or re-export it")
-    try:
-        cfg = config_from_hf(hf)
+    said = path in _NOTED or _NOTED.add(path)
+    try:  # a directory's notes (a multimodal layout's) once: eval reads its config.json for sizes, then for the model
+        with contextlib.redirect_stderr(io.StringIO()) if said else contextlib.nullcontext():
+            cfg = config_from_hf(hf)
         check_types(cfg, "model.", "fix config.json")
         cfg.validate()
     except (TypeError, ValueError) as e:  # a field of the wrong type or value (ConfigError is a ValueError)
@@ -430,8 +434,7 @@ def model_config(path: str | Path):
     if depth and is_hf_dir(path):  # multi-token prediction layers sit past the last layer, when saved at all
         names = read_hf_state(path, names_only=True)
         held = next((k for k in range(depth) if not any(n.startswith(f"model.layers.{first + k}.") for n in names)), depth)
-        if held < depth and named and path not in _MTP_NOTED:
-            _MTP_NOTED.add(path)
+        if held < depth and named and not said:
             print(f"note: {path}: config.json names {depth} multi-token prediction layer(s), its weights hold {held} "
                   f"(transformers' save_pretrained leaves them out): read as model.num_nextn_predict_layers={held}",
                   file=sys.stderr)
@@ -439,7 +442,7 @@ def model_config(path: str | Path):
     return cfg
 
 
-_MTP_NOTED: set = set()  # the HF directories model_config said that of, once each
+_NOTED: set = set()  # the directories whose config.json model_config read (and said its notes of)
 
 
 def load_model(path: str | Path):

@@ -50,12 +50,14 @@ def factor_list(text: str) -> list[str]:
 
 
 def first_bad_step(steps: list[dict], jump: float) -> tuple[int, str] | None:
-    """(step, why) of the first non-finite or jumping loss / grad norm."""
+    """(step, why) of the first non-finite or jumping loss / grad norm / mtp_loss (DeepSeek-V3's, where logged)."""
     for i, m in enumerate(steps):
-        for key in ("loss", "grad_norm"):
+        for key in ("loss", "grad_norm", "mtp_loss"):
+            if not isinstance(m.get(key), (int, float)):  # mtp_loss: only runs with multi-token prediction
+                continue
             if not math.isfinite(m[key]):
                 return m["step"], f"{key} is {m[key]}"
-            before = [p[key] for p in steps[max(0, i - 20):i]]
+            before = [p[key] for p in steps[max(0, i - 20):i] if isinstance(p.get(key), (int, float))]
             if before and m[key] > jump * statistics.median(before):
                 return m["step"], f"{key} {m[key]:.4g} > {jump:g} x the median {statistics.median(before):.4g} of the steps before"
     return None

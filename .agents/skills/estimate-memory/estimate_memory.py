@@ -59,11 +59,17 @@ def load_config(path: str, sets, nproc: int, mesh: dict, gpu: bool = False):
 
 def deepest(config, nproc: int, budget: float) -> int | None:
     """The most model.num_hidden_layers whose worst rank fits in `budget` GiB (None: not even 2 x pp);
-    doubling from 2 x pp until it does not fit, then bisecting (the estimate grows with depth)."""
+    doubling from 2 x pp until it does not fit, then bisecting (the estimate grows with depth). A written
+    model.layer_types (Qwen3.5, GPT-OSS) is repeated by its shortest period to each depth; `config` is left at the result."""
+    pattern = getattr(config.model, "layer_types", None)
+    if pattern:  # the user's mix of layer kinds, not the family's default one
+        period = next(p for p in range(1, len(pattern) + 1) if all(t == pattern[i % p] for i, t in enumerate(pattern)))
+        print(f"model.layer_types: {pattern[:period]} repeated to each depth")
+
     def fits(layers):
         config.model.num_hidden_layers = layers
-        if getattr(config.model, "layer_types", None) is not None:
-            config.model.layer_types = None  # re-derived for the new depth
+        if pattern:
+            config.model.layer_types = [pattern[i % period] for i in range(layers)]
         return max(r["total"] for r in estimate(config, nproc)) <= budget
 
     low = 2 * config.parallel.pp
@@ -75,6 +81,7 @@ def deepest(config, nproc: int, budget: float) -> int | None:
     while high - low > 1:  # low fits, high does not (or high is MAX_LAYERS, which fits: low == high then)
         mid = (low + high) // 2
         low, high = (mid, high) if fits(mid) else (low, mid)
+    fits(low)
     return low
 
 
@@ -102,7 +109,6 @@ def main():
         if best is None:
             print(f"FAIL: not even {2 * config.parallel.pp} layers fit in {budget:.0f} GiB")
             return 1
-        config.model.num_hidden_layers = best  # layer_types: None since the search, re-derived
         print(f"deepest model that fits: {best} layers"
               + (f" (at least: {MAX_LAYERS} is the most model.num_hidden_layers allows)" if best == MAX_LAYERS else ""))
     ranks = estimate(config, args.nproc)

@@ -6,13 +6,15 @@
 (a) trains steps 1..K on mesh A (checkpoint at K), (b) resumes the same run directory to N on
 mesh B, (c) trains 1..N uninterrupted on the reference mesh (default: A) in another directory,
 (d) compares the two metrics.jsonl step by step with validate-correctness's `compare`. The three runs'
-arguments are checked before any trains; they go to --work (kept), else to a temporary directory
-removed at the end.
+arguments, and B's resume of A's checkpoint (loop.check_resume), are checked before any trains; they go
+to --work (kept), else to a temporary directory removed at the end.
 """
 
 import argparse
+import json
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "_common"))
@@ -43,10 +45,30 @@ def main():
     plan = (("mesh A", "resharded", args.a, args.stop_after), ("mesh B", "resharded", args.b, None),
             ("reference", "reference", args.ref or args.a, None))
     refused = runs.refusal(args.config, args.steps, [(what, extra, args.set, stop) for what, _, extra, stop in plan])
-    if refused:
+    if refused or (refused := resume_refusal(args)):
         return runs.verdict(False, refused)
     with runs.workdir(args.work, "reshard-") as work:
         return run(args, plan, work)
+
+
+def resume_refusal(args) -> str | None:
+    """Why mesh B would refuse to resume mesh A's checkpoint (a changed model, data order, global batch, optimizer),
+    from the two runs' configs, before A trains: loop.check_resume against the meta.json A would write. data.path
+    is left to B's start, which reads the datasets' identities (a moved dataset is taken there)."""
+    from pithtrain.cli import build_parser, train_config
+    from pithtrain.config import UserError, run_dict
+    from pithtrain.train.loop import check_resume
+
+    a, b = (train_config(build_parser().parse_args(runs.train_args(args.config, "OUT", args.steps, extra, args.set)))
+            for extra in (args.a, args.b))
+    b.data.path = a.data.path
+    with tempfile.TemporaryDirectory() as ck:
+        (Path(ck) / "meta.json").write_text(json.dumps({"config": run_dict(a), "step": args.stop_after}))
+        try:
+            check_resume(b, Path(ck), echo=False)
+        except UserError as e:
+            return f"mesh B ({args.b}): " + str(e).replace(ck, f"mesh A's step-{args.stop_after} checkpoint")
+    return None
 
 
 def run(args, plan, work: Path) -> int:
