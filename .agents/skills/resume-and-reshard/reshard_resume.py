@@ -61,6 +61,9 @@ def resume_refusal(args) -> str | None:
 
     a, b = (train_config(build_parser().parse_args(runs.train_args(args.config, "OUT", args.steps, extra, args.set)))
             for extra in (args.a, args.b))
+    if a.train.checkpoint_every == -1:
+        return (f"mesh A ({args.a}): train.checkpoint_every=-1 writes no checkpoint, so mesh B would have nothing to "
+                "resume; leave it out")
     b.data.path = a.data.path
     with tempfile.TemporaryDirectory() as ck:
         (Path(ck) / "meta.json").write_text(json.dumps({"config": run_dict(a), "step": args.stop_after}))
@@ -80,7 +83,7 @@ def run(args, plan, work: Path) -> int:
             return runs.verdict(False, f"the {what} run did not finish (its output is above)")
         if what == "mesh A" and not list((work / name / "checkpoints").glob(f"step_{args.stop_after:08d}/meta.json")):
             return runs.verdict(False, f"mesh A wrote no checkpoint of step {args.stop_after} in {work / name / 'checkpoints'}, "
-                                       "so mesh B has nothing to resume (train.checkpoint_every=-1 writes none: leave it out)")
+                                       "so mesh B has nothing to resume")
     resumed = re.search(r"resumed from \S+ \(step (\d+)\)", said["mesh B"])
     if not resumed or int(resumed.group(1)) != args.stop_after:
         return runs.verdict(False, f"mesh B did not resume from the step-{args.stop_after} checkpoint "
