@@ -254,16 +254,19 @@ def test_capture_profile_stage_times_of_a_real_run(tmp_path, dataset_dir):
     assert times["optimizer"] > 0 and times["other"] > 0
 
 
-def test_add_new_model_parity_script(tmp_path):
+def test_add_new_model_parity_script(tmp_path, monkeypatch):
+    import tempfile
+
     config = {"model_type": "qwen3_moe", "vocab_size": 101, "hidden_size": 36, "intermediate_size": 40,
               "moe_intermediate_size": 20, "num_hidden_layers": 2, "num_attention_heads": 6, "num_key_value_heads": 2,
               "head_dim": 10, "num_experts": 5, "num_experts_per_tok": 2, "max_position_embeddings": 64,
               "mlp_only_layers": [1], "attention_bias": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
     (tmp_path / "tmp").mkdir()
-    result = subprocess.run([sys.executable, ".agents/skills/add-new-model/check_parity.py", str(tmp_path / "config.json")],
-                            capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
-    assert result.returncode == 0 and result.stdout.strip().endswith("PASS: 5 checks"), result.stdout + result.stderr
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    parity = ".agents/skills/add-new-model/check_parity.py"
+    result = run_script(parity, tmp_path / "config.json")  # in this process: torch and transformers are imported
+    assert result.returncode == 0 and result.stdout.strip().endswith("PASS: 5 checks"), result.stdout
     assert result.stdout.count("ok   ") == 5
     assert not list((tmp_path / "tmp").glob("parity-*"))  # its HF copies removed (no --work)
     # DeepSeek-V3 with a multi-token prediction layer (its released configs have one), which transformers does not build
@@ -275,9 +278,8 @@ def test_add_new_model_parity_script(tmp_path):
                           n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1, n_group=2, topk_group=1,
                           max_position_embeddings=64, num_nextn_predict_layers=1)
     (tmp_path / "config.json").write_text(json.dumps(v3.to_hf()))
-    result = subprocess.run([sys.executable, ".agents/skills/add-new-model/check_parity.py", str(tmp_path / "config.json")],
-                            capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.strip().endswith("PASS: 5 checks"), result.stdout + result.stderr
+    result = run_script(parity, tmp_path / "config.json")
+    assert result.returncode == 0 and result.stdout.strip().endswith("PASS: 5 checks"), result.stdout
     assert "num_nextn_predict_layers 1 -> 0" in result.stdout
     # an HF directory with the MTP layer's weights (a released DeepSeek-V3's, pithtrain convert's): transformers does not
     # know them, the round trip checks them
@@ -289,9 +291,8 @@ def test_add_new_model_parity_script(tmp_path):
         for p in model.parameters():
             p.normal_(0, 0.05)
     write_hf_dir(model, tmp_path / "v3_mtp")
-    result = subprocess.run([sys.executable, ".agents/skills/add-new-model/check_parity.py", str(tmp_path / "v3_mtp")],
-                            capture_output=True, text=True)
-    assert result.returncode == 0 and result.stdout.strip().endswith("PASS: 5 checks"), result.stdout + result.stderr
+    result = run_script(parity, tmp_path / "v3_mtp")
+    assert result.returncode == 0 and result.stdout.strip().endswith("PASS: 5 checks"), result.stdout
     assert "not counted: model.layers.2.*" in result.stdout, result.stdout
 
 
@@ -432,18 +433,19 @@ def test_estimate_memory_searches_deep_estimates_fp8_without_gpu_and_refuses_bad
         assert f"argument --gpu-mem: '{bad}': expected a finite number > 0" in capsys.readouterr().err
 
 
-def test_validate_correctness_compares_fp8_with_full_precision(tmp_path, dataset_dir):
+def test_validate_correctness_compares_fp8_with_full_precision(tmp_path, dataset_dir, monkeypatch):
     """The skill's FP8 procedure: the same run with and without FP8 (emulated on the CPU), PASS within
     FP8's tolerance, and a real difference (FP8 ran)."""
+    import tempfile
+
     from conftest import write_run_file
 
     run = write_run_file(tmp_path / "run.py", dataset_dir)
     (tmp_path / "tmp").mkdir()
-    out = subprocess.run([sys.executable, SCRIPT, str(run), "--steps", "3", "--a", "--nproc 1",
-                          "--b", "--nproc 1 --set train.fp8=rowwise --set train.fp8_emulate=true",
-                          "--rtol", "1e-2", "--rtol-aux", "5e-2"], capture_output=True, text=True,
-                         env={**os.environ, "TMPDIR": str(tmp_path / "tmp")})
-    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].startswith("PASS: steps 1..3 agree"), out.stdout + out.stderr
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    out = run_script(SCRIPT, run, "--steps", "3", "--a", "--nproc 1", "--b", "--nproc 1 --set train.fp8=rowwise --set "
+                     "train.fp8_emulate=true", "--rtol", "1e-2", "--rtol-aux", "5e-2")
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1].startswith("PASS: steps 1..3 agree"), out.stdout
     worst = float(out.stdout.split("worst relative difference: loss ")[1].split(",")[0])
     assert 0 < worst < 1e-2
     assert not list((tmp_path / "tmp").glob("validate-*"))  # its runs removed (no --work)
