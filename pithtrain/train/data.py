@@ -438,8 +438,10 @@ def open_training_data(path, seq_len: int, global_batch_size: int, seed: int, pa
     if len(parts) == 1:
         return BatchLoader(datasets[0], seq_len, global_batch_size, seed, pack_documents, held_out)
     first = datasets[0]
-    for ds in datasets[1:]:
-        if _tokenizer_of(ds) != _tokenizer_of(first):
+    tokenizers = [(Path(ds.tokenizer_file).read_bytes() if ds.tokenizer_file else None, ds.vocab_size, ds.eos_id)
+                  for ds in datasets]
+    for ds, tokenizer in zip(datasets[1:], tokenizers[1:]):
+        if tokenizer != tokenizers[0]:
             raise UserError(f"data.path: {ds.path} and {first.path} were tokenized with different tokenizers (tokenizer.json, "
                             f"vocab_size or eos_id differ); a blend needs one: re-tokenize {ds.path} with "
                             f"`pithtrain tokenize ... --tokenizer {first.path / TOKENIZER_FILE}`")
@@ -447,8 +449,3 @@ def open_training_data(path, seq_len: int, global_batch_size: int, seed: int, pa
         return BlendLoader(datasets, [w for _, w in parts], seq_len, global_batch_size, seed, pack_documents)
     except ValueError as e:
         raise UserError(f"data.path: {e}") from None
-
-
-def _tokenizer_of(dataset: TokenDataset) -> tuple:
-    tokenizer = Path(dataset.tokenizer_file).read_bytes() if dataset.tokenizer_file else None
-    return tokenizer, dataset.vocab_size, dataset.eos_id
