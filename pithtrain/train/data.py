@@ -343,12 +343,11 @@ class BatchLoader:
 
 
 def packed_documents(docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For windows of packed documents, given the document of each token [G, S+1] (non-decreasing along a row): the
-    inputs' position_ids (from 0 at each document's first token in the window) and doc_ids (numbered 0, 1, 2, ... along
-    the row, without gaps), [G, S] each, and where a label lies in another document than its input (to be -100)."""
+    """For windows of packed documents, from each token's document [G, S+1] (non-decreasing along a row): the inputs'
+    position_ids (from 0 at each document's first token in the window) and doc_ids (0, 1, 2, ... along the row, without
+    gaps), [G, S] each, and where a label lies in another document than its input (to be -100)."""
     inputs = docs[:, :-1]
-    first = torch.ones_like(inputs, dtype=torch.bool)
-    first[:, 1:] = inputs[:, 1:] != inputs[:, :-1]
+    first = torch.cat([torch.ones_like(inputs[:, :1], dtype=torch.bool), inputs[:, 1:] != inputs[:, :-1]], 1)
     index = torch.arange(inputs.shape[1], device=docs.device).expand_as(inputs)
     return index - torch.where(first, index, 0).cummax(1).values, first.cumsum(1) - 1, docs[:, 1:] != inputs
 
