@@ -238,11 +238,6 @@ def describe(config: RunConfig) -> str:
                      for k, v in fields.items())
 
 
-def _installed(module: str) -> bool:
-    """Importable, without importing it (wandb takes seconds); an already imported module may lack a spec."""
-    return sys.modules.get(module) is not None or importlib.util.find_spec(module) is not None
-
-
 def load_run_config(path: str | Path) -> RunConfig:
     if not Path(path).is_file():
         why = ("does not exist" if not str(path) or not Path(path).exists() else "is a directory" if Path(path).is_dir()
@@ -448,19 +443,6 @@ def fp8_tensor_cores() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
-def _check_fp8_device(t: TrainConfig) -> None:
-    """FP8 needs FP8 tensor cores (compute capability 8.9+), or the emulation asked for explicitly."""
-    import torch
-
-    if t.device == "cpu" or not torch.cuda.is_available():
-        check(t.fp8_emulate, f"train.fp8={t.fp8} on the CPU: there are no FP8 tensor cores; set train.fp8_emulate=true "
-                             "to emulate the numerics (slow: for tests) or train.fp8=off")
-        return
-    cap = torch.cuda.get_device_capability()
-    check(fp8_tensor_cores(), f"train.fp8={t.fp8}: {torch.cuda.get_device_name()} (compute capability {cap[0]}.{cap[1]}) "
-                         "has no FP8 tensor cores (8.9+ needed: Ada, Hopper or newer); set train.fp8=off")
-
-
 def check(cond: bool, message: str) -> None:
     """A ConfigError with `message` unless `cond` (the config's and the models' validate())."""
     if not cond:
@@ -562,14 +544,23 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     check(t.dtype in ("auto", "fp32", "bf16"), f"train.dtype={t.dtype!r}: use auto, fp32 or bf16")
     check(t.fp8 in ("off", "rowwise", "rowwise_bf16_wgrad"),
           f"train.fp8={t.fp8!r}: use off, rowwise or rowwise_bf16_wgrad")
-    if t.fp8 != "off":
-        _check_fp8_device(t)
+    if t.fp8 != "off":  # FP8 needs FP8 tensor cores (compute capability 8.9+), or the emulation asked for explicitly
+        import torch
+
+        if t.device == "cpu" or not torch.cuda.is_available():
+            check(t.fp8_emulate, f"train.fp8={t.fp8} on the CPU: there are no FP8 tensor cores; set train.fp8_emulate="
+                  "true to emulate the numerics (slow: for tests) or train.fp8=off")
+        else:
+            cap = torch.cuda.get_device_capability()
+            check(fp8_tensor_cores(), f"train.fp8={t.fp8}: {torch.cuda.get_device_name()} (compute capability "
+                  f"{cap[0]}.{cap[1]}) has no FP8 tensor cores (8.9+ needed: Ada, Hopper or newer); set train.fp8=off")
     check(t.recompute in ("off", "selective", "full"), f"train.recompute={t.recompute!r}: use off, selective or full")
     check(t.lb_type in ("micro", "global", "seq"), f"train.lb_type={t.lb_type!r}: use micro, global or seq")
     check(t.lb_coef >= 0, f"train.lb_coef={t.lb_coef}: must be >= 0 (0 disables the load-balance loss)")
     check(t.mtp_coef >= 0 and math.isfinite(t.mtp_coef),
           f"train.mtp_coef={t.mtp_coef}: must be a finite number >= 0 (0: the MTP loss is logged, not trained)")
-    check(not t.wandb_project or _installed("wandb"),
+    # importable, without importing it (wandb takes seconds); an already imported module may lack a spec
+    check(not t.wandb_project or sys.modules.get("wandb") is not None or importlib.util.find_spec("wandb") is not None,
           f"train.wandb_project={t.wandb_project!r}: wandb is not installed; pip install wandb, or set train.wandb_project=''")
     check(not t.wandb_project or _wandb_can_log(),
           f"train.wandb_project={t.wandb_project!r}: wandb has no credentials (no WANDB_API_KEY, no `wandb login` in "

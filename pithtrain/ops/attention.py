@@ -94,11 +94,9 @@ def document_bounds(doc_ids: torch.Tensor | None) -> torch.Tensor | None:
         return None
     b, s = doc_ids.shape
     pos = torch.arange(s, device=doc_ids.device).expand(b, s)
-    change = torch.ones(b, s, dtype=torch.bool, device=doc_ids.device)
-    change[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    change = F.pad(doc_ids[:, 1:] != doc_ids[:, :-1], (1, 0), value=True)
     start = torch.where(change, pos, 0).cummax(1).values
-    last = torch.ones_like(change)
-    last[:, :-1] = change[:, 1:]
+    last = F.pad(change[:, 1:], (0, 1), value=True)
     end = torch.where(last, pos + 1, s).flip(1).cummin(1).values.flip(1)
     return torch.stack([start, end]).to(torch.int32).contiguous()
 

@@ -280,8 +280,7 @@ def _fla_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gc: torch.Tensor
 
 @_fla_bwd.register_fake
 def _(q, k, v, gc, beta, a, do, cu_seqlens, chunk_size):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gc),
-            torch.empty_like(beta))
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(gc), torch.empty_like(beta)
 
 
 def _fla_setup(ctx, inputs, output):

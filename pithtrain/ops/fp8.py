@@ -822,9 +822,7 @@ def stacked_projections(x: torch.Tensor, *linears: nn.Linear) -> torch.Tensor | 
 def projections(x: torch.Tensor, *linears: nn.Linear) -> tuple[torch.Tensor, ...]:
     """(linear(x) for each of `linears`): the split of stacked_projections, or one product each."""
     stacked = stacked_projections(x, *linears)
-    if stacked is None:
-        return tuple(m(x) for m in linears)
-    return stacked.split([m.out_features for m in linears], dim=-1)
+    return tuple(m(x) for m in linears) if stacked is None else stacked.split([m.out_features for m in linears], dim=-1)
 
 
 def refresh_fp8_weights(module: nn.Module) -> None:

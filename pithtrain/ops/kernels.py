@@ -316,8 +316,7 @@ def _(src, index):
 @torch.library.custom_op("pithtrain::scatter_rows", mutates_args=())
 def _scatter_rows(src: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
     # index is a permutation (injective): when it covers every output row nothing needs zeroing
-    full = num_rows == index.shape[0]
-    out = (src.new_empty if full else src.new_zeros)(num_rows, src.shape[1])
+    out = (src.new_empty if num_rows == index.shape[0] else src.new_zeros)(num_rows, src.shape[1])
     return _move_rows(src, index, out, scatter=True)
 
 

@@ -63,12 +63,9 @@ def init_mesh(pp: int, cp: int, ep: int, device_type: str, timeout_s: float, hsd
     if world % (pp * cp * ep):
         raise ValueError(f"world size {world} is not divisible by pp*cp*ep = {pp * cp * ep}")
     dp = world // (pp * cp * ep)
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if device_type == "cuda" else torch.device("cpu")
     if device_type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", 0))
-        torch.cuda.set_device(local)
-        device = torch.device("cuda", local)
-    else:
-        device = torch.device("cpu")
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), device_id=device if device_type == "cuda" else None)

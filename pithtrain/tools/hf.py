@@ -24,7 +24,7 @@ from pithtrain.parallel.expert import ExpertEngine, LocalDispatch
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import rundir
 from pithtrain.train.checkpoint import is_hf_dir, load_model, model_config, read_hf_state  # noqa: F401 (hf.load_model)
-from pithtrain.train.data import TokenDataset, _sha256, is_dataset
+from pithtrain.train.data import TokenDataset, _sha256, is_dataset, packed_documents
 
 SHARD_BYTES = 4 * 2**30
 CARRIED = ("seq_length", "pad_token_id")  # config.json keys beyond the model's that convert keeps, both ways
@@ -320,10 +320,9 @@ def evaluate(model, tokens: torch.Tensor, batch_size: int = 8, device: str | tor
         chunk = tokens[i : i + batch_size].to(device, torch.int64)
         b, s = chunk.shape
         pos, labels, docs = torch.arange(s - 1, device=device).expand(b, s - 1), chunk[:, 1:].clone(), None
-        if eos is not None:
-            ends = chunk[:, :-1] == eos
-            docs, labels[ends] = ends.cumsum(1) - ends.long(), -100
-            pos = pos - torch.cat([pos[:, :1] * 0, pos[:, 1:] * ends[:, :-1]], 1).cummax(1).values  # from each start
+        if eos is not None:  # a token's document: the eos tokens before it
+            pos, docs, crossing = packed_documents((ends := chunk == eos).cumsum(1) - ends.long())
+            labels[crossing] = -100
         logits = model(chunk[:, :-1], pos, ExpertEngine(LocalDispatch()), doc_ids=docs)
         total += cross_entropy_sum(logits, labels).double().item()
         count += int((labels != -100).sum())

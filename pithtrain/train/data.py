@@ -326,27 +326,30 @@ class BatchLoader:
     def windows(self, indices: np.ndarray) -> dict[str, torch.Tensor]:
         """The batch of these window indices, in this order (global_batch's layout)."""
         G, S = len(indices), self.seq_len
-        starts = indices * S
-        token_positions = starts[:, None] + np.arange(S + 1, dtype=np.int64)  # [G, S+1] absolute positions
+        token_positions = indices[:, None] * S + np.arange(S + 1, dtype=np.int64)  # [G, S+1] absolute positions
         windows = self.dataset.tokens[token_positions].astype(np.int64)
-        batch = {"input_ids": windows[:, :-1], "labels": windows[:, 1:].copy()}
-        if not self.pack_documents:
-            batch["position_ids"] = np.broadcast_to(np.arange(S, dtype=np.int64), (G, S)).copy()
-        else:
-            offsets = self.dataset.doc_offsets
-            docs = np.searchsorted(offsets, token_positions, side="right") - 1  # document of each token
-            input_docs, label_docs = docs[:, :-1], docs[:, 1:]
-            segment_start = np.maximum(offsets[input_docs], starts[:, None])
-            batch["position_ids"] = token_positions[:, :-1] - segment_start
-            # Count document changes along the row so segments are numbered 0, 1, 2, ... without gaps.
-            changes = (input_docs[:, 1:] != input_docs[:, :-1]).astype(np.int64)
-            batch["doc_ids"] = np.concatenate([np.zeros((G, 1), np.int64), np.cumsum(changes, axis=1)], axis=1)
-            batch["labels"][label_docs != input_docs] = -100  # a document's last token must not predict the next doc
-        return {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in batch.items()}
+        batch = {"input_ids": windows[:, :-1], "labels": windows[:, 1:].copy(),
+                 "position_ids": np.broadcast_to(np.arange(S, dtype=np.int64), (G, S)).copy()}
+        batch = {name: torch.from_numpy(np.ascontiguousarray(value)) for name, value in batch.items()}
+        if self.pack_documents:
+            docs = np.searchsorted(self.dataset.doc_offsets, token_positions, side="right") - 1  # document of each token
+            batch["position_ids"], batch["doc_ids"], crossing = packed_documents(torch.from_numpy(docs))
+            batch["labels"][crossing] = -100  # a document's last token must not predict the next doc
+        return batch
 
     def epoch_of_step(self, step) -> float:
         """Epochs completed after `step` global batches (samples consumed / num_samples)."""
         return step * self.global_batch_size / self.num_samples
+
+
+def packed_documents(docs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For windows of packed documents, from each token's document [G, S+1] (non-decreasing along a row): the inputs'
+    position_ids (from 0 at each document's first token in the window) and doc_ids (0, 1, 2, ... along the row, without
+    gaps), [G, S] each, and where a label lies in another document than its input (to be -100)."""
+    inputs = docs[:, :-1]
+    first = torch.cat([torch.ones_like(inputs[:, :1], dtype=torch.bool), inputs[:, 1:] != inputs[:, :-1]], 1)
+    index = torch.arange(inputs.shape[1], device=docs.device).expand_as(inputs)
+    return index - torch.where(first, index, 0).cummax(1).values, first.cumsum(1) - 1, docs[:, 1:] != inputs
 
 
 def mtp_targets(batch: dict[str, torch.Tensor], depths: int) -> dict[str, torch.Tensor]:
@@ -434,8 +437,10 @@ def open_training_data(path, seq_len: int, global_batch_size: int, seed: int, pa
     if len(parts) == 1:
         return BatchLoader(datasets[0], seq_len, global_batch_size, seed, pack_documents, held_out)
     first = datasets[0]
-    for ds in datasets[1:]:
-        if _tokenizer_of(ds) != _tokenizer_of(first):
+    tokenizers = [(Path(ds.tokenizer_file).read_bytes() if ds.tokenizer_file else None, ds.vocab_size, ds.eos_id)
+                  for ds in datasets]
+    for ds, tokenizer in zip(datasets[1:], tokenizers[1:]):
+        if tokenizer != tokenizers[0]:
             raise UserError(f"data.path: {ds.path} and {first.path} were tokenized with different tokenizers (tokenizer.json, "
                             f"vocab_size or eos_id differ); a blend needs one: re-tokenize {ds.path} with "
                             f"`pithtrain tokenize ... --tokenizer {first.path / TOKENIZER_FILE}`")
@@ -443,8 +448,3 @@ def open_training_data(path, seq_len: int, global_batch_size: int, seed: int, pa
         return BlendLoader(datasets, [w for _, w in parts], seq_len, global_batch_size, seed, pack_documents)
     except ValueError as e:
         raise UserError(f"data.path: {e}") from None
-
-
-def _tokenizer_of(dataset: TokenDataset) -> tuple:
-    tokenizer = Path(dataset.tokenizer_file).read_bytes() if dataset.tokenizer_file else None
-    return tokenizer, dataset.vocab_size, dataset.eos_id

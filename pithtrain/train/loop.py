@@ -488,7 +488,8 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
             print(f"note: {logged} holds an earlier run's steps, with no checkpoint to resume from: this run starts at "
                   f"step 0; {'moved' if create else 'would move'} that file to {kept.name}", flush=True)
     if found is not None:  # the newest checkpoint whose files pass their checksums
-        check_metrics(logged)
+        if logged.is_file():  # resume cuts it back by "step": a row without an integer one is named, early
+            read_metrics(logged, fix="remove that line (or move it to another file), then resume")
         check_resume(config, found, stop_after, echo, loader.datasets)
     elif config.train.init_from:
         check_init_from(config, echo, verify=not create, dataset=loader.dataset)  # a run verifies the checkpoint as it loads it
@@ -765,12 +766,6 @@ def _moved(was, now, recorded: list[dict], found: list[dict]) -> str | None:
 def _alike(recorded: dict, found: dict) -> bool:
     """Two dataset identities alike but for the path, on the hashes both hold (older checkpoints lack some)."""
     return all(recorded[k] == found[k] for k in recorded.keys() & found.keys() - {"path"})
-
-
-def check_metrics(path: Path) -> None:
-    """A resumed run's metrics.jsonl, which resume cuts back by "step": a row without an integer one is named, early."""
-    if path.is_file():
-        read_metrics(path, fix="remove that line (or move it to another file), then resume")
 
 
 def _flat(config: dict) -> dict:
