@@ -695,6 +695,8 @@ def test_track_experiments_checks_every_step_is_logged(tmp_path, dataset_dir):
         assert out.stdout == f"FAIL: {where}: {says}; pass a run directory (the --out of pithtrain train)\n", out.stdout
     beyond = check("--steps", "2")
     assert "problem: tensorboard: unexpected [3]" in beyond.stdout and "[]" not in beyond.stdout, beyond.stdout
+    huge = check("--steps", str(10**15))  # a run of 10**15 steps stopped early: was a set of them (MemoryError or swap)
+    assert huge.stdout.strip().endswith(f"missing steps {list(range(4, 14))} (+{10**15 - 13} more) (+1 more above)"), huge.stdout
     shutil.rmtree(run / "tensorboard")
     assert check().returncode == 0  # event files are checked when present
     gone = check("--tensorboard")
