@@ -64,6 +64,10 @@ def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, caps
     nan = compare("--metrics", tmp_path / "a.jsonl", tmp_path / "nan.jsonl")
     assert nan.returncode == 1 and "worst relative difference: loss nan" in nan.stdout, nan.stdout
     assert nan.stdout.splitlines()[-1].startswith("FAIL: loss at step 2: 4.5 vs nan (relative difference nan"), nan.stdout
+    (tmp_path / "mtp_null.jsonl").write_text("".join(json.dumps({**json.loads(line), "mtp_loss": None if n else 6.0}) + "\n"
+                                                     for n, line in enumerate(lines)))  # was: a TypeError traceback
+    null = compare("--metrics", tmp_path / "mtp_null.jsonl", tmp_path / "mtp_null.jsonl")
+    assert null.returncode == 1 and null.stdout.splitlines()[-1].startswith("FAIL: mtp_loss at step 2: nan vs nan"), null.stdout
     (tmp_path / "text.jsonl").write_text(lines[0] + "oops\n")
     (tmp_path / "nolb.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "grad_norm": 0.5}) + "\n")
     for bad, says in [(tmp_path / "none.jsonl", "none.jsonl: no such file"), (tmp_path, "a directory, not a file"),
