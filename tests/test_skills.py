@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_util import run_script
+from cli_util import run_script, write_config
 from conftest import tiny_config
 from pithtrain.ops import fp8
 
@@ -44,7 +44,7 @@ def test_validate_correctness_script(tmp_path):
 
 
 @pytest.mark.fast
-def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, capsys):
+def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, capsys, dataset_dir):
     """Steps are matched by number: a resumed run's repeated step counts once (its last line), shifted
     steps FAIL naming them, a NaN never agrees; an unreadable file is one FAIL line naming it; a mesh
     that cannot run (the doc's old `--nproc 4 --ep 2`) is refused before either run trains."""
@@ -79,6 +79,10 @@ def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, caps
     assert meshes.returncode == 1 and meshes.stdout.startswith("FAIL: run b (--nproc 4 --ep 2): train.global_batch_size=16 "
                                                                "is not divisible"), meshes.stdout
     assert not (tmp_path / "w").exists() and "$ " not in meshes.stdout  # nothing trained
+    typo = f"--nproc 1 --set data.path={tmp_path / 'nodata'}"  # run b's dataset is missing: was found after run a trained
+    missing = compare(write_config(tmp_path / "c.py", dataset_dir), "--b", typo, "--work", tmp_path / "w")
+    assert missing.returncode == 1 and missing.stdout.startswith(f"FAIL: run b ({typo}): data.path="), missing.stdout
+    assert not (tmp_path / "w").exists() and "$ " not in missing.stdout
     shared = compare("examples/qwen3_tiny.py", "--steps", 4, "--a", "--nproc 1 --out=x", "--b", "--nproc 1", "--work", tmp_path / "w")
     assert shared.returncode == 1 and shared.stdout.startswith("FAIL: run a (--nproc 1 --out=x): --out is the script's own")
     assert not (tmp_path / "w").exists() and not Path("x").exists()

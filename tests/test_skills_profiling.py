@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_util import write_config
 from conftest import tiny_config
 from dist_util import run_fn
 
@@ -275,9 +276,10 @@ def test_capture_nsys_profile_runs_exports_and_analyses(tmp_path, dataset_dir):
 
 
 @pytest.mark.fast
-def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path):
+def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path, dataset_dir):
     env = dict(os.environ, PATH=os.path.dirname(sys.executable))  # python, but no nsys
-    out = subprocess.run([sys.executable, CAPTURE, "examples/qwen3_tiny.py", "--capture", "3:4", "--train-args", "--nproc 2 --ep 2"],
+    config = write_config(tmp_path / "c.py", dataset_dir)  # a dataset that exists: the run's data is checked first
+    out = subprocess.run([sys.executable, CAPTURE, config, "--capture", "3:4", "--train-args", "--nproc 2 --ep 2"],
                          capture_output=True, text=True, env=env)
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 1 and lines[-1].startswith("FAIL: nsys is not on PATH: install Nsight Systems"), out.stdout
