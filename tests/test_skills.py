@@ -180,6 +180,10 @@ def test_capture_profile_names_ranks_and_refuses_bad_traces(tmp_path, capsys):
         assert empty.returncode == 1 and empty.stdout.splitlines()[-1] == \
             f"FAIL: {tmp_path / 'empty.json'} holds no timed event (numeric ts and dur): give the profile_step's " \
             "RUN/profile/rank<r>.json", empty.stdout
+    for odd in ({"ph": "X", "cat": "kernel", "ts": 1, "dur": 2}, {**comm[0], "dur": None}, {**comm[0], "ts": "1"}):
+        (tmp_path / "odd.json").write_text(json.dumps({"traceEvents": comm + [odd]}))  # was: a KeyError or TypeError traceback
+        out = run_script(script, "--trace", tmp_path / "odd.json")
+        assert out.returncode == 0 and "1 complete event(s) without a name, numeric ts and dur, or args: left out" in out.stdout, out.stdout
     for bad, says in ((tmp_path / "text.json", "text.json is not JSON"), (tmp_path / "other.json", "other.json is not a Chrome trace")):
         out = run_script(script, "--trace", tmp_path / "rank0.json", "--trace", bad)
         assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and says in out.stdout and len(out.stdout.splitlines()) == 1, out.stdout
