@@ -83,6 +83,9 @@ def test_preflight_config_errors_start_nothing(monkeypatch, capsys, tmp_path):
         "FAIL: parallel.ep=3 does not divide the 8 experts; choose ep among the divisors of 8")
     assert module.main([CONFIG, "--nproc", "2", "--pp", "2"]) == 1  # 16 / micro 8 = 2 micro-batches
     assert "parallel.pp=2 needs at least 2*pp = 4 micro-batches per data rank" in capsys.readouterr().out
+    assert module.main([CONFIG, "--nproc", "4", "--pp", "4", "--set", "model.num_hidden_layers=2", "--set",
+                        "train.micro_batch_size=2"]) == 1  # was: PASS for a launch `pithtrain train` refuses
+    assert "parallel.pp=4: with model.num_hidden_layers=2 pipeline rank(s) 1, 2 hold no layer" in capsys.readouterr().out
     assert module.main([CONFIG, "--set", "train.stepz=3"]) == 1
     assert "unknown field 'stepz'" in capsys.readouterr().out
     other = tmp_path / random.choice(["hf", "a/b"])  # an --out train refuses: a directory of other files, a run a live process holds
