@@ -440,6 +440,10 @@ def test_estimate_memory_searches_deep_estimates_fp8_without_gpu_and_refuses_bad
     total = est.estimate(config, 1)[0]["total"]
     assert fp8.returncode == 0 and "FP8 weight caches" in fp8.stdout, fp8.stdout
     assert fp8.stdout.splitlines()[-1].startswith(f"PASS: {total:.1f} GiB"), fp8.stdout
+    idle = run_script(script, "examples/qwen3_tiny.py", "--nproc", 4, "--pp", 4, "--set", "model.num_hidden_layers=2",
+                      "--set", "train.micro_batch_size=2")  # was: PASS for a launch `pithtrain train` refuses
+    assert idle.returncode == 1 and idle.stdout.startswith("FAIL: parallel.pp=4: with model.num_hidden_layers=2 pipeline "
+                                                           "rank(s) 1, 2 hold no layer"), idle.stdout
     for bad in ("nan", "inf", "-5", "0"):
         assert run_script(script, "examples/qwen3_tiny.py", "--gpu-mem", bad).returncode == 2
         assert f"argument --gpu-mem: '{bad}': expected a finite number > 0" in capsys.readouterr().err
