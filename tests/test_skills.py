@@ -825,6 +825,7 @@ def test_ab_test_switch_judges_gain_loss_and_noise(tmp_path, monkeypatch):
         f"FAIL: no benchmarks/train_throughput.py under {tmp_path}: run this from the repository root (PYTHONPATH=.)"], away.stdout
     # the A/B itself needs a GPU: here the benchmark refuses in one line, and the skill says it failed
     monkeypatch.setenv("PITHTRAIN_RESULTS", str(results))
+    results.write_bytes(results.read_bytes() + b"\xff\n")  # a byte that is no UTF-8: was a UnicodeDecodeError traceback
     cpu = run_script(script, "triton-adamw,fused-proj", "--", "--layers", "1")
     assert cpu.returncode == 1 and cpu.stdout.splitlines()[-1] == "FAIL: benchmarks/train_throughput.py failed (its error is above)"
     assert "--steps 18 --layers 1 --ab triton-adamw,fused-proj" in cpu.stdout.splitlines()[0]
