@@ -277,7 +277,8 @@ def test_capture_nsys_profile_runs_exports_and_analyses(tmp_path, dataset_dir):
 
 @pytest.mark.fast
 def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path, dataset_dir):
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable))  # python, but no nsys
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable), TMPDIR=str(tmp_path / "tmp"))  # python, but no nsys
     config = write_config(tmp_path / "c.py", dataset_dir)  # a dataset that exists: the run's data is checked first
     out = subprocess.run([sys.executable, CAPTURE, config, "--capture", "3:4", "--train-args", "--nproc 2 --ep 2"],
                          capture_output=True, text=True, env=env)
@@ -285,6 +286,7 @@ def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path, datase
     assert out.returncode == 1 and lines[-1].startswith("FAIL: nsys is not on PATH: install Nsight Systems"), out.stdout
     assert lines[0].startswith("$ PITHTRAIN_NVTX=1 PITHTRAIN_PROFILE_STEPS=3:4 nsys profile --trace=cuda,nvtx "), lines[0]
     assert lines[0].endswith("--steps 4 --nproc 2 --ep 2"), lines[0]
+    assert not list((tmp_path / "tmp").glob("nsys-*"))  # was: an empty nsys-* directory left on every call
     bad = subprocess.run([sys.executable, CAPTURE, "examples/qwen3_tiny.py", "--capture", "4:3"], capture_output=True, text=True)
     assert bad.returncode == 1 and "FIRST:LAST" in bad.stdout
 
