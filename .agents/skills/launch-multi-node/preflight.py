@@ -179,6 +179,26 @@ def checks(config, args, device) -> int:
     return 0 if not problems else (3 if os.environ.get(_CHILD) else 1)
 
 
+def resumable(config, out: Path) -> None:
+    """What `pithtrain train` refuses at its start in a run directory whose newest checkpoint is of another model,
+    data order, batch or optimizer (loop.check_resume; raises UserError). Its data.path is left to the run,
+    which reads the datasets (a moved one is taken), as this script reads no data."""
+    metas = sorted(m for m in out.glob("checkpoints/step_*/meta.json") if m.parent.name[5:].isdigit())
+    if not metas:
+        return
+    import dataclasses
+    import json
+
+    from pithtrain.train.loop import check_resume  # seconds to import: only where there is a run to resume
+
+    try:
+        meta = json.loads(metas[-1].read_text())
+        path = meta.get("data_path") or meta["config"]["data"]["path"]
+    except (OSError, ValueError, LookupError, TypeError):  # the run checks, and sets aside, a damaged one
+        return
+    check_resume(dataclasses.replace(config, data=dataclasses.replace(config.data, path=path)), metas[-1].parent, echo=False)
+
+
 def launch_local(nproc: int, argv: list) -> int:
     """--nproc workers with PyTorch's elastic launcher (its failure summary carries the exit codes of the checks)."""
     import uuid
@@ -232,6 +252,7 @@ def main(argv=None) -> int:
             check_out(Path(args.out))
             if rank == 0:  # one prober of the lock: ranks flocking it at once would see each other as its holder
                 check_unheld(Path(args.out))
+                resumable(config, Path(args.out))
         device = pick_device(config.train.device)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if launched else args.nproc
         if device.type == "cuda" and local > torch.cuda.device_count():
