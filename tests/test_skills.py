@@ -190,6 +190,9 @@ def test_capture_profile_names_ranks_and_refuses_bad_traces(tmp_path, capsys):
     for args in (["examples/qwen3_tiny.py", "--step", 0], ["--trace", tmp_path / "cpu.json", "--min-overlap", "nan"]):
         assert run_script(script, *args).returncode == 2
         assert "error: argument --" in capsys.readouterr().err, args
+    mixed = run_script(script, "examples/qwen3_tiny.py", "--trace", tmp_path / "cpu.json", "--step", 4)  # was: CONFIG ignored, PASS
+    assert mixed.returncode == 2 and "error: CONFIG, --step: for a run made here, but --trace analyses an existing trace" \
+        in capsys.readouterr().err
 
 
 def _load_script(path: str):

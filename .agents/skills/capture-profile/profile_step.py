@@ -337,6 +337,11 @@ def main():
                         "(e.g. all-to-all/p2p: the expert-parallel all-to-alls when pp = 1)")
     parser.add_argument("--work", type=runs.WORK_DIR, help="directory of the run, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
+    runs_only = [flag for flag, name in (("CONFIG", "config"), ("--step", "step"), ("--train-args", "train_args"),
+                                         ("--set", "set"), ("--work", "work")) if getattr(args, name) != parser.get_default(name)]
+    if args.trace and runs_only:  # would be ignored: the trace was written by a run made elsewhere
+        parser.error(f"{', '.join(runs_only)}: for a run made here, but --trace analyses an existing trace; drop "
+                     f"{', '.join(runs_only)}, or drop --trace to profile CONFIG")
     if args.trace:
         return analyse_traces(args.trace, args)
     if not args.config:
