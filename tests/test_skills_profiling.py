@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_util import write_config
+from cli_util import run_script, write_config
 from conftest import tiny_config
 from dist_util import run_fn
 
@@ -351,6 +351,8 @@ def test_profile_kernel_roofline_of_an_ncu_csv(tmp_path):
     for missing, says in ((tmp_path / "absent.csv", "No such file"), (tmp_path, "Is a directory")):
         out = profile(missing)
         assert out.returncode == 1 and out.stdout.startswith(f"FAIL: --csv {missing}: cannot be read ({says}"), out.stdout
+    for extra in (["grouped_mm"], ["--train", "examples/qwen3_tiny.py"], ["--min-bytes", 1e8]):  # were ignored: a verdict on the file alone
+        assert run_script(KERNEL, "--csv", gemm, *extra).returncode == 2, extra
     (tmp_path / "other.csv").write_text("step,loss\n1,4.2\n")  # a CSV, but not ncu's: not "measured no kernel"
     other = profile(tmp_path / "other.csv")
     assert other.returncode == 1 and other.stdout.splitlines()[-1] == (f'FAIL: --csv {tmp_path / "other.csv"}: no ncu table in '
