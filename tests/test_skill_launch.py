@@ -4,6 +4,7 @@ collective checks catch wrong data."""
 import contextlib
 import importlib.util
 import io
+import json
 import os
 import random
 import signal
@@ -83,6 +84,9 @@ def test_preflight_config_errors_start_nothing(monkeypatch, capsys, tmp_path):
         "FAIL: parallel.ep=3 does not divide the 8 experts; choose ep among the divisors of 8")
     assert module.main([CONFIG, "--nproc", "2", "--pp", "2"]) == 1  # 16 / micro 8 = 2 micro-batches
     assert "parallel.pp=2 needs at least 2*pp = 4 micro-batches per data rank" in capsys.readouterr().out
+    assert module.main([CONFIG, "--nproc", "4", "--pp", "4", "--set", "model.num_hidden_layers=2", "--set",
+                        "train.micro_batch_size=2"]) == 1  # was: PASS for a launch `pithtrain train` refuses
+    assert "parallel.pp=4: with model.num_hidden_layers=2 pipeline rank(s) 1, 2 hold no layer" in capsys.readouterr().out
     assert module.main([CONFIG, "--set", "train.stepz=3"]) == 1
     assert "unknown field 'stepz'" in capsys.readouterr().out
     other = tmp_path / random.choice(["hf", "a/b"])  # an --out train refuses: a directory of other files, a run a live process holds
@@ -94,6 +98,14 @@ def test_preflight_config_errors_start_nothing(monkeypatch, capsys, tmp_path):
     assert module.main([CONFIG, "--nproc", "2", "--ep", "2", "--out", str(tmp_path / "run")]) == 1
     assert capsys.readouterr().out.startswith(f"FAIL: run directory {tmp_path / 'run'} is in use by pid {os.getpid()}")
     lock.release()
+    from pithtrain.config import load_run_config, run_dict
+
+    other = load_run_config(CONFIG)  # a run directory of another model: was PASS, then train refused on every node
+    other.model.num_hidden_layers = 3
+    (tmp_path / "old" / "checkpoints" / "step_00000002").mkdir(parents=True)
+    (tmp_path / "old" / "checkpoints" / "step_00000002" / "meta.json").write_text(json.dumps({"config": run_dict(other), "step": 2}))
+    assert module.main([CONFIG, "--nproc", "2", "--ep", "2", "--out", str(tmp_path / "old")]) == 1
+    assert "cannot resume from" in (said := capsys.readouterr().out) and "model.num_hidden_layers 3 -> 4" in said, said
     assert started == []
     assert module.main([CONFIG, "--nproc", "2", "--set", "train.micro_batch_size=4"]) == 0
     assert started == ["launch"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_util import run_script
+from cli_util import run_script, write_config
 from conftest import tiny_config
 from pithtrain.ops import fp8
 
@@ -44,7 +44,7 @@ def test_validate_correctness_script(tmp_path):
 
 
 @pytest.mark.fast
-def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, capsys):
+def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, capsys, dataset_dir):
     """Steps are matched by number: a resumed run's repeated step counts once (its last line), shifted
     steps FAIL naming them, a NaN never agrees; an unreadable file is one FAIL line naming it; a mesh
     that cannot run (the doc's old `--nproc 4 --ep 2`) is refused before either run trains."""
@@ -64,6 +64,10 @@ def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, caps
     nan = compare("--metrics", tmp_path / "a.jsonl", tmp_path / "nan.jsonl")
     assert nan.returncode == 1 and "worst relative difference: loss nan" in nan.stdout, nan.stdout
     assert nan.stdout.splitlines()[-1].startswith("FAIL: loss at step 2: 4.5 vs nan (relative difference nan"), nan.stdout
+    (tmp_path / "mtp_null.jsonl").write_text("".join(json.dumps({**json.loads(line), "mtp_loss": None if n else 6.0}) + "\n"
+                                                     for n, line in enumerate(lines)))  # was: a TypeError traceback
+    null = compare("--metrics", tmp_path / "mtp_null.jsonl", tmp_path / "mtp_null.jsonl")
+    assert null.returncode == 1 and null.stdout.splitlines()[-1].startswith("FAIL: mtp_loss at step 2: nan vs nan"), null.stdout
     (tmp_path / "text.jsonl").write_text(lines[0] + "oops\n")
     (tmp_path / "nolb.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "grad_norm": 0.5}) + "\n")
     for bad, says in [(tmp_path / "none.jsonl", "none.jsonl: no such file"), (tmp_path, "a directory, not a file"),
@@ -75,6 +79,10 @@ def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, caps
     assert meshes.returncode == 1 and meshes.stdout.startswith("FAIL: run b (--nproc 4 --ep 2): train.global_batch_size=16 "
                                                                "is not divisible"), meshes.stdout
     assert not (tmp_path / "w").exists() and "$ " not in meshes.stdout  # nothing trained
+    typo = f"--nproc 1 --set data.path={tmp_path / 'nodata'}"  # run b's dataset is missing: was found after run a trained
+    missing = compare(write_config(tmp_path / "c.py", dataset_dir), "--b", typo, "--work", tmp_path / "w")
+    assert missing.returncode == 1 and missing.stdout.startswith(f"FAIL: run b ({typo}): data.path="), missing.stdout
+    assert not (tmp_path / "w").exists() and "$ " not in missing.stdout
     shared = compare("examples/qwen3_tiny.py", "--steps", 4, "--a", "--nproc 1 --out=x", "--b", "--nproc 1", "--work", tmp_path / "w")
     assert shared.returncode == 1 and shared.stdout.startswith("FAIL: run a (--nproc 1 --out=x): --out is the script's own")
     assert not (tmp_path / "w").exists() and not Path("x").exists()
@@ -172,12 +180,19 @@ def test_capture_profile_names_ranks_and_refuses_bad_traces(tmp_path, capsys):
         assert empty.returncode == 1 and empty.stdout.splitlines()[-1] == \
             f"FAIL: {tmp_path / 'empty.json'} holds no timed event (numeric ts and dur): give the profile_step's " \
             "RUN/profile/rank<r>.json", empty.stdout
+    for odd in ({"ph": "X", "cat": "kernel", "ts": 1, "dur": 2}, {**comm[0], "dur": None}, {**comm[0], "ts": "1"}):
+        (tmp_path / "odd.json").write_text(json.dumps({"traceEvents": comm + [odd]}))  # was: a KeyError or TypeError traceback
+        out = run_script(script, "--trace", tmp_path / "odd.json")
+        assert out.returncode == 0 and "1 complete event(s) without a name, numeric ts and dur, or args: left out" in out.stdout, out.stdout
     for bad, says in ((tmp_path / "text.json", "text.json is not JSON"), (tmp_path / "other.json", "other.json is not a Chrome trace")):
         out = run_script(script, "--trace", tmp_path / "rank0.json", "--trace", bad)
         assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and says in out.stdout and len(out.stdout.splitlines()) == 1, out.stdout
     for args in (["examples/qwen3_tiny.py", "--step", 0], ["--trace", tmp_path / "cpu.json", "--min-overlap", "nan"]):
         assert run_script(script, *args).returncode == 2
         assert "error: argument --" in capsys.readouterr().err, args
+    mixed = run_script(script, "examples/qwen3_tiny.py", "--trace", tmp_path / "cpu.json", "--step", 4)  # was: CONFIG ignored, PASS
+    assert mixed.returncode == 2 and "error: CONFIG, --step: for a run made here, but --trace analyses an existing trace" \
+        in capsys.readouterr().err
 
 
 def _load_script(path: str):
@@ -433,6 +448,10 @@ def test_estimate_memory_searches_deep_estimates_fp8_without_gpu_and_refuses_bad
     total = est.estimate(config, 1)[0]["total"]
     assert fp8.returncode == 0 and "FP8 weight caches" in fp8.stdout, fp8.stdout
     assert fp8.stdout.splitlines()[-1].startswith(f"PASS: {total:.1f} GiB"), fp8.stdout
+    idle = run_script(script, "examples/qwen3_tiny.py", "--nproc", 4, "--pp", 4, "--set", "model.num_hidden_layers=2",
+                      "--set", "train.micro_batch_size=2")  # was: PASS for a launch `pithtrain train` refuses
+    assert idle.returncode == 1 and idle.stdout.startswith("FAIL: parallel.pp=4: with model.num_hidden_layers=2 pipeline "
+                                                           "rank(s) 1, 2 hold no layer"), idle.stdout
     for bad in ("nan", "inf", "-5", "0"):
         assert run_script(script, "examples/qwen3_tiny.py", "--gpu-mem", bad).returncode == 2
         assert f"argument --gpu-mem: '{bad}': expected a finite number > 0" in capsys.readouterr().err
@@ -700,6 +719,8 @@ def test_track_experiments_checks_every_step_is_logged(tmp_path, dataset_dir):
         assert out.stdout == f"FAIL: {where}: {says}; pass a run directory (the --out of pithtrain train)\n", out.stdout
     beyond = check("--steps", "2")
     assert "problem: tensorboard: unexpected [3]" in beyond.stdout and "[]" not in beyond.stdout, beyond.stdout
+    huge = check("--steps", str(10**15))  # a run of 10**15 steps stopped early: was a set of them (MemoryError or swap)
+    assert huge.stdout.strip().endswith(f"missing steps {list(range(4, 14))} (+{10**15 - 13} more) (+1 more above)"), huge.stdout
     shutil.rmtree(run / "tensorboard")
     assert check().returncode == 0  # event files are checked when present
     gone = check("--tensorboard")
@@ -812,6 +833,7 @@ def test_ab_test_switch_judges_gain_loss_and_noise(tmp_path, monkeypatch):
         f"FAIL: no benchmarks/train_throughput.py under {tmp_path}: run this from the repository root (PYTHONPATH=.)"], away.stdout
     # the A/B itself needs a GPU: here the benchmark refuses in one line, and the skill says it failed
     monkeypatch.setenv("PITHTRAIN_RESULTS", str(results))
+    results.write_bytes(results.read_bytes() + b"\xff\n")  # a byte that is no UTF-8: was a UnicodeDecodeError traceback
     cpu = run_script(script, "triton-adamw,fused-proj", "--", "--layers", "1")
     assert cpu.returncode == 1 and cpu.stdout.splitlines()[-1] == "FAIL: benchmarks/train_throughput.py failed (its error is above)"
     assert "--steps 18 --layers 1 --ab triton-adamw,fused-proj" in cpu.stdout.splitlines()[0]

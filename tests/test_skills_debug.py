@@ -94,6 +94,10 @@ def test_debug_divergence_bisect_names_the_factor_that_changes_the_run(tmp_path,
     assert healthy.returncode == 0 and healthy.stdout.strip().splitlines()[-1].startswith("PASS: no step diverged")
     mismatch = run_script(DIVERGENCE, config, "--run", tmp_path / "w" / "run", "--steps", 3)  # not the run's schedule
     assert mismatch.returncode == 1 and "FAIL: --steps 3: the run's train.steps is 2" in mismatch.stdout, mismatch.stdout
+    other = run_script(DIVERGENCE, config, "--run", tmp_path / "w" / "run", "--steps", 2, "--set", "optim.lr=0.5")  # was: PASS
+    assert other.returncode == 1 and other.stdout.splitlines()[-1].startswith(f"FAIL: --run {tmp_path / 'w' / 'run'}: its "
+                                                                              "run_config.json differs"), other.stdout
+    assert " vs 0.5; pass those of the run" in other.stdout and "$ " not in other.stdout, other.stdout
     # as a run of 4 steps that stopped after 2 (--stop-after, a kill): its re-run goes on, so no divergence
     stored = tmp_path / "w" / "run" / "run_config.json"
     stored.write_text(json.dumps({**json.loads(stored.read_text()), "train": {**json.loads(stored.read_text())["train"], "steps": 4}}))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from cli_util import run_script, write_config
 from conftest import tiny_config
 from dist_util import run_fn
 
@@ -275,14 +276,17 @@ def test_capture_nsys_profile_runs_exports_and_analyses(tmp_path, dataset_dir):
 
 
 @pytest.mark.fast
-def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path):
-    env = dict(os.environ, PATH=os.path.dirname(sys.executable))  # python, but no nsys
-    out = subprocess.run([sys.executable, CAPTURE, "examples/qwen3_tiny.py", "--capture", "3:4", "--train-args", "--nproc 2 --ep 2"],
+def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path, dataset_dir):
+    (tmp_path / "tmp").mkdir()
+    env = dict(os.environ, PATH=os.path.dirname(sys.executable), TMPDIR=str(tmp_path / "tmp"))  # python, but no nsys
+    config = write_config(tmp_path / "c.py", dataset_dir)  # a dataset that exists: the run's data is checked first
+    out = subprocess.run([sys.executable, CAPTURE, config, "--capture", "3:4", "--train-args", "--nproc 2 --ep 2"],
                          capture_output=True, text=True, env=env)
     lines = out.stdout.strip().splitlines()
     assert out.returncode == 1 and lines[-1].startswith("FAIL: nsys is not on PATH: install Nsight Systems"), out.stdout
     assert lines[0].startswith("$ PITHTRAIN_NVTX=1 PITHTRAIN_PROFILE_STEPS=3:4 nsys profile --trace=cuda,nvtx "), lines[0]
     assert lines[0].endswith("--steps 4 --nproc 2 --ep 2"), lines[0]
+    assert not list((tmp_path / "tmp").glob("nsys-*"))  # was: an empty nsys-* directory left on every call
     bad = subprocess.run([sys.executable, CAPTURE, "examples/qwen3_tiny.py", "--capture", "4:3"], capture_output=True, text=True)
     assert bad.returncode == 1 and "FIRST:LAST" in bad.stdout
 
@@ -347,6 +351,8 @@ def test_profile_kernel_roofline_of_an_ncu_csv(tmp_path):
     for missing, says in ((tmp_path / "absent.csv", "No such file"), (tmp_path, "Is a directory")):
         out = profile(missing)
         assert out.returncode == 1 and out.stdout.startswith(f"FAIL: --csv {missing}: cannot be read ({says}"), out.stdout
+    for extra in (["grouped_mm"], ["--train", "examples/qwen3_tiny.py"], ["--min-bytes", 1e8]):  # were ignored: a verdict on the file alone
+        assert run_script(KERNEL, "--csv", gemm, *extra).returncode == 2, extra
     (tmp_path / "other.csv").write_text("step,loss\n1,4.2\n")  # a CSV, but not ncu's: not "measured no kernel"
     other = profile(tmp_path / "other.csv")
     assert other.returncode == 1 and other.stdout.splitlines()[-1] == (f'FAIL: --csv {tmp_path / "other.csv"}: no ncu table in '

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -143,12 +144,13 @@ def train_args(config: str, out: Path, steps: int, extra: str = "", sets=(), sto
     return args
 
 
-def check_train(what: str, *args, **kwargs) -> str | None:
+def check_train(what: str, *args, data: bool = True, **kwargs) -> str | None:
     """Why `pithtrain train` would refuse the run of train_args(*args, **kwargs) at its start (the config,
-    the overrides and the mesh, validated as the launch does), named `what`; None when it would start.
-    A script checks every run it will make before training any."""
+    the overrides and the mesh; with `data`, the data and init_from too, as --dry-run checks them), named
+    `what`; None when it would start. A script checks every run it will make before training any."""
     from pithtrain.cli import build_parser, train_config
     from pithtrain.config import UserError, validate
+    from pithtrain.train.loop import check_init_from, check_run
 
     try:
         argv = train_args(*args, **kwargs)
@@ -163,7 +165,13 @@ def check_train(what: str, *args, **kwargs) -> str | None:
     except (SystemExit, ValueError) as e:  # argparse's own message is above; a shlex quote error is not
         return f"{what}: not `pithtrain train` arguments{f' ({e})' if isinstance(e, ValueError) else ''}"
     try:
-        validate(train_config(parsed), world_size=parsed.nproc)
+        validate(config := train_config(parsed), world_size=parsed.nproc)
+        if data:  # init_from without its checksums (--dry-run reads every file: minutes a run at 671B)
+            plain = dataclasses.replace(config, train=dataclasses.replace(config.train, init_from=""))
+            with tempfile.TemporaryDirectory() as fresh:  # an empty run directory: nothing to resume
+                loader = check_run(plain, Path(fresh), parsed.stop_after, create=False, world_size=parsed.nproc)[0]
+            if config.train.init_from:
+                check_init_from(config, False, dataset=loader.dataset)
     except UserError as e:
         return f"{what}: {e}"
     return None
@@ -171,9 +179,11 @@ def check_train(what: str, *args, **kwargs) -> str | None:
 
 def refusal(config: str, steps: int, planned) -> str | None:
     """Why `pithtrain train` would refuse the first of the planned runs of CONFIG that it refuses: each
-    (what, extra arguments, --set overrides, stop_after); None when every one would start."""
-    return next((why for what, extra, sets, stop in planned
-                 if (why := check_train(f"{what} ({extra})", config, "OUT", steps, extra, sets, stop))), None)
+    (what, extra arguments, --set overrides, stop_after); None when every one would start. Every run's
+    config and mesh first, then each one's data: a typo'd data.path of a later run is refused before the
+    first trains."""
+    return next((why for data in (False, True) for what, extra, sets, stop in planned
+                 if (why := check_train(f"{what} ({extra})", config, "OUT", steps, extra, sets, stop, data=data))), None)
 
 
 def train(config: str, out: Path, steps: int, extra: str = "", sets=(), stop_after: int | None = None,

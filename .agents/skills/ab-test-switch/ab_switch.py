@@ -145,14 +145,14 @@ def main() -> int:
             return runs.verdict(False, f"{','.join(unknown)}: not a switch of {BENCHMARK} --ab (one of {', '.join(AB_SWITCHES)})")
     if args.from_results is None:
         results = Path(os.environ.get("PITHTRAIN_RESULTS", BENCHMARK.replace("train_throughput.py", "results.jsonl")))
-        before = len(results.read_text().splitlines()) if results.is_file() else 0
+        before = len(results.read_text(errors="replace").splitlines()) if results.is_file() else 0  # as read_line reads it
         steps = 6 * (1 + len(args.switch.split(",")))
         cmd = [sys.executable, BENCHMARK, "--seq", "4096", "--compile", "--skip-transformers", "--steps", str(steps),
                *extra, "--ab", args.switch]
         print("$ " + " ".join(cmd), flush=True)
         if subprocess.run(cmd).returncode != 0:
             return runs.verdict(False, f"{BENCHMARK} failed (its error is above)")
-        if not results.is_file() or len(results.read_text().splitlines()) <= before:
+        if not results.is_file() or len(results.read_text(errors="replace").splitlines()) <= before:
             return runs.verdict(False, f"{BENCHMARK} wrote no line to {results}")
         args.from_results, args.line = results, None
     line = read_line(args.from_results, args.line)

@@ -52,6 +52,8 @@ def main():
                "--force-overwrite=true", f"--output={report}", *train]
     print(f"$ PITHTRAIN_NVTX=1 PITHTRAIN_PROFILE_STEPS={args.capture} {shlex.join(profile)}", flush=True)
     if shutil.which("nsys") is None:
+        if args.out is None:  # the temporary directory made above, still empty
+            out.rmdir()
         return verdict(["nsys is not on PATH: install Nsight Systems (NVIDIA's installer, or the CUDA toolkit's "
                         "nsight-systems package) and put its bin directory on PATH; without it, use the capture-profile "
                         "skill (torch profiler, the same ranges) or profile-kernel (ncu)"])

@@ -196,7 +196,15 @@ def read_trace(path: Path) -> list[dict]:
     if not isinstance(trace, dict) or not isinstance(trace.get("traceEvents"), list):
         raise runs.BadInput(f"{path} is not a Chrome trace (no traceEvents list): give the profile_step's "
                             f"RUN/profile/rank<r>.json")
+
+    def complete_ok(e):  # a complete event ("X") is read by its name, ts, dur and args
+        return e.get("ph") != "X" or (isinstance(e.get("name"), str) and isinstance(e.get("args", {}), dict)
+                                      and all(isinstance(e.get(k), (int, float)) for k in ("ts", "dur")))
+
     events = [e for e in trace["traceEvents"] if isinstance(e, dict)]
+    if left := sum(not complete_ok(e) for e in events):  # an edited trace, or another tool's: was a traceback
+        print(f"note: {path}: {left} complete event(s) without a name, numeric ts and dur, or args: left out")
+        events = [e for e in events if complete_ok(e)]
     if not any(isinstance(e.get("ts"), (int, float)) and isinstance(e.get("dur"), (int, float)) for e in events):
         raise runs.BadInput(f"{path} holds no timed event (numeric ts and dur): give the profile_step's RUN/profile/rank<r>.json")
     return events
@@ -329,6 +337,11 @@ def main():
                         "(e.g. all-to-all/p2p: the expert-parallel all-to-alls when pp = 1)")
     parser.add_argument("--work", type=runs.WORK_DIR, help="directory of the run, kept (default: a temporary one, removed at the end)")
     args = parser.parse_args()
+    runs_only = [flag for flag, name in (("CONFIG", "config"), ("--step", "step"), ("--train-args", "train_args"),
+                                         ("--set", "set"), ("--work", "work")) if getattr(args, name) != parser.get_default(name)]
+    if args.trace and runs_only:  # would be ignored: the trace was written by a run made elsewhere
+        parser.error(f"{', '.join(runs_only)}: for a run made here, but --trace analyses an existing trace; drop "
+                     f"{', '.join(runs_only)}, or drop --trace to profile CONFIG")
     if args.trace:
         return analyse_traces(args.trace, args)
     if not args.config:

@@ -37,6 +37,9 @@ import runs  # noqa: E402
 
 compare_runs = runs.skill_script("validate-correctness/compare_runs.py")
 MESH_FLAGS = ("--nproc", "--pp", "--ep", "--cp")
+REPEATED = ("model.", "optim.", "data.", "train.global_batch_size", "train.micro_batch_size", "train.seed", "train.init_from",
+            "train.dtype", "train.lb_coef", "train.mtp_coef", "train.lb_type", "train.fp8")  # what a --run's re-run must repeat
+NOT_REPEATED = ("data.path", "data.eval_path", "optim.allow_switch")  # a dataset moved; eval and switching change no step
 FACTORS = ("mesh", "compile", "triton", "dtype")
 
 
@@ -153,7 +156,7 @@ def main():
     except ConfigError as err:
         return runs.verdict(False, str(err))
     cuda = torch.cuda.is_available() and config.train.device != "cpu"
-    logged = None
+    logged, stored = None, {}
     if args.run:  # the run's metrics, before anything runs
         if Path(args.run).name == "metrics.jsonl" and Path(args.run).is_file():  # the run's log named, not its directory
             args.run = str(Path(args.run).parent)
@@ -179,10 +182,27 @@ def main():
     factors = variants(args, config, cuda)
     refused = runs.refusal(args.config, args.steps, [("the run", args.args, args.set, None)]
                            + [(f"factor {f}", extra, args.set + sets, None) for f, _, extra, sets, _ in factors])
-    if refused:
+    if refused or (args.run and (refused := run_differs(args, stored))):
         return runs.verdict(False, refused)
     with runs.workdir(args.work, "divergence-") as work:
         return diagnose(args, factors, logged, work)
+
+
+def run_differs(args, stored) -> str | None:
+    """Why re-runs of CONFIG with --set and --args would not repeat the --run (its run_config.json, `stored`): the
+    fields of REPEATED that differ (another model, lr, batch...); None when they agree or the run recorded none."""
+    from pithtrain.cli import build_parser, train_config
+    from pithtrain.config import run_dict
+
+    flat = lambda d: {f"{s}.{k}": v for s, fields in d.items() if isinstance(fields, dict) for k, v in fields.items()}  # noqa: E731
+    want = flat(json.loads(json.dumps(run_dict(train_config(build_parser().parse_args(
+        runs.train_args(args.config, "OUT", args.steps, args.args, args.set)))))))
+    ran = flat(stored) if isinstance(stored, dict) else {}
+    differ = [f"{k} {ran[k]!r} vs {v!r}" for k, v in want.items()
+              if k.startswith(REPEATED) and k not in NOT_REPEATED and k in ran and ran[k] != v]
+    return (f"--run {args.run}: its run_config.json differs from CONFIG, --set and --args given (the run's value first): "
+            f"{'; '.join(differ[:5])}{f' (+{len(differ) - 5} more)' if len(differ) > 5 else ''}; pass those of the run, "
+            "or its re-runs do not repeat it") if differ else None
 
 
 def diagnose(args, factors, logged, work: Path) -> int:

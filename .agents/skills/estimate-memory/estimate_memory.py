@@ -103,6 +103,13 @@ def main():
     except ConfigError as err:
         print(f"FAIL: {err}")
         return 1
+    if (pp := config.parallel.pp) > 1 and not args.max_layers:  # refused by `pithtrain train` at its start (loop.check_run)
+        from pithtrain.parallel.pipeline import ranks_without_layers
+
+        if idle := ranks_without_layers(layers := config.model.num_hidden_layers, pp):
+            print(f"FAIL: parallel.pp={pp}: with model.num_hidden_layers={layers} pipeline rank(s) {', '.join(map(str, idle))} "
+                  "hold no layer; use more layers or fewer stages (--max-layers: the deepest that fits)")
+            return 1
     budget = 0.95 * args.gpu_mem
     if args.max_layers:
         best = deepest(config, args.nproc, budget)

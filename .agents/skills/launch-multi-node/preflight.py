@@ -179,6 +179,26 @@ def checks(config, args, device) -> int:
     return 0 if not problems else (3 if os.environ.get(_CHILD) else 1)
 
 
+def resumable(config, out: Path) -> None:
+    """What `pithtrain train` refuses at its start in a run directory whose newest checkpoint is of another model,
+    data order, batch or optimizer (loop.check_resume; raises UserError). Its data.path is left to the run,
+    which reads the datasets (a moved one is taken), as this script reads no data."""
+    metas = sorted(m for m in out.glob("checkpoints/step_*/meta.json") if m.parent.name[5:].isdigit())
+    if not metas:
+        return
+    import dataclasses
+    import json
+
+    from pithtrain.train.loop import check_resume  # seconds to import: only where there is a run to resume
+
+    try:
+        meta = json.loads(metas[-1].read_text())
+        path = meta.get("data_path") or meta["config"]["data"]["path"]
+    except (OSError, ValueError, LookupError, TypeError):  # the run checks, and sets aside, a damaged one
+        return
+    check_resume(dataclasses.replace(config, data=dataclasses.replace(config.data, path=path)), metas[-1].parent, echo=False)
+
+
 def launch_local(nproc: int, argv: list) -> int:
     """--nproc workers with PyTorch's elastic launcher (its failure summary carries the exit codes of the checks)."""
     import uuid
@@ -219,6 +239,12 @@ def main(argv=None) -> int:
     try:
         config = train_config(args)  # exactly as `pithtrain train` builds it from these arguments
         validate(config, world_size=world)  # raises ConfigError naming the field and the fix
+        if (pp := config.parallel.pp) > 1:  # refused by `pithtrain train` at its start too (loop.check_run)
+            from pithtrain.parallel.pipeline import ranks_without_layers
+
+            if idle := ranks_without_layers(layers := config.model.num_hidden_layers, pp):
+                raise ConfigError(f"parallel.pp={pp}: with model.num_hidden_layers={layers} pipeline rank(s) "
+                                  f"{', '.join(map(str, idle))} hold no layer; use more layers or fewer stages")
         existing = next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists()), None) if args.out else None
         if existing is not None and not existing.is_dir():
             raise ConfigError(f"--out {args.out}: {existing} is a file, not a directory; choose a directory that every node mounts")
@@ -226,6 +252,7 @@ def main(argv=None) -> int:
             check_out(Path(args.out))
             if rank == 0:  # one prober of the lock: ranks flocking it at once would see each other as its holder
                 check_unheld(Path(args.out))
+                resumable(config, Path(args.out))
         device = pick_device(config.train.device)
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if launched else args.nproc
         if device.type == "cuda" and local > torch.cuda.device_count():

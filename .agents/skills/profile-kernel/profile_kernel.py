@@ -211,6 +211,9 @@ def main():
     if args.driver:
         return driver(args)
     if args.csv is not None:
+        if ignored := [f for f, given in (("OP", args.op), ("--train", args.train), ("--min-bytes without --flops",
+                                                                                    args.flops is None and args.min_bytes)) if given]:
+            parser.error(f"{', '.join(ignored)}: --csv analyses an existing ncu file (an op's with --flops and --min-bytes); drop it")
         try:
             text = args.csv.read_text()
             kernels = read_ncu_csv(text)

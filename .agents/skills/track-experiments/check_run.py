@@ -9,6 +9,7 @@ offline wandb runs under RUN/wandb that hold every step's loss and the run's con
 """
 
 import argparse
+import itertools
 import json
 import math
 import sys
@@ -76,12 +77,15 @@ def wandb_problems(run: Path, logged: dict, config: dict | None) -> list:
     return problems
 
 
-def steps_differ(source: str, logged, want: set) -> str:
-    """'SOURCE: missing steps [...], unexpected [...]' for the steps a log has beyond or short of `want`."""
-    missing, unexpected = sorted(want - set(logged)), sorted(set(logged) - want)
-    more = f" (+{len(missing) - 10} more)" if len(missing) > 10 else ""
-    return f"{source}: " + ", ".join(part for part in (missing and f"missing steps {missing[:10]}{more}",
-                                                       unexpected and f"unexpected {unexpected[:10]}") if part)
+def steps_differ(source: str, logged, steps: int) -> str:
+    """'SOURCE: missing steps [...], unexpected [...]' for the steps a log has beyond or short of 1..steps; ''
+    when none. Counted, not listed: a run of train.steps=10**9 stopped early needs no set of 10**9 steps."""
+    unexpected = sorted(s for s in logged if not 1 <= s <= steps)
+    count = steps - len(logged) + len(unexpected)
+    missing = list(itertools.islice((s for s in range(1, steps + 1) if s not in logged), 10 if count else 0))
+    more = f" (+{count - 10} more)" if count > 10 else ""
+    parts = [p for p in (missing and f"missing steps {missing}{more}", unexpected and f"unexpected {unexpected[:10]}") if p]
+    return f"{source}: " + ", ".join(parts) if parts else ""
 
 
 @runs.interruptible
@@ -115,18 +119,17 @@ def check(args) -> int:
         steps = train.get("steps") if isinstance(train, dict) else None
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             return runs.verdict(False, f"{path} holds no train.steps (not a run's config?); pass --steps")
-    want = set(range(1, steps + 1))
     logged = metrics_steps(args.run, problems)
-    if logged is not None and set(logged) != want:
-        problems.append(steps_differ("metrics.jsonl", logged, want))
+    if logged is not None and (differ := steps_differ("metrics.jsonl", logged, steps)):
+        problems.append(differ)
     logged = logged or {}
     if args.tensorboard or (args.run / "tensorboard").is_dir():
         if not (args.run / "tensorboard").is_dir():
             problems.append(f"{args.run / 'tensorboard'} is missing (train.tensorboard=true and the tensorboard package)")
         else:
             losses = tensorboard_losses(args.run, problems)
-            if losses and set(losses) != want:
-                problems.append(steps_differ("tensorboard", losses, want))
+            if losses and (differ := steps_differ("tensorboard", losses, steps)):
+                problems.append(differ)
             differ = [s for s in losses if s in logged and not math.isclose(losses[s], loss_of(logged[s]), rel_tol=1e-6)]
             if differ:
                 problems.append(f"tensorboard: train/loss differs from metrics.jsonl at steps {differ[:10]}")
