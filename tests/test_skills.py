@@ -896,6 +896,7 @@ def test_compile_kernels_records_launches_and_reports_compile_failures(tmp_path,
                           cwd=tmp_path)
     assert none.returncode == 1 and none.stdout.splitlines()[-1].startswith(
         "FAIL: -k 'no_such_case' selects no interpreter case (list them: pytest --collect-only -q"), none.stdout + none.stderr
+    assert run_script(script, "--arch", "9999").returncode == 2  # argparse's line, before the interpreter cases run
     expr = random.choice(["and or", "not", "(a"])  # not an expression: said so, not "the interpreter cases failed"
     bad = subprocess.run([sys.executable, script, "-k", expr], capture_output=True, text=True)
     assert bad.returncode == 1 and bad.stdout.splitlines()[-1] == f"FAIL: -k {expr!r} is not a pytest -k expression (its message " \
