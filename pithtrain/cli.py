@@ -36,14 +36,16 @@ def train_config(args):
                 raise
             raise ConfigError(f"--set model.{field}: {type(config.model).__name__} has no such field; "
                               f"{' and '.join(owners)} (another model family) {'have' if len(owners) > 1 else 'has'} it") from None
-    if args.steps is not None:
-        if any(a.split("=", 1)[0].strip() == "train.steps" for a in args.set or []) and config.train.steps != args.steps:
-            raise UserError(f"--steps {args.steps} and --set train.steps={config.train.steps} disagree; give one of them")
-        config.train.steps = args.steps
-    for name in ("pp", "cp", "ep"):
-        if getattr(args, name) is not None:
-            setattr(config.parallel, name, getattr(args, name))
-    config.parallel.hsdp |= args.hsdp
+    set_fields = {a.split("=", 1)[0].strip() for a in args.set or []}
+    for section, name in (("train", "steps"), ("parallel", "pp"), ("parallel", "cp"), ("parallel", "ep"), ("parallel", "hsdp")):
+        flag, fields = getattr(args, name), getattr(config, section)
+        flag = None if flag is False else flag  # --hsdp: True or not given
+        if flag is None:
+            continue
+        if f"{section}.{name}" in set_fields and getattr(fields, name) != flag:  # the flag silently won before
+            raise UserError(f"--{name}{'' if flag is True else f' {flag}'} and --set {section}.{name}={getattr(fields, name)} "
+                            "disagree; give one of them")
+        setattr(fields, name, flag)
     return config
 
 

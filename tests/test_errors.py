@@ -72,6 +72,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("set-form", "train {cfg} --set train.steps", "train.steps"),
     ("set-no-field", "train {cfg} --set =1", "no field named"),
     ("steps-twice", "train {cfg} --steps 3 --set train.steps=4", "--steps 3 and --set train.steps=4 disagree"),
+    ("ep-twice", "train {cfg} --ep 2 --set parallel.ep=1", "--ep 2 and --set parallel.ep=1 disagree"),
+    ("hsdp-twice", "train {cfg} --hsdp --set parallel.hsdp=false", "--hsdp and --set parallel.hsdp=False disagree"),
     ("set-section", "train {cfg} --set optim=1", "set it in the run file"),
     ("file-dir", "train {tmp}", "is a directory"),
     ("file-toml", "train {tmp}/run.toml", "a run file is Python defining CONFIG = RunConfig(...), not TOML"),
