@@ -60,9 +60,9 @@ def _cmd_train(args) -> int:
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # a worker under torchrun/srun/our launcher
     if launched:
         if not (os.environ["RANK"].isdigit() and os.environ["WORLD_SIZE"].isdigit()
-                and int(os.environ["RANK"]) < int(os.environ["WORLD_SIZE"])):
-            raise UserError(f"RANK={os.environ['RANK']!r} WORLD_SIZE={os.environ['WORLD_SIZE']!r}: expected integers, "
-                            "RANK < WORLD_SIZE; fix the launcher's environment")
+                and int(os.environ["RANK"]) < int(os.environ["WORLD_SIZE"]) and os.environ.get("MASTER_PORT", "0").isdigit()):
+            raise UserError(f"RANK={os.environ['RANK']!r} WORLD_SIZE={os.environ['WORLD_SIZE']!r} MASTER_PORT="
+                            f"{os.environ.get('MASTER_PORT')!r}: expected integers, RANK < WORLD_SIZE; fix the launcher's environment")
         if args.nproc not in (1, int(os.environ["WORLD_SIZE"])):  # was ignored: this process joined a mesh of WORLD_SIZE
             raise UserError(f"--nproc {args.nproc}: RANK and WORLD_SIZE={os.environ['WORLD_SIZE']} are set, so another launcher "
                             "(torchrun) started the processes; drop --nproc, or unset RANK and WORLD_SIZE to launch here")

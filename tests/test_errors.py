@@ -85,6 +85,7 @@ CASES = [  # (id, command line, what the one line must name)
     ("pp-empty-rank", "train {cfg} --nproc 4 --pp 4 --set train.micro_batch_size=1 --dry-run", "use at least 5 layers"),
     ("env-rank", "train {cfg}", "RANK='5' WORLD_SIZE='2'"),
     ("env-rank-nproc", "train {cfg} --nproc 4 --ep 2", "--nproc 4: RANK and WORLD_SIZE=2 are set"),
+    ("env-master-port", "train {cfg}", "MASTER_PORT='abc'"),
     ("data-path-twice", """train {cfg} --set 'data.path={{"{data}": 0.7, "{data}": 0.3}}'""", "appears twice"),
     ("eval-path-file", "train {cfg} --set data.eval_path={notes} --set train.eval_every=1", "is a file"),
     ("eval-path-npy", "train {cfg} --set data.eval_path={tokens} --set train.eval_every=1", "for `pithtrain eval --tokens`"),
@@ -238,7 +239,8 @@ PATCHES = {"disk-full": _disk_full, "wandb-missing": lambda: mock.patch.dict(sys
            "env-debug-norms": lambda: mock.patch.dict(os.environ, {"PITHTRAIN_DEBUG_NORMS": "5-2"}),
            "env-profile-steps": lambda: mock.patch.dict(os.environ, {"PITHTRAIN_PROFILE_STEPS": "3"}),
            "env-rank": lambda: mock.patch.dict(os.environ, {"RANK": "5", "WORLD_SIZE": "2"}),
-           "env-rank-nproc": lambda: mock.patch.dict(os.environ, {"RANK": "0", "WORLD_SIZE": "2"})}
+           "env-rank-nproc": lambda: mock.patch.dict(os.environ, {"RANK": "0", "WORLD_SIZE": "2"}),
+           "env-master-port": lambda: mock.patch.dict(os.environ, {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "abc"})}
 
 
 def make_env(tmp: Path) -> dict:
