@@ -86,6 +86,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("env-rank", "train {cfg}", "RANK='5' WORLD_SIZE='2'"),
     ("env-rank-nproc", "train {cfg} --nproc 4 --ep 2", "--nproc 4: RANK and WORLD_SIZE=2 are set"),
     ("env-master-port", "train {cfg}", "MASTER_PORT='abc'"),
+    ("eval-samples-mesh", "train {cfg} --nproc 2 --set data.eval_samples=4 --set train.eval_every=1 --dry-run",
+     "or train.micro_batch_size=2 (a resumed run keeps its held-out samples)"),
     ("data-path-twice", """train {cfg} --set 'data.path={{"{data}": 0.7, "{data}": 0.3}}'""", "appears twice"),
     ("eval-path-file", "train {cfg} --set data.eval_path={notes} --set train.eval_every=1", "is a file"),
     ("eval-path-npy", "train {cfg} --set data.eval_path={tokens} --set train.eval_every=1", "for `pithtrain eval --tokens`"),
