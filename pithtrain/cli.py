@@ -72,8 +72,9 @@ def _cmd_train(args) -> int:
     if args.out is not None and not args.out.strip():
         raise UserError("--out is empty; name the run directory, e.g. --out runs/mine")
     out = Path(args.out or f"runs/{config.model.model_type}")
-    if args.print_config or args.dry_run:
-        return _check_only(args, config, out, world)
+    if args.print_config or args.dry_run:  # under another launcher every rank checks, rank 0 alone prints (one JSON)
+        with contextlib.redirect_stdout(None) if os.environ.get("RANK", "0") != "0" else contextlib.nullcontext():
+            return _check_only(args, config, out, world)
     # one writer per run directory: this process, our launcher (not its workers), or rank 0 under another launcher
     owner = "PITHTRAIN_LAUNCHER" not in os.environ and os.environ.get("RANK", "0") == "0"
     if owner:
