@@ -167,6 +167,14 @@ def _rendezvous_guard(timeout_s: float, error: str):
         sys.stderr.write(held.read().decode(errors="replace"))  # not reached on failure
 
 
+def resume_line(argv: list[str]) -> str:
+    """The command that continues a run. Under another launcher (torchrun, srun) these arguments alone would
+    start one process, which the mesh may not divide: that launcher's command again."""
+    line = shlex.join(["pithtrain", *argv])
+    own = "PITHTRAIN_LAUNCHER" in os.environ or "RANK" not in os.environ
+    return f"\nresume with: {line}" if own else f"\nresume with: the same launcher command (its ranks run: {line})"
+
+
 def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
     from pithtrain.train.loop import pick_device, train
 
@@ -212,15 +220,14 @@ def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
             saved = f"checkpoint {out}/checkpoints/step_{stop.stopped_at:08d}" if saves else none
             by = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
             print(f"stopped by {by} after step {stop.stopped_at} of {config.train.steps}; {saved}"
-                  + (f"\nresume with: {shlex.join(['pithtrain', *args.argv])}" if saves else ""), flush=True)
+                  + (resume_line(args.argv) if saves else ""), flush=True)
         elif history:
             held_out = f", eval loss {history[-1]['eval_loss']:.4f}" if "eval_loss" in history[-1] else ""
             resumed = f" ({len(history)} after resuming at step {history[0]['step'] - 1})" if history[0]["step"] > 1 else ""
             kept = f"checkpoints in {out}/checkpoints" if saves else none
             argv = [a for i, a in enumerate(args.argv) if not a.startswith("--stop-after")
                     and (i == 0 or args.argv[i - 1] != "--stop-after")]  # the rest of the run: no --stop-after
-            more = "" if not saves or history[-1]["step"] >= config.train.steps else \
-                f"\nresume with: {shlex.join(['pithtrain', *argv])}"
+            more = "" if not saves or history[-1]["step"] >= config.train.steps else resume_line(argv)
             print(f"done: step {history[-1]['step']} of {config.train.steps}{resumed}, final loss {history[-1]['loss']:.4f}"
                   f"{held_out}; metrics in {out}/metrics.jsonl, {kept}{more}")
     if mesh is not None:
