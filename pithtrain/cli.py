@@ -175,6 +175,20 @@ def resume_line(argv: list[str]) -> str:
     return f"\nresume with: {line}" if own else f"\nresume with: the same launcher command (its ranks run: {line})"
 
 
+def check_same_config(config, world: int) -> None:
+    """Every rank loads the run file itself: one whose CONFIG depends on randomness, the time or RANK would
+    train each rank on its own config, silently (a data seed a rank reads other batches)."""
+    import torch.distributed
+
+    from pithtrain.config import run_dict
+
+    mine, configs = run_dict(config), [None] * world
+    torch.distributed.all_gather_object(configs, mine)
+    if differ := sorted({f"{s}.{k}" for c in configs for s in mine for k in mine[s] if c[s].get(k) != mine[s][k]}):
+        raise ConfigError(f"the ranks' configs differ in {', '.join(differ)}; the run file must give every process the "
+                          "same CONFIG (no randomness, time or RANK in it)")
+
+
 def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
     from pithtrain.train.loop import pick_device, train
 
@@ -196,6 +210,7 @@ def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
                                  config.parallel.timeout_s, config.parallel.hsdp)
         except torch.distributed.DistError as e:  # DistStoreError, DistNetworkError: peers that never came, a port in use
             raise UserError(f"{failed} ({str(e).splitlines()[0]}); {fix}") from None
+        check_same_config(config, mesh.world)
     stop = graceful(loud=os.environ.get("RANK", "0") == "0")
     try:
         history = train(config, out, stop_after=args.stop_after, mesh=mesh, stop=stop)

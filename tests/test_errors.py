@@ -374,6 +374,19 @@ def test_bad_input_ends_in_one_line(env, case_id, line, names):
 
 
 @pytest.mark.fast
+def test_ranks_whose_run_file_gives_other_configs_are_refused(env, monkeypatch):
+    """A run file with `CONFIG.data.seed = random.randint(...)`: each rank loads its own; trained silently before."""
+    from pithtrain.cli import check_same_config
+    from pithtrain.config import ConfigError, load_run_config, run_dict
+
+    config = load_run_config(str(env["cfg"]))
+    other = run_dict(config)
+    other["data"]["seed"] += 1
+    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [mine, other]))
+    with pytest.raises(ConfigError, match=r"configs differ in data\.seed;"):
+        check_same_config(config, 2)
+
+
 def test_a_config_error_is_printed_once_a_node(env, monkeypatch):
     """Under torchrun every rank meets the same config error: only each node's local rank 0 prints it. An error of
     the rank itself (an unwritable --out) is still printed by every rank."""
