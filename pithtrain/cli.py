@@ -36,14 +36,16 @@ def train_config(args):
                 raise
             raise ConfigError(f"--set model.{field}: {type(config.model).__name__} has no such field; "
                               f"{' and '.join(owners)} (another model family) {'have' if len(owners) > 1 else 'has'} it") from None
-    if args.steps is not None:
-        if any(a.split("=", 1)[0].strip() == "train.steps" for a in args.set or []) and config.train.steps != args.steps:
-            raise UserError(f"--steps {args.steps} and --set train.steps={config.train.steps} disagree; give one of them")
-        config.train.steps = args.steps
-    for name in ("pp", "cp", "ep"):
-        if getattr(args, name) is not None:
-            setattr(config.parallel, name, getattr(args, name))
-    config.parallel.hsdp |= args.hsdp
+    set_fields = {a.split("=", 1)[0].strip() for a in args.set or []}
+    for section, name in (("train", "steps"), ("parallel", "pp"), ("parallel", "cp"), ("parallel", "ep"), ("parallel", "hsdp")):
+        flag, fields = getattr(args, name), getattr(config, section)
+        flag = None if flag is False else flag  # --hsdp: True or not given
+        if flag is None:
+            continue
+        if f"{section}.{name}" in set_fields and getattr(fields, name) != flag:  # the flag silently won before
+            raise UserError(f"--{name}{'' if flag is True else f' {flag}'} and --set {section}.{name}={getattr(fields, name)} "
+                            "disagree; give one of them")
+        setattr(fields, name, flag)
     return config
 
 
@@ -58,9 +60,9 @@ def _cmd_train(args) -> int:
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ  # a worker under torchrun/srun/our launcher
     if launched:
         if not (os.environ["RANK"].isdigit() and os.environ["WORLD_SIZE"].isdigit()
-                and int(os.environ["RANK"]) < int(os.environ["WORLD_SIZE"])):
-            raise UserError(f"RANK={os.environ['RANK']!r} WORLD_SIZE={os.environ['WORLD_SIZE']!r}: expected integers, "
-                            "RANK < WORLD_SIZE; fix the launcher's environment")
+                and int(os.environ["RANK"]) < int(os.environ["WORLD_SIZE"]) and os.environ.get("MASTER_PORT", "0").isdigit()):
+            raise UserError(f"RANK={os.environ['RANK']!r} WORLD_SIZE={os.environ['WORLD_SIZE']!r} MASTER_PORT="
+                            f"{os.environ.get('MASTER_PORT')!r}: expected integers, RANK < WORLD_SIZE; fix the launcher's environment")
         if args.nproc not in (1, int(os.environ["WORLD_SIZE"])):  # was ignored: this process joined a mesh of WORLD_SIZE
             raise UserError(f"--nproc {args.nproc}: RANK and WORLD_SIZE={os.environ['WORLD_SIZE']} are set, so another launcher "
                             "(torchrun) started the processes; drop --nproc, or unset RANK and WORLD_SIZE to launch here")
@@ -70,8 +72,9 @@ def _cmd_train(args) -> int:
     if args.out is not None and not args.out.strip():
         raise UserError("--out is empty; name the run directory, e.g. --out runs/mine")
     out = Path(args.out or f"runs/{config.model.model_type}")
-    if args.print_config or args.dry_run:
-        return _check_only(args, config, out, world)
+    if args.print_config or args.dry_run:  # under another launcher every rank checks, rank 0 alone prints (one JSON)
+        with contextlib.redirect_stdout(None) if os.environ.get("RANK", "0") != "0" else contextlib.nullcontext():
+            return _check_only(args, config, out, world)
     # one writer per run directory: this process, our launcher (not its workers), or rank 0 under another launcher
     owner = "PITHTRAIN_LAUNCHER" not in os.environ and os.environ.get("RANK", "0") == "0"
     if owner:
@@ -164,6 +167,28 @@ def _rendezvous_guard(timeout_s: float, error: str):
         sys.stderr.write(held.read().decode(errors="replace"))  # not reached on failure
 
 
+def resume_line(argv: list[str]) -> str:
+    """The command that continues a run. Under another launcher (torchrun, srun) these arguments alone would
+    start one process, which the mesh may not divide: that launcher's command again."""
+    line = shlex.join(["pithtrain", *argv])
+    own = "PITHTRAIN_LAUNCHER" in os.environ or "RANK" not in os.environ
+    return f"\nresume with: {line}" if own else f"\nresume with: the same launcher command (its ranks run: {line})"
+
+
+def check_same_config(config, world: int) -> None:
+    """Every rank loads the run file itself: one whose CONFIG depends on randomness, the time or RANK would
+    train each rank on its own config, silently (a data seed a rank reads other batches)."""
+    import torch.distributed
+
+    from pithtrain.config import run_dict
+
+    mine, configs = run_dict(config), [None] * world
+    torch.distributed.all_gather_object(configs, mine)
+    if differ := sorted({f"{s}.{k}" for c in configs for s in mine for k in mine[s] if c[s].get(k) != mine[s][k]}):
+        raise ConfigError(f"the ranks' configs differ in {', '.join(differ)}; the run file must give every process the "
+                          "same CONFIG (no randomness, time or RANK in it)")
+
+
 def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
     from pithtrain.train.loop import pick_device, train
 
@@ -185,6 +210,7 @@ def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
                                  config.parallel.timeout_s, config.parallel.hsdp)
         except torch.distributed.DistError as e:  # DistStoreError, DistNetworkError: peers that never came, a port in use
             raise UserError(f"{failed} ({str(e).splitlines()[0]}); {fix}") from None
+        check_same_config(config, mesh.world)
     stop = graceful(loud=os.environ.get("RANK", "0") == "0")
     try:
         history = train(config, out, stop_after=args.stop_after, mesh=mesh, stop=stop)
@@ -209,15 +235,14 @@ def _train_here(args, config, out: Path, launched: bool, graceful) -> int:
             saved = f"checkpoint {out}/checkpoints/step_{stop.stopped_at:08d}" if saves else none
             by = signal.Signals(stop.signum).name if stop.signum else "a signal to another rank"
             print(f"stopped by {by} after step {stop.stopped_at} of {config.train.steps}; {saved}"
-                  + (f"\nresume with: {shlex.join(['pithtrain', *args.argv])}" if saves else ""), flush=True)
+                  + (resume_line(args.argv) if saves else ""), flush=True)
         elif history:
             held_out = f", eval loss {history[-1]['eval_loss']:.4f}" if "eval_loss" in history[-1] else ""
             resumed = f" ({len(history)} after resuming at step {history[0]['step'] - 1})" if history[0]["step"] > 1 else ""
             kept = f"checkpoints in {out}/checkpoints" if saves else none
             argv = [a for i, a in enumerate(args.argv) if not a.startswith("--stop-after")
                     and (i == 0 or args.argv[i - 1] != "--stop-after")]  # the rest of the run: no --stop-after
-            more = "" if not saves or history[-1]["step"] >= config.train.steps else \
-                f"\nresume with: {shlex.join(['pithtrain', *argv])}"
+            more = "" if not saves or history[-1]["step"] >= config.train.steps else resume_line(argv)
             print(f"done: step {history[-1]['step']} of {config.train.steps}{resumed}, final loss {history[-1]['loss']:.4f}"
                   f"{held_out}; metrics in {out}/metrics.jsonl, {kept}{more}")
     if mesh is not None:

@@ -606,9 +606,13 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
                                                                            "(a resumed run keeps its global batch)" if fits else ""))
     check(not t.init_from or os.path.exists(t.init_from),  # False, not an error, for a name too long
           f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''")
+    # a resumed run keeps its hold-out: on another mesh the way out is a smaller micro-batch that fits both
+    fit = next((m for m in range(t.micro_batch_size, 0, -1)
+                if not (d.eval_samples % (m * data_ranks) or t.global_batch_size % (m * data_ranks))), 0)
     check(d.eval_samples % (t.micro_batch_size * data_ranks) == 0,
           f"data.eval_samples={d.eval_samples} is not divisible by train.micro_batch_size ({t.micro_batch_size}) x "
-          f"data-parallel ranks ({data_ranks}); use a multiple of {t.micro_batch_size * data_ranks}")
+          f"data-parallel ranks ({data_ranks}); use a multiple of {t.micro_batch_size * data_ranks}"
+          + (f", or train.micro_batch_size={fit} (a resumed run keeps its held-out samples)" if fit else ""))
     micro_per_rank, per_rank = t.global_batch_size // max(1, t.micro_batch_size * data_ranks), t.global_batch_size // data_ranks
     if p.pp > 1 and micro_per_rank < 2 * p.pp:
         fit = next((m for m in range(per_rank // (2 * p.pp), 0, -1) if per_rank % m == 0), None)

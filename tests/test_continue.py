@@ -114,6 +114,16 @@ def test_init_from_ignores_only_fields_that_do_not_change_the_computation(tmp_pa
             check_init_from(config, echo=False)
 
 
+def test_dry_run_under_another_launcher_prints_on_rank_0_alone(tmp_path, dataset_dir, capsys, monkeypatch):
+    """`torchrun ... --print-config > run.json` is one JSON document, not one a rank (each rank still checks)."""
+    config = write_config(tmp_path / "tiny.py", dataset_dir, steps=2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for rank, flag in (("1", "--print-config"), ("1", "--dry-run"), ("0", "--print-config")):
+        monkeypatch.setenv("RANK", rank)
+        out, _ = cli(["train", config, "--out", tmp_path / "run", flag], capsys)
+        assert bool(out) == (rank == "0"), out
+
+
 def test_dry_run_warns_as_the_run_does_and_logs_continue_across_a_resume(tmp_path, dataset_dir, capsys, monkeypatch):
     """A fresh --dry-run prints the startup line's sizes; a run with W&B (offline) and TensorBoard; its
     newest checkpoint damaged: --dry-run prints the same warning and fallback as the resumed run then

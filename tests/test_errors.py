@@ -72,6 +72,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("set-form", "train {cfg} --set train.steps", "train.steps"),
     ("set-no-field", "train {cfg} --set =1", "no field named"),
     ("steps-twice", "train {cfg} --steps 3 --set train.steps=4", "--steps 3 and --set train.steps=4 disagree"),
+    ("ep-twice", "train {cfg} --ep 2 --set parallel.ep=1", "--ep 2 and --set parallel.ep=1 disagree"),
+    ("hsdp-twice", "train {cfg} --hsdp --set parallel.hsdp=false", "--hsdp and --set parallel.hsdp=False disagree"),
     ("set-section", "train {cfg} --set optim=1", "set it in the run file"),
     ("file-dir", "train {tmp}", "is a directory"),
     ("file-toml", "train {tmp}/run.toml", "a run file is Python defining CONFIG = RunConfig(...), not TOML"),
@@ -83,6 +85,9 @@ CASES = [  # (id, command line, what the one line must name)
     ("pp-empty-rank", "train {cfg} --nproc 4 --pp 4 --set train.micro_batch_size=1 --dry-run", "use at least 5 layers"),
     ("env-rank", "train {cfg}", "RANK='5' WORLD_SIZE='2'"),
     ("env-rank-nproc", "train {cfg} --nproc 4 --ep 2", "--nproc 4: RANK and WORLD_SIZE=2 are set"),
+    ("env-master-port", "train {cfg}", "MASTER_PORT='abc'"),
+    ("eval-samples-mesh", "train {cfg} --nproc 2 --set data.eval_samples=4 --set train.eval_every=1 --dry-run",
+     "or train.micro_batch_size=2 (a resumed run keeps its held-out samples)"),
     ("data-path-twice", """train {cfg} --set 'data.path={{"{data}": 0.7, "{data}": 0.3}}'""", "appears twice"),
     ("eval-path-file", "train {cfg} --set data.eval_path={notes} --set train.eval_every=1", "is a file"),
     ("eval-path-npy", "train {cfg} --set data.eval_path={tokens} --set train.eval_every=1", "for `pithtrain eval --tokens`"),
@@ -236,7 +241,8 @@ PATCHES = {"disk-full": _disk_full, "wandb-missing": lambda: mock.patch.dict(sys
            "env-debug-norms": lambda: mock.patch.dict(os.environ, {"PITHTRAIN_DEBUG_NORMS": "5-2"}),
            "env-profile-steps": lambda: mock.patch.dict(os.environ, {"PITHTRAIN_PROFILE_STEPS": "3"}),
            "env-rank": lambda: mock.patch.dict(os.environ, {"RANK": "5", "WORLD_SIZE": "2"}),
-           "env-rank-nproc": lambda: mock.patch.dict(os.environ, {"RANK": "0", "WORLD_SIZE": "2"})}
+           "env-rank-nproc": lambda: mock.patch.dict(os.environ, {"RANK": "0", "WORLD_SIZE": "2"}),
+           "env-master-port": lambda: mock.patch.dict(os.environ, {"RANK": "0", "WORLD_SIZE": "2", "MASTER_PORT": "abc"})}
 
 
 def make_env(tmp: Path) -> dict:
@@ -368,6 +374,19 @@ def test_bad_input_ends_in_one_line(env, case_id, line, names):
 
 
 @pytest.mark.fast
+def test_ranks_whose_run_file_gives_other_configs_are_refused(env, monkeypatch):
+    """A run file with `CONFIG.data.seed = random.randint(...)`: each rank loads its own; trained silently before."""
+    from pithtrain.cli import check_same_config
+    from pithtrain.config import ConfigError, load_run_config, run_dict
+
+    config = load_run_config(str(env["cfg"]))
+    other = run_dict(config)
+    other["data"]["seed"] += 1
+    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, mine: out.__setitem__(slice(None), [mine, other]))
+    with pytest.raises(ConfigError, match=r"configs differ in data\.seed;"):
+        check_same_config(config, 2)
+
+
 def test_a_config_error_is_printed_once_a_node(env, monkeypatch):
     """Under torchrun every rank meets the same config error: only each node's local rank 0 prints it. An error of
     the rank itself (an unwritable --out) is still printed by every rank."""

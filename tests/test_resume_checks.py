@@ -288,6 +288,18 @@ def test_a_damaged_newest_checkpoint_is_set_aside_and_the_good_ones_survive(tmp_
     assert code == 0 and not [line for line in printed.splitlines() if line.startswith("note:") and "init_from" in line]
 
 
+def test_the_resume_line_under_another_launcher_asks_for_that_launcher(monkeypatch):
+    """torchrun's ranks: `pithtrain train ... --ep 2` alone starts one process, which that mesh does not divide."""
+    from pithtrain.cli import resume_line
+
+    monkeypatch.delenv("PITHTRAIN_LAUNCHER", raising=False)
+    monkeypatch.setenv("RANK", "0")
+    assert resume_line(["train", "r.py", "--ep", "2"]) == \
+        "\nresume with: the same launcher command (its ranks run: pithtrain train r.py --ep 2)"
+    monkeypatch.setenv("PITHTRAIN_LAUNCHER", "1")  # our --nproc launcher's worker: its argv has --nproc
+    assert resume_line(["train", "r.py", "--nproc", "2"]) == "\nresume with: pithtrain train r.py --nproc 2"
+
+
 def test_an_earlier_run_without_a_checkpoint_is_not_overwritten(tmp_path, dataset_dir, monkeypatch):
     """Metrics of a run with checkpoints off: a rerun into its directory starts over, and moves them aside."""
     config = write_run_file(tmp_path / "tiny.py", dataset_dir)

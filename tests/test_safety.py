@@ -124,7 +124,8 @@ def test_train_out_must_be_new_empty_or_a_run_directory(tmp_path, dataset_dir, c
     with pytest.raises(ValueError, match="train.device='tpu': use auto, cpu or cuda"):
         loop.train(config, tmp_path / "new", echo=False)
     assert not (tmp_path / "new").exists()  # the run directory it made, removed again
-    for inside in (empty / "checkpoints", next((empty / "checkpoints").iterdir())):  # the run's folders: named, not entered
+    step = next((empty / "checkpoints").iterdir())  # the run's folders, and a new one in them: named, not entered
+    for inside in (empty / "checkpoints", step, step / "new", empty / "checkpoints" / "new"):
         one_line_error(cli(["train", cfg, "--out", inside], capsys, code=2)[1],
                        f"--out {inside} lies inside the run directory {empty}; pass --out {empty} to resume")
     gone = tmp_path / "gone"  # a new run directory deleted during the run: the error names the write that failed

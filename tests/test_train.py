@@ -321,6 +321,9 @@ def test_cpu_threads_share_the_cores(monkeypatch):
             monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
             assert loop.cpu_threads(cpu) == f" (torch threads: {threads}, at most 8 cores // {local} processes on this host)"
             assert torch.get_num_threads() == threads
+        for local in ("0", ""):  # a hand-made launcher environment: all cores, not ZeroDivisionError
+            monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+            assert loop.cpu_threads(cpu).startswith(" (torch threads: 8, at most 8 cores // 1 processes")
         torch.set_num_threads(3)  # a lower explicit setting is kept
         assert loop.cpu_threads(cpu).startswith(" (torch threads: 3,") and torch.get_num_threads() == 3
         monkeypatch.setenv("OMP_NUM_THREADS", "5")

@@ -674,7 +674,7 @@ def cpu_threads(device: torch.device) -> str:
     if "OMP_NUM_THREADS" in os.environ:
         return f" (torch threads: {torch.get_num_threads()}, from OMP_NUM_THREADS)"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE") or 1))  # 0 or '' from a hand-made launcher environment
     torch.set_num_threads(min(torch.get_num_threads(), max(1, cores // local)))
     return f" (torch threads: {torch.get_num_threads()}, at most {cores} cores // {local} processes on this host)"
 

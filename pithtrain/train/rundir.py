@@ -135,8 +135,10 @@ def check_out(out: Path) -> None:
         raise ValueError(f"--out {out} is a file; pass a directory (new, empty, or a PithTrain run directory)")
     if not out.exists() and (up := next((p for p in out.parents if p.exists()), None)) and not up.is_dir():
         raise ValueError(f"--out {out}: {up} is a file, not a directory; choose another --out")
-    if out.is_dir() and any(out.iterdir()) and not is_run_dir(out):
-        if run := next((p for p in list(out.parents)[:2] if is_run_dir(p)), None):  # its checkpoints/ or a step of them
+    # a new run within a run's checkpoints/ too: pruning that run's checkpoints would delete it
+    under = next((p for p in list(out.parents)[:3] if is_run_dir(p) and out.relative_to(p).parts[0] == "checkpoints"), None)
+    if under or out.is_dir() and any(out.iterdir()) and not is_run_dir(out):
+        if run := under or next((p for p in list(out.parents)[:2] if is_run_dir(p)), None):  # its checkpoints/ or a step of them
             raise ValueError(f"--out {out} lies inside the run directory {run}; pass --out {run} to resume that run, "
                              "or choose a new directory")
         raise ValueError(f"--out {out} is neither empty nor a PithTrain run directory (one holding {LOCK}, checkpoints/ "
