@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 from pathlib import Path
 
@@ -39,6 +41,10 @@ def cmd_run(args) -> int:
     if not frameworks:
         raise UsageError("--framework: give at least one, e.g. --framework pithtrain=/path/to/PithTrain")
     for name, path in frameworks.items():
+        # the name is a directory of --out (OUT/<name>/<task>/r<k>, removed by --overwrite): a path in it would land elsewhere
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", name):
+            raise UsageError(f"--framework {name}={path}: the name must be letters, digits, _ . + - (it names a directory "
+                             "of --out), e.g. --framework pithtrain=/path/to/PithTrain")
         if not Path(path).is_dir():
             raise UsageError(f"--framework {name}={path}: no such directory; give the framework's checkout")
         if not any((Path(path) / m).exists() for m in CHECKOUT_MARKERS):
