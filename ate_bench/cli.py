@@ -60,8 +60,11 @@ def cmd_run(args) -> int:
                          "--agent \"claude -p {prompt} --output-format stream-json --verbose\"")
     if args.judge:
         _check_template(args.judge, "--judge", grading.JUDGE_FIELDS)
-    if args.repeats < 1 or args.time_limit <= 0:
-        raise UsageError("--repeats must be >= 1 and --time-limit > 0 (seconds)")
+    if args.repeats < 1:
+        raise UsageError(f"--repeats {args.repeats}: must be >= 1")
+    for flag, value in (("--time-limit", args.time_limit), ("--grade-timeout", args.grade_timeout)):
+        if not (value > 0 and math.isfinite(value)):  # nan waited forever, a negative grade timeout failed every grade
+            raise UsageError(f"{flag} {value:g}: must be a number of seconds > 0, e.g. {flag} 1800")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file; give a directory")

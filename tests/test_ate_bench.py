@@ -350,7 +350,10 @@ def test_memory_verifier(tmp_path):
     (["--framework", "a=.", "--framework", "a=ate_bench"], "--framework a=...: given twice"),
     (["--framework", "a=.", "--framework", "b=.", "--keys", "b=pithtrain", "--keys", "b=a"], "--keys b=...: given twice"),
     (["--framework", "pithtrain=ate_bench"], "does not look like a source checkout"),
-    (["--framework", "..=."], "--framework ..=.: the name must be"),  # was OUT/../<task>/r0: outside --out
+    (["--framework", "..=."], "--framework ..=.: the name must be"),
+    (["--framework", "pithtrain=.", "--time-limit", "nan"], "--time-limit nan: must be"),  # waited for ever
+    (["--framework", "pithtrain=.", "--grade-timeout", "-1"], "--grade-timeout -1: must be"),  # every grade failed
+    (["--framework", "pithtrain=.", "--repeats", "0"], "--repeats 0: must be"),  # was OUT/../<task>/r0: outside --out
     (["--framework", "a/b=."], "--framework a/b=.: the name must be"),  # no .git, pyproject.toml, setup.py
     (["--framework", "pithtrain=.", "--agent", "x {prompt_files}"], "--agent: unknown placeholder {prompt_files}; the known"),
     (["--framework", "pithtrain=.", "--agent", "x {prompt} ${HOME} {HOME} {0}"], "unknown placeholder {0}, {HOME};"),
