@@ -75,6 +75,10 @@ def cmd_run(args) -> int:
         raise UsageError(f"--tasks {' '.join(map(repr, args.tasks))}: names no task; give task ids or categories "
                          "(see `python -m ate_bench list`), or leave --tasks out for all")
     tasks = load_tasks(select)
+    keysets_known = {fw for t in load_tasks() for fw in (*t.keys, *t.verifier, *t.acceptance)}
+    for name, keyset in keysets.items():
+        if keyset not in keysets_known:  # a typo graded every session "ungraded", silently
+            raise UsageError(f"--keys {name}={keyset}: no task has keys for {keyset}; use one of {', '.join(sorted(keysets_known))}")
     earlier = [f"{name}/{t.id}/r{k}" for t in tasks for name in frameworks for k in range(args.repeats)
                if (out / name / t.id / f"r{k}").exists()]
     if earlier and not args.overwrite:

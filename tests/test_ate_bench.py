@@ -351,6 +351,7 @@ def test_memory_verifier(tmp_path):
     (["--framework", "a=.", "--framework", "b=.", "--keys", "b=pithtrain", "--keys", "b=a"], "--keys b=...: given twice"),
     (["--framework", "pithtrain=ate_bench"], "does not look like a source checkout"),
     (["--framework", "..=."], "--framework ..=.: the name must be"),
+    (["--framework", "fork=.", "--keys", "fork=pithtrian"], "--keys fork=pithtrian: no task has keys for pithtrian"),
     (["--framework", "pithtrain=.", "--time-limit", "nan"], "--time-limit nan: must be"),  # waited for ever
     (["--framework", "pithtrain=.", "--grade-timeout", "-1"], "--grade-timeout -1: must be"),  # every grade failed
     (["--framework", "pithtrain=.", "--repeats", "0"], "--repeats 0: must be"),  # was OUT/../<task>/r0: outside --out
