@@ -5,6 +5,7 @@ each task's grades; written as report.md (Markdown) and report.png (bar charts).
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from pathlib import Path
 
@@ -19,7 +20,16 @@ METRICS = (  # (result key, column title): the cost of a session, lower is cheap
 )
 
 
+GRADES = ("pass", "fail", "ungraded")
+STATUSES = ("ok", "agent_error", "timeout")
 REQUIRED = ("task", "category", "framework", "repeat", "status", "grade") + tuple(m for m, _ in METRICS)
+
+
+def _finite(x) -> bool:
+    try:
+        return isinstance(x, (int, float)) and math.isfinite(x)
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def load_results(out: Path) -> list[dict]:
@@ -32,7 +42,12 @@ def load_results(out: Path) -> list[dict]:
         except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON ({e}); rerun that session or move it away") from None
         missing = [k for k in REQUIRED if not isinstance(result, dict) or k not in result]
-        missing += [m for m, _ in METRICS if m not in missing and not isinstance(result[m], (int, float))]
+        # a hand-edited field of the wrong type (a null grade, a list as framework, 1e400 turns) crashed the report
+        missing += [m for m, _ in METRICS if m not in missing and not _finite(result[m])]
+        missing += [k for k in ("task", "framework", "status", "grade") if k not in missing and not isinstance(result[k], str)]
+        missing += [k for k, ok in (("grade", GRADES), ("status", STATUSES)) if k not in missing and result[k] not in ok]
+        if "repeat" not in missing and not isinstance(result["repeat"], int):
+            missing.append("repeat")
         if missing or result["category"] not in CATEGORIES:
             raise ValueError(f"{path} is not a result of `ate_bench run` (missing or bad: {', '.join(missing) or 'category'}); "
                              "rerun that session or move it away")

@@ -398,7 +398,10 @@ def test_readme_run_with_out_inside_the_checkout_blank_tasks_and_a_bad_result(tm
     results = checkout / "ate_runs" / "first"
     path = results / "pithtrain" / "qa_device_mesh" / "r0" / "result.json"
     good = path.read_text()
-    for bad in ("{not json", json.dumps({"task": "qa_device_mesh"}), json.dumps(dict(json.loads(good), turns="many"))):
+    edits = [{"turns": "many"}, {"grade": None}, {"framework": ["x"]}, {"turns": float("nan")}, {"status": 1}, {"repeat": "0"}]
+    huge = good.replace('"turns": 1,', '"turns": 1' + "0" * 400 + ",", 1)  # an int past float's range
+    assert huge != good
+    for bad in ("{not json", json.dumps({"task": "qa_device_mesh"}), huge, *(json.dumps(dict(json.loads(good), **e)) for e in edits)):
         path.write_text(bad)
         code, _, err = run(["report", results], capsys)
         assert code == 2 and err.count("\n") == 1 and str(path) in err and "Traceback" not in err, err
