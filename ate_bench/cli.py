@@ -84,9 +84,11 @@ def cmd_run(args) -> int:
     if earlier and not args.overwrite:
         raise UsageError(f"--out {out}: already holds {len(earlier)} of these sessions ({', '.join(earlier[:3])}"
                          f"{', ...' if len(earlier) > 3 else ''}); pass --overwrite to replace them, or choose another --out")
+    from ate_bench.report import manifest_frameworks
+
+    known = manifest_frameworks(out) if out.is_dir() else []
     out.mkdir(parents=True, exist_ok=True)
     manifest = out / "ate_bench.json"  # marks the directory; the frameworks in the order first run (the report's)
-    known = json.loads(manifest.read_text()).get("frameworks", []) if manifest.exists() else []
     manifest.write_text(json.dumps({"kind": "ate-bench results", "frameworks": known + [f for f in frameworks if f not in known]}) + "\n")
     noted = set()
     for task in tasks:

@@ -9,7 +9,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from ate_bench.tasks import CATEGORIES
+from ate_bench.tasks import CATEGORIES, UsageError
 
 METRICS = (  # (result key, column title): the cost of a session, lower is cheaper
     ("turns", "turns"),
@@ -82,10 +82,26 @@ def summarize(results: list[dict]) -> dict:
     return summary
 
 
+def manifest_frameworks(out: Path) -> list[str]:
+    """The frameworks of OUT/ate_bench.json in the order first run ([] without one); a damaged one is a
+    UsageError naming it (it was a JSONDecodeError/AttributeError traceback)."""
+    path = out / "ate_bench.json"
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        data = None
+    names = data.get("frameworks") if isinstance(data, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise UsageError(f'{path}: not an ATE-Bench manifest; write {{"frameworks": ["NAME", ...]}} into it '
+                         "(the frameworks in the report's order)")
+    return names
+
+
 def framework_order(results: list[dict], out: Path | None = None) -> list[str]:
     """The order the frameworks were first run in (ate_bench.json), then any others."""
-    manifest = out / "ate_bench.json" if out else None
-    first = json.loads(manifest.read_text()).get("frameworks", []) if manifest and manifest.exists() else []
+    first = manifest_frameworks(out) if out else []
     present = {r["framework"] for r in results}
     return [f for f in first if f in present] + sorted(present - set(first))
 

@@ -405,6 +405,13 @@ def test_readme_run_with_out_inside_the_checkout_blank_tasks_and_a_bad_result(tm
         path.write_text(bad)
         code, _, err = run(["report", results], capsys)
         assert code == 2 and err.count("\n") == 1 and str(path) in err and "Traceback" not in err, err
+    path.write_text(good)
+    for bad in ("{bad", "[1]", '{"frameworks": [1]}'):  # a hand-edited ate_bench.json: one line, for report and run
+        (results / "ate_bench.json").write_text(bad)
+        for args in (["report", results], [*base, "--tasks", "qa_logging", "--out", results]):
+            code, _, err = run(args, capsys)
+            assert code == 2 and err.count("\n") == 1 and "ate_bench.json: not an ATE-Bench manifest" in err, err
+    assert not (results / "pithtrain" / "qa_logging").exists()
 
 
 GOOD_TASK = 'category = "understand"\nprompt = "Where?"\n[keys.pithtrain]\nfacts = ["mesh.py", ["init_mesh", "Mesh"]]\n'
