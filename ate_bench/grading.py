@@ -113,7 +113,7 @@ def run_acceptance(test_file: Path, workdir: Path, grade_dir: Path, timeout: flo
 
 def run_judge(judge: str, task: Task, framework: str, workdir: Path, answer_file: Path, timeout: float) -> dict:
     """`--judge "CMD {prompt_file} {answer_file} {workdir} {task} {framework}"`: exit 0 passes;
-    a last stdout line `score=<0..1>` is recorded."""
+    a last stdout line `score=<0..1>` is recorded (anything else there: the exit code scores it, 1 or 0)."""
     prompt_file = answer_file.parent / "prompt.txt"
     cmd = fill(judge, prompt_file=shlex.quote(str(prompt_file)), answer_file=shlex.quote(str(answer_file)),
                workdir=shlex.quote(str(workdir)), task=shlex.quote(task.id), framework=shlex.quote(framework))
@@ -122,9 +122,18 @@ def run_judge(judge: str, task: Task, framework: str, workdir: Path, answer_file
     except subprocess.TimeoutExpired:
         return {"grade": "fail", "score": 0.0, "note": "judge timed out"}
     last = _last_line(p.stdout)
-    m = re.match(r"score\s*=\s*([0-9.]+)", last)
-    score = float(m.group(1)) if m else (1.0 if p.returncode == 0 else 0.0)
-    return {"grade": "pass" if p.returncode == 0 else "fail", "score": score, "note": "judge: " + last}
+    score, note = (1.0 if p.returncode == 0 else 0.0), "judge: " + last
+    m = re.match(r"score\s*=\s*(\S*)", last)
+    if m:  # "score=1.2.3" was a ValueError that ended the run; 5e-1 was read as 5, 7 and nan kept as scores
+        try:
+            value = float(m.group(1))
+        except ValueError:
+            value = None
+        if value is not None and 0 <= value <= 1:
+            score = value
+        else:
+            note += f" (not a score in 0..1; scored by the exit code, {score:g})"
+    return {"grade": "pass" if p.returncode == 0 else "fail", "score": score, "note": note}
 
 
 def grade(task: Task, keyset: str, run_dir: Path, workdir: Path, checkout: Path, answer: str,

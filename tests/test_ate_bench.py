@@ -339,6 +339,17 @@ def test_memory_verifier(tmp_path):
 # ---- the CLI's bad input ----
 
 @pytest.mark.fast
+@pytest.mark.parametrize("line,code,score", [
+    ("score=0.8", 0, 0.8), ("score = 5e-1", 1, 0.5), ("score=1.2.3", 0, 1.0), ("score=.", 1, 0.0),  # were ValueErrors
+    ("score=7", 0, 1.0), ("score=nan", 1, 0.0), ("score=-0.5", 0, 1.0), ("looks fine", 0, 1.0),
+])
+def test_judge_score_line(tmp_path, line, code, score):
+    (tmp_path / "answer.txt").write_text("a")
+    g = grading.run_judge(f"echo {line!r}; exit {code}", TASKS["qa_logging"], "x", tmp_path, tmp_path / "answer.txt", 10)
+    assert g["grade"] == ("pass" if code == 0 else "fail") and g["score"] == score, g
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("args,flag", [
     (["--framework", "pithtrain"], "--framework"),
     (["--framework", "pithtrain=/no/such/dir"], "--framework"),
