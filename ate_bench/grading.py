@@ -85,7 +85,7 @@ def run_verifier(script: Path, workdir: Path, answer_file: Path, checkout: Path,
     rerunning with the unmodified `checkout` where it needs to; exit 0 passes."""
     cmd = [sys.executable, str(script), "--workdir", str(workdir), "--answer", str(answer_file), "--checkout", str(checkout)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=workdir, env=_env(checkout))
+        p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout, cwd=workdir, env=_env(checkout))
     except subprocess.TimeoutExpired:
         return {"grade": "fail", "score": 0.0, "note": f"verifier timed out after {timeout:.0f} s"}
     note = _last_line(p.stdout) or _last_line(p.stderr)
@@ -103,7 +103,7 @@ def run_acceptance(test_file: Path, workdir: Path, grade_dir: Path, timeout: flo
     shutil.copy(test_file, dest)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--rootdir", str(dest.parent), str(dest)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=grade_dir, env=_env(grade_dir))
+        p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout, cwd=grade_dir, env=_env(grade_dir))
     except subprocess.TimeoutExpired:
         return {"grade": "fail", "score": 0.0, "note": f"acceptance test timed out after {timeout:.0f} s"}
     (grade_dir.parent / "acceptance.log").write_text(p.stdout + p.stderr)
@@ -118,7 +118,7 @@ def run_judge(judge: str, task: Task, framework: str, workdir: Path, answer_file
     cmd = fill(judge, prompt_file=shlex.quote(str(prompt_file)), answer_file=shlex.quote(str(answer_file)),
                workdir=shlex.quote(str(workdir)), task=shlex.quote(task.id), framework=shlex.quote(framework))
     try:
-        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=timeout, cwd=workdir)
+        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, errors="replace", timeout=timeout, cwd=workdir)
     except subprocess.TimeoutExpired:
         return {"grade": "fail", "score": 0.0, "note": "judge timed out"}
     last = _last_line(p.stdout)

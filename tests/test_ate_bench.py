@@ -350,6 +350,17 @@ def test_judge_score_line(tmp_path, line, code, score):
 
 
 @pytest.mark.fast
+def test_graders_take_output_that_is_not_utf8(tmp_path):
+    """A judge or verifier printing bytes that are not UTF-8 (an agent's file, a binary) ended the run with a UnicodeDecodeError."""
+    (tmp_path / "answer.txt").write_text("a")
+    g = grading.run_judge("printf 'bad \\xff\\n' >&2; printf 'ok \\xfe\\n'", TASKS["qa_logging"], "x", tmp_path, tmp_path / "answer.txt", 10)
+    assert g["grade"] == "pass" and g["note"] == "judge: ok \ufffd", g
+    (tmp_path / "v.py").write_text("import sys; sys.stdout.buffer.write(b'FAIL: \\xff'); sys.exit(1)")
+    g = grading.run_verifier(tmp_path / "v.py", tmp_path, tmp_path / "answer.txt", tmp_path, 30)
+    assert g["grade"] == "fail" and g["note"] == "FAIL: \ufffd", g
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("args,flag", [
     (["--framework", "pithtrain"], "--framework"),
     (["--framework", "pithtrain=/no/such/dir"], "--framework"),
