@@ -128,9 +128,13 @@ def _generic(events: list[dict]) -> Transcript:
 def parse(fmt: str, text: str) -> Transcript:
     events = _events(text)
     if fmt in ("claude-stream-json", "claude-json"):
-        return _claude(events)
-    if fmt == "codex-json":
-        return _codex(events)
-    if fmt == "generic-jsonl":
-        return _generic(events)
-    raise ValueError(f"unknown transcript format {fmt!r}; use one of {', '.join(FORMATS)}")
+        t = _claude(events)
+    elif fmt == "codex-json":
+        t = _codex(events)
+    elif fmt == "generic-jsonl":
+        t = _generic(events)
+    else:
+        raise ValueError(f"unknown transcript format {fmt!r}; use one of {', '.join(FORMATS)}")
+    # a lone surrogate ("\ud83d", half an emoji cut off) could not be written to answer.txt: the run ended there
+    t.answer = t.answer.encode("utf-8", "replace").decode()
+    return t

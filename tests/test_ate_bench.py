@@ -121,6 +121,8 @@ def test_transcript_parsers():
     assert transcripts.parse("codex-json", json.dumps({"type": "turn.failed", "error": {"message": "x"}})).is_error
     g = transcripts.parse("generic-jsonl", '{"type": "turn", "context_tokens": 7, "output_tokens": 3}\n{"type": "answer", "text": "a"}')
     assert (g.turns, g.output_tokens, g.context_tokens, g.answer) == (1, 3, [7], "a")
+    half = transcripts.parse("generic-jsonl", '{"type": "answer", "text": "cut \\ud83d"}')  # a lone surrogate: answer.txt takes it
+    assert half.answer.encode() == b"cut ?"
 
 
 @pytest.mark.fast
