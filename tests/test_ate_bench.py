@@ -123,6 +123,16 @@ def test_transcript_parsers():
     assert (g.turns, g.output_tokens, g.context_tokens, g.answer) == (1, 3, [7], "a")
     half = transcripts.parse("generic-jsonl", '{"type": "answer", "text": "cut \\ud83d"}')  # a lone surrogate: answer.txt takes it
     assert half.answer.encode() == b"cut ?"
+    odd = [{"type": "turn", "context_tokens": "abc", "output_tokens": None}, {"type": "turn", "output_tokens": 1e400},
+           {"type": "answer", "text": None}, {"type": "item.completed", "item": ["x"]},
+           {"type": "item.completed", "item": {"type": "agent_message", "text": 7}}, {"type": "turn.completed", "usage": [1]},
+           {"type": "turn.completed", "usage": {"input_tokens": "x", "output_tokens": float("nan")}},
+           {"type": "assistant", "message": "str"}, {"type": "assistant", "message": {"id": ["x"], "usage": [1]}},
+           {"type": "assistant", "message": {"id": "a", "content": [{"type": "text", "text": 5}], "usage": {"input_tokens": None}}},
+           {"type": "result", "result": {"a": 1}, "duration_ms": "5", "num_turns": "x", "usage": [1]}]
+    for fmt in transcripts.FORMATS:  # the agent's stdout, fields of other types: taken as absent, not a crash of the run
+        t = transcripts.parse(fmt, "\n".join(json.dumps(e) for e in odd) + '\n{"a": ' + "[" * 100000)
+        assert isinstance(t.answer, str) and all(isinstance(n, int) for n in [t.turns, t.output_tokens, *t.context_tokens]), t
 
 
 @pytest.mark.fast
