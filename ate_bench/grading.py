@@ -118,7 +118,8 @@ def run_judge(judge: str, task: Task, framework: str, workdir: Path, answer_file
     cmd = fill(judge, prompt_file=shlex.quote(str(prompt_file)), answer_file=shlex.quote(str(answer_file)),
                workdir=shlex.quote(str(workdir)), task=shlex.quote(task.id), framework=shlex.quote(framework))
     try:
-        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, errors="replace", timeout=timeout, cwd=workdir)
+        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
+                           cwd=workdir if workdir.is_dir() else answer_file.parent)  # the agent may have removed its workdir
     except subprocess.TimeoutExpired:
         return {"grade": "fail", "score": 0.0, "note": "judge timed out"}
     last = _last_line(p.stdout)
@@ -142,6 +143,8 @@ def grade(task: Task, keyset: str, run_dir: Path, workdir: Path, checkout: Path,
     answer_file.write_text(answer)
     if task.category == "understand" and keyset in task.keys:
         return grade_facts(answer, task.keys[keyset])
+    if not workdir.is_dir() and (keyset in task.verifier or keyset in task.acceptance):  # was a traceback ending the run
+        return {"grade": "fail", "score": 0.0, "note": "the agent removed its working directory"}
     if task.category == "operate" and keyset in task.verifier:
         return run_verifier(task.verifier[keyset], workdir, answer_file, checkout, timeout)
     if task.category == "extend" and keyset in task.acceptance:

@@ -104,12 +104,13 @@ def run_one(task: Task, framework: str, checkout: Path, keyset: str, repeat: int
     session = run_agent(agent, task.prompt_for(keyset) + FOOTER, run_dir, work, time_limit,
                         env={"ATE_TASK": task.id, "ATE_FRAMEWORK": framework, "ATE_CHECKOUT": str(checkout)})
     if session["exit_code"] == 127:  # bash: the agent's command (or one it ran) was not found; no session to record
-        stderr = (run_dir / "agent.stderr").read_text(errors="replace")
+        stderr = (run_dir / "agent.stderr").read_text(errors="replace") if (run_dir / "agent.stderr").is_file() else ""
         found = re.search(r": ([^:\n]+): (command not found|No such file or directory)", stderr)
         what = ": ".join(found.groups()) if found else f"{agent.split()[0]}: command not found"
         shutil.rmtree(run_dir, ignore_errors=True)
         raise UsageError(f"--agent: {what}; install it, or give its path (or a PATH=...) in the --agent command")
-    parsed = transcripts.parse(fmt, (run_dir / "transcript.jsonl").read_text(errors="replace"))
+    transcript = run_dir / "transcript.jsonl"  # the agent may have deleted it (it ended the whole run)
+    parsed = transcripts.parse(fmt, transcript.read_text(errors="replace") if transcript.is_file() else "")
     if shutil.which("git") and (work / ".git").is_dir():
         _git(work, "add", "-A")
         (run_dir / "changes.diff").write_text(_git(work, "diff", "--cached", "--binary"))

@@ -535,6 +535,17 @@ def test_a_missing_agent_command_stops_the_run(tmp_path, capsys):
         assert stdout == "" and not list(out.glob("*/*/r*"))  # stopped at the first agent run, which is not kept
 
 
+def test_an_agent_that_deletes_its_files_is_graded_and_the_run_goes_on(tmp_path, capsys):
+    """An agent removing its transcript or its working directory ended the whole run with FileNotFoundError."""
+    fw, out = fake_framework(tmp_path), tmp_path / "results"
+    agent = "rm -f ../transcript.jsonl ../agent.stderr; cd /; [ $ATE_TASK = qa_logging ] || rm -rf {workdir}; : {prompt}"
+    code, stdout, err = run(["run", "--framework", f"pithtrain={fw}", "--tasks", "op_memory_fit,qa_logging", "--agent", agent,
+                             "--format", "generic-jsonl", "--out", out], capsys)
+    assert code == 0, err
+    assert result(out, "pithtrain", "op_memory_fit")["note"] == "the agent removed its working directory"
+    assert result(out, "pithtrain", "qa_logging")["grade"] == "fail"
+
+
 @pytest.mark.fast
 def test_report_leaves_agent_errors_out_of_the_cost_means():
     def session(fw, status, turns, grade):
