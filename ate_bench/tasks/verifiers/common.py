@@ -19,7 +19,8 @@ def args():
 
 def answer_value(answer: str, key: str) -> str:
     """The value of the last `KEY=value` (or `KEY: value`) in the answer; FAIL when absent."""
-    found = re.findall(rf"{key}\s*[=:]\s*`?([^\s`,;]+)", answer)
+    # Markdown around it (**SAME=yes**, SAME: **yes**, `X=1`) or quotes were part of the value: a right answer failed
+    found = re.findall(rf"(?<![A-Za-z0-9_]){key}[*_`]*\s*[=:]\s*[*_`\"']*([^\s`*\"',;]+)", answer)
     if not found:
         fail(f"the answer has no {key}=<value>")
     return found[-1].rstrip(".")
