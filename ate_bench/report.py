@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -37,6 +38,8 @@ def load_results(out: Path) -> list[dict]:
     ValueError naming it."""
     results = []
     for path in sorted(out.glob("*/*/r*/result.json")):
+        if not re.fullmatch(r"r\d+", path.parent.name):  # a copy kept by hand (r0.old, r0-backup) counted twice
+            continue
         try:
             result = json.loads(path.read_text())
         except (ValueError, UnicodeDecodeError) as e:

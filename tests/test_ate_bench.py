@@ -442,6 +442,8 @@ def test_readme_run_with_out_inside_the_checkout_blank_tasks_and_a_bad_result(tm
         code, _, err = run(["report", results], capsys)
         assert code == 2 and err.count("\n") == 1 and str(path) in err and "Traceback" not in err, err
     path.write_text(good)
+    shutil.copytree(path.parent, path.parent.with_name("r0.old"), ignore=shutil.ignore_patterns("work"))  # a copy kept by hand
+    assert len(report.load_results(results)) == 1
     for bad in ("{bad", "[1]", '{"frameworks": [1]}'):  # a hand-edited ate_bench.json: one line, for report and run
         (results / "ate_bench.json").write_text(bad)
         for args in (["report", results], [*base, "--tasks", "qa_logging", "--out", results]):
