@@ -164,3 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, OSError) as e:  # OSError: a directory or file that could not be written or read
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C was a traceback; the agent's process group is already ended (runner.run_agent)
+        where = (f"; the sessions finished so far are in {args.out} (`python -m ate_bench report {args.out}`), "
+                 "the unfinished one has no result.json") if args.command == "run" else ""
+        print(f"error: interrupted{where}", file=sys.stderr)
+        return 130

@@ -551,6 +551,17 @@ def test_an_agent_that_deletes_its_files_is_graded_and_the_run_goes_on(tmp_path,
 
 
 @pytest.mark.fast
+def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("ate_bench.runner.run_one", interrupted)
+    code, _, err = run(["run", "--framework", f"pithtrain={fake_framework(tmp_path)}", "--tasks", "qa_logging", "--agent",
+                        "x {prompt}", "--format", "generic-jsonl", "--out", tmp_path / "o"], capsys)
+    assert code == 130 and err.count("\n") == 1 and err.startswith("error: interrupted; the sessions finished so far"), err
+
+
+@pytest.mark.fast
 def test_report_leaves_agent_errors_out_of_the_cost_means():
     def session(fw, status, turns, grade):
         return {"task": "qa_x", "category": "understand", "framework": fw, "repeat": 0, "status": status, "grade": grade,
