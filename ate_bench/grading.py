@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -80,12 +81,29 @@ def _env(pythonpath: Path) -> dict:
     return env
 
 
+def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own: at the timeout its whole process group ends. subprocess.run killed the
+    grader alone, and what it started (a verifier's training rerun) went on beside the next sessions, costing their time."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                          errors="replace", start_new_session=True, **kwargs) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except BaseException:  # the timeout, or Ctrl-C
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def run_verifier(script: Path, workdir: Path, answer_file: Path, checkout: Path, timeout: float) -> dict:
     """The verifier checks the artifacts the agent left in `workdir` and the numbers in its answer,
     rerunning with the unmodified `checkout` where it needs to; exit 0 passes."""
     cmd = [sys.executable, str(script), "--workdir", str(workdir), "--answer", str(answer_file), "--checkout", str(checkout)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout, cwd=workdir, env=_env(checkout))
+        p = _run(cmd, timeout, cwd=workdir, env=_env(checkout))
     except subprocess.TimeoutExpired:
         return {"grade": "fail", "score": 0.0, "note": f"verifier timed out after {timeout:.0f} s"}
     note = _last_line(p.stdout) or _last_line(p.stderr)
@@ -103,7 +121,7 @@ def run_acceptance(test_file: Path, workdir: Path, grade_dir: Path, timeout: flo
     shutil.copy(test_file, dest)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--rootdir", str(dest.parent), str(dest)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout, cwd=grade_dir, env=_env(grade_dir))
+        p = _run(cmd, timeout, cwd=grade_dir, env=_env(grade_dir))
     except subprocess.TimeoutExpired:
         return {"grade": "fail", "score": 0.0, "note": f"acceptance test timed out after {timeout:.0f} s"}
     (grade_dir.parent / "acceptance.log").write_text(p.stdout + p.stderr)
@@ -118,8 +136,8 @@ def run_judge(judge: str, task: Task, framework: str, workdir: Path, answer_file
     cmd = fill(judge, prompt_file=shlex.quote(str(prompt_file)), answer_file=shlex.quote(str(answer_file)),
                workdir=shlex.quote(str(workdir)), task=shlex.quote(task.id), framework=shlex.quote(framework))
     try:
-        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, errors="replace", timeout=timeout,
-                           cwd=workdir if workdir.is_dir() else answer_file.parent)  # the agent may have removed its workdir
+        # the agent may have removed its workdir
+        p = _run(["bash", "-c", cmd], timeout, cwd=workdir if workdir.is_dir() else answer_file.parent)
     except subprocess.TimeoutExpired:
         return {"grade": "fail", "score": 0.0, "note": "judge timed out"}
     last = _last_line(p.stdout)

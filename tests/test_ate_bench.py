@@ -364,6 +364,17 @@ def test_judge_score_line(tmp_path, line, code, score):
 
 
 @pytest.mark.fast
+def test_a_grader_past_its_timeout_ends_with_what_it_started(tmp_path):
+    """Only the judge/verifier itself was killed: a training rerun it started went on beside the next sessions."""
+    (tmp_path / "answer.txt").write_text("a")
+    g = grading.run_judge(f"sleep 30 & echo $! > {tmp_path}/pid; wait", TASKS["qa_logging"], "x", tmp_path, tmp_path / "answer.txt", 1)
+    assert g == {"grade": "fail", "score": 0.0, "note": "judge timed out"}
+    pid = int((tmp_path / "pid").read_text())
+    time.sleep(0.2)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.fast
 def test_graders_take_output_that_is_not_utf8(tmp_path):
     """A judge or verifier printing bytes that are not UTF-8 (an agent's file, a binary) ended the run with a UnicodeDecodeError."""
     (tmp_path / "answer.txt").write_text("a")
