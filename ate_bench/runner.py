@@ -75,6 +75,10 @@ def run_agent(template: str, prompt: str, run_dir: Path, work: Path, time_limit:
             try:
                 rc = proc.wait(timeout=time_limit)
                 status = "ok" if rc == 0 else "agent_error"
+                try:  # what the agent left running (a background training) went on through grading and the next sessions
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 rc, status = None, "timeout"
