@@ -81,9 +81,14 @@ def cmd_run(args) -> int:
             raise UsageError(f"--keys {name}={keyset}: no task has keys for {keyset}; use one of {', '.join(sorted(keysets_known))}")
     earlier = [f"{name}/{t.id}/r{k}" for t in tasks for name in frameworks for k in range(args.repeats)
                if (out / name / t.id / f"r{k}").exists()]
-    if earlier and not args.overwrite:
+    if args.resume and args.overwrite:
+        raise UsageError("--resume keeps the finished sessions, --overwrite replaces them: pass one of them")
+    # --resume: after Ctrl-C, or for more --repeats; without it the only way on was --overwrite, losing the finished ones
+    finished = {s for s in earlier if (out / s / "result.json").is_file()} if args.resume else set()
+    if earlier and not args.overwrite and not args.resume:
         raise UsageError(f"--out {out}: already holds {len(earlier)} of these sessions ({', '.join(earlier[:3])}"
-                         f"{', ...' if len(earlier) > 3 else ''}); pass --overwrite to replace them, or choose another --out")
+                         f"{', ...' if len(earlier) > 3 else ''}); pass --resume to keep the finished ones and run the rest, "
+                         "--overwrite to replace them, or choose another --out")
     from ate_bench.report import manifest_frameworks
 
     known = manifest_frameworks(out) if out.is_dir() else []
@@ -94,6 +99,8 @@ def cmd_run(args) -> int:
     for task in tasks:
         for name, path in frameworks.items():
             for k in range(args.repeats):
+                if f"{name}/{task.id}/r{k}" in finished:
+                    continue
                 r = run_one(task, name, Path(path).resolve(), keysets.get(name, name), k, out.resolve(), args.agent,
                             args.format, args.time_limit, args.grade_timeout, args.judge)
                 if r.get("not_copied") and name not in noted:
@@ -148,6 +155,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, help="results directory (new, or an earlier ATE-Bench one)")
     r.add_argument("--overwrite", action="store_true", help="replace sessions --out already holds for these tasks, "
                    "frameworks and repeats (refused without it)")
+    r.add_argument("--resume", action="store_true", help="keep the sessions --out already finished (those with a "
+                   "result.json) and run the rest: an interrupted run, or more --repeats (an unfinished session is replaced)")
     r.set_defaults(func=cmd_run)
     rep = sub.add_parser("report", help="report.md and report.png of a results directory")
     rep.add_argument("dir")
@@ -166,6 +175,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C was a traceback; the agent's process group is already ended (runner.run_agent)
         where = (f"; the sessions finished so far are in {args.out} (`python -m ate_bench report {args.out}`), "
-                 "the unfinished one has no result.json") if args.command == "run" else ""
+                 "the same command with --resume goes on") if args.command == "run" else ""
         print(f"error: interrupted{where}", file=sys.stderr)
         return 130

@@ -518,8 +518,14 @@ def test_special_files_are_left_out_and_earlier_sessions_kept(tmp_path, capsys):
     assert result(out, "pithtrain", "qa_device_mesh")["not_copied"] == ["src/pipe"]
     (session / "mine.txt").write_text("notes")
     code, _, err = run(args + ["--repeats", "2"], capsys)
-    assert code == 2 and err.count("\n") == 1 and "pithtrain/qa_device_mesh/r0); pass --overwrite" in err, err
+    assert code == 2 and err.count("\n") == 1 and "pithtrain/qa_device_mesh/r0); pass --resume" in err, err
     assert (session / "mine.txt").exists() and not (session.parent / "r1").exists()
+    shutil.copytree(session, session.parent / "r1")  # r1 as Ctrl-C leaves it: no result.json
+    (session.parent / "r1" / "result.json").unlink()
+    code, stdout, _ = run(args + ["--repeats", "3", "--resume"], capsys)  # more repeats: r0 is kept, r1 redone, r2 run
+    assert code == 0 and (session / "mine.txt").exists() and " r0 " not in stdout and " r1 " in stdout and " r2 " in stdout, stdout
+    assert result(out, "pithtrain", "qa_device_mesh", 1)["grade"] == "pass"
+    assert run(args + ["--resume", "--overwrite"], capsys)[0] == 2
     code, _, _ = run(args + ["--overwrite"], capsys)
     assert code == 0 and not (session / "mine.txt").exists() and result(out, "pithtrain", "qa_device_mesh")["grade"] == "pass"
 
