@@ -328,6 +328,7 @@ def test_two_meshes_verifier(tmp_path):
     assert verdict("**SAME=yes**, **MAX_REL_DIFF**: `2e-6`.")["grade"] == "pass"  # Markdown was read as part of the value
     assert verdict('SAME: "yes"\nNOT_SAME=no\nMAX_REL_DIFF=**2.0e-06**')["grade"] == "pass"
     assert verdict("SAME=yes MAX_REL_DIFF=0.01")["grade"] == "fail"  # a number not read from the runs
+    assert verdict("SAME=yes MAX_REL_DIFF=nan")["grade"] == "fail"  # passed: nan > tolerance is False
     assert verdict("SAME=no MAX_REL_DIFF=2e-6")["grade"] == "fail"
     write_run(work / "ate_out" / "mesh_c", b, {"ep": 1}, 1)
     shutil.rmtree(work / "ate_out" / "mesh_b")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -29,9 +30,12 @@ def answer_value(answer: str, key: str) -> str:
 def answer_number(answer: str, key: str) -> float:
     text = answer_value(answer, key)
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         fail(f"{key}={text} is not a number")
+    if not math.isfinite(value):  # nan passed the checks written as `if abs(claimed - x) > tol: fail(...)`
+        fail(f"{key}={text} is not a finite number")
+    return value
 
 
 def losses(run_dir: Path) -> dict[int, float]:
