@@ -32,6 +32,12 @@ def _check_template(template: str, flag: str, known: tuple[str, ...]) -> None:
     if unknown:
         raise UsageError(f"{flag}: unknown placeholder {', '.join('{%s}' % u for u in unknown)}; the known ones are "
                          f"{', '.join('{%s}' % k for k in known)} (write shell variables as $VAR or ${{VAR}})")
+    # a value is filled in shell-quoted: in quotes of the user's, '{prompt}' came out unquoted (its lines run as
+    # commands, "metrics,: command not found") and "{prompt}" ran its backticks and $(...)
+    quoted = sorted({m.group(2) for m in re.finditer(r"""(['"])\{(\w+)\}\1""", template) if m.group(2) in known})
+    if quoted:
+        raise UsageError(f"{flag}: {', '.join('{%s}' % q for q in quoted)} is in quotes; write it bare, e.g. claude -p "
+                         "{prompt} (it is filled in shell-quoted)")
 
 
 def cmd_run(args) -> int:

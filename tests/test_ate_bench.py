@@ -408,6 +408,9 @@ def test_graders_take_output_that_is_not_utf8(tmp_path):
     (["--framework", "pithtrain=.", "--agent", "x {prompt} ${HOME} {HOME} {0}"], "unknown placeholder {0}, {HOME};"),
     (["--framework", "pithtrain=.", "--agent", "x ${prompt}"], "--agent: the command must contain {prompt}"),
     (["--framework", "pithtrain=.", "--judge", "j {answer}"], "--judge: unknown placeholder {answer}"),
+    (["--framework", "pithtrain=.", "--agent", "claude -p '{prompt}'"], "--agent: {prompt} is in quotes; write it bare"),
+    (["--framework", "pithtrain=.", "--agent", 'claude -p "{prompt}"'], "--agent: {prompt} is in quotes; write it bare"),
+    (["--framework", "pithtrain=.", "--judge", "j '{answer_file}' {task}"], "--judge: {answer_file} is in quotes"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, capsys, args, flag):
     base = {"--agent": "x {prompt}", "--format": "generic-jsonl", "--out": str(tmp_path / "o")}
