@@ -402,6 +402,7 @@ def test_graders_take_output_that_is_not_utf8(tmp_path):
     (["--framework", "fork=.", "--keys", "fork=pithtrian"], "--keys fork=pithtrian: no task has keys for pithtrian"),
     (["--framework", "pithtrain=.", "--time-limit", "nan"], "--time-limit nan: must be"),  # waited for ever
     (["--framework", "pithtrain=.", "--grade-timeout", "-1"], "--grade-timeout -1: must be"),  # every grade failed
+    (["--framework", "pithtrain=.", "--grade-timeout", "1e7"], "--grade-timeout 1e+07: must be"),  # OverflowError at grading
     (["--framework", "pithtrain=.", "--repeats", "0"], "--repeats 0: must be"),  # was OUT/../<task>/r0: outside --out
     (["--framework", "a/b=."], "--framework a/b=.: the name must be"),  # no .git, pyproject.toml, setup.py
     (["--framework", "pithtrain=.", "--agent", "x {prompt_files}"], "--agent: unknown placeholder {prompt_files}; the known"),
