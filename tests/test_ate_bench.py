@@ -562,15 +562,18 @@ def test_a_missing_agent_command_stops_the_run(tmp_path, capsys):
 
 
 def test_an_agent_that_deletes_its_files_is_graded_and_the_run_goes_on(tmp_path, capsys):
-    """An agent removing its transcript or its working directory ended the whole run with FileNotFoundError."""
+    """An agent removing its transcript or its working directory ended the whole run with FileNotFoundError; one
+    committing its work left an empty changes.diff."""
     fw, out = fake_framework(tmp_path), tmp_path / "results"
-    agent = ("sleep 30 & echo $! > ../../left.pid; rm -f ../transcript.jsonl ../agent.stderr; cd /; "
+    agent = ("sleep 30 & echo $! > ../../left.pid; echo y > src/new.py; git add -A; git -c user.name=a -c user.email=a@b "
+             "commit -qm mine; rm -f ../transcript.jsonl ../agent.stderr; cd /; "
              "[ $ATE_TASK = qa_logging ] || rm -rf {workdir}; : {prompt}")
     code, stdout, err = run(["run", "--framework", f"pithtrain={fw}", "--tasks", "op_memory_fit,qa_logging", "--agent", agent,
                              "--format", "generic-jsonl", "--out", out], capsys)
     assert code == 0, err
     assert result(out, "pithtrain", "op_memory_fit")["note"] == "the agent removed its working directory"
     assert result(out, "pithtrain", "qa_logging")["grade"] == "fail"
+    assert "+++ b/src/new.py" in (out / "pithtrain" / "qa_logging" / "r0" / "changes.diff").read_text()  # committed by the agent
     time.sleep(0.2)
     for pid in (int(p.read_text()) for p in out.glob("pithtrain/*/left.pid")):  # what the agent left running ends with it
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
