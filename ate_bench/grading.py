@@ -113,7 +113,9 @@ def run_verifier(script: Path, workdir: Path, answer_file: Path, checkout: Path,
 def run_acceptance(test_file: Path, workdir: Path, grade_dir: Path, timeout: float) -> dict:
     """Copy the agent's final checkout to `grade_dir` (the agent's directory stays as it left it),
     drop the acceptance test in and run it there; it passes when pytest passes."""
-    if grade_dir.exists():
+    if grade_dir.is_symlink() or grade_dir.is_file():  # made by the agent: rmtree refused a link and ended the run
+        grade_dir.unlink()
+    elif grade_dir.exists():
         shutil.rmtree(grade_dir)
     copy_tree(workdir, grade_dir)
     dest = grade_dir / "ate_acceptance" / test_file.name

@@ -364,6 +364,18 @@ def test_judge_score_line(tmp_path, line, code, score):
     assert g["grade"] == ("pass" if code == 0 else "fail") and g["score"] == score, g
 
 
+def test_acceptance_replaces_a_grade_link_the_agent_made(tmp_path):
+    """An agent's ../grade symlink ended the run ("Cannot call rmtree on a symbolic link"); what it points to is kept."""
+    work, mine, test = tmp_path / "r0" / "work", tmp_path / "mine", tmp_path / "test_ok.py"
+    (work / "src").mkdir(parents=True)
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    test.write_text("def test_ok():\n    pass\n")
+    (tmp_path / "r0" / "grade").symlink_to(mine)
+    g = grading.run_acceptance(test, work, tmp_path / "r0" / "grade", 120)
+    assert g["grade"] == "pass" and (mine / "notes.txt").read_text() == "keep" and list(mine.iterdir()) == [mine / "notes.txt"], g
+
+
 @pytest.mark.fast
 def test_a_grader_past_its_timeout_ends_with_what_it_started(tmp_path):
     """Only the judge/verifier itself was killed: a training rerun it started went on beside the next sessions."""
