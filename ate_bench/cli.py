@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -30,6 +31,12 @@ def _check_template(template: str, flag: str, known: tuple[str, ...]) -> None:
     if unknown:
         raise UsageError(f"{flag}: unknown placeholder {', '.join('{%s}' % u for u in unknown)}; the known ones are "
                          f"{', '.join('{%s}' % k for k in known)} (write shell variables as $VAR or ${{VAR}})")
+    # a value is filled in shell-quoted: in quotes of the user's, '{prompt}' came out unquoted (its lines run as
+    # commands, "metrics,: command not found") and "{prompt}" ran its backticks and $(...)
+    quoted = sorted({m.group(2) for m in re.finditer(r"""(['"])\{(\w+)\}\1""", template) if m.group(2) in known})
+    if quoted:
+        raise UsageError(f"{flag}: {', '.join('{%s}' % q for q in quoted)} is in quotes; write it bare, e.g. claude -p "
+                         "{prompt} (it is filled in shell-quoted)")
 
 
 def cmd_run(args) -> int:
@@ -39,6 +46,10 @@ def cmd_run(args) -> int:
     if not frameworks:
         raise UsageError("--framework: give at least one, e.g. --framework pithtrain=/path/to/PithTrain")
     for name, path in frameworks.items():
+        # the name is a directory of --out (OUT/<name>/<task>/r<k>, removed by --overwrite): a path in it would land elsewhere
+        if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", name):
+            raise UsageError(f"--framework {name}={path}: the name must be letters, digits, _ . + - (it names a directory "
+                             "of --out), e.g. --framework pithtrain=/path/to/PithTrain")
         if not Path(path).is_dir():
             raise UsageError(f"--framework {name}={path}: no such directory; give the framework's checkout")
         if not any((Path(path) / m).exists() for m in CHECKOUT_MARKERS):
@@ -54,8 +65,12 @@ def cmd_run(args) -> int:
                          "--agent \"claude -p {prompt} --output-format stream-json --verbose\"")
     if args.judge:
         _check_template(args.judge, "--judge", grading.JUDGE_FIELDS)
-    if args.repeats < 1 or args.time_limit <= 0:
-        raise UsageError("--repeats must be >= 1 and --time-limit > 0 (seconds)")
+    if args.repeats < 1:
+        raise UsageError(f"--repeats {args.repeats}: must be >= 1")
+    for flag, value in (("--time-limit", args.time_limit), ("--grade-timeout", args.grade_timeout)):
+        # nan waited forever, a negative grade timeout failed every grade, past ~2e6 s select() overflowed mid-run
+        if not 0 < value <= 1e6:
+            raise UsageError(f"{flag} {value:g}: must be a number of seconds in (0, 1e6], e.g. {flag} 1800")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {out}: is a file; give a directory")
@@ -66,19 +81,32 @@ def cmd_run(args) -> int:
         raise UsageError(f"--tasks {' '.join(map(repr, args.tasks))}: names no task; give task ids or categories "
                          "(see `python -m ate_bench list`), or leave --tasks out for all")
     tasks = load_tasks(select)
+    keysets_known = {fw for t in load_tasks() for fw in (*t.keys, *t.verifier, *t.acceptance)}
+    for name, keyset in keysets.items():
+        if keyset not in keysets_known:  # a typo graded every session "ungraded", silently
+            raise UsageError(f"--keys {name}={keyset}: no task has keys for {keyset}; use one of {', '.join(sorted(keysets_known))}")
     earlier = [f"{name}/{t.id}/r{k}" for t in tasks for name in frameworks for k in range(args.repeats)
                if (out / name / t.id / f"r{k}").exists()]
-    if earlier and not args.overwrite:
+    if args.resume and args.overwrite:
+        raise UsageError("--resume keeps the finished sessions, --overwrite replaces them: pass one of them")
+    # --resume: after Ctrl-C, or for more --repeats; without it the only way on was --overwrite, losing the finished ones
+    finished = {s for s in earlier if (out / s / "result.json").is_file()} if args.resume else set()
+    if earlier and not args.overwrite and not args.resume:
         raise UsageError(f"--out {out}: already holds {len(earlier)} of these sessions ({', '.join(earlier[:3])}"
-                         f"{', ...' if len(earlier) > 3 else ''}); pass --overwrite to replace them, or choose another --out")
+                         f"{', ...' if len(earlier) > 3 else ''}); pass --resume to keep the finished ones and run the rest, "
+                         "--overwrite to replace them, or choose another --out")
+    from ate_bench.report import manifest_frameworks
+
+    known = manifest_frameworks(out) if out.is_dir() else []
     out.mkdir(parents=True, exist_ok=True)
     manifest = out / "ate_bench.json"  # marks the directory; the frameworks in the order first run (the report's)
-    known = json.loads(manifest.read_text()).get("frameworks", []) if manifest.exists() else []
     manifest.write_text(json.dumps({"kind": "ate-bench results", "frameworks": known + [f for f in frameworks if f not in known]}) + "\n")
     noted = set()
     for task in tasks:
         for name, path in frameworks.items():
             for k in range(args.repeats):
+                if f"{name}/{task.id}/r{k}" in finished:
+                    continue
                 r = run_one(task, name, Path(path).resolve(), keysets.get(name, name), k, out.resolve(), args.agent,
                             args.format, args.time_limit, args.grade_timeout, args.judge)
                 if r.get("not_copied") and name not in noted:
@@ -133,6 +161,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--out", required=True, help="results directory (new, or an earlier ATE-Bench one)")
     r.add_argument("--overwrite", action="store_true", help="replace sessions --out already holds for these tasks, "
                    "frameworks and repeats (refused without it)")
+    r.add_argument("--resume", action="store_true", help="keep the sessions --out already finished (those with a "
+                   "result.json) and run the rest: an interrupted run, or more --repeats (an unfinished session is replaced)")
     r.set_defaults(func=cmd_run)
     rep = sub.add_parser("report", help="report.md and report.png of a results directory")
     rep.add_argument("dir")
@@ -149,3 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, OSError) as e:  # OSError: a directory or file that could not be written or read
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C was a traceback; the agent's process group is already ended (runner.run_agent)
+        where = (f"; the sessions finished so far are in {args.out} (`python -m ate_bench report {args.out}`), "
+                 "the same command with --resume goes on") if args.command == "run" else ""
+        print(f"error: interrupted{where}", file=sys.stderr)
+        return 130

@@ -12,6 +12,7 @@ import os
 import re
 import shlex
 import shutil
+import signal
 import stat
 import subprocess
 import sys
@@ -80,12 +81,29 @@ def _env(pythonpath: Path) -> dict:
     return env
 
 
+def _run(cmd: list[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run in a session of its own: at the timeout its whole process group ends. subprocess.run killed the
+    grader alone, and what it started (a verifier's training rerun) went on beside the next sessions, costing their time."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+                          errors="replace", start_new_session=True, **kwargs) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except BaseException:  # the timeout, or Ctrl-C
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+            raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
+
+
 def run_verifier(script: Path, workdir: Path, answer_file: Path, checkout: Path, timeout: float) -> dict:
     """The verifier checks the artifacts the agent left in `workdir` and the numbers in its answer,
     rerunning with the unmodified `checkout` where it needs to; exit 0 passes."""
     cmd = [sys.executable, str(script), "--workdir", str(workdir), "--answer", str(answer_file), "--checkout", str(checkout)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=workdir, env=_env(checkout))
+        p = _run(cmd, timeout, cwd=workdir, env=_env(checkout))
     except subprocess.TimeoutExpired:
         return {"grade": "fail", "score": 0.0, "note": f"verifier timed out after {timeout:.0f} s"}
     note = _last_line(p.stdout) or _last_line(p.stderr)
@@ -95,7 +113,9 @@ def run_verifier(script: Path, workdir: Path, answer_file: Path, checkout: Path,
 def run_acceptance(test_file: Path, workdir: Path, grade_dir: Path, timeout: float) -> dict:
     """Copy the agent's final checkout to `grade_dir` (the agent's directory stays as it left it),
     drop the acceptance test in and run it there; it passes when pytest passes."""
-    if grade_dir.exists():
+    if grade_dir.is_symlink() or grade_dir.is_file():  # made by the agent: rmtree refused a link and ended the run
+        grade_dir.unlink()
+    elif grade_dir.exists():
         shutil.rmtree(grade_dir)
     copy_tree(workdir, grade_dir)
     dest = grade_dir / "ate_acceptance" / test_file.name
@@ -103,7 +123,7 @@ def run_acceptance(test_file: Path, workdir: Path, grade_dir: Path, timeout: flo
     shutil.copy(test_file, dest)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--rootdir", str(dest.parent), str(dest)]
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=grade_dir, env=_env(grade_dir))
+        p = _run(cmd, timeout, cwd=grade_dir, env=_env(grade_dir))
     except subprocess.TimeoutExpired:
         return {"grade": "fail", "score": 0.0, "note": f"acceptance test timed out after {timeout:.0f} s"}
     (grade_dir.parent / "acceptance.log").write_text(p.stdout + p.stderr)
@@ -113,18 +133,28 @@ def run_acceptance(test_file: Path, workdir: Path, grade_dir: Path, timeout: flo
 
 def run_judge(judge: str, task: Task, framework: str, workdir: Path, answer_file: Path, timeout: float) -> dict:
     """`--judge "CMD {prompt_file} {answer_file} {workdir} {task} {framework}"`: exit 0 passes;
-    a last stdout line `score=<0..1>` is recorded."""
+    a last stdout line `score=<0..1>` is recorded (anything else there: the exit code scores it, 1 or 0)."""
     prompt_file = answer_file.parent / "prompt.txt"
     cmd = fill(judge, prompt_file=shlex.quote(str(prompt_file)), answer_file=shlex.quote(str(answer_file)),
                workdir=shlex.quote(str(workdir)), task=shlex.quote(task.id), framework=shlex.quote(framework))
     try:
-        p = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=timeout, cwd=workdir)
+        # the agent may have removed its workdir
+        p = _run(["bash", "-c", cmd], timeout, cwd=workdir if workdir.is_dir() else answer_file.parent)
     except subprocess.TimeoutExpired:
         return {"grade": "fail", "score": 0.0, "note": "judge timed out"}
     last = _last_line(p.stdout)
-    m = re.match(r"score\s*=\s*([0-9.]+)", last)
-    score = float(m.group(1)) if m else (1.0 if p.returncode == 0 else 0.0)
-    return {"grade": "pass" if p.returncode == 0 else "fail", "score": score, "note": "judge: " + last}
+    score, note = (1.0 if p.returncode == 0 else 0.0), "judge: " + last
+    m = re.match(r"score\s*=\s*(\S*)", last)
+    if m:  # "score=1.2.3" was a ValueError that ended the run; 5e-1 was read as 5, 7 and nan kept as scores
+        try:
+            value = float(m.group(1))
+        except ValueError:
+            value = None
+        if value is not None and 0 <= value <= 1:
+            score = value
+        else:
+            note += f" (not a score in 0..1; scored by the exit code, {score:g})"
+    return {"grade": "pass" if p.returncode == 0 else "fail", "score": score, "note": note}
 
 
 def grade(task: Task, keyset: str, run_dir: Path, workdir: Path, checkout: Path, answer: str,
@@ -133,6 +163,8 @@ def grade(task: Task, keyset: str, run_dir: Path, workdir: Path, checkout: Path,
     answer_file.write_text(answer)
     if task.category == "understand" and keyset in task.keys:
         return grade_facts(answer, task.keys[keyset])
+    if not workdir.is_dir() and (keyset in task.verifier or keyset in task.acceptance):  # was a traceback ending the run
+        return {"grade": "fail", "score": 0.0, "note": "the agent removed its working directory"}
     if task.category == "operate" and keyset in task.verifier:
         return run_verifier(task.verifier[keyset], workdir, answer_file, checkout, timeout)
     if task.category == "extend" and keyset in task.acceptance:

@@ -5,10 +5,12 @@ each task's grades; written as report.md (Markdown) and report.png (bar charts).
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections import defaultdict
 from pathlib import Path
 
-from ate_bench.tasks import CATEGORIES
+from ate_bench.tasks import CATEGORIES, UsageError
 
 METRICS = (  # (result key, column title): the cost of a session, lower is cheaper
     ("turns", "turns"),
@@ -19,7 +21,16 @@ METRICS = (  # (result key, column title): the cost of a session, lower is cheap
 )
 
 
+GRADES = ("pass", "fail", "ungraded")
+STATUSES = ("ok", "agent_error", "timeout")
 REQUIRED = ("task", "category", "framework", "repeat", "status", "grade") + tuple(m for m, _ in METRICS)
+
+
+def _finite(x) -> bool:
+    try:
+        return isinstance(x, (int, float)) and math.isfinite(x)
+    except OverflowError:  # an int past float's range
+        return False
 
 
 def load_results(out: Path) -> list[dict]:
@@ -27,12 +38,19 @@ def load_results(out: Path) -> list[dict]:
     ValueError naming it."""
     results = []
     for path in sorted(out.glob("*/*/r*/result.json")):
+        if not re.fullmatch(r"r\d+", path.parent.name):  # a copy kept by hand (r0.old, r0-backup) counted twice
+            continue
         try:
             result = json.loads(path.read_text())
         except (ValueError, UnicodeDecodeError) as e:
             raise ValueError(f"{path} is not valid JSON ({e}); rerun that session or move it away") from None
         missing = [k for k in REQUIRED if not isinstance(result, dict) or k not in result]
-        missing += [m for m, _ in METRICS if m not in missing and not isinstance(result[m], (int, float))]
+        # a hand-edited field of the wrong type (a null grade, a list as framework, 1e400 turns) crashed the report
+        missing += [m for m, _ in METRICS if m not in missing and not _finite(result[m])]
+        missing += [k for k in ("task", "framework", "status", "grade") if k not in missing and not isinstance(result[k], str)]
+        missing += [k for k, ok in (("grade", GRADES), ("status", STATUSES)) if k not in missing and result[k] not in ok]
+        if "repeat" not in missing and not isinstance(result["repeat"], int):
+            missing.append("repeat")
         if missing or result["category"] not in CATEGORIES:
             raise ValueError(f"{path} is not a result of `ate_bench run` (missing or bad: {', '.join(missing) or 'category'}); "
                              "rerun that session or move it away")
@@ -67,10 +85,26 @@ def summarize(results: list[dict]) -> dict:
     return summary
 
 
+def manifest_frameworks(out: Path) -> list[str]:
+    """The frameworks of OUT/ate_bench.json in the order first run ([] without one); a damaged one is a
+    UsageError naming it (it was a JSONDecodeError/AttributeError traceback)."""
+    path = out / "ate_bench.json"
+    if not path.exists():
+        return []
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        data = None
+    names = data.get("frameworks") if isinstance(data, dict) else None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise UsageError(f'{path}: not an ATE-Bench manifest; write {{"frameworks": ["NAME", ...]}} into it '
+                         "(the frameworks in the report's order)")
+    return names
+
+
 def framework_order(results: list[dict], out: Path | None = None) -> list[str]:
     """The order the frameworks were first run in (ate_bench.json), then any others."""
-    manifest = out / "ate_bench.json" if out else None
-    first = json.loads(manifest.read_text()).get("frameworks", []) if manifest and manifest.exists() else []
+    first = manifest_frameworks(out) if out else []
     present = {r["framework"] for r in results}
     return [f for f in first if f in present] + sorted(present - set(first))
 

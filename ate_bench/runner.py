@@ -75,6 +75,10 @@ def run_agent(template: str, prompt: str, run_dir: Path, work: Path, time_limit:
             try:
                 rc = proc.wait(timeout=time_limit)
                 status = "ok" if rc == 0 else "agent_error"
+                try:  # what the agent left running (a background training) went on through grading and the next sessions
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 rc, status = None, "timeout"
@@ -101,18 +105,21 @@ def run_one(task: Task, framework: str, checkout: Path, keyset: str, repeat: int
         errors = e.args[0]  # (src, dst, why) per file
         raise UsageError(f"--framework {framework}={checkout}: cannot copy {errors[0][0]} ({errors[0][2]})"
                          + (f" and {len(errors) - 1} more" if len(errors) > 1 else "") + "; fix it or move it out of the checkout") from None
+    start = _git(work, "rev-parse", "HEAD").strip() if shutil.which("git") else ""
     session = run_agent(agent, task.prompt_for(keyset) + FOOTER, run_dir, work, time_limit,
                         env={"ATE_TASK": task.id, "ATE_FRAMEWORK": framework, "ATE_CHECKOUT": str(checkout)})
     if session["exit_code"] == 127:  # bash: the agent's command (or one it ran) was not found; no session to record
-        stderr = (run_dir / "agent.stderr").read_text(errors="replace")
+        stderr = (run_dir / "agent.stderr").read_text(errors="replace") if (run_dir / "agent.stderr").is_file() else ""
         found = re.search(r": ([^:\n]+): (command not found|No such file or directory)", stderr)
         what = ": ".join(found.groups()) if found else f"{agent.split()[0]}: command not found"
         shutil.rmtree(run_dir, ignore_errors=True)
         raise UsageError(f"--agent: {what}; install it, or give its path (or a PATH=...) in the --agent command")
-    parsed = transcripts.parse(fmt, (run_dir / "transcript.jsonl").read_text(errors="replace"))
+    transcript = run_dir / "transcript.jsonl"  # the agent may have deleted it (it ended the whole run)
+    parsed = transcripts.parse(fmt, transcript.read_text(errors="replace") if transcript.is_file() else "")
     if shutil.which("git") and (work / ".git").is_dir():
         _git(work, "add", "-A")
-        (run_dir / "changes.diff").write_text(_git(work, "diff", "--cached", "--binary"))
+        # against the starting commit: an agent that committed its work left an empty diff against HEAD
+        (run_dir / "changes.diff").write_text(_git(work, "diff", "--cached", "--binary", *([start] if start else [])))
     result = {"task": task.id, "category": task.category, "framework": framework, "keyset": keyset, "repeat": repeat,
               "format": fmt, **session, **asdict(parsed),
               "mean_context_tokens": round(sum(parsed.context_tokens) / len(parsed.context_tokens)) if parsed.context_tokens else 0,

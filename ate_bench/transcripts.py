@@ -24,6 +24,7 @@ Formats (the `--format` flag):
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 
 FORMATS = ("claude-stream-json", "claude-json", "codex-json", "generic-jsonl")
@@ -46,7 +47,7 @@ def _events(text: str) -> list[dict]:
     if stripped.startswith("["):
         try:
             return [e for e in json.loads(stripped) if isinstance(e, dict)]
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # RecursionError: nesting deeper than the parser goes
             pass
     events = []
     for line in text.splitlines():
@@ -54,9 +55,23 @@ def _events(text: str) -> list[dict]:
         if line.startswith("{"):
             try:
                 events.append(json.loads(line))
-            except json.JSONDecodeError:
+            except (json.JSONDecodeError, RecursionError):
                 continue
     return events
+
+
+# The transcript is the agent's stdout: a field of another type (null, a string, a list, NaN) is taken as absent,
+# where it used to end the whole run with a TypeError/ValueError.
+def _num(v) -> int:
+    return int(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else 0
+
+
+def _text(v) -> str:
+    return v if isinstance(v, str) else ""
+
+
+def _obj(v) -> dict:
+    return v if isinstance(v, dict) else {}
 
 
 def _claude(events: list[dict]) -> Transcript:
@@ -65,24 +80,23 @@ def _claude(events: list[dict]) -> Transcript:
     last_text = ""
     for e in events:
         if e.get("type") == "assistant":
-            msg = e.get("message") or {}
-            key = msg.get("id") or f"anon{len(usage_by_id)}"
-            usage = msg.get("usage") or {}
+            msg = _obj(e.get("message"))
+            key = msg.get("id") if isinstance(msg.get("id"), str) and msg.get("id") else f"anon{len(usage_by_id)}"
             seen = usage_by_id.setdefault(key, {})
-            for k, v in usage.items():  # split events of one call repeat the usage: keep the largest
-                if isinstance(v, (int, float)):
-                    seen[k] = max(seen.get(k, 0), v)
-            text = "".join(b.get("text", "") for b in msg.get("content") or [] if isinstance(b, dict) and b.get("type") == "text")
+            for k, v in _obj(msg.get("usage")).items():  # split events of one call repeat the usage: keep the largest
+                seen[k] = max(seen.get(k, 0), _num(v))
+            content = msg.get("content") if isinstance(msg.get("content"), list) else []
+            text = "".join(_text(b.get("text")) for b in content if isinstance(b, dict) and b.get("type") == "text")
             last_text = text or last_text
         elif e.get("type") == "result":
-            t.answer = e.get("result") or ""
+            t.answer = _text(e.get("result"))
             t.is_error = bool(e.get("is_error")) or e.get("subtype", "success") != "success"
-            if e.get("duration_ms") is not None:
-                t.reported_seconds = e["duration_ms"] / 1000
-            if isinstance((e.get("usage") or {}).get("output_tokens"), int):
-                t.output_tokens = e["usage"]["output_tokens"]
-            if not usage_by_id and e.get("num_turns"):  # json format: no per-call events
-                t.turns = int(e["num_turns"])
+            if _num(e.get("duration_ms")) or e.get("duration_ms") == 0:
+                t.reported_seconds = _num(e["duration_ms"]) / 1000
+            if _num(_obj(e.get("usage")).get("output_tokens")):
+                t.output_tokens = _num(e["usage"]["output_tokens"])
+            if not usage_by_id and _num(e.get("num_turns")):  # json format: no per-call events
+                t.turns = _num(e["num_turns"])
     if usage_by_id:
         t.turns = len(usage_by_id)
         t.context_tokens = [u.get("input_tokens", 0) + u.get("cache_creation_input_tokens", 0)
@@ -97,15 +111,15 @@ def _codex(events: list[dict]) -> Transcript:
     for e in events:
         kind = e.get("type")
         if kind == "item.completed":
-            item = e.get("item") or {}
+            item = _obj(e.get("item"))
             if item.get("type") != "reasoning":
                 t.turns += 1
             if item.get("type") == "agent_message":
-                t.answer = item.get("text") or t.answer
+                t.answer = _text(item.get("text")) or t.answer
         elif kind == "turn.completed":
-            usage = e.get("usage") or {}
-            t.context_tokens.append(int(usage.get("input_tokens", 0)))  # cached_input_tokens is part of it
-            t.output_tokens += int(usage.get("output_tokens", 0))
+            usage = _obj(e.get("usage"))
+            t.context_tokens.append(_num(usage.get("input_tokens")))  # cached_input_tokens is part of it
+            t.output_tokens += _num(usage.get("output_tokens"))
         elif kind in ("turn.failed", "error"):
             t.is_error = True
     return t
@@ -116,10 +130,10 @@ def _generic(events: list[dict]) -> Transcript:
     for e in events:
         if e.get("type") == "turn":
             t.turns += 1
-            t.context_tokens.append(int(e.get("context_tokens", 0)))
-            t.output_tokens += int(e.get("output_tokens", 0))
+            t.context_tokens.append(_num(e.get("context_tokens")))
+            t.output_tokens += _num(e.get("output_tokens"))
         elif e.get("type") == "answer":
-            t.answer = e.get("text", "")
+            t.answer = _text(e.get("text"))
         elif e.get("type") == "error":
             t.is_error = True
     return t
@@ -128,9 +142,13 @@ def _generic(events: list[dict]) -> Transcript:
 def parse(fmt: str, text: str) -> Transcript:
     events = _events(text)
     if fmt in ("claude-stream-json", "claude-json"):
-        return _claude(events)
-    if fmt == "codex-json":
-        return _codex(events)
-    if fmt == "generic-jsonl":
-        return _generic(events)
-    raise ValueError(f"unknown transcript format {fmt!r}; use one of {', '.join(FORMATS)}")
+        t = _claude(events)
+    elif fmt == "codex-json":
+        t = _codex(events)
+    elif fmt == "generic-jsonl":
+        t = _generic(events)
+    else:
+        raise ValueError(f"unknown transcript format {fmt!r}; use one of {', '.join(FORMATS)}")
+    # a lone surrogate ("\ud83d", half an emoji cut off) could not be written to answer.txt: the run ended there
+    t.answer = t.answer.encode("utf-8", "replace").decode()
+    return t

@@ -121,6 +121,18 @@ def test_transcript_parsers():
     assert transcripts.parse("codex-json", json.dumps({"type": "turn.failed", "error": {"message": "x"}})).is_error
     g = transcripts.parse("generic-jsonl", '{"type": "turn", "context_tokens": 7, "output_tokens": 3}\n{"type": "answer", "text": "a"}')
     assert (g.turns, g.output_tokens, g.context_tokens, g.answer) == (1, 3, [7], "a")
+    half = transcripts.parse("generic-jsonl", '{"type": "answer", "text": "cut \\ud83d"}')  # a lone surrogate: answer.txt takes it
+    assert half.answer.encode() == b"cut ?"
+    odd = [{"type": "turn", "context_tokens": "abc", "output_tokens": None}, {"type": "turn", "output_tokens": 1e400},
+           {"type": "answer", "text": None}, {"type": "item.completed", "item": ["x"]},
+           {"type": "item.completed", "item": {"type": "agent_message", "text": 7}}, {"type": "turn.completed", "usage": [1]},
+           {"type": "turn.completed", "usage": {"input_tokens": "x", "output_tokens": float("nan")}},
+           {"type": "assistant", "message": "str"}, {"type": "assistant", "message": {"id": ["x"], "usage": [1]}},
+           {"type": "assistant", "message": {"id": "a", "content": [{"type": "text", "text": 5}], "usage": {"input_tokens": None}}},
+           {"type": "result", "result": {"a": 1}, "duration_ms": "5", "num_turns": "x", "usage": [1]}]
+    for fmt in transcripts.FORMATS:  # the agent's stdout, fields of other types: taken as absent, not a crash of the run
+        t = transcripts.parse(fmt, "\n".join(json.dumps(e) for e in odd) + '\n{"a": ' + "[" * 100000)
+        assert isinstance(t.answer, str) and all(isinstance(n, int) for n in [t.turns, t.output_tokens, *t.context_tokens]), t
 
 
 @pytest.mark.fast
@@ -313,7 +325,10 @@ def test_two_meshes_verifier(tmp_path):
         return grading.run_verifier(verifier, work, answer, ROOT, timeout=60)
 
     assert verdict("SAME=yes MAX_REL_DIFF=2e-6")["grade"] == "pass"
+    assert verdict("**SAME=yes**, **MAX_REL_DIFF**: `2e-6`.")["grade"] == "pass"  # Markdown was read as part of the value
+    assert verdict('SAME: "yes"\nNOT_SAME=no\nMAX_REL_DIFF=**2.0e-06**')["grade"] == "pass"
     assert verdict("SAME=yes MAX_REL_DIFF=0.01")["grade"] == "fail"  # a number not read from the runs
+    assert verdict("SAME=yes MAX_REL_DIFF=nan")["grade"] == "fail"  # passed: nan > tolerance is False
     assert verdict("SAME=no MAX_REL_DIFF=2e-6")["grade"] == "fail"
     write_run(work / "ate_out" / "mesh_c", b, {"ep": 1}, 1)
     shutil.rmtree(work / "ate_out" / "mesh_b")
@@ -339,6 +354,51 @@ def test_memory_verifier(tmp_path):
 # ---- the CLI's bad input ----
 
 @pytest.mark.fast
+@pytest.mark.parametrize("line,code,score", [
+    ("score=0.8", 0, 0.8), ("score = 5e-1", 1, 0.5), ("score=1.2.3", 0, 1.0), ("score=.", 1, 0.0),  # were ValueErrors
+    ("score=7", 0, 1.0), ("score=nan", 1, 0.0), ("score=-0.5", 0, 1.0), ("looks fine", 0, 1.0),
+])
+def test_judge_score_line(tmp_path, line, code, score):
+    (tmp_path / "answer.txt").write_text("a")
+    g = grading.run_judge(f"echo {line!r}; exit {code}", TASKS["qa_logging"], "x", tmp_path, tmp_path / "answer.txt", 10)
+    assert g["grade"] == ("pass" if code == 0 else "fail") and g["score"] == score, g
+
+
+def test_acceptance_replaces_a_grade_link_the_agent_made(tmp_path):
+    """An agent's ../grade symlink ended the run ("Cannot call rmtree on a symbolic link"); what it points to is kept."""
+    work, mine, test = tmp_path / "r0" / "work", tmp_path / "mine", tmp_path / "test_ok.py"
+    (work / "src").mkdir(parents=True)
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    test.write_text("def test_ok():\n    pass\n")
+    (tmp_path / "r0" / "grade").symlink_to(mine)
+    g = grading.run_acceptance(test, work, tmp_path / "r0" / "grade", 120)
+    assert g["grade"] == "pass" and (mine / "notes.txt").read_text() == "keep" and list(mine.iterdir()) == [mine / "notes.txt"], g
+
+
+@pytest.mark.fast
+def test_a_grader_past_its_timeout_ends_with_what_it_started(tmp_path):
+    """Only the judge/verifier itself was killed: a training rerun it started went on beside the next sessions."""
+    (tmp_path / "answer.txt").write_text("a")
+    g = grading.run_judge(f"sleep 30 & echo $! > {tmp_path}/pid; wait", TASKS["qa_logging"], "x", tmp_path, tmp_path / "answer.txt", 1)
+    assert g == {"grade": "fail", "score": 0.0, "note": "judge timed out"}
+    pid = int((tmp_path / "pid").read_text())
+    time.sleep(0.2)
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.fast
+def test_graders_take_output_that_is_not_utf8(tmp_path):
+    """A judge or verifier printing bytes that are not UTF-8 (an agent's file, a binary) ended the run with a UnicodeDecodeError."""
+    (tmp_path / "answer.txt").write_text("a")
+    g = grading.run_judge("printf 'bad \\xff\\n' >&2; printf 'ok \\xfe\\n'", TASKS["qa_logging"], "x", tmp_path, tmp_path / "answer.txt", 10)
+    assert g["grade"] == "pass" and g["note"] == "judge: ok \ufffd", g
+    (tmp_path / "v.py").write_text("import sys; sys.stdout.buffer.write(b'FAIL: \\xff'); sys.exit(1)")
+    g = grading.run_verifier(tmp_path / "v.py", tmp_path, tmp_path / "answer.txt", tmp_path, 30)
+    assert g["grade"] == "fail" and g["note"] == "FAIL: \ufffd", g
+
+
+@pytest.mark.fast
 @pytest.mark.parametrize("args,flag", [
     (["--framework", "pithtrain"], "--framework"),
     (["--framework", "pithtrain=/no/such/dir"], "--framework"),
@@ -349,11 +409,21 @@ def test_memory_verifier(tmp_path):
     (["--framework", "pithtrain=.", "--out", "pithtrain"], "--out"),  # someone's directory: never written into
     (["--framework", "a=.", "--framework", "a=ate_bench"], "--framework a=...: given twice"),
     (["--framework", "a=.", "--framework", "b=.", "--keys", "b=pithtrain", "--keys", "b=a"], "--keys b=...: given twice"),
-    (["--framework", "pithtrain=ate_bench"], "does not look like a source checkout"),  # no .git, pyproject.toml, setup.py
+    (["--framework", "pithtrain=ate_bench"], "does not look like a source checkout"),
+    (["--framework", "..=."], "--framework ..=.: the name must be"),
+    (["--framework", "fork=.", "--keys", "fork=pithtrian"], "--keys fork=pithtrian: no task has keys for pithtrian"),
+    (["--framework", "pithtrain=.", "--time-limit", "nan"], "--time-limit nan: must be"),  # waited for ever
+    (["--framework", "pithtrain=.", "--grade-timeout", "-1"], "--grade-timeout -1: must be"),  # every grade failed
+    (["--framework", "pithtrain=.", "--grade-timeout", "1e7"], "--grade-timeout 1e+07: must be"),  # OverflowError at grading
+    (["--framework", "pithtrain=.", "--repeats", "0"], "--repeats 0: must be"),  # was OUT/../<task>/r0: outside --out
+    (["--framework", "a/b=."], "--framework a/b=.: the name must be"),  # no .git, pyproject.toml, setup.py
     (["--framework", "pithtrain=.", "--agent", "x {prompt_files}"], "--agent: unknown placeholder {prompt_files}; the known"),
     (["--framework", "pithtrain=.", "--agent", "x {prompt} ${HOME} {HOME} {0}"], "unknown placeholder {0}, {HOME};"),
     (["--framework", "pithtrain=.", "--agent", "x ${prompt}"], "--agent: the command must contain {prompt}"),
     (["--framework", "pithtrain=.", "--judge", "j {answer}"], "--judge: unknown placeholder {answer}"),
+    (["--framework", "pithtrain=.", "--agent", "claude -p '{prompt}'"], "--agent: {prompt} is in quotes; write it bare"),
+    (["--framework", "pithtrain=.", "--agent", 'claude -p "{prompt}"'], "--agent: {prompt} is in quotes; write it bare"),
+    (["--framework", "pithtrain=.", "--judge", "j '{answer_file}' {task}"], "--judge: {answer_file} is in quotes"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, capsys, args, flag):
     base = {"--agent": "x {prompt}", "--format": "generic-jsonl", "--out": str(tmp_path / "o")}
@@ -392,10 +462,22 @@ def test_readme_run_with_out_inside_the_checkout_blank_tasks_and_a_bad_result(tm
     results = checkout / "ate_runs" / "first"
     path = results / "pithtrain" / "qa_device_mesh" / "r0" / "result.json"
     good = path.read_text()
-    for bad in ("{not json", json.dumps({"task": "qa_device_mesh"}), json.dumps(dict(json.loads(good), turns="many"))):
+    edits = [{"turns": "many"}, {"grade": None}, {"framework": ["x"]}, {"turns": float("nan")}, {"status": 1}, {"repeat": "0"}]
+    huge = good.replace('"turns": 1,', '"turns": 1' + "0" * 400 + ",", 1)  # an int past float's range
+    assert huge != good
+    for bad in ("{not json", json.dumps({"task": "qa_device_mesh"}), huge, *(json.dumps(dict(json.loads(good), **e)) for e in edits)):
         path.write_text(bad)
         code, _, err = run(["report", results], capsys)
         assert code == 2 and err.count("\n") == 1 and str(path) in err and "Traceback" not in err, err
+    path.write_text(good)
+    shutil.copytree(path.parent, path.parent.with_name("r0.old"), ignore=shutil.ignore_patterns("work"))  # a copy kept by hand
+    assert len(report.load_results(results)) == 1
+    for bad in ("{bad", "[1]", '{"frameworks": [1]}'):  # a hand-edited ate_bench.json: one line, for report and run
+        (results / "ate_bench.json").write_text(bad)
+        for args in (["report", results], [*base, "--tasks", "qa_logging", "--out", results]):
+            code, _, err = run(args, capsys)
+            assert code == 2 and err.count("\n") == 1 and "ate_bench.json: not an ATE-Bench manifest" in err, err
+    assert not (results / "pithtrain" / "qa_logging").exists()
 
 
 GOOD_TASK = 'category = "understand"\nprompt = "Where?"\n[keys.pithtrain]\nfacts = ["mesh.py", ["init_mesh", "Mesh"]]\n'
@@ -453,8 +535,14 @@ def test_special_files_are_left_out_and_earlier_sessions_kept(tmp_path, capsys):
     assert result(out, "pithtrain", "qa_device_mesh")["not_copied"] == ["src/pipe"]
     (session / "mine.txt").write_text("notes")
     code, _, err = run(args + ["--repeats", "2"], capsys)
-    assert code == 2 and err.count("\n") == 1 and "pithtrain/qa_device_mesh/r0); pass --overwrite" in err, err
+    assert code == 2 and err.count("\n") == 1 and "pithtrain/qa_device_mesh/r0); pass --resume" in err, err
     assert (session / "mine.txt").exists() and not (session.parent / "r1").exists()
+    shutil.copytree(session, session.parent / "r1")  # r1 as Ctrl-C leaves it: no result.json
+    (session.parent / "r1" / "result.json").unlink()
+    code, stdout, _ = run(args + ["--repeats", "3", "--resume"], capsys)  # more repeats: r0 is kept, r1 redone, r2 run
+    assert code == 0 and (session / "mine.txt").exists() and " r0 " not in stdout and " r1 " in stdout and " r2 " in stdout, stdout
+    assert result(out, "pithtrain", "qa_device_mesh", 1)["grade"] == "pass"
+    assert run(args + ["--resume", "--overwrite"], capsys)[0] == 2
     code, _, _ = run(args + ["--overwrite"], capsys)
     assert code == 0 and not (session / "mine.txt").exists() and result(out, "pithtrain", "qa_device_mesh")["grade"] == "pass"
 
@@ -483,6 +571,36 @@ def test_a_missing_agent_command_stops_the_run(tmp_path, capsys):
                                  "--agent", agent, "--format", "claude-stream-json", "--out", out], capsys)
         assert code == 2 and err.count("\n") == 1 and err.startswith(f"error: --agent: {want}; install it"), err
         assert stdout == "" and not list(out.glob("*/*/r*"))  # stopped at the first agent run, which is not kept
+
+
+def test_an_agent_that_deletes_its_files_is_graded_and_the_run_goes_on(tmp_path, capsys):
+    """An agent removing its transcript or its working directory ended the whole run with FileNotFoundError; one
+    committing its work left an empty changes.diff."""
+    fw, out = fake_framework(tmp_path), tmp_path / "results"
+    agent = ("sleep 30 & echo $! > ../../left.pid; echo y > src/new.py; git add -A; git -c user.name=a -c user.email=a@b "
+             "commit -qm mine; rm -f ../transcript.jsonl ../agent.stderr; cd /; "
+             "[ $ATE_TASK = qa_logging ] || rm -rf {workdir}; : {prompt}")
+    code, stdout, err = run(["run", "--framework", f"pithtrain={fw}", "--tasks", "op_memory_fit,qa_logging", "--agent", agent,
+                             "--format", "generic-jsonl", "--out", out], capsys)
+    assert code == 0, err
+    assert result(out, "pithtrain", "op_memory_fit")["note"] == "the agent removed its working directory"
+    assert result(out, "pithtrain", "qa_logging")["grade"] == "fail"
+    assert "+++ b/src/new.py" in (out / "pithtrain" / "qa_logging" / "r0" / "changes.diff").read_text()  # committed by the agent
+    time.sleep(0.2)
+    for pid in (int(p.read_text()) for p in out.glob("pithtrain/*/left.pid")):  # what the agent left running ends with it
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    assert len(list(out.glob("pithtrain/*/left.pid"))) == 2
+
+
+@pytest.mark.fast
+def test_ctrl_c_is_one_line(tmp_path, capsys, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("ate_bench.runner.run_one", interrupted)
+    code, _, err = run(["run", "--framework", f"pithtrain={fake_framework(tmp_path)}", "--tasks", "qa_logging", "--agent",
+                        "x {prompt}", "--format", "generic-jsonl", "--out", tmp_path / "o"], capsys)
+    assert code == 130 and err.count("\n") == 1 and err.startswith("error: interrupted; the sessions finished so far"), err
 
 
 @pytest.mark.fast

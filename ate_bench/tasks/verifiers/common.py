@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -19,7 +20,8 @@ def args():
 
 def answer_value(answer: str, key: str) -> str:
     """The value of the last `KEY=value` (or `KEY: value`) in the answer; FAIL when absent."""
-    found = re.findall(rf"{key}\s*[=:]\s*`?([^\s`,;]+)", answer)
+    # Markdown around it (**SAME=yes**, SAME: **yes**, `X=1`) or quotes were part of the value: a right answer failed
+    found = re.findall(rf"(?<![A-Za-z0-9_]){key}[*_`]*\s*[=:]\s*[*_`\"']*([^\s`*\"',;]+)", answer)
     if not found:
         fail(f"the answer has no {key}=<value>")
     return found[-1].rstrip(".")
@@ -28,9 +30,12 @@ def answer_value(answer: str, key: str) -> str:
 def answer_number(answer: str, key: str) -> float:
     text = answer_value(answer, key)
     try:
-        return float(text)
+        value = float(text)
     except ValueError:
         fail(f"{key}={text} is not a number")
+    if not math.isfinite(value):  # nan passed the checks written as `if abs(claimed - x) > tol: fail(...)`
+        fail(f"{key}={text} is not a finite number")
+    return value
 
 
 def losses(run_dir: Path) -> dict[int, float]:
