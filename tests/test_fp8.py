@@ -259,6 +259,14 @@ def test_weight_cache_is_reused_and_invalidated():
     assert again is first and all(a is b for a, b in zip((*again.fwd, *again.bwd), tensors))  # refreshed in place
     assert any(not torch.equal(a, b) for a, b in zip(tensors, snapshot))
     assert torch.equal(fp8.dequantize(*again.fwd).float(), fp8.dequantize(*fp8.quantize_reference(layer.weight.detach())))
+    # FSDP2 steps the shards, then its all-gather writes them into this unsharded weight keeping its version
+    # counter and address: the step alone must renew the layouts
+    layer.weight.grad = None
+    with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(layer.weight):
+        layer.weight.mul_(2)
+    optimizer_step(opt, [])
+    assert torch.equal(fp8.dequantize(*fp8.cached_weight(layer, "weight", True).fwd),
+                       fp8.dequantize(*fp8.quantize_reference(layer.weight.detach())))
     layer.load_state_dict({"weight": torch.randn(16, 16)})  # a checkpoint/HF load copies in place: a new version
     assert torch.equal(fp8.dequantize(*fp8.cached_weight(layer, "weight", True).fwd),
                        fp8.dequantize(*fp8.quantize_reference(layer.weight.detach())))

@@ -199,6 +199,9 @@ def test_mesh_compile_and_logging_may_change(run, tmp_path):
     meta["config"]["train"]["fp8"] = True  # a field this version does not know (another branch, a newer run)
     (checkpoint / "meta.json").write_text(json.dumps(meta))
     check_resume(config, checkpoint, echo=False)
+    config.train.profile_step = meta["config"]["train"]["profile_step"] = 1  # taken before the stop: the same resume command
+    (checkpoint / "meta.json").write_text(json.dumps(meta))
+    check_resume(config, checkpoint, echo=False)
     v3 = tiny_deepseek_v3_config(config.data.path)  # DeepSeek-V3 stops the routing-bias update for its last tokens
     (tmp_path / "meta.json").write_text(json.dumps({"step": 1, "config": run_dict(v3)}))
     v3.model.bias_update_speed = 0.0

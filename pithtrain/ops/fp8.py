@@ -15,7 +15,7 @@ Weights are quantized once per weight update into both layouts (forward and dgra
 kernel, `quantize_both`, without a transposed fp32 copy) and reused by every micro-batch, pipeline
 chunk and backward: `cached_weight` keys them by the parameter's version counter, which every
 in-place update bumps (`optim.optimizer_step`, checkpoint loads; FSDP's all-gather writes the
-unsharded weight in place, so a new gather is a new version too).
+unsharded weight in place, keeping its version: the key holds the optimizer step too).
 `rowwise` saves activations for the weight gradient as their transposed FP8 copies (1 byte a value).
 
 Paths: on CUDA, Triton kernels for quantization and the expert grouped GEMMs, and
@@ -701,9 +701,14 @@ def cached_param(param: torch.Tensor) -> FP8Weight:
     return _cached(param.__dict__.setdefault("_fp8_cache", {}), "weight", param, True)
 
 
+# Optimizer steps so far (train/optim.optimizer_step): FSDP2's all-gather writes the stepped shards into the unsharded
+# weight under its old version counter, often at its old address, so the version alone would keep last step's layouts.
+UPDATES = [0]
+
+
 def _cached(cache: dict, name: str, param: torch.Tensor, contraction_last: bool) -> FP8Weight:
     hit = cache.get(name)
-    key = (id(param), param._version, param.data_ptr())
+    key = (id(param), param._version, param.data_ptr(), UPDATES[0])
     if hit is not None and hit.key == key:
         return hit
     w = param.detach()

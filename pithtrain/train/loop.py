@@ -737,7 +737,8 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
         if value is not None and value < step:
             raise UserError(f"the run is already at step {step} ({checkpoint}), past {name}={value}; give "
                             f"{name} >= {step} or train into a new --out")
-    if 0 < config.train.profile_step <= step:  # else silently never taken
+    # else silently never taken; the run's own profile_step, already taken, resumes as it is
+    if 0 < config.train.profile_step <= step and "train.profile_step" in changed:
         raise UserError(f"train.profile_step={config.train.profile_step}: the run resumes after step {step} ({checkpoint}); "
                         f"give a later step")
     if moves and echo:

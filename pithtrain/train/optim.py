@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from pithtrain.config import OptimConfig
-from pithtrain.ops import kernels
+from pithtrain.ops import fp8, kernels
 from pithtrain.parallel.fsdp import clip_coefficient, clip_grads
 
 
@@ -167,6 +167,7 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params, max_norm: float = 0
         optimizer.step()
         copies, amaxes = [], []
     torch.autograd.graph.increment_version(params)
+    fp8.UPDATES[0] += 1
     for p, cache, key in copies:  # written in the step: current for the new version
         cache[key] = (p._version, cache[key][1])
     for p, made in amaxes:
