@@ -131,7 +131,7 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto (bf16 compute on GPU, fp32 on CPU) | fp32 | bf16
     lb_coef: float = 1e-3  # MoE load-balance loss coefficient; 0 disables
-    mtp_coef: float = 0.3  # multi-token prediction loss weight (model.num_nextn_predict_layers > 0; DeepSeek-V3's 0.3, later 0.1); 0: logged, not trained
+    mtp_coef: float = 0.3  # multi-token prediction loss weight (model.num_nextn_predict_layers > 0; DeepSeek-V3's 0.3, later 0.1); 0: logged, its layers get zero gradients (weight decay still shrinks them)
     lb_type: str = "micro"  # micro | global (over the data ranks: changes with the mesh) | seq: lb statistics scope
     log_every: int = 1  # print a metrics line every N steps (and always the first 3); metrics.jsonl gets every step
     eval_every: int = 0  # held-out loss (data.eval_path / data.eval_samples) every N steps and at the end; 0: off
@@ -558,7 +558,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     check(t.lb_type in ("micro", "global", "seq"), f"train.lb_type={t.lb_type!r}: use micro, global or seq")
     check(t.lb_coef >= 0, f"train.lb_coef={t.lb_coef}: must be >= 0 (0 disables the load-balance loss)")
     check(t.mtp_coef >= 0 and math.isfinite(t.mtp_coef),
-          f"train.mtp_coef={t.mtp_coef}: must be a finite number >= 0 (0: the MTP loss is logged, not trained)")
+          f"train.mtp_coef={t.mtp_coef}: must be a finite number >= 0 (0: the MTP loss is logged, its layers get zero gradients)")
     # importable, without importing it (wandb takes seconds); an already imported module may lack a spec
     check(not t.wandb_project or sys.modules.get("wandb") is not None or importlib.util.find_spec("wandb") is not None,
           f"train.wandb_project={t.wandb_project!r}: wandb is not installed; pip install wandb, or set train.wandb_project=''")
