@@ -447,6 +447,9 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
     train on, and a checkpoint to resume agrees with this config (check_resume), its metrics.jsonl too. Returns
     the batch loader, the eval samples (eval_windows) and the checkpoint to resume from (None: start afresh)."""
     check(stop_after is None or stop_after >= 1, f"--stop-after {stop_after}: must be at least 1")
+    if echo and stop_after is not None and stop_after < config.train.steps and config.train.checkpoint_every == -1:
+        print(f"warning: --stop-after {stop_after} with train.checkpoint_every=-1 writes no checkpoint: the run cannot be "
+              "resumed; leave train.checkpoint_every at its default", flush=True)
     if create:
         try:
             (out_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
