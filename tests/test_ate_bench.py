@@ -378,7 +378,7 @@ def test_acceptance_replaces_a_grade_link_the_agent_made(tmp_path):
 
 @pytest.mark.fast
 def test_a_grader_past_its_timeout_ends_with_what_it_started(tmp_path):
-    """Only the judge/verifier itself was killed: a training rerun it started went on beside the next sessions."""
+    """Only the judge/verifier itself was killed: a training rerun it started went on beside the next agent runs."""
     (tmp_path / "answer.txt").write_text("a")
     g = grading.run_judge(f"sleep 30 & echo $! > {tmp_path}/pid; wait", TASKS["qa_logging"], "x", tmp_path, tmp_path / "answer.txt", 1)
     assert g == {"grade": "fail", "score": 0.0, "note": "judge timed out"}

@@ -472,11 +472,7 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
               f"{vocab} on (none in this data) have no row, so the model and its export fail on texts that use them; set "
               f"model.vocab_size={short.vocab_size} or more", flush=True)
     check_model_size(config.model, pick_device(config.train.device).type == "cpu")
-    layers, pp = config.model.num_hidden_layers, config.parallel.pp
-    if idle := ranks_without_layers(layers, pp):  # nothing to train there: its optimizer would refuse an empty list
-        least = next(n for n in range(layers, 4 * pp) if not ranks_without_layers(n, pp))
-        raise UserError(f"parallel.pp={pp}: with model.num_hidden_layers={layers} pipeline rank(s) "
-                        f"{', '.join(map(str, idle))} hold no layer; use at least {least} layers or fewer stages")
+    check_pipeline_layers(config)
     check_muon_takes_some(config, echo)
     # the run's writing process moves what it must (the --nproc launcher's check, before any worker, leaves that to rank 0)
     act = create and (echo or world_size == 1 or torch.distributed.is_initialized())
@@ -690,6 +686,16 @@ FIXED = ("data.path", "data.seed", "data.seq_len", "train.global_batch_size", HE
 # other field (logging, checkpointing, compile, dtype, the mesh: checkpoints reshard) changes freely.
 WARNED = ("optim.", "train.steps", "train.lb_coef", "train.lb_type", "train.mtp_coef", "data.pack_documents",
           "model.bias_update_speed")  # DeepSeek-V3 sets it to 0 for its last 500B tokens
+
+
+def check_pipeline_layers(config: RunConfig) -> None:
+    """Every pipeline rank holds a layer (else nothing to train there: its optimizer would refuse an empty list);
+    check_run's, and the skills' that size or launch a run."""
+    layers, pp = config.model.num_hidden_layers, config.parallel.pp
+    if idle := ranks_without_layers(layers, pp):
+        least = next(n for n in range(layers, 4 * pp) if not ranks_without_layers(n, pp))
+        raise UserError(f"parallel.pp={pp}: with model.num_hidden_layers={layers} pipeline rank(s) "
+                        f"{', '.join(map(str, idle))} hold no layer; use at least {least} layers or fewer stages")
 
 
 def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = None, echo: bool = True,

@@ -96,19 +96,20 @@ def main():
     parser.add_argument("--gpu-mem", type=runs.POSITIVE, default=139.0, help="GiB per GPU (H200: about 139 usable)")
     parser.add_argument("--max-layers", action="store_true", help="find the deepest model that fits")
     args = parser.parse_args()
-    from pithtrain.config import ConfigError
+    from pithtrain.config import ConfigError, UserError
 
     try:
         config = load_config(args.config, args.set, args.nproc, {n: getattr(args, n) for n in ("pp", "cp", "ep")}, gpu=True)
     except ConfigError as err:
         print(f"FAIL: {err}")
         return 1
-    if (pp := config.parallel.pp) > 1 and not args.max_layers:  # refused by `pithtrain train` at its start (loop.check_run)
-        from pithtrain.parallel.pipeline import ranks_without_layers
+    if config.parallel.pp > 1 and not args.max_layers:  # refused by `pithtrain train` at its start (loop.check_run)
+        from pithtrain.train.loop import check_pipeline_layers
 
-        if idle := ranks_without_layers(layers := config.model.num_hidden_layers, pp):
-            print(f"FAIL: parallel.pp={pp}: with model.num_hidden_layers={layers} pipeline rank(s) {', '.join(map(str, idle))} "
-                  "hold no layer; use more layers or fewer stages (--max-layers: the deepest that fits)")
+        try:
+            check_pipeline_layers(config)
+        except UserError as err:
+            print(f"FAIL: {err} (--max-layers: the deepest that fits)")
             return 1
     budget = 0.95 * args.gpu_mem
     if args.max_layers:

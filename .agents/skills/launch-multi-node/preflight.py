@@ -239,12 +239,10 @@ def main(argv=None) -> int:
     try:
         config = train_config(args)  # exactly as `pithtrain train` builds it from these arguments
         validate(config, world_size=world)  # raises ConfigError naming the field and the fix
-        if (pp := config.parallel.pp) > 1:  # refused by `pithtrain train` at its start too (loop.check_run)
-            from pithtrain.parallel.pipeline import ranks_without_layers
+        if config.parallel.pp > 1:  # refused by `pithtrain train` at its start too (loop.check_run)
+            from pithtrain.train.loop import check_pipeline_layers
 
-            if idle := ranks_without_layers(layers := config.model.num_hidden_layers, pp):
-                raise ConfigError(f"parallel.pp={pp}: with model.num_hidden_layers={layers} pipeline rank(s) "
-                                  f"{', '.join(map(str, idle))} hold no layer; use more layers or fewer stages")
+            check_pipeline_layers(config)
         existing = next((p for p in (Path(args.out), *Path(args.out).parents) if p.exists()), None) if args.out else None
         if existing is not None and not existing.is_dir():
             raise ConfigError(f"--out {args.out}: {existing} is a file, not a directory; choose a directory that every node mounts")
