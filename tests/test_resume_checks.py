@@ -186,7 +186,7 @@ def test_a_bad_line_in_metrics_is_named_before_the_model_loads(run, tmp_path, mo
             assert refused(code, err, message), err
 
 
-def test_mesh_compile_and_logging_may_change(run, tmp_path):
+def test_mesh_compile_and_logging_may_change(run, tmp_path, capsys):
     _, config_file, out = run
     config = load_run_config(config_file)
     config.parallel.ep, config.parallel.pp, config.parallel.hsdp = 2, 2, True  # checkpoints reshard
@@ -194,7 +194,14 @@ def test_mesh_compile_and_logging_may_change(run, tmp_path):
     config.train.steps = 10
     config.train.eval_every, config.data.eval_path, config.data.eval_samples = 2, str(config.data.path), 8  # order kept
     checkpoint = ckpt.list_checkpoints(out)[-1]
-    check_resume(config, checkpoint, echo=False)
+    check_resume(config, checkpoint)  # lb_type=micro: the micro-batch is the balance loss's scope, a warning
+    warning = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: resuming"))
+    assert "train.micro_batch_size" in warning and warning.endswith("(train.lb_type=micro: the load-balance loss is "
+                                                                    "taken per micro-batch)"), warning
+    config.train.lb_coef = 0.0  # no balance loss: a note (lb_coef's own change is the warning)
+    check_resume(config, checkpoint)
+    assert "train.micro_batch_size" in capsys.readouterr().out.split("note: also changed:")[1]
+    config.train.lb_coef = 1e-3
     meta = json.loads((checkpoint / "meta.json").read_text())
     meta["config"]["train"]["fp8"] = True  # a field this version does not know (another branch, a newer run)
     (checkpoint / "meta.json").write_text(json.dumps(meta))

@@ -757,9 +757,12 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
         print(f"note: train.init_from is not used: the run resumes from its own {checkpoint}; train into a new --out "
               "to start from it", flush=True)
     changed.pop("optim.allow_switch", None)  # a permission for the one resume that switches, not a setting
-    warned = [k for k in changed if k.startswith(WARNED)]
+    # lb_type=micro balances each micro-batch's routing: another micro-batch size changes the loss itself
+    lb_micro = config.train.lb_coef > 0 and config.train.lb_type == "micro" and "train.micro_batch_size" in changed
+    warned = [k for k in changed if k.startswith(WARNED) or lb_micro and k == "train.micro_batch_size"]
     if echo and warned:
-        print(f"warning: resuming at step {step} with {show(warned)}: applied from here on", flush=True)
+        why = " (train.lb_type=micro: the load-balance loss is taken per micro-batch)" if lb_micro else ""
+        print(f"warning: resuming at step {step} with {show(warned)}: applied from here on{why}", flush=True)
     if echo and len(warned) < len(changed):
         print(f"note: also changed: {show(k for k in changed if k not in warned)}", flush=True)
 
