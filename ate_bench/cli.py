@@ -95,7 +95,7 @@ def cmd_run(args) -> int:
         raise UsageError(f"--out {out}: already holds {len(earlier)} of these sessions ({', '.join(earlier[:3])}"
                          f"{', ...' if len(earlier) > 3 else ''}); pass --resume to keep the finished ones and run the rest, "
                          "--overwrite to replace them, or choose another --out")
-    from ate_bench.report import manifest_frameworks
+    from ate_bench.report import changed_line, manifest_frameworks
 
     known = manifest_frameworks(out) if out.is_dir() else []
     out.mkdir(parents=True, exist_ok=True)
@@ -114,6 +114,8 @@ def cmd_run(args) -> int:
                     print(f"note: --framework {name}={path}: special files not copied: {', '.join(r['not_copied'])}", file=sys.stderr)
                 print(f"{task.id:24s} {name:12s} r{k} {r['status']:11s} {r['grade']:8s} turns={r['turns']} "
                       f"out={r['output_tokens']} {r['session_seconds']:.1f}s  {r['note']}", flush=True)
+                if r.get("checkout_changed"):
+                    print(f"warning: {name}/{task.id}/r{k}: {changed_line(r['checkout_changed'], path)}", file=sys.stderr, flush=True)
     from ate_bench.report import write_report
 
     md, png = write_report(out)

@@ -109,6 +109,13 @@ def framework_order(results: list[dict], out: Path | None = None) -> list[str]:
     return [f for f in first if f in present] + sorted(present - set(first))
 
 
+def changed_line(paths, checkout: str = "the checkout") -> str:
+    """One line for a session whose agent changed the framework checkout (runner.fingerprint)."""
+    paths = [str(p) for p in paths] if isinstance(paths, list) else [str(paths)]
+    return (f"{checkout} changed during the session ({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}); the "
+            "sessions after it copied the changed framework: restore it and rerun them with --overwrite")
+
+
 def markdown(results: list[dict], baseline: str | None = None, frameworks: list[str] | None = None) -> str:
     frameworks = frameworks or framework_order(results)
     base = baseline or frameworks[0]
@@ -154,6 +161,10 @@ def markdown(results: list[dict], baseline: str | None = None, frameworks: list[
     notes = [f"- {r['framework']} / {r['task']} / r{r['repeat']}: {r['note']}" for r in results if r["grade"] != "pass" and r.get("note")]
     if notes:
         lines += ["", "## Notes on sessions that did not pass", ""] + notes
+    changed = [f"- {r['framework']} / {r['task']} / r{r['repeat']}: {changed_line(r['checkout_changed'])}"
+               for r in results if r.get("checkout_changed")]
+    if changed:
+        lines += ["", "## Checkout changed by the agent", ""] + changed
     return "\n".join(lines) + "\n"
 
 

@@ -179,11 +179,14 @@ def test_runner_metrics_grades_failures_and_report(tmp_path, capsys):
     assert (bad["grade"], bad["turns"], bad["output_tokens"], bad["context_tokens"]) == ("fail", 3, 300, [12000])
     assert "missing" in bad["note"]
 
-    failing = script(tmp_path, "failing", answer="I could not", exit=1)
-    run(["run", "--framework", f"pithtrain={pit}", "--tasks", "qa_logging", "--agent", f"{PY} {STANDIN} {failing} {{prompt}}",
-         "--format", "claude-stream-json", "--out", out], capsys)
+    # this agent also edits the original checkout ($ATE_CHECKOUT), which every later session copies: flagged
+    failing = script(tmp_path, "failing", answer="I could not", exit=1, actions=[{"run": 'echo y = 2 >> "$ATE_CHECKOUT/src/core.py"'}])
+    _, _, err = run(["run", "--framework", f"pithtrain={pit}", "--tasks", "qa_logging", "--agent", f"{PY} {STANDIN} {failing} {{prompt}}",
+                     "--format", "claude-stream-json", "--out", out], capsys)
     r = result(out, "pithtrain", "qa_logging")
     assert (r["status"], r["exit_code"], r["grade"]) == ("agent_error", 1, "fail")
+    assert r["checkout_changed"] == ["src/core.py"] and "checkout_changed" not in good
+    assert err.count("\n") == 1 and err.startswith(f"warning: pithtrain/qa_logging/r0: {pit} changed during the session (src/core.py)"), err
 
     pid_file = tmp_path / "child.pid"
     slow = script(tmp_path, "slow", actions=[{"run": f"echo $$ > {pid_file}; sleep 60"}], answer="late")
@@ -218,6 +221,7 @@ def test_runner_metrics_grades_failures_and_report(tmp_path, capsys):
     # ratios over the tasks both ran (qa_device_mesh): 3/2 turns, 300/130 tokens, 12000/2000 context
     ratio = re.search(r"\| understand \| fork \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|", stdout.split("## Ratios")[1])
     assert ratio and ratio.groups() == ("1.50", "2.31", "6.00")
+    assert "- pithtrain / qa_logging / r0: the checkout changed during the session (src/core.py);" in stdout
     code, stdout, _ = run(["report", out, "--baseline", "fork"], capsys)
     assert code == 0 and "| understand | pithtrain | 0.67 |" in stdout
 
