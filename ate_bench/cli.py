@@ -100,7 +100,7 @@ def cmd_run(args) -> int:
     known = manifest_frameworks(out) if out.is_dir() else []
     out.mkdir(parents=True, exist_ok=True)
     manifest = out / "ate_bench.json"  # marks the directory; the frameworks in the order first run (the report's)
-    manifest.write_text(json.dumps({"kind": "ate-bench results", "frameworks": known + [f for f in frameworks if f not in known]}) + "\n")
+    grading.write_file(manifest, json.dumps({"kind": "ate-bench results", "frameworks": known + [f for f in frameworks if f not in known]}) + "\n")
     noted = set()
     for task in tasks:
         for name, path in frameworks.items():

@@ -4,12 +4,14 @@ each task's grades; written as report.md (Markdown) and report.png (bar charts).
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
 from collections import defaultdict
 from pathlib import Path
 
+from ate_bench.grading import write_file
 from ate_bench.tasks import CATEGORIES, UsageError
 
 METRICS = (  # (result key, column title): the cost of a session, lower is cheaper
@@ -187,8 +189,10 @@ def plot(results: list[dict], path: Path, frameworks: list[str] | None = None) -
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    write_file(path, png.getvalue())
 
 
 def write_report(out: Path, baseline: str | None = None) -> tuple[Path, Path | None]:
@@ -199,7 +203,7 @@ def write_report(out: Path, baseline: str | None = None) -> tuple[Path, Path | N
     if baseline and baseline not in frameworks:
         raise FileNotFoundError(f"--baseline {baseline}: no sessions of it in {out}; use one of {', '.join(frameworks)}")
     md = out / "report.md"
-    md.write_text(markdown(results, baseline, frameworks))
+    write_file(md, markdown(results, baseline, frameworks))
     try:
         png = out / "report.png"
         plot(results, png, frameworks)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ate_bench import transcripts
 from ate_bench.gpu import GpuSampler
-from ate_bench.grading import COPY_IGNORE, copy_tree, dump, fill, grade
+from ate_bench.grading import COPY_IGNORE, copy_tree, dump, fill, grade, write_file
 from ate_bench.tasks import Task, UsageError
 
 FOOTER = ("\n\nYou are working in a copy of the framework's repository (your working directory); change it as the task "
@@ -144,7 +144,7 @@ def run_one(task: Task, framework: str, checkout: Path, keyset: str, repeat: int
     if shutil.which("git") and (work / ".git").is_dir():
         _git(work, "add", "-A")
         # against the starting commit: an agent that committed its work left an empty diff against HEAD
-        (run_dir / "changes.diff").write_text(_git(work, "diff", "--cached", "--binary", *([start] if start else [])))
+        write_file(run_dir / "changes.diff", _git(work, "diff", "--cached", "--binary", *([start] if start else [])), top=out)
     result = {"task": task.id, "category": task.category, "framework": framework, "keyset": keyset, "repeat": repeat,
               "format": fmt, **session, **asdict(parsed),
               "mean_context_tokens": round(sum(parsed.context_tokens) / len(parsed.context_tokens)) if parsed.context_tokens else 0,
@@ -159,5 +159,5 @@ def run_one(task: Task, framework: str, checkout: Path, keyset: str, repeat: int
     changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
     if changed:  # the paths (the first 20) that changed, appeared or went
         result["checkout_changed"] = changed[:20] + ([f"... {len(changed) - 20} more"] if len(changed) > 20 else [])
-    dump(result, run_dir / "result.json")
+    dump(result, run_dir / "result.json", top=out)
     return result

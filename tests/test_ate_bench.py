@@ -376,6 +376,8 @@ def test_acceptance_replaces_a_grade_link_the_agent_made(tmp_path):
     (mine / "notes.txt").write_text("keep")
     test.write_text("def test_ok():\n    pass\n")
     (tmp_path / "r0" / "grade").symlink_to(mine)
+    (work / "ate_acceptance").symlink_to(mine)  # the test was copied through it, and the log through its link
+    (tmp_path / "r0" / "acceptance.log").symlink_to(mine / "log")
     g = grading.run_acceptance(test, work, tmp_path / "r0" / "grade", 120)
     assert g["grade"] == "pass" and (mine / "notes.txt").read_text() == "keep" and list(mine.iterdir()) == [mine / "notes.txt"], g
 
@@ -579,9 +581,13 @@ def test_a_missing_agent_command_stops_the_run(tmp_path, capsys):
 
 def test_an_agent_that_deletes_its_files_is_graded_and_the_run_goes_on(tmp_path, capsys):
     """An agent removing its transcript or its working directory ended the whole run with FileNotFoundError; one
-    committing its work left an empty changes.diff."""
-    fw, out = fake_framework(tmp_path), tmp_path / "results"
-    agent = ("sleep 30 & echo $! > ../../left.pid; echo y > src/new.py; git add -A; git -c user.name=a -c user.email=a@b "
+    committing its work left an empty changes.diff; the runner wrote result.json, answer.txt, changes.diff and the
+    report through symlinks the agent put in their place, outside --out."""
+    fw, out, outside = fake_framework(tmp_path), tmp_path / "results", tmp_path / "outside"
+    outside.mkdir()
+    links = "".join(f"ln -s {outside}/$ATE_TASK.{n} ../{n}; " for n in ("result.json", "answer.txt", "changes.diff"))
+    agent = (links + f"ln -sf {outside}/report.md ../../../../report.md; ln -sf {outside}/m.json ../../../../ate_bench.json; "
+             "sleep 30 & echo $! > ../../left.pid; echo y > src/new.py; git add -A; git -c user.name=a -c user.email=a@b "
              "commit -qm mine; rm -f ../transcript.jsonl ../agent.stderr; cd /; "
              "[ $ATE_TASK = qa_logging ] || rm -rf {workdir}; : {prompt}")
     code, stdout, err = run(["run", "--framework", f"pithtrain={fw}", "--tasks", "op_memory_fit,qa_logging", "--agent", agent,
@@ -594,6 +600,17 @@ def test_an_agent_that_deletes_its_files_is_graded_and_the_run_goes_on(tmp_path,
     for pid in (int(p.read_text()) for p in out.glob("pithtrain/*/left.pid")):  # what the agent left running ends with it
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
     assert len(list(out.glob("pithtrain/*/left.pid"))) == 2
+    assert list(outside.iterdir()) == []
+    assert "warning: " in err and "is a symlink the runner did not make" in err, err
+    # --resume with every session done writes only ate_bench.json and the report, both links of the agent's
+    manifest = '{"frameworks": ["pithtrain"]}'
+    (outside / "m.json").write_text(manifest)
+    assert run(["run", "--framework", f"pithtrain={fw}", "--tasks", "op_memory_fit,qa_logging", "--agent", agent,
+                "--format", "generic-jsonl", "--out", out, "--resume"], capsys)[0] == 0
+    written = [out / "report.md", out / "ate_bench.json", out / "pithtrain" / "qa_logging" / "r0" / "changes.diff",
+               *(out / "pithtrain" / t / "r0" / n for t in ("op_memory_fit", "qa_logging") for n in ("result.json", "answer.txt"))]
+    assert list(outside.iterdir()) == [outside / "m.json"] and (outside / "m.json").read_text() == manifest
+    assert all(p.is_file() and not p.is_symlink() for p in written)
 
 
 @pytest.mark.fast
