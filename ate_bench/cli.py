@@ -11,6 +11,7 @@ from pathlib import Path
 from ate_bench import grading, transcripts
 from ate_bench.tasks import UsageError, load_tasks
 
+OUT_FILES = ("ate_bench.json", "report.md", "report.png")  # --out's own files, beside OUT/<framework>/
 CHECKOUT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")  # what a framework checkout has at its top
 
 
@@ -50,6 +51,9 @@ def cmd_run(args) -> int:
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", name):
             raise UsageError(f"--framework {name}={path}: the name must be letters, digits, _ . + - (it names a directory "
                              "of --out), e.g. --framework pithtrain=/path/to/PithTrain")
+        if name.casefold() in OUT_FILES:  # its directory and the file took each other's place, failing after the sessions ran
+            raise UsageError(f"--framework {name}={path}: the name is one of --out's own files ({', '.join(OUT_FILES)}); "
+                             f"choose another, e.g. --framework {name.replace('.', '_')}={path}")
         if not Path(path).is_dir():
             raise UsageError(f"--framework {name}={path}: no such directory; give the framework's checkout")
         if not any((Path(path) / m).exists() for m in CHECKOUT_MARKERS):
