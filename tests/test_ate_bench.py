@@ -1,6 +1,7 @@
 """ATE-Bench's harness with the scripted stand-in agent: runner, transcript metrics, time limit, graders
 (accepting right and rejecting wrong work), acceptance tests on fresh copies, the report and the CLI."""
 
+import importlib.util
 import json
 import os
 import re
@@ -334,6 +335,14 @@ def test_two_meshes_verifier(tmp_path):
     assert verdict("SAME=yes MAX_REL_DIFF=0.01")["grade"] == "fail"  # a number not read from the runs
     assert verdict("SAME=yes MAX_REL_DIFF=nan")["grade"] == "fail"  # passed: nan > tolerance is False
     assert verdict("SAME=no MAX_REL_DIFF=2e-6")["grade"] == "fail"
+    spec = importlib.util.spec_from_file_location("ate_verifiers_common", verifier.parent / "common.py")  # in-process
+    spec.loader.exec_module(common := importlib.util.module_from_spec(spec))
+    answer_number, answer_value = common.answer_number, common.answer_value
+    assert answer_number("LOSS=1,234.5 and X=2", "LOSS") == 1234.5 and answer_number("**LOSS**: `12,345`, ok", "LOSS") == 12345
+    assert answer_value("SAME=yes,MAX_REL_DIFF=2e-6", "SAME") == "yes"
+    for unreadable in ("LOSS=3,14", "LOSS=1,23,4"):  # were read as 3 and 1
+        with pytest.raises(SystemExit):
+            answer_number(unreadable, "LOSS")
     write_run(work / "ate_out" / "mesh_c", b, {"ep": 1}, 1)
     shutil.rmtree(work / "ate_out" / "mesh_b")
     (work / "ate_out" / "mesh_c").rename(work / "ate_out" / "mesh_b")
