@@ -148,8 +148,16 @@ def cmd_list(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors (a bad type or choice, a missing flag) are UsageErrors: one line like every other
+    (argparse printed its usage block above it), as pithtrain's CLI does. Subparsers take this class too."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ate_bench", description=__doc__)
+    p = _Parser(prog="python -m ate_bench", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run an agent on tasks x frameworks x repeats")
     r.add_argument("--framework", action="append", default=[], metavar="NAME=PATH", help="a framework checkout (repeatable)")
@@ -179,7 +187,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (UsageError, OSError) as e:  # OSError: a directory or file that could not be written or read

@@ -432,6 +432,9 @@ def test_graders_take_output_that_is_not_utf8(tmp_path):
     (["--framework", "pithtrain=.", "--grade-timeout", "1e7"], "--grade-timeout 1e+07: must be"),  # OverflowError at grading
     (["--framework", "pithtrain=.", "--repeats", "0"], "--repeats 0: must be"),  # was OUT/../<task>/r0: outside --out
     (["--framework", "a/b=."], "--framework a/b=.: the name must be"),
+    (["--framework", "pithtrain=.", "--repeats", "two"], "run: argument --repeats: invalid int value: 'two' (see "),  # was usage + error
+    (["--framework", "pithtrain=.", "--format", "json"], "argument --format: invalid choice: 'json'"),
+    (["--framework", "pithtrain=.", "--agnet", "x"], "unrecognized arguments: --agnet x (see python -m ate_bench --help)"),
     (["--framework", "report.md=."], "--framework report.md=.: the name is one of --out's own files"),  # failed after the run
     (["--framework", "Ate_Bench.json=."], "e.g. --framework Ate_Bench_json=."),  # one file on a case-insensitive disk  # no .git, pyproject.toml, setup.py
     (["--framework", "pithtrain=.", "--agent", "x {prompt_files}"], "--agent: unknown placeholder {prompt_files}; the known"),
