@@ -11,6 +11,7 @@ from pathlib import Path
 from ate_bench import grading, transcripts
 from ate_bench.tasks import UsageError, load_tasks
 
+OUT_FILES = ("ate_bench.json", "report.md", "report.png")  # --out's own files, beside OUT/<framework>/
 CHECKOUT_MARKERS = (".git", "pyproject.toml", "setup.py", "setup.cfg")  # what a framework checkout has at its top
 
 
@@ -50,6 +51,9 @@ def cmd_run(args) -> int:
         if not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_.+-]*", name):
             raise UsageError(f"--framework {name}={path}: the name must be letters, digits, _ . + - (it names a directory "
                              "of --out), e.g. --framework pithtrain=/path/to/PithTrain")
+        if name.casefold() in OUT_FILES:  # its directory and the file took each other's place, failing after the sessions ran
+            raise UsageError(f"--framework {name}={path}: the name is one of --out's own files ({', '.join(OUT_FILES)}); "
+                             f"choose another, e.g. --framework {name.replace('.', '_')}={path}")
         if not Path(path).is_dir():
             raise UsageError(f"--framework {name}={path}: no such directory; give the framework's checkout")
         if not any((Path(path) / m).exists() for m in CHECKOUT_MARKERS):
@@ -95,12 +99,12 @@ def cmd_run(args) -> int:
         raise UsageError(f"--out {out}: already holds {len(earlier)} of these sessions ({', '.join(earlier[:3])}"
                          f"{', ...' if len(earlier) > 3 else ''}); pass --resume to keep the finished ones and run the rest, "
                          "--overwrite to replace them, or choose another --out")
-    from ate_bench.report import manifest_frameworks
+    from ate_bench.report import changed_line, manifest_frameworks
 
     known = manifest_frameworks(out) if out.is_dir() else []
     out.mkdir(parents=True, exist_ok=True)
     manifest = out / "ate_bench.json"  # marks the directory; the frameworks in the order first run (the report's)
-    manifest.write_text(json.dumps({"kind": "ate-bench results", "frameworks": known + [f for f in frameworks if f not in known]}) + "\n")
+    grading.write_file(manifest, json.dumps({"kind": "ate-bench results", "frameworks": known + [f for f in frameworks if f not in known]}) + "\n")
     noted = set()
     for task in tasks:
         for name, path in frameworks.items():
@@ -114,6 +118,8 @@ def cmd_run(args) -> int:
                     print(f"note: --framework {name}={path}: special files not copied: {', '.join(r['not_copied'])}", file=sys.stderr)
                 print(f"{task.id:24s} {name:12s} r{k} {r['status']:11s} {r['grade']:8s} turns={r['turns']} "
                       f"out={r['output_tokens']} {r['session_seconds']:.1f}s  {r['note']}", flush=True)
+                if r.get("checkout_changed"):
+                    print(f"warning: {name}/{task.id}/r{k}: {changed_line(r['checkout_changed'], path)}", file=sys.stderr, flush=True)
     from ate_bench.report import write_report
 
     md, png = write_report(out)
@@ -142,8 +148,16 @@ def cmd_list(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse whose usage errors (a bad type or choice, a missing flag) are UsageErrors: one line like every other
+    (argparse printed its usage block above it), as pithtrain's CLI does. Subparsers take this class too."""
+
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m ate_bench", description=__doc__)
+    p = _Parser(prog="python -m ate_bench", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
     r = sub.add_parser("run", help="run an agent on tasks x frameworks x repeats")
     r.add_argument("--framework", action="append", default=[], metavar="NAME=PATH", help="a framework checkout (repeatable)")
@@ -173,7 +187,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         return args.func(args)
     except (UsageError, OSError) as e:  # OSError: a directory or file that could not be written or read

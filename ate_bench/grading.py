@@ -118,15 +118,14 @@ def run_acceptance(test_file: Path, workdir: Path, grade_dir: Path, timeout: flo
     elif grade_dir.exists():
         shutil.rmtree(grade_dir)
     copy_tree(workdir, grade_dir)
-    dest = grade_dir / "ate_acceptance" / test_file.name
-    dest.parent.mkdir(exist_ok=True)
-    shutil.copy(test_file, dest)
+    dest = grade_dir / "ate_acceptance" / test_file.name  # the agent's ate_acceptance/ (a link) came along in the copy
+    write_file(dest, test_file.read_bytes(), top=grade_dir)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "--rootdir", str(dest.parent), str(dest)]
     try:
         p = _run(cmd, timeout, cwd=grade_dir, env=_env(grade_dir))
     except subprocess.TimeoutExpired:
         return {"grade": "fail", "score": 0.0, "note": f"acceptance test timed out after {timeout:.0f} s"}
-    (grade_dir.parent / "acceptance.log").write_text(p.stdout + p.stderr)
+    write_file(grade_dir.parent / "acceptance.log", p.stdout + p.stderr)
     ok = p.returncode == 0
     return {"grade": "pass" if ok else "fail", "score": 1.0 if ok else 0.0, "note": _last_line(p.stdout) or _last_line(p.stderr)}
 
@@ -160,7 +159,7 @@ def run_judge(judge: str, task: Task, framework: str, workdir: Path, answer_file
 def grade(task: Task, keyset: str, run_dir: Path, workdir: Path, checkout: Path, answer: str,
           judge: str | None, timeout: float) -> dict:
     answer_file = run_dir / "answer.txt"
-    answer_file.write_text(answer)
+    write_file(answer_file, answer, top=run_dir.parents[2])  # OUT/<framework>/<task>/r<k>
     if task.category == "understand" and keyset in task.keys:
         return grade_facts(answer, task.keys[keyset])
     if not workdir.is_dir() and (keyset in task.verifier or keyset in task.acceptance):  # was a traceback ending the run
@@ -174,5 +173,21 @@ def grade(task: Task, keyset: str, run_dir: Path, workdir: Path, checkout: Path,
     return {"grade": "ungraded", "score": None, "note": f"no key for {keyset}; pass --judge to grade it"}
 
 
-def dump(obj, path: Path) -> None:
-    path.write_text(json.dumps(obj, indent=2) + "\n")
+def write_file(path: Path, data: str | bytes, top: Path | None = None) -> None:
+    """Write `path` as a file of the runner's own. The runner makes no symlinks: one at `path`, or at a directory between
+    `top` and it, is the agent's (which can write anywhere around its work/), and writing through it landed outside
+    --out. Such a link is replaced (by the file, or an empty directory), what it points to left alone."""
+    top = top or path.parent
+    for p in [*(top / q for q in reversed(path.relative_to(top).parents) if q != Path(".")), path]:
+        if p.is_symlink():
+            print(f"warning: {p} is a symlink the runner did not make (to {os.readlink(p)}); replaced, its target left alone",
+                  file=sys.stderr)
+            p.unlink()
+        if p != path and not p.is_dir():
+            p.mkdir()
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0), 0o666), "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+
+
+def dump(obj, path: Path, top: Path | None = None) -> None:
+    write_file(path, json.dumps(obj, indent=2) + "\n", top)

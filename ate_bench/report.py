@@ -4,12 +4,14 @@ each task's grades; written as report.md (Markdown) and report.png (bar charts).
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import re
 from collections import defaultdict
 from pathlib import Path
 
+from ate_bench.grading import write_file
 from ate_bench.tasks import CATEGORIES, UsageError
 
 METRICS = (  # (result key, column title): the cost of a session, lower is cheaper
@@ -109,6 +111,13 @@ def framework_order(results: list[dict], out: Path | None = None) -> list[str]:
     return [f for f in first if f in present] + sorted(present - set(first))
 
 
+def changed_line(paths, checkout: str = "the checkout") -> str:
+    """One line for a session whose agent changed the framework checkout (runner.fingerprint)."""
+    paths = [str(p) for p in paths] if isinstance(paths, list) else [str(paths)]
+    return (f"{checkout} changed during the session ({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}); the "
+            "sessions after it copied the changed framework: restore it and rerun them with --overwrite")
+
+
 def markdown(results: list[dict], baseline: str | None = None, frameworks: list[str] | None = None) -> str:
     frameworks = frameworks or framework_order(results)
     base = baseline or frameworks[0]
@@ -154,6 +163,10 @@ def markdown(results: list[dict], baseline: str | None = None, frameworks: list[
     notes = [f"- {r['framework']} / {r['task']} / r{r['repeat']}: {r['note']}" for r in results if r["grade"] != "pass" and r.get("note")]
     if notes:
         lines += ["", "## Notes on sessions that did not pass", ""] + notes
+    changed = [f"- {r['framework']} / {r['task']} / r{r['repeat']}: {changed_line(r['checkout_changed'])}"
+               for r in results if r.get("checkout_changed")]
+    if changed:
+        lines += ["", "## Checkout changed by the agent", ""] + changed
     return "\n".join(lines) + "\n"
 
 
@@ -176,8 +189,10 @@ def plot(results: list[dict], path: Path, frameworks: list[str] | None = None) -
         ax.set_title(title, fontsize=9)
     axes[0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=110)
     plt.close(fig)
+    write_file(path, png.getvalue())
 
 
 def write_report(out: Path, baseline: str | None = None) -> tuple[Path, Path | None]:
@@ -188,7 +203,7 @@ def write_report(out: Path, baseline: str | None = None) -> tuple[Path, Path | N
     if baseline and baseline not in frameworks:
         raise FileNotFoundError(f"--baseline {baseline}: no sessions of it in {out}; use one of {', '.join(frameworks)}")
     md = out / "report.md"
-    md.write_text(markdown(results, baseline, frameworks))
+    write_file(md, markdown(results, baseline, frameworks))
     try:
         png = out / "report.png"
         plot(results, png, frameworks)

@@ -3,7 +3,8 @@
 OUT/<framework>/<task>/r<k>/ holds work/ (the copy the agent worked in, its own git repository
 with the starting state committed, so `changes.diff` is what the agent changed), prompt.txt,
 transcript.jsonl (the agent's stdout), agent.stderr, answer.txt, grade/ (acceptance copies) and
-result.json (the metrics and the grade). The framework checkout itself is never touched.
+result.json (the metrics and the grade). The runner never writes into the framework checkout; what changed
+there during a session (the agent has the path, $ATE_CHECKOUT) is recorded as `checkout_changed`.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import re
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from dataclasses import asdict
@@ -20,7 +22,7 @@ from pathlib import Path
 
 from ate_bench import transcripts
 from ate_bench.gpu import GpuSampler
-from ate_bench.grading import COPY_IGNORE, copy_tree, dump, fill, grade
+from ate_bench.grading import COPY_IGNORE, copy_tree, dump, fill, grade, write_file
 from ate_bench.tasks import Task, UsageError
 
 FOOTER = ("\n\nYou are working in a copy of the framework's repository (your working directory); change it as the task "
@@ -33,20 +35,42 @@ def _git(work: Path, *args: str) -> str:
                           cwd=work, capture_output=True, text=True).stdout
 
 
+def _copy_ignore(work: Path):
+    """What a copy into `work` leaves out: COPY_IGNORE, and the results directory when it lies in the checkout
+    (README's --out ate_runs/...)."""
+    inside = set(work.resolve().parents)
+    return lambda folder, names: set(COPY_IGNORE(folder, names)) | {n for n in names if Path(folder, n).resolve() in inside}
+
+
 def fresh_copy(checkout: Path, work: Path) -> list[Path]:
     """A standalone copy: no .git of the original (a worktree's .git file would point back into
     it); a new repository with the starting state committed instead. Returns the special files left out."""
-    inside = set(work.resolve().parents)
-
-    def ignore(folder, names):  # and the results directory, when it lies in the checkout (README's --out ate_runs/...)
-        return set(COPY_IGNORE(folder, names)) | {n for n in names if Path(folder, n).resolve() in inside}
-
-    special = copy_tree(checkout, work, ignore)
+    special = copy_tree(checkout, work, _copy_ignore(work))
     if shutil.which("git"):
         _git(work, "init", "-q")
         _git(work, "add", "-A")
         _git(work, "commit", "-q", "-m", "ATE-Bench start", "--no-verify")
     return special
+
+
+def fingerprint(checkout: Path, work: Path) -> dict[str, tuple]:
+    """Per path a fresh copy into `work` takes: (type and mode, size, mtime_ns, link target), from lstat alone (a few ms
+    for PithTrain). A write with the usual tools changes mtime_ns; a directory counts by its entries, not its mtime
+    (a __pycache__ made by importing from the checkout is no change)."""
+    ignore, found = _copy_ignore(work), {}
+    for folder, dirs, files in os.walk(checkout):
+        left_out = set(ignore(folder, dirs + files))
+        dirs[:] = [d for d in dirs if d not in left_out]
+        for name in dirs + [f for f in files if f not in left_out]:
+            path = os.path.join(folder, name)
+            try:
+                st = os.lstat(path)
+            except OSError:
+                continue
+            link = os.readlink(path) if stat.S_ISLNK(st.st_mode) else ""
+            timed = not stat.S_ISDIR(st.st_mode)
+            found[os.path.relpath(path, checkout)] = (st.st_mode, st.st_size if timed else 0, st.st_mtime_ns if timed else 0, link)
+    return found
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -96,6 +120,7 @@ def run_one(task: Task, framework: str, checkout: Path, keyset: str, repeat: int
         shutil.rmtree(run_dir)  # run --overwrite: the CLI refuses an existing session without it
     run_dir.mkdir(parents=True)
     work = run_dir / "work"
+    before = fingerprint(checkout, work)  # the agent can write into $ATE_CHECKOUT: every later session would copy that
     try:
         special = fresh_copy(checkout, work)
     except OSError as e:
@@ -119,7 +144,7 @@ def run_one(task: Task, framework: str, checkout: Path, keyset: str, repeat: int
     if shutil.which("git") and (work / ".git").is_dir():
         _git(work, "add", "-A")
         # against the starting commit: an agent that committed its work left an empty diff against HEAD
-        (run_dir / "changes.diff").write_text(_git(work, "diff", "--cached", "--binary", *([start] if start else [])))
+        write_file(run_dir / "changes.diff", _git(work, "diff", "--cached", "--binary", *([start] if start else [])), top=out)
     result = {"task": task.id, "category": task.category, "framework": framework, "keyset": keyset, "repeat": repeat,
               "format": fmt, **session, **asdict(parsed),
               "mean_context_tokens": round(sum(parsed.context_tokens) / len(parsed.context_tokens)) if parsed.context_tokens else 0,
@@ -130,5 +155,9 @@ def run_one(task: Task, framework: str, checkout: Path, keyset: str, repeat: int
         result.update(grade="fail", score=0.0, note=f"agent stopped at the time limit ({time_limit:g} s)")
     else:
         result.update(grade(task, keyset, run_dir, work, checkout, parsed.answer, judge, grade_timeout))
-    dump(result, run_dir / "result.json")
+    after = fingerprint(checkout, work)  # after grading too: a verifier reruns the agent's command, a test imports its code
+    changed = sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
+    if changed:  # the paths (the first 20) that changed, appeared or went
+        result["checkout_changed"] = changed[:20] + ([f"... {len(changed) - 20} more"] if len(changed) > 20 else [])
+    dump(result, run_dir / "result.json", top=out)
     return result

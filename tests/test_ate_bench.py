@@ -1,6 +1,7 @@
 """ATE-Bench's harness with the scripted stand-in agent: runner, transcript metrics, time limit, graders
 (accepting right and rejecting wrong work), acceptance tests on fresh copies, the report and the CLI."""
 
+import importlib.util
 import json
 import os
 import re
@@ -179,11 +180,14 @@ def test_runner_metrics_grades_failures_and_report(tmp_path, capsys):
     assert (bad["grade"], bad["turns"], bad["output_tokens"], bad["context_tokens"]) == ("fail", 3, 300, [12000])
     assert "missing" in bad["note"]
 
-    failing = script(tmp_path, "failing", answer="I could not", exit=1)
-    run(["run", "--framework", f"pithtrain={pit}", "--tasks", "qa_logging", "--agent", f"{PY} {STANDIN} {failing} {{prompt}}",
-         "--format", "claude-stream-json", "--out", out], capsys)
+    # this agent also edits the original checkout ($ATE_CHECKOUT), which every later session copies: flagged
+    failing = script(tmp_path, "failing", answer="I could not", exit=1, actions=[{"run": 'echo y = 2 >> "$ATE_CHECKOUT/src/core.py"'}])
+    _, _, err = run(["run", "--framework", f"pithtrain={pit}", "--tasks", "qa_logging", "--agent", f"{PY} {STANDIN} {failing} {{prompt}}",
+                     "--format", "claude-stream-json", "--out", out], capsys)
     r = result(out, "pithtrain", "qa_logging")
     assert (r["status"], r["exit_code"], r["grade"]) == ("agent_error", 1, "fail")
+    assert r["checkout_changed"] == ["src/core.py"] and "checkout_changed" not in good
+    assert err.count("\n") == 1 and err.startswith(f"warning: pithtrain/qa_logging/r0: {pit} changed during the session (src/core.py)"), err
 
     pid_file = tmp_path / "child.pid"
     slow = script(tmp_path, "slow", actions=[{"run": f"echo $$ > {pid_file}; sleep 60"}], answer="late")
@@ -218,6 +222,7 @@ def test_runner_metrics_grades_failures_and_report(tmp_path, capsys):
     # ratios over the tasks both ran (qa_device_mesh): 3/2 turns, 300/130 tokens, 12000/2000 context
     ratio = re.search(r"\| understand \| fork \| ([0-9.]+) \| ([0-9.]+) \| ([0-9.]+) \|", stdout.split("## Ratios")[1])
     assert ratio and ratio.groups() == ("1.50", "2.31", "6.00")
+    assert "- pithtrain / qa_logging / r0: the checkout changed during the session (src/core.py);" in stdout
     code, stdout, _ = run(["report", out, "--baseline", "fork"], capsys)
     assert code == 0 and "| understand | pithtrain | 0.67 |" in stdout
 
@@ -330,6 +335,14 @@ def test_two_meshes_verifier(tmp_path):
     assert verdict("SAME=yes MAX_REL_DIFF=0.01")["grade"] == "fail"  # a number not read from the runs
     assert verdict("SAME=yes MAX_REL_DIFF=nan")["grade"] == "fail"  # passed: nan > tolerance is False
     assert verdict("SAME=no MAX_REL_DIFF=2e-6")["grade"] == "fail"
+    spec = importlib.util.spec_from_file_location("ate_verifiers_common", verifier.parent / "common.py")  # in-process
+    spec.loader.exec_module(common := importlib.util.module_from_spec(spec))
+    answer_number, answer_value = common.answer_number, common.answer_value
+    assert answer_number("LOSS=1,234.5 and X=2", "LOSS") == 1234.5 and answer_number("**LOSS**: `12,345`, ok", "LOSS") == 12345
+    assert answer_value("SAME=yes,MAX_REL_DIFF=2e-6", "SAME") == "yes"
+    for unreadable in ("LOSS=3,14", "LOSS=1,23,4"):  # were read as 3 and 1
+        with pytest.raises(SystemExit):
+            answer_number(unreadable, "LOSS")
     write_run(work / "ate_out" / "mesh_c", b, {"ep": 1}, 1)
     shutil.rmtree(work / "ate_out" / "mesh_b")
     (work / "ate_out" / "mesh_c").rename(work / "ate_out" / "mesh_b")
@@ -372,6 +385,8 @@ def test_acceptance_replaces_a_grade_link_the_agent_made(tmp_path):
     (mine / "notes.txt").write_text("keep")
     test.write_text("def test_ok():\n    pass\n")
     (tmp_path / "r0" / "grade").symlink_to(mine)
+    (work / "ate_acceptance").symlink_to(mine)  # the test was copied through it, and the log through its link
+    (tmp_path / "r0" / "acceptance.log").symlink_to(mine / "log")
     g = grading.run_acceptance(test, work, tmp_path / "r0" / "grade", 120)
     assert g["grade"] == "pass" and (mine / "notes.txt").read_text() == "keep" and list(mine.iterdir()) == [mine / "notes.txt"], g
 
@@ -416,7 +431,12 @@ def test_graders_take_output_that_is_not_utf8(tmp_path):
     (["--framework", "pithtrain=.", "--grade-timeout", "-1"], "--grade-timeout -1: must be"),  # every grade failed
     (["--framework", "pithtrain=.", "--grade-timeout", "1e7"], "--grade-timeout 1e+07: must be"),  # OverflowError at grading
     (["--framework", "pithtrain=.", "--repeats", "0"], "--repeats 0: must be"),  # was OUT/../<task>/r0: outside --out
-    (["--framework", "a/b=."], "--framework a/b=.: the name must be"),  # no .git, pyproject.toml, setup.py
+    (["--framework", "a/b=."], "--framework a/b=.: the name must be"),
+    (["--framework", "pithtrain=.", "--repeats", "two"], "run: argument --repeats: invalid int value: 'two' (see "),  # was usage + error
+    (["--framework", "pithtrain=.", "--format", "json"], "argument --format: invalid choice: 'json'"),
+    (["--framework", "pithtrain=.", "--agnet", "x"], "unrecognized arguments: --agnet x (see python -m ate_bench --help)"),
+    (["--framework", "report.md=."], "--framework report.md=.: the name is one of --out's own files"),  # failed after the run
+    (["--framework", "Ate_Bench.json=."], "e.g. --framework Ate_Bench_json=."),  # one file on a case-insensitive disk  # no .git, pyproject.toml, setup.py
     (["--framework", "pithtrain=.", "--agent", "x {prompt_files}"], "--agent: unknown placeholder {prompt_files}; the known"),
     (["--framework", "pithtrain=.", "--agent", "x {prompt} ${HOME} {HOME} {0}"], "unknown placeholder {0}, {HOME};"),
     (["--framework", "pithtrain=.", "--agent", "x ${prompt}"], "--agent: the command must contain {prompt}"),
@@ -575,9 +595,13 @@ def test_a_missing_agent_command_stops_the_run(tmp_path, capsys):
 
 def test_an_agent_that_deletes_its_files_is_graded_and_the_run_goes_on(tmp_path, capsys):
     """An agent removing its transcript or its working directory ended the whole run with FileNotFoundError; one
-    committing its work left an empty changes.diff."""
-    fw, out = fake_framework(tmp_path), tmp_path / "results"
-    agent = ("sleep 30 & echo $! > ../../left.pid; echo y > src/new.py; git add -A; git -c user.name=a -c user.email=a@b "
+    committing its work left an empty changes.diff; the runner wrote result.json, answer.txt, changes.diff and the
+    report through symlinks the agent put in their place, outside --out."""
+    fw, out, outside = fake_framework(tmp_path), tmp_path / "results", tmp_path / "outside"
+    outside.mkdir()
+    links = "".join(f"ln -s {outside}/$ATE_TASK.{n} ../{n}; " for n in ("result.json", "answer.txt", "changes.diff"))
+    agent = (links + f"ln -sf {outside}/report.md ../../../../report.md; ln -sf {outside}/m.json ../../../../ate_bench.json; "
+             "sleep 30 & echo $! > ../../left.pid; echo y > src/new.py; git add -A; git -c user.name=a -c user.email=a@b "
              "commit -qm mine; rm -f ../transcript.jsonl ../agent.stderr; cd /; "
              "[ $ATE_TASK = qa_logging ] || rm -rf {workdir}; : {prompt}")
     code, stdout, err = run(["run", "--framework", f"pithtrain={fw}", "--tasks", "op_memory_fit,qa_logging", "--agent", agent,
@@ -590,6 +614,17 @@ def test_an_agent_that_deletes_its_files_is_graded_and_the_run_goes_on(tmp_path,
     for pid in (int(p.read_text()) for p in out.glob("pithtrain/*/left.pid")):  # what the agent left running ends with it
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
     assert len(list(out.glob("pithtrain/*/left.pid"))) == 2
+    assert list(outside.iterdir()) == []
+    assert "warning: " in err and "is a symlink the runner did not make" in err, err
+    # --resume with every session done writes only ate_bench.json and the report, both links of the agent's
+    manifest = '{"frameworks": ["pithtrain"]}'
+    (outside / "m.json").write_text(manifest)
+    assert run(["run", "--framework", f"pithtrain={fw}", "--tasks", "op_memory_fit,qa_logging", "--agent", agent,
+                "--format", "generic-jsonl", "--out", out, "--resume"], capsys)[0] == 0
+    written = [out / "report.md", out / "ate_bench.json", out / "pithtrain" / "qa_logging" / "r0" / "changes.diff",
+               *(out / "pithtrain" / t / "r0" / n for t in ("op_memory_fit", "qa_logging") for n in ("result.json", "answer.txt"))]
+    assert list(outside.iterdir()) == [outside / "m.json"] and (outside / "m.json").read_text() == manifest
+    assert all(p.is_file() and not p.is_symlink() for p in written)
 
 
 @pytest.mark.fast

@@ -21,7 +21,8 @@ def args():
 def answer_value(answer: str, key: str) -> str:
     """The value of the last `KEY=value` (or `KEY: value`) in the answer; FAIL when absent."""
     # Markdown around it (**SAME=yes**, SAME: **yes**, `X=1`) or quotes were part of the value: a right answer failed
-    found = re.findall(rf"(?<![A-Za-z0-9_]){key}[*_`]*\s*[=:]\s*[*_`\"']*([^\s`*\"',;]+)", answer)
+    # a comma ends the value unless a digit follows: LOSS=1,234.5 was read as 1 (SAME=yes, X=... still ends at "yes")
+    found = re.findall(rf"(?<![A-Za-z0-9_]){key}[*_`]*\s*[=:]\s*[*_`\"']*((?:[^\s`*\"',;]|,(?=\d))+)", answer)
     if not found:
         fail(f"the answer has no {key}=<value>")
     return found[-1].rstrip(".")
@@ -29,10 +30,12 @@ def answer_value(answer: str, key: str) -> str:
 
 def answer_number(answer: str, key: str) -> float:
     text = answer_value(answer, key)
+    if re.fullmatch(r"[+-]?\d{1,3}(,\d{3})+(\.\d*)?([eE][+-]?\d+)?", text):  # thousands separators: 1,234.5
+        text = text.replace(",", "")
     try:
         value = float(text)
-    except ValueError:
-        fail(f"{key}={text} is not a number")
+    except ValueError:  # any other comma too (3,14 or 1,23): not guessed at
+        fail(f"{key}={text} is not a number" + ("; write it with a decimal point and no separators, e.g. 1234.5" if "," in text else ""))
     if not math.isfinite(value):  # nan passed the checks written as `if abs(claimed - x) > tol: fail(...)`
         fail(f"{key}={text} is not a finite number")
     return value
