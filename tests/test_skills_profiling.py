@@ -153,7 +153,7 @@ def test_analyze_nsys_profile_attributes_time_overlap_and_gaps(tmp_path):
     that ended them (none known: outside), one of them while the host had not launched it yet."""
     db = _nsys_sqlite(tmp_path / "run.sqlite")
     out = subprocess.run([sys.executable, ANALYZE, str(db)], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+    assert out.returncode == 0 and out.stdout.strip().endswith("PASS: 1 process(es) with GPU time in layer stages 1, 2, 3, 5 and the optimizer"), out.stdout + out.stderr
     text = out.stdout
     assert f"process {PID} (device 0): 10 GPU activities, 11.75 ms, first to last 14.25 ms" in text, text
     for ms, share, name in [(3.0, 25.5, "pithtrain::stage3"), (2.0, 17.0, "pithtrain::dispatch"),
@@ -183,7 +183,7 @@ def test_analyze_nsys_profile_fails_clearly(tmp_path):
     assert no_stage5.returncode == 1, no_stage5.stdout
     assert no_stage5.stdout.strip().splitlines()[-1] == f"FAIL: process {PID}: no GPU time in stage 5", no_stage5.stdout
     no_stage4 = analyze(_nsys_sqlite(tmp_path / "c.sqlite", stage4=False), "--min-overlap", "0")
-    assert no_stage4.returncode == 0 and no_stage4.stdout.strip().splitlines()[-1] == "PASS", no_stage4.stdout
+    assert no_stage4.returncode == 0 and no_stage4.stdout.strip().splitlines()[-1] == "PASS: 1 process(es) with GPU time in layer stages 1, 2, 3, 5 and the optimizer", no_stage4.stdout
     low = analyze(_nsys_sqlite(tmp_path / "b.sqlite"), "--min-overlap", "0.5")
     assert low.returncode == 1 and low.stdout.strip().endswith(f"FAIL: process {PID}: NCCL overlap 37.5% < 50%"), low.stdout
     import sqlite3
@@ -265,7 +265,7 @@ def test_capture_nsys_profile_runs_exports_and_analyses(tmp_path, dataset_dir):
                FAKE_SQLITE=str(_nsys_sqlite(tmp_path / "export.sqlite")))
     out = subprocess.run([sys.executable, CAPTURE, str(run), "--capture", "2:3", "--out", str(tmp_path / "cap")],
                          capture_output=True, text=True, env=env)
-    assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+    assert out.returncode == 0 and out.stdout.strip().endswith("PASS: 1 process(es) with GPU time in layer stages 1, 2, 3, 5 and the optimizer"), out.stdout + out.stderr
     assert "--capture-range=cudaProfilerApi" in out.stdout and "PITHTRAIN_PROFILE_STEPS=2:3" in out.stdout
     assert (tmp_path / "cap" / "env.txt").read_text().split() == ["1", "2:3"]
     steps = [json.loads(line)["step"] for line in (tmp_path / "cap" / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -325,7 +325,7 @@ def test_profile_kernel_roofline_of_an_ncu_csv(tmp_path):
         return subprocess.run([sys.executable, KERNEL, "--csv", str(csv_path), *map(str, args)], capture_output=True, text=True)
 
     ok = profile(gemm, "--flops", 2e11, "--min-bytes", 1e8)
-    assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS"), ok.stdout + ok.stderr
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS: efficiency 51.0% >= 50% of the compute-bound roofline"), ok.stdout + ok.stderr
     assert "op: 2 kernel(s), 0.5000 ms, 200.00 GFLOP, DRAM 150.00 MB (1.50x the 100.00 MB it must move)" in ok.stdout, ok.stdout
     assert ("achieved 400.0 TFLOP/s (bf16 peak 785), 300 GB/s (HBM peak 4170); intensity 1333.3 FLOP/byte (2000.0 at "
             "the minimum bytes), ridge 188.2: compute-bound, roofline 785.0 TFLOP/s, efficiency 51.0%") in ok.stdout, ok.stdout
@@ -408,7 +408,8 @@ def test_profile_kernel_judges_a_runs_kernels_by_speed_of_light(tmp_path):
     assert out.returncode == 1 and out.stdout.strip().endswith(
         "FAIL: under 50% of speed of light: swiglu_fwd (16% of the time at 40%)"), out.stdout
     ok = subprocess.run([sys.executable, KERNEL, "--csv", str(csv_path), "--min-efficiency", "0.4"], capture_output=True, text=True)
-    assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS"), ok.stdout
+    assert ok.returncode == 0 and ok.stdout.strip().endswith(
+        "PASS: every kernel with 5% or more of the time at >= 40% of speed of light"), ok.stdout
 
 
 # Stands in for Nsight Compute: runs the program after its options, then writes an ncu CSV of one
@@ -444,7 +445,8 @@ def test_profile_kernel_profiles_a_range_of_a_real_run(tmp_path, dataset_dir):
     run = write_run_file(tmp_path / "run.py", dataset_dir)
     out = subprocess.run([sys.executable, KERNEL, "--train", str(run), "--range", "stage3", "--step", "2"],
                          capture_output=True, text=True, env=env)
-    assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+    assert out.returncode == 0 and out.stdout.strip().endswith(
+        "PASS: every kernel with 5% or more of the time at >= 50% of speed of light"), out.stdout + out.stderr
     assert "     0.0050 100.0%     1x  70.0%       0  grouped_gemm" in out.stdout, out.stdout
     work = Path(out.stdout.split("--log-file ")[1].split()[0]).parent
     assert (work / "env.txt").read_text().split() == ["1", "2:2", "pithtrain::stage3/", "off"]
