@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -276,7 +277,7 @@ def test_capture_nsys_profile_runs_exports_and_analyses(tmp_path, dataset_dir):
 
 
 @pytest.mark.fast
-def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path, dataset_dir):
+def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path, dataset_dir, monkeypatch):
     (tmp_path / "tmp").mkdir()
     env = dict(os.environ, PATH=os.path.dirname(sys.executable), TMPDIR=str(tmp_path / "tmp"))  # python, but no nsys
     config = write_config(tmp_path / "c.py", dataset_dir)  # a dataset that exists: the run's data is checked first
@@ -289,6 +290,18 @@ def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path, datase
     assert not list((tmp_path / "tmp").glob("nsys-*"))  # was: an empty nsys-* directory left on every call
     bad = subprocess.run([sys.executable, CAPTURE, "examples/qwen3_tiny.py", "--capture", "4:3"], capture_output=True, text=True)
     assert bad.returncode == 1 and "FIRST:LAST" in bad.stdout
+    # nsys there, the profiled run failing: the FAIL line names the temporary directory that keeps its files
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nsys").write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in --output=*) echo failed > '
+                                           '"$(dirname "${a#--output=}")/nsys.log";; esac; done\nexit 1\n')
+    (tmp_path / "bin" / "nsys").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    failed = run_script(CAPTURE, config, "--capture", "1:1")
+    [kept] = (tmp_path / "tmp").glob("nsys-*")  # was: named nowhere
+    assert failed.returncode == 1 and failed.stdout.splitlines()[-1] == (
+        f"FAIL: the profiled run did not finish (its error is above); its files are in {kept}"), failed.stdout
+    assert (kept / "nsys.log").read_text() == "failed\n"
 
 
 KERNEL = ".agents/skills/profile-kernel/profile_kernel.py"
