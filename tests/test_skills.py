@@ -717,6 +717,14 @@ def test_track_experiments_checks_every_step_is_logged(tmp_path, dataset_dir):
         (run / "run_config.json").write_text(text)
         out = check()
         assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and says in out.stdout and len(out.stdout.splitlines()) == 1, out.stdout
+    (run / "wandb" / "offline-run-1").mkdir(parents=True)  # every step's loss in a record: only the config is judged
+    (run / "wandb" / "offline-run-1" / "run-1.wandb").write_text(" ".join(json.dumps(json.loads(line)["loss"]) for line in lines))
+    for model in (5, "qwen3_moe", [1]):  # was: a TypeError traceback; a string's first letter taken as a field name
+        (run / "run_config.json").write_text(json.dumps({"train": {"steps": 3}, "model": model}))
+        out = check("--wandb")
+        assert out.returncode == 1 and out.stdout.splitlines()[-1] == (
+            f"FAIL: {run / 'run_config.json'}: its \"model\" is {model!r}, not the model's fields (not a run's config?)"), out.stdout
+    shutil.rmtree(run / "wandb")
     (run / "run_config.json").write_text(config)
     assert check("--steps", "0").returncode == 2  # argparse: an integer >= 1
     for where, says in ((tmp_path / "none", "no such directory"), (run / "run_config.json", "a file")):  # not a run
