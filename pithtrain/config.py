@@ -474,6 +474,7 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
         return getattr(section, name) != _default(next(f for f in dataclasses.fields(section) if f.name == name))
 
     decay = max(1, round(o.decay_fraction * t.steps))  # wsd's decay steps (train/optim.lr_at)
+    dense = not any(map(m.is_moe_layer, range(m.num_hidden_layers + getattr(m, "num_nextn_predict_layers", 0))))
     found = [
         (changed(o, "decay_fraction") and o.schedule != "wsd", f"optim.decay_fraction applies only to optim.schedule=wsd (not {o.schedule})"),
         (changed(o, "min_lr_ratio") and o.schedule == "constant", "optim.min_lr_ratio has no effect with optim.schedule=constant"),
@@ -483,6 +484,10 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
         (o.schedule == "wsd" and t.steps - decay < o.warmup_steps <= t.steps,
          f"optim.warmup_steps={o.warmup_steps} runs into wsd's decay (the last {decay} steps): the lr falls from its peak at once"),
         (changed(t, "lb_type") and t.lb_coef == 0, "train.lb_type has no effect with train.lb_coef=0 (no load-balance loss)"),
+        *[(dense and changed(t, k) and t.lb_coef != 0, f"train.{k} has no effect: the model has no MoE layer (no router to "
+           "balance)") for k in ("lb_coef", "lb_type")],
+        (dense and t.recompute == "selective", "train.recompute=selective recomputes the experts' activations, and the model "
+         "has no MoE layer (train.recompute=full recomputes every layer)"),
         (changed(t, "mtp_coef") and not getattr(config.model, "num_nextn_predict_layers", 0),
          "train.mtp_coef has no effect without multi-token prediction layers (" + ("model.num_nextn_predict_layers=0)" if
          "num_nextn_predict_layers" in {f.name for f in dataclasses.fields(config.model)} else f"{config.model.model_type} has none)")),

@@ -118,3 +118,31 @@ def test_example_configs_validate():
             config.model.num_experts_per_tok = k
             with pytest.raises(ConfigError, match=f"model.num_experts_per_tok={k} must be in"):
                 config.model.build_model()
+
+
+def test_moe_options_on_a_model_without_moe_layers_are_warned_about():
+    """train.lb_coef, train.lb_type and train.recompute=selective act on MoE layers only: a model whose layers
+    are all dense (no experts, or every layer in mlp_only_layers) gets one warning for each; a model with an
+    MoE layer none (a DeepSeek-V3 whose only MoE layer is its multi-token prediction layer)."""
+    import dataclasses
+
+    from conftest import tiny_deepseek_v3_config
+    from pithtrain.config import ignored_options
+
+    config = tiny_config("data")  # lb_coef=0.01, away from its default
+    config.train.lb_type, config.train.recompute = "seq", "selective"
+    assert ignored_options(config) == []
+    said = ["warning: train.lb_coef has no effect: the model has no MoE layer (no router to balance)",
+            "warning: train.lb_type has no effect: the model has no MoE layer (no router to balance)",
+            "warning: train.recompute=selective recomputes the experts' activations, and the model has no MoE layer "
+            "(train.recompute=full recomputes every layer)"]
+    for fields in ({"num_experts": 0}, {"mlp_only_layers": [0, 1]}, {"decoder_sparse_step": 3}):
+        dense = dataclasses.replace(config, model=dataclasses.replace(config.model, **fields))
+        validate(dense)
+        assert ignored_options(dense) == said, fields  # was: none
+    dense.train.lb_coef, dense.train.recompute = 0.0, "full"  # the load-balance loss off: that is said instead
+    assert ignored_options(dense) == ["warning: train.lb_type has no effect with train.lb_coef=0 (no load-balance loss)"]
+    mtp = tiny_deepseek_v3_config("data", lb_type="seq", recompute="selective")
+    mtp.model.first_k_dense_replace = mtp.model.num_hidden_layers
+    validate(mtp)
+    assert ignored_options(mtp) == []

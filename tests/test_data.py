@@ -328,7 +328,11 @@ def test_iter_documents_follows_links_and_skips_fifos_and_datasets(tmp_path):
 
 
 def test_bpe_tokenize_round_trip(tmp_path):
-    from tokenizers import Tokenizer, models, normalizers, trainers
+    import re
+
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    from pithtrain.tools import tokenize
 
     files = stdlib_corpus_files(max_bytes=300_000)
     assert files and all(f.endswith(".py") and "site-packages" not in f for f in files)
@@ -353,16 +357,32 @@ def test_bpe_tokenize_round_trip(tmp_path):
     with mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 1000):
         tokenize_to_dataset([str(tmp_path / "long.txt")], tokenizer_file, str(tmp_path / "long"), progress=False)
     assert TokenDataset(tmp_path / "long").tokens[:-1].tolist() == tokenizer.encode(" ".join(texts)).ids
-    # a tokenizer whose normalizer prepends "▁" to every text (Llama 2's) would give each piece one: encoded whole
+    # a tokenizer whose normalizer prepends "▁" to every text (Llama 2's) would give each piece one; one whose tokens
+    # join words across a "▁" (merges over the cut): encoded whole, as said
     llama = Tokenizer(models.BPE())
     llama.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
     # trained on lines: without a pre-tokenizer a whole file is one word to BPE's trainer (quadratic: 14 s)
     lines = [line for text in texts for line in text.splitlines()]
     llama.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"]))
     llama.save(str(tmp_path / "llama.json"))
-    with mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 1000):
+    assert any(re.search("[^\u2581]\u2581", token) for token in llama.get_vocab())
+    with mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 1000), pytest.warns(UserWarning, match="characters is encoded whole"):
         tokenize_to_dataset([str(tmp_path / "long.txt")], str(tmp_path / "llama.json"), str(tmp_path / "llama"), progress=False)
     assert TokenDataset(tmp_path / "llama").tokens[:-1].tolist() == llama.encode(" ".join(texts)).ids
+    # one trained on words as SentencePiece is (Llama 2's: no token joins a character to the "▁" after it): cut at spaces,
+    # each left out (the next piece's prepended "▁" stands for it), none touching an added token; the whole text's ids
+    words = Tokenizer(models.BPE(byte_fallback=True))
+    words.normalizer, words.pre_tokenizer = llama.normalizer, pre_tokenizers.Split("\u2581", behavior="merged_with_next")
+    words.train_from_iterator(lines, trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<s>"]))
+    words.pre_tokenizer = None  # as Llama 2's tokenizer.json: BPE over the whole text
+    words.save(str(tmp_path / "words.json"))
+    (tmp_path / "tagged.txt").write_text(" <s> ".join(texts[:40]) + " ".join(texts[40:]))
+    pieces, cut = [], tokenize._pieces
+    with mock.patch("pithtrain.tools.tokenize.PIECE_CHARS", 1000), \
+            mock.patch("pithtrain.tools.tokenize._pieces", lambda *a: (pieces.append(p) or p for p in cut(*a))):
+        tokenize_to_dataset([str(tmp_path / "tagged.txt")], str(tmp_path / "words.json"), str(tmp_path / "words"), progress=False)
+    assert len(pieces) > 100  # was: one, the text whole (about 70 bytes of memory a character)
+    assert TokenDataset(tmp_path / "words").tokens[:-1].tolist() == words.encode((tmp_path / "tagged.txt").read_text()).ids
     cut = Tokenizer.from_file(tokenizer_file)  # a hub tokenizer.json's truncation and padding: not applied to documents
     cut.enable_truncation(8)
     cut.enable_padding(length=16)

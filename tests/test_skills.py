@@ -116,7 +116,8 @@ def test_capture_profile_overlap_measure(tmp_path):
     trace.write_text(json.dumps({"traceEvents": events}))
     script = ".agents/skills/capture-profile/profile_step.py"
     ok = subprocess.run([sys.executable, script, "--trace", str(trace), "--min-overlap", "0.7"], capture_output=True, text=True)
-    assert "overlapped with compute: 75.0%" in ok.stdout and ok.stdout.strip().endswith("PASS")
+    assert "overlapped with compute: 75.0%" in ok.stdout  # the PASS line says what was checked (was: a bare PASS)
+    assert ok.stdout.strip().endswith("PASS: 1 trace(s) analysed, communication overlap >= 70% in each"), ok.stdout
     low = subprocess.run([sys.executable, script, "--trace", str(trace), "--min-overlap", "0.8"], capture_output=True, text=True)
     assert low.returncode == 1 and low.stdout.strip().endswith("FAIL: rank0: overlap 75.0% < 80%")
     assert "19.00 ms  matmul" not in ok.stdout and "0.02 ms  matmul" in ok.stdout  # 19 us of gemm kernels
@@ -125,7 +126,8 @@ def test_capture_profile_overlap_measure(tmp_path):
     trace.write_text(json.dumps({"traceEvents": events}))
     kind = subprocess.run([sys.executable, script, "--trace", str(trace), "--min-overlap", "0.7", "--kind", "all-to-all/p2p"],
                           capture_output=True, text=True)
-    assert "overlapped with compute: 37.5%" in kind.stdout and kind.stdout.strip().endswith("PASS"), kind.stdout
+    assert "overlapped with compute: 37.5%" in kind.stdout and kind.stdout.strip().endswith(
+        "PASS: 1 trace(s) analysed, all-to-all/p2p overlap >= 70% in each"), kind.stdout
     assert "all-gather          0.02 ms,   0.0% overlapped" in kind.stdout, kind.stdout
     assert "all-to-all/p2p      0.02 ms,  75.0% overlapped" in kind.stdout, kind.stdout
 
@@ -617,7 +619,8 @@ def test_launch_preflight_refuses_a_file_as_out_and_fails_where_no_host_has_the_
                                                           "host (" + out.split("  rank    0  ")[1].split()[0] + "): make the "
                                                           "dataset there (setup-benchmark-inputs) or --set data.path=DIR"), out
     [(code, out)] = run_fn(1, _preflight_checks, tmp_path, tmp_path / "runs" / "big")  # an --out it creates, then removes
-    assert code == 0 and out.strip().splitlines()[-1] == "PASS", out
+    assert code == 0 and out.strip().splitlines()[-1] == ("PASS: 1 rank(s) on 1 host(s): all_reduce exact, one config and "
+                                                         f"torch version, data.path found, --out {tmp_path / 'runs' / 'big'} shared"), out
     assert not (tmp_path / "runs" / "big").exists() and (tmp_path / "runs").is_dir()  # runs/ was made by mkdir -p: kept
     for argv, says in ((["examples/qwen3_tiny.py", "--bogus"], "unrecognized arguments: --bogus"), ([], "required: config")):
         assert tool.main(argv) == 2
@@ -639,14 +642,16 @@ def test_setup_benchmark_inputs_writes_and_verifies_each_dataset(tmp_path, capsy
     for family, vocab in (("qwen3", 151936), ("deepseek_v2", 102400), ("gpt_oss", 201088), ("qwen3_5", 248320),
                           ("deepseek_v3", 129280), ("moonlight", 163840)):
         out = make("random", "--family", family, "--tokens", 500, "--out", tmp_path / family, process=family == "qwen3")
-        assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+        assert out.returncode == 0 and out.stdout.strip().endswith(f"PASS: {tmp_path / family} opens as training does, ids "
+                                                                   f"within its vocabulary, vocab {vocab}, 500 tokens"), out.stdout + out.stderr
         assert f"num_tokens=500, num_docs=1, vocab_size={vocab}" in out.stdout, out.stdout
     stdlib = make("stdlib", "--max-bytes", 50_000, "--vocab-size", 300, "--out", tmp_path / "stdlib")
-    assert stdlib.returncode == 0 and stdlib.stdout.strip().endswith("PASS"), stdlib.stdout + stdlib.stderr
+    assert stdlib.returncode == 0 and stdlib.stdout.strip().endswith(f"PASS: {tmp_path / 'stdlib'} opens as training does, ids "
+                                                                     "within its vocabulary, its tokenizer.json"), stdlib.stdout + stdlib.stderr
     (tmp_path / "text").mkdir()
     (tmp_path / "text" / "a.txt").write_text("the quick brown fox jumps over the lazy dog\n" * 50)
     corpus = make("corpus", tmp_path / "text", "--vocab-size", 280, "--out", tmp_path / "mine")
-    assert corpus.returncode == 0 and corpus.stdout.strip().endswith("PASS"), corpus.stdout + corpus.stderr
+    assert corpus.returncode == 0 and corpus.stdout.strip().endswith("its tokenizer.json"), corpus.stdout + corpus.stderr
     assert (tmp_path / "mine" / "tokenizer.json").is_file()
     # random tokens never replace a dataset without --overwrite (its tokenizer is not random's to delete), nor other files
     keep = make("random", "--family", "gpt_oss", "--tokens", 100, "--out", tmp_path / "mine")
@@ -712,6 +717,14 @@ def test_track_experiments_checks_every_step_is_logged(tmp_path, dataset_dir):
         (run / "run_config.json").write_text(text)
         out = check()
         assert out.returncode == 1 and out.stdout.startswith("FAIL: ") and says in out.stdout and len(out.stdout.splitlines()) == 1, out.stdout
+    (run / "wandb" / "offline-run-1").mkdir(parents=True)  # every step's loss in a record: only the config is judged
+    (run / "wandb" / "offline-run-1" / "run-1.wandb").write_text(" ".join(json.dumps(json.loads(line)["loss"]) for line in lines))
+    for model in (5, "qwen3_moe", [1]):  # was: a TypeError traceback; a string's first letter taken as a field name
+        (run / "run_config.json").write_text(json.dumps({"train": {"steps": 3}, "model": model}))
+        out = check("--wandb")
+        assert out.returncode == 1 and out.stdout.splitlines()[-1] == (
+            f"FAIL: {run / 'run_config.json'}: its \"model\" is {model!r}, not the model's fields (not a run's config?)"), out.stdout
+    shutil.rmtree(run / "wandb")
     (run / "run_config.json").write_text(config)
     assert check("--steps", "0").returncode == 2  # argparse: an integer >= 1
     for where, says in ((tmp_path / "none", "no such directory"), (run / "run_config.json", "a file")):  # not a run

@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -153,7 +154,7 @@ def test_analyze_nsys_profile_attributes_time_overlap_and_gaps(tmp_path):
     that ended them (none known: outside), one of them while the host had not launched it yet."""
     db = _nsys_sqlite(tmp_path / "run.sqlite")
     out = subprocess.run([sys.executable, ANALYZE, str(db)], capture_output=True, text=True)
-    assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+    assert out.returncode == 0 and out.stdout.strip().endswith("PASS: 1 process(es) with GPU time in layer stages 1, 2, 3, 5 and the optimizer"), out.stdout + out.stderr
     text = out.stdout
     assert f"process {PID} (device 0): 10 GPU activities, 11.75 ms, first to last 14.25 ms" in text, text
     for ms, share, name in [(3.0, 25.5, "pithtrain::stage3"), (2.0, 17.0, "pithtrain::dispatch"),
@@ -183,7 +184,7 @@ def test_analyze_nsys_profile_fails_clearly(tmp_path):
     assert no_stage5.returncode == 1, no_stage5.stdout
     assert no_stage5.stdout.strip().splitlines()[-1] == f"FAIL: process {PID}: no GPU time in stage 5", no_stage5.stdout
     no_stage4 = analyze(_nsys_sqlite(tmp_path / "c.sqlite", stage4=False), "--min-overlap", "0")
-    assert no_stage4.returncode == 0 and no_stage4.stdout.strip().splitlines()[-1] == "PASS", no_stage4.stdout
+    assert no_stage4.returncode == 0 and no_stage4.stdout.strip().splitlines()[-1] == "PASS: 1 process(es) with GPU time in layer stages 1, 2, 3, 5 and the optimizer", no_stage4.stdout
     low = analyze(_nsys_sqlite(tmp_path / "b.sqlite"), "--min-overlap", "0.5")
     assert low.returncode == 1 and low.stdout.strip().endswith(f"FAIL: process {PID}: NCCL overlap 37.5% < 50%"), low.stdout
     import sqlite3
@@ -265,7 +266,7 @@ def test_capture_nsys_profile_runs_exports_and_analyses(tmp_path, dataset_dir):
                FAKE_SQLITE=str(_nsys_sqlite(tmp_path / "export.sqlite")))
     out = subprocess.run([sys.executable, CAPTURE, str(run), "--capture", "2:3", "--out", str(tmp_path / "cap")],
                          capture_output=True, text=True, env=env)
-    assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+    assert out.returncode == 0 and out.stdout.strip().endswith("PASS: 1 process(es) with GPU time in layer stages 1, 2, 3, 5 and the optimizer"), out.stdout + out.stderr
     assert "--capture-range=cudaProfilerApi" in out.stdout and "PITHTRAIN_PROFILE_STEPS=2:3" in out.stdout
     assert (tmp_path / "cap" / "env.txt").read_text().split() == ["1", "2:3"]
     steps = [json.loads(line)["step"] for line in (tmp_path / "cap" / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -276,7 +277,7 @@ def test_capture_nsys_profile_runs_exports_and_analyses(tmp_path, dataset_dir):
 
 
 @pytest.mark.fast
-def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path, dataset_dir):
+def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path, dataset_dir, monkeypatch):
     (tmp_path / "tmp").mkdir()
     env = dict(os.environ, PATH=os.path.dirname(sys.executable), TMPDIR=str(tmp_path / "tmp"))  # python, but no nsys
     config = write_config(tmp_path / "c.py", dataset_dir)  # a dataset that exists: the run's data is checked first
@@ -289,6 +290,18 @@ def test_capture_nsys_profile_without_nsys_says_what_to_install(tmp_path, datase
     assert not list((tmp_path / "tmp").glob("nsys-*"))  # was: an empty nsys-* directory left on every call
     bad = subprocess.run([sys.executable, CAPTURE, "examples/qwen3_tiny.py", "--capture", "4:3"], capture_output=True, text=True)
     assert bad.returncode == 1 and "FIRST:LAST" in bad.stdout
+    # nsys there, the profiled run failing: the FAIL line names the temporary directory that keeps its files
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nsys").write_text('#!/bin/sh\nfor a in "$@"; do case "$a" in --output=*) echo failed > '
+                                           '"$(dirname "${a#--output=}")/nsys.log";; esac; done\nexit 1\n')
+    (tmp_path / "bin" / "nsys").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    failed = run_script(CAPTURE, config, "--capture", "1:1")
+    [kept] = (tmp_path / "tmp").glob("nsys-*")  # was: named nowhere
+    assert failed.returncode == 1 and failed.stdout.splitlines()[-1] == (
+        f"FAIL: the profiled run did not finish (its error is above); its files are in {kept}"), failed.stdout
+    assert (kept / "nsys.log").read_text() == "failed\n"
 
 
 KERNEL = ".agents/skills/profile-kernel/profile_kernel.py"
@@ -325,7 +338,7 @@ def test_profile_kernel_roofline_of_an_ncu_csv(tmp_path):
         return subprocess.run([sys.executable, KERNEL, "--csv", str(csv_path), *map(str, args)], capture_output=True, text=True)
 
     ok = profile(gemm, "--flops", 2e11, "--min-bytes", 1e8)
-    assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS"), ok.stdout + ok.stderr
+    assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS: efficiency 51.0% >= 50% of the compute-bound roofline"), ok.stdout + ok.stderr
     assert "op: 2 kernel(s), 0.5000 ms, 200.00 GFLOP, DRAM 150.00 MB (1.50x the 100.00 MB it must move)" in ok.stdout, ok.stdout
     assert ("achieved 400.0 TFLOP/s (bf16 peak 785), 300 GB/s (HBM peak 4170); intensity 1333.3 FLOP/byte (2000.0 at "
             "the minimum bytes), ridge 188.2: compute-bound, roofline 785.0 TFLOP/s, efficiency 51.0%") in ok.stdout, ok.stdout
@@ -408,7 +421,8 @@ def test_profile_kernel_judges_a_runs_kernels_by_speed_of_light(tmp_path):
     assert out.returncode == 1 and out.stdout.strip().endswith(
         "FAIL: under 50% of speed of light: swiglu_fwd (16% of the time at 40%)"), out.stdout
     ok = subprocess.run([sys.executable, KERNEL, "--csv", str(csv_path), "--min-efficiency", "0.4"], capture_output=True, text=True)
-    assert ok.returncode == 0 and ok.stdout.strip().endswith("PASS"), ok.stdout
+    assert ok.returncode == 0 and ok.stdout.strip().endswith(
+        "PASS: every kernel with 5% or more of the time at >= 40% of speed of light"), ok.stdout
 
 
 # Stands in for Nsight Compute: runs the program after its options, then writes an ncu CSV of one
@@ -444,7 +458,8 @@ def test_profile_kernel_profiles_a_range_of_a_real_run(tmp_path, dataset_dir):
     run = write_run_file(tmp_path / "run.py", dataset_dir)
     out = subprocess.run([sys.executable, KERNEL, "--train", str(run), "--range", "stage3", "--step", "2"],
                          capture_output=True, text=True, env=env)
-    assert out.returncode == 0 and out.stdout.strip().endswith("PASS"), out.stdout + out.stderr
+    assert out.returncode == 0 and out.stdout.strip().endswith(
+        "PASS: every kernel with 5% or more of the time at >= 50% of speed of light"), out.stdout + out.stderr
     assert "     0.0050 100.0%     1x  70.0%       0  grouped_gemm" in out.stdout, out.stdout
     work = Path(out.stdout.split("--log-file ")[1].split()[0]).parent
     assert (work / "env.txt").read_text().split() == ["1", "2:2", "pithtrain::stage3/", "off"]

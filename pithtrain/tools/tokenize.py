@@ -252,15 +252,34 @@ def _batched(texts: Iterable[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def _pieces(text: str, size: int) -> Iterator[str]:
+SPACE = re.compile(r"(?<=\S) ")  # where _pieces cuts: before a space that follows a non-space
+
+
+def _pieces(text: str, size: int, cut: re.Pattern | None = SPACE) -> Iterator[str]:
     """`text` in pieces of at least `size` characters, each cut before a space that follows a non-space: there the
     pre-tokenizers of byte-level BPE (GPT-2's, Llama 3's, Qwen's, DeepSeek's, o200k's) start a new word anyway, so the
-    pieces' ids are the whole text's (encoding 40 MB at once took 4.4 GB); a text without such a space stays whole."""
-    start, cut = 0, re.compile(r"(?<=\S) ")
-    while (found := cut.search(text, start + size)) is not None:
+    pieces' ids are the whole text's (encoding 40 MB at once took 4.4 GB); a text without such a space stays whole.
+    Another `cut` (_prepend_cut's) leaves the space there out; None: the text whole."""
+    start = 0
+    while cut is not None and (found := cut.search(text, start + size)) is not None:
         yield text[start:found.start()]
-        start = found.start()
+        start = found.start() + (cut is not SPACE)
     yield text[start:]
+
+
+def _prepend_cut(tokenizer, ids) -> re.Pattern | None:
+    """Where a BPE whose normalizer prepends "▁" to every text and turns spaces into "▁" (Llama 2's) may cut a text with
+    the whole text's ids, the space there left out (the next piece gets its "▁" prepended): where no token joins the
+    character before to that "▁" (so no merge crosses it) and no added token (they split the text, each part gets a "▁")
+    touches the space; None where that cannot be said."""
+    added = tokenizer.get_added_tokens_decoder().values()
+    if (type(tokenizer.model).__name__ != "BPE" or tokenizer.normalizer is None or ids("a b") != ids("a") + ids("b")
+            or tokenizer.normalizer.normalize_str("a b") != "\u2581a\u2581b"
+            or any(re.search("[^\u2581]\u2581", t) for t in tokenizer.get_vocab())
+            or any(a.lstrip or a.rstrip or re.search("[\\s\u2581]", a.content) for a in added)):
+        return None
+    last, first = (re.escape("".join({a.content[i] for a in added if a.content})) for i in (-1, 0))
+    return re.compile(f"(?<=[^\\s\u2581{last}]) (?=[^\\s\u2581{first}])")
 
 
 def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, text_field: str = "text", batch_size: int = 1000,
@@ -282,7 +301,7 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
     encode = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
     ids = lambda text: encode([text], add_special_tokens=False)[0].ids  # noqa: E731
     # pieces cut before a space have the whole text's ids, unless its normalizer prepends to every text (Llama 2's "▁")
-    cut = ids("a b") == ids("a") + ids(" b")
+    cut = SPACE if ids("a b") == ids("a") + ids(" b") else _prepend_cut(tokenizer, ids)
 
     def encoded(texts: list[str]) -> list[np.ndarray]:
         arrays = [np.array(e.ids, dtype=dtype) for e in encode(texts, add_special_tokens=False)]  # parallel in Rust
@@ -296,7 +315,10 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
         for texts in _batched(iter_documents(inputs, text_field), batch_size):
             if len(texts[0]) > PIECE_CHARS:  # one long document (a single huge line): its pieces in turn, with progress
                 parts = []
-                for piece in _pieces(texts[0], PIECE_CHARS if cut else len(texts[0])):
+                if cut is None:
+                    warnings.warn(f"{tokenizer_file}: a document of {len(texts[0]):,} characters is encoded whole (its "
+                                  "tokenizer's pieces of text may not be cut): about 70 bytes of memory a character")
+                for piece in _pieces(texts[0], PIECE_CHARS, cut):
                     parts.append(encoded([piece])[0])
                     status.update(0, len(piece.encode("utf-8")), parts[-1].size)
                 status.update(1, 0, 0)

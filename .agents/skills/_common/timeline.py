@@ -48,7 +48,8 @@ def collective(name: str) -> str | None:
     return "other"
 
 
-def verdict(failures: list[str]) -> int:
-    """Print the last line every skill script ends with, PASS or FAIL (with the reasons); the exit status."""
-    print("PASS" if not failures else f"FAIL: {'; '.join(failures)}")
+def verdict(failures: list[str], passed: str = "") -> int:
+    """Print the last line every skill script ends with: PASS and what was checked (`passed`), or FAIL with the
+    reasons; the exit status."""
+    print((f"PASS: {passed}" if passed else "PASS") if not failures else f"FAIL: {'; '.join(failures)}")
     return 1 if failures else 0

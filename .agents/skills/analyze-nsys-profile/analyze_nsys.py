@@ -206,8 +206,8 @@ def main():
                         "was the capture range empty? see capture-nsys-profile)"])
     if not ranges:
         return verdict([f"{args.sqlite} holds no {PREFIX} NVTX ranges: capture with PITHTRAIN_NVTX=1 and --trace=cuda,nvtx"])
-    failures = []
-    for pid in sorted({row[2] for row in activity}):
+    failures, pids = [], sorted({row[2] for row in activity})
+    for pid in pids:
         r = analyse([row for row in activity if row[2] == pid], launches, ranges, args.gap_us)
         report(pid, r, args.gap_us)
         # stage 4 may be empty: with one expert rank the combine moves nothing (stage 5 reads the rows in place)
@@ -218,7 +218,8 @@ def main():
             failures.append(f"process {pid}: no NCCL kernels (--min-overlap {100 * args.min_overlap:g}%)")
         elif r["overlap"] < args.min_overlap:
             failures.append(f"process {pid}: NCCL overlap {100 * r['overlap']:.1f}% < {100 * args.min_overlap:g}%")
-    return verdict(failures)
+    return verdict(failures, f"{len(pids)} process(es) with GPU time in layer stages 1, 2, 3, 5 and the optimizer"
+                   + (f", NCCL overlap >= {100 * args.min_overlap:g}%" if args.min_overlap else ""))
 
 
 if __name__ == "__main__":

@@ -61,9 +61,10 @@ def main():
     failed = ("the profiled run did not finish (its error is above)" if subprocess.run(profile, env=env).returncode
               else None if report.is_file() else f"nsys wrote no {report}: did the run reach step {first}?")
     if failed:
-        if args.out is not None and not any(out.rglob("*.*")):  # nothing of use: the retry may take the same --out
+        if not any(out.rglob("*.*")):  # nothing of use: the retry may take the same --out (no empty nsys-* left)
             shutil.rmtree(out, ignore_errors=True)
-        return verdict([failed])
+        # the run's directory and nsys's files: a temporary one is named nowhere else
+        return verdict([failed + (f"; its files are in {out}" if out.exists() else "")])
     export = ["nsys", "export", "--type=sqlite", "--force-overwrite=true", f"--output={sqlite}", str(report)]
     print(f"$ {shlex.join(export)}", flush=True)
     if subprocess.run(export).returncode != 0:

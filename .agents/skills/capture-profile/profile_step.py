@@ -370,7 +370,9 @@ def analyse_traces(traces: list[Path], args) -> int:
     names = [t.stem for t in traces]
     labels = names if len(set(names)) == len(names) else [str(t) for t in traces]
     failures = [f for f in (report(t, e, args, label) for t, e, label in zip(traces, events, labels)) if f is not None]
-    return verdict(failures)
+    what = "communication" if args.kind is None else args.kind
+    return verdict(failures, f"{len(traces)} trace(s) analysed" + (f", {what} overlap >= {100 * args.min_overlap:g}% in each"
+                                                                    if args.min_overlap else " (no --min-overlap to judge)"))
 
 
 if __name__ == "__main__":

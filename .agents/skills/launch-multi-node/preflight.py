@@ -167,7 +167,9 @@ def checks(config, args, device) -> int:
         for line in problems if len(problems) > 1 else []:  # a single one is the FAIL line
             print(f"problem: {line}")
         more = f" (+{len(problems) - 1} more above)" if len(problems) > 1 else ""
-        print(f"FAIL: {problems[0]}{more}" if problems else "PASS", flush=True)
+        checked = ", ".join(["all_reduce"] + ["all_to_all (EP)"] * (p.ep > 1) + ["send/recv (PP)"] * (p.pp > 1))
+        print(f"FAIL: {problems[0]}{more}" if problems else f"PASS: {world} rank(s) on {len(hosts)} host(s): {checked} exact, "
+              f"one config and torch version, data.path found" + (f", --out {args.out} shared" if args.out else ""), flush=True)
     dist.barrier()
     if shared:
         (shared / f"rank{rank}").unlink()

@@ -106,7 +106,7 @@ def report(kernels: list[dict], flops: float, min_bytes: float, dtype: str, peak
           f"the minimum bytes), ridge {r['ridge']:.1f}: {r['bound']}-bound, roofline {r['roof_tflops']:.1f} TFLOP/s, "
           f"efficiency {100 * r['efficiency']:.1f}%")
     if r["efficiency"] >= min_efficiency:
-        return verdict([])
+        return verdict([], f"efficiency {100 * r['efficiency']:.1f}% >= {100 * min_efficiency:.0f}% of the {r['bound']}-bound roofline")
     hint = ("memory-bound: moves {:.1f}x its minimum bytes; better reuse (tiling) or fusing it with its neighbour "
             "saves the round trip".format(dram / min_bytes) if r["bound"] == "memory"
             else "compute-bound below the roof: retile (block sizes, stages, warps) or check the tensor-core path")
@@ -131,7 +131,8 @@ def report_run(kernels: list[dict], min_efficiency: float) -> int:
         print(f"  {t * 1e3:9.4f} {100 * t / total:5.1f}% {n:5d}x {100 * weighted / t:5.1f}% {dram / t / 1e9:7.0f}  {name[:70]}")
         if t >= 0.05 * total and weighted / t < min_efficiency:
             low.append(f"{name[:40]} ({100 * t / total:.0f}% of the time at {100 * weighted / t:.0f}%)")
-    return verdict([f"under {100 * min_efficiency:.0f}% of speed of light: " + ", ".join(low)] if low else [])
+    return verdict([f"under {100 * min_efficiency:.0f}% of speed of light: " + ", ".join(low)] if low else [],
+                   f"every kernel with 5% or more of the time at >= {100 * min_efficiency:.0f}% of speed of light")
 
 
 def build_op(args, device: str):

@@ -129,7 +129,10 @@ def main():
     problems = verify(args.out, vocab, tokens, tokenizer)
     for p in problems:
         print("problem:", p)
-    print("PASS" if not problems else f"FAIL: {args.out} is not a usable dataset")
+    checked = "".join([f", vocab {vocab}" * (vocab is not None), f", {tokens} tokens" * (tokens is not None),
+                       ", its tokenizer.json" * tokenizer])
+    print(f"PASS: {args.out} opens as training does, ids within its vocabulary{checked}" if not problems
+          else f"FAIL: {args.out} is not a usable dataset")
     return 0 if not problems else 1
 
 

@@ -70,7 +70,10 @@ def wandb_problems(run: Path, logged: dict, config: dict | None) -> list:
         problems.append(f"wandb: the loss of steps {absent[:10]} is in no offline run (a run killed before wandb flushed?)")
     if config is None:
         return problems + [f"{run / 'run_config.json'} is missing: cannot check that wandb logged the config"]
-    field = f'"{next(iter(config.get("model") or {"model_type": 0}))}"'.encode()  # "model_type"
+    model = config.get("model") or {"model_type": 0}
+    if not isinstance(model, dict):  # a number or a string is no config a run wrote (a string's first letter is no field)
+        return problems + [f"{run / 'run_config.json'}: its \"model\" is {model!r}, not the model's fields (not a run's config?)"]
+    field = f'"{next(iter(model))}"'.encode()  # "model_type"
     counts = [r.count(field) for r in records]
     if any(c != 1 for c in counts):
         problems.append(f"wandb: the run config (its field {field.decode()}) is logged {counts} times per offline run, not once")
