@@ -143,8 +143,10 @@ def test_dry_run_warns_as_the_run_does_and_logs_continue_across_a_resume(tmp_pat
                           wandb_project="moe")
     run = tmp_path / "run"
     dry, _ = cli(["train", config, "--out", run, "--dry-run"], capsys)
-    lost, _ = cli(["train", config, "--out", run, "--dry-run", "--stop-after", "2", "--set", "train.checkpoint_every=-1"], capsys)
+    lost, _ = cli(["train", config, "--out", run, "--dry-run", "--stop-after", "2", "--set", "train.checkpoint_every=-1",
+                   "--set", "optim.allow_switch=true"], capsys)
     assert "warning: --stop-after 2 with train.checkpoint_every=-1 writes no checkpoint" in lost and "--stop-after" not in dry
+    assert f"warning: optim.allow_switch has no effect: {run} holds no checkpoint" in lost and "no effect" not in dry
     out = train(config, "--out", run)
     total, sizes = re.search(r"^(model qwen3_moe: [\d,]+ parameters) \| (.*steps per epoch [\d.]+)$", dry, re.M).groups()
     banner = next(line for line in out.splitlines() if line.startswith("model "))

@@ -492,6 +492,9 @@ def check_run(config: RunConfig, out_dir: Path, stop_after: int | None = None, e
         check_resume(config, found, stop_after, echo, loader.datasets)
     elif config.train.init_from:
         check_init_from(config, echo, verify=not create, dataset=loader.dataset)  # a run verifies the checkpoint as it loads it
+    if found is None and config.optim.allow_switch and echo:  # a permission for a resume, meaningless here
+        print(f"warning: optim.allow_switch has no effect: {out_dir} holds no checkpoint to resume, the run starts fresh",
+              flush=True)
     return loader, eval_windows(config, loader, world_size), found
 
 
