@@ -44,7 +44,9 @@ def test_preflight_passes(tmp_path):
     result, _ = preflight("--nproc", "4", "--pp", "2", "--ep", "2", "--set", "train.micro_batch_size=2",
                           "--set", f"data.path={tmp_path}", "--out", str(out))  # a directory on every host
     text = result.stdout
-    assert result.returncode == 0 and text.strip().splitlines()[-1] == "PASS", text + result.stderr
+    assert result.returncode == 0 and text.strip().splitlines()[-1] == (
+        "PASS: 4 rank(s) on 1 host(s): all_reduce, all_to_all (EP), send/recv (PP) exact, one config and torch version, "
+        f"data.path found, --out {out} shared"), text + result.stderr
     for line in ["mesh: pp=2 dp=1 cp=1 ep=2 (world 4)", "EP groups: [0, 1] [2, 3]", "pipeline stages of rank 0: [0, 2]",
                  "x 4 micro-batches", "all_reduce (world)", "all_to_all_single (EP)", "send/recv (pp neighbours)"]:
         assert line in text, text
@@ -167,7 +169,8 @@ def _checks(rank, world, corrupt):
 @pytest.mark.fast
 def test_checks_detect_wrong_data():
     results = run_fn(4, _checks, False)
-    assert [code for code, _ in results] == [0] * 4 and results[0][1].strip().endswith("PASS"), results[0][1]
+    assert [code for code, _ in results] == [0] * 4 and results[0][1].strip().splitlines()[-1].startswith(
+        "PASS: 4 rank(s) on 1 host(s): all_reduce"), results[0][1]
     results = run_fn(4, _checks, True)
     assert [code for code, _ in results] == [1] * 4, results
     last = results[0][1].strip().splitlines()[-1]
