@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from conftest import (markov_docs, tiny_config, tiny_deepseek_config, tiny_deepseek_v3_config, tiny_gpt_oss_config,
                       tiny_qwen3_5_config, write_run_file)
 from pithtrain.cli import main
-from pithtrain.config import UserError, load_run_config, run_dict
+from pithtrain.config import MUON_EXCLUDE, UserError, load_run_config, run_dict
 from pithtrain.train import checkpoint as ckpt
 from pithtrain.train import loop
 from pithtrain.train.data import TokenDataset, write_dataset
@@ -70,7 +70,7 @@ def test_changed_model_data_order_or_batch_is_refused(run):
     assert [p.name for p in ckpt.list_checkpoints(out)] == ["step_00000001"]
 
 
-def test_switching_the_optimizer_is_refused_unless_allowed(run, tmp_path):
+def test_switching_the_optimizer_is_refused_unless_allowed(run, tmp_path, monkeypatch):
     """The checkpoint holds AdamW's moments: optim.name=muon is refused in one line naming the escape;
     with optim.allow_switch=true the run goes on (weights loaded, Muon's state fresh), with a warning."""
     _, config, out = run
@@ -84,12 +84,20 @@ def test_switching_the_optimizer_is_refused_unless_allowed(run, tmp_path):
     notes = [line for line in (printed + err).splitlines() if line.startswith(("warning:", "note:"))]
     assert code == 0 and not any("allow_switch" in line for line in notes), notes  # a permission, not a setting
     assert [m["step"] for m in read_metrics(copy / "metrics.jsonl")] == [1, 2, 3]
+    loads, real = [], ckpt.load_training_state  # with_optim of each: a muon_exclude change moving no weight keeps the state
+    monkeypatch.setattr(ckpt, "load_training_state", lambda *a, with_optim=True: loads.append(with_optim)
+                        or real(*a, with_optim=with_optim))
+    same = [p for p in MUON_EXCLUDE if p != "*bias"]  # 1-D: never Muon's
+    code, printed, err = cli("train", config, "--out", copy, "--steps", "4", "--set", "optim.name=muon",
+                             "--set", f"optim.muon_exclude={json.dumps(same)}")
+    assert code == 0 and loads == [True] and "optim.muon_exclude" in printed, err
     exclude = ("--set", 'optim.muon_exclude=["*norm*"]')  # the head and embedding join Muon: its state has no moments for them
-    code, _, err = cli("train", config, "--out", copy, "--steps", "4", "--set", "optim.name=muon", *exclude)
+    code, _, err = cli("train", config, "--out", copy, "--steps", "5", "--set", "optim.name=muon", *exclude)
     assert refused(code, err, "cannot resume", "optim.muon_exclude", "optim.allow_switch=true"), err
-    code, _, err = cli("train", config, "--out", copy, "--steps", "4", "--set", "optim.name=muon", *exclude,
+    code, _, err = cli("train", config, "--out", copy, "--steps", "5", "--set", "optim.name=muon", *exclude,
                        "--set", "optim.allow_switch=true")
-    assert code == 0 and [m["step"] for m in read_metrics(copy / "metrics.jsonl")] == [1, 2, 3, 4], err
+    assert code == 0 and [m["step"] for m in read_metrics(copy / "metrics.jsonl")] == [1, 2, 3, 4, 5], err
+    assert loads == [True, False], loads
 
 
 def test_lr_schedule_and_steps_change_with_a_warning_then_fewer_steps_are_refused(run):

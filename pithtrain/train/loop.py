@@ -322,8 +322,7 @@ def resume(config: RunConfig, model, optimizer, mesh: Mesh, found: Path | None, 
     if found:
         try:
             old, o = _flat(ckpt.read_meta(found).get("config", {})), config.optim  # optim.allow_switch: state starts fresh
-            exclude = list(o.muon_exclude)
-            switched = old["optim.name"] != o.name or o.name == "muon" and old.get("optim.muon_exclude", exclude) != exclude
+            switched = old["optim.name"] != o.name or o.name == "muon" and muon_moves(config, old.get("optim.muon_exclude"))
             meta = ckpt.load_training_state(found, model, optimizer, mesh, with_optim=not switched)
         except (Exception, CheckpointException) as e:  # DCP wraps every rank's error in a BaseException
             cause = ckpt.dcp_cause(e)
@@ -603,6 +602,16 @@ def check_muon_takes_some(config: RunConfig, echo: bool = False) -> None:
                           "matrix: the run would be AdamW; narrow optim.muon_exclude or set optim.name=adamw")
 
 
+def muon_moves(config: RunConfig, was) -> bool:
+    """Whether optim.muon_exclude `was` (a resumed checkpoint's) -> config's moves a weight between Muon and AdamW,
+    whose optimizer states differ (a pattern for what Muon never takes, a 1-D norm or bias, moves none)."""
+    if was is None or list(was) == list(config.optim.muon_exclude):
+        return False
+    with torch.device("meta"):
+        params = list(config.model.build_model().named_parameters())
+    return any(takes_muon(name, p, was) != takes_muon(name, p, config.optim.muon_exclude) for name, p in params)
+
+
 def eval_windows(config: RunConfig, loader: BatchLoader, world_size: int = 1) -> tuple[BatchLoader, np.ndarray] | None:
     """The eval samples: (a loader whose `windows` reads them, their window indices), or None.
     data.eval_path: its first data.eval_samples windows (0: as many whole global batches as it
@@ -740,7 +749,8 @@ def check_resume(config: RunConfig, checkpoint: Path, stop_after: int | None = N
         raise UserError(f"cannot resume from {checkpoint}: it holds {was} optimizer state and optim.name={now}; set "
                         f"optim.name={was}, or --set optim.allow_switch=true to go on with {now} from fresh optimizer "
                         f"state, or train into a new --out")
-    if "optim.muon_exclude" in changed and config.optim.name == "muon" and not config.optim.allow_switch:
+    if ("optim.muon_exclude" in changed and config.optim.name == "muon" and not config.optim.allow_switch
+            and muon_moves(config, changed["optim.muon_exclude"][0])):
         raise UserError(f"cannot resume from {checkpoint}: {show(['optim.muon_exclude'])} moves weights between Muon and AdamW, "
                         "whose optimizer states differ; undo the change, or --set optim.allow_switch=true to go on from fresh "
                         "optimizer state, or train into a new --out")
