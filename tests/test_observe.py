@@ -171,7 +171,7 @@ def test_plot_errors(tmp_path, run, capsys):
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "metrics.jsonl").write_text("not json\n")
     for args, names in (([tmp_path], "no metrics.jsonl"), ([tmp_path / "bad"], "metrics.jsonl"),
-                        ([run, "--out", tmp_path / "none" / "x.png"], "--out"), ([run, f"{run}/../{run.name}"], "is named twice")):
+                        ([run, "--out", tmp_path / "none" / "x.png"], "none does not exist"), ([run, f"{run}/../{run.name}"], "is named twice")):
         _, err = cli(["plot", *args], capsys, code=2)
         one_line_error(err, names, str(args[0] if len(args) == 1 else args[-1]))
     with mock.patch.dict(sys.modules, {"matplotlib": None}):

@@ -372,3 +372,4 @@ def test_dry_run_warns_when_the_estimate_exceeds_the_gpu(tmp_path, dataset_dir, 
                        "--set", "model.max_position_embeddings=8192")  # no size: not named as one to make smaller
     assert code == 2 and "GiB on the CPU (fp32 weights, gradients and AdamW moments, 16 bytes each), more than this " \
                          "machine's 0.0 GiB; train it on GPUs" in err and "max_position_embeddings" not in err, err
+    assert "memory per GPU without one: .agents/skills/estimate-memory/estimate_memory.py" in err, err

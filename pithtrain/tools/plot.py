@@ -43,7 +43,8 @@ def run_plot(args) -> int:
     rows = [(run, _rows(run)) for run in runs]  # every input is checked before anything is drawn
     out = Path(args.out) if args.out else (runs[0] if runs[0].is_dir() else runs[0].parent) / "metrics.png"
     if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
-        raise UserError(f"--out {out}: {out.parent} is not a writable directory; choose another path")
+        raise UserError(f"--out {out}: {out.parent} " + ("is not a writable directory" if out.parent.exists() else
+                                                          "does not exist") + "; choose another path")
     if out.is_dir():
         raise UserError(f"--out {out} is a directory; name the PNG file to write, e.g. {out / 'metrics.png'}")
     out = out if out.suffix else out.with_name(out.name + ".png")  # as matplotlib names it

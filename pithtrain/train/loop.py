@@ -583,7 +583,8 @@ def check_model_size(model_cfg, on_cpu: bool = False) -> None:
     if 16 * total > ram:
         raise UserError(f"model: {total:.3g} parameters need {16 * total / 2**30:.1f} GiB on the CPU (fp32 weights, "
                         f"gradients and AdamW moments, 16 bytes each), more than this machine's {ram / 2**30:.1f} GiB; "
-                        f"train it on GPUs, or make it smaller ({sizes or 'the model fields'})")
+                        f"train it on GPUs (memory per GPU without one: .agents/skills/estimate-memory/estimate_memory.py), or "
+                        f"make it smaller ({sizes or 'the model fields'})")
 
 
 def check_muon_takes_some(config: RunConfig, echo: bool = False) -> None:
