@@ -603,8 +603,10 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
     check(num_experts % p.ep == 0, f"parallel.ep={p.ep} does not divide the {num_experts} experts; "
           f"choose ep among the divisors of {num_experts}")
     data_ranks = data_rank_count(p, world_size)
+    pp_fits = lambda m: p.pp == 1 or t.global_batch_size // (m * data_ranks) >= 2 * p.pp  # noqa: E731 (the check below)
     if t.global_batch_size % (t.micro_batch_size * data_ranks):
-        fits = [m for m in range(min(t.micro_batch_size, 1024), 0, -1) if t.global_batch_size % (m * data_ranks) == 0]
+        fits = [m for m in range(min(t.micro_batch_size, 1024), 0, -1)
+                if t.global_batch_size % (m * data_ranks) == 0 and pp_fits(m)]
         raise ConfigError(f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size "
                           f"({t.micro_batch_size}) x data-parallel ranks ({data_ranks} = dp {dp} x ep {p.ep}); use a "
                           f"multiple of {t.micro_batch_size * data_ranks}" + (f", or train.micro_batch_size={fits[0]} "
@@ -613,7 +615,7 @@ def validate(config: RunConfig, world_size: int = 1) -> None:
           f"train.init_from={t.init_from}: no such HF directory or checkpoint; fix the path or set it to ''")
     # a resumed run keeps its hold-out: on another mesh the way out is a smaller micro-batch that fits both
     fit = next((m for m in range(t.micro_batch_size, 0, -1)
-                if not (d.eval_samples % (m * data_ranks) or t.global_batch_size % (m * data_ranks))), 0)
+                if not (d.eval_samples % (m * data_ranks) or t.global_batch_size % (m * data_ranks)) and pp_fits(m)), 0)
     check(d.eval_samples % (t.micro_batch_size * data_ranks) == 0,
           f"data.eval_samples={d.eval_samples} is not divisible by train.micro_batch_size ({t.micro_batch_size}) x "
           f"data-parallel ranks ({data_ranks}); use a multiple of {t.micro_batch_size * data_ranks}"

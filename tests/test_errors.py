@@ -88,6 +88,8 @@ CASES = [  # (id, command line, what the one line must name)
     ("env-master-port", "train {cfg}", "MASTER_PORT='abc'"),
     ("eval-samples-mesh", "train {cfg} --nproc 2 --set data.eval_samples=4 --set train.eval_every=1 --dry-run",
      "or train.micro_batch_size=2 (a resumed run keeps its held-out samples)"),
+    ("batch-pp-fit", "train {cfg} --nproc 4 --pp 2 --set train.micro_batch_size=3 --dry-run",
+     "or train.micro_batch_size=1 (a resumed run keeps its global batch)"),  # 2 would give pp 2 too few micro-batches
     ("data-path-twice", """train {cfg} --set 'data.path={{"{data}": 0.7, "{data}": 0.3}}'""", "appears twice"),
     ("eval-path-file", "train {cfg} --set data.eval_path={notes} --set train.eval_every=1", "is a file"),
     ("eval-path-npy", "train {cfg} --set data.eval_path={tokens} --set train.eval_every=1", "for `pithtrain eval --tokens`"),
