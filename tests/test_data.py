@@ -327,7 +327,7 @@ def test_iter_documents_follows_links_and_skips_fifos_and_datasets(tmp_path):
     assert docs == ["alpha", "x\u2028y\u0085z", "bravo"]
 
 
-def test_bpe_tokenize_round_trip(tmp_path):
+def test_bpe_tokenize_round_trip(tmp_path, capsys):
     import re
 
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
@@ -340,7 +340,10 @@ def test_bpe_tokenize_round_trip(tmp_path):
         warnings.simplefilter("ignore")
         texts = list(iter_documents(files))
         tokenizer_file = train_bpe(iter_documents(files), 512, str(tmp_path / "tok" / "tokenizer.json"))
-        meta = tokenize_to_dataset(files, tokenizer_file, str(tmp_path / "ds"), progress=False)
+        capsys.readouterr()
+        meta = tokenize_to_dataset(files, tokenizer_file, str(tmp_path / "ds"), progress=True)
+    progress = capsys.readouterr().err.strip().splitlines()[-1]  # the tokens it counts are those written, EOS included
+    assert f"{len(texts):,} docs" in progress and f" {meta['num_tokens']:,} tokens " in progress, (progress, meta)
     tokenizer = Tokenizer.from_file(tokenizer_file)
     assert tokenizer.get_vocab_size() == 512 and tokenizer.token_to_id("<|endoftext|>") == 0
     ds = TokenDataset(tmp_path / "ds")

@@ -321,11 +321,12 @@ def tokenize_to_dataset(inputs: list[str], tokenizer_file: str, out_dir: str, te
                 for piece in _pieces(texts[0], PIECE_CHARS, cut):
                     parts.append(encoded([piece])[0])
                     status.update(0, len(piece.encode("utf-8")), parts[-1].size)
-                status.update(1, 0, 0)
+                status.update(1, 0, eos_id is not None)  # as write_dataset counts: a document's EOS too
                 yield np.concatenate(parts)
                 continue
             arrays = encoded(texts)
-            status.update(len(texts), sum(len(t.encode("utf-8")) for t in texts), sum(a.size for a in arrays))
+            status.update(len(texts), sum(len(t.encode("utf-8")) for t in texts),
+                          sum(a.size for a in arrays) + len(texts) * (eos_id is not None))
             yield from arrays
 
     try:
