@@ -179,6 +179,10 @@ class DeepseekV2Config:
         del out["rope_scaling"], out["rope_theta"]
         out["rope_parameters"] = {"rope_type": rope_type, "rope_theta": self.rope_theta, **rope}
         out["head_dim"] = self.qk_rope_head_dim  # what HF stores there for MLA configs
+        # None / 0 here: no shared expert, one group, one kept; transformers reads them as written (None fails its
+        # load, 0 groups divide by zero or keep none)
+        out.update(n_shared_experts=self.n_shared_experts or 0, **{k: getattr(self, k) or 1 for k in ("n_group", "topk_group")
+                                                                   if self.topk_method != "greedy"})
         out.update(model_type=self.model_type, architectures=["DeepseekV2ForCausalLM"], dtype="float32")
         return out
 
