@@ -123,6 +123,9 @@ def test_pipeline_chunks_and_packed_documents_match_reference():
         chunked = last(first(ids, pos, ExpertEngine(LocalDispatch()), doc_ids), pos, ExpertEngine(LocalDispatch()), doc_ids)
     assert torch.equal(whole, chunked)
     assert rel(whole, full.reference_forward(ids, pos, doc_ids)) <= 1e-5
+    cfg.topk_group, cfg.num_experts_per_tok = 0, 2  # one kept group (2 experts), model and oracle alike (the oracle kept none)
+    with torch.no_grad():
+        assert rel(full(ids, pos, ExpertEngine(LocalDispatch()), doc_ids), full.reference_forward(ids, pos, doc_ids)) <= 1e-5
 
 
 # ---- routing ----

@@ -646,7 +646,7 @@ def _reference_routing(cfg: DeepseekV2Config, logits: torch.Tensor, bias: torch.
         per_group = biased.view(len(biased), cfg.n_group, -1)
         group_rank = (per_group.sort(-1, descending=True).values[..., :2].sum(-1) if cfg.topk_method == "noaux_tc"
                       else per_group.max(-1).values)
-        best_groups = group_rank.argsort(-1, descending=True)[:, : cfg.topk_group]
+        best_groups = group_rank.argsort(-1, descending=True)[:, : cfg.topk_group or 1]
         allowed = torch.zeros_like(group_rank).scatter(1, best_groups, 1.0).bool()
         biased = per_group.masked_fill(~allowed[..., None], float("-inf")).flatten(1)
     ids = biased.argsort(-1, descending=True)[:, : cfg.num_experts_per_tok]
