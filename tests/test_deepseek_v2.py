@@ -288,6 +288,9 @@ def test_mla_attention_unpadded_v_equals_padded_and_softmax():
     (dict(rope_scaling={"type": "yarn", "factor": "4.0", "original_max_position_embeddings": 64}), r"'factor'\]='4.0'"),
     (dict(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_slow": -1.0}),
      r"'beta_slow'\]=-1.0"),
+    (dict(rope_scaling={"type": "yarn", "factor": 0.5, "original_max_position_embeddings": 64}), r"'factor'\]=0.5: .*>= 1"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 1, "beta_slow": 32}),
+     r"'beta_fast'\]=1 is below beta_slow=32"),
     (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),
 ])
 def test_invalid_configs_name_the_field(change, field):
