@@ -38,6 +38,8 @@ from pithtrain.ops.grouped_gemm import Embedding, activation_mm, expert_mm, head
 from pithtrain.parallel.context import ContextParallel, context_attention_expand
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate")  # what ops/core.rope_inv_freq and the softmax scale read
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek and HF use this default, not rms_norm_eps
 # MLA's v head (128) is narrower than q and k's (192). Plain causal attention on CUDA hands v to SDPA as it is,
 # which runs cuDNN; v padded to 192 gets FlashAttention-2 (cuDNN's sm90 backward takes q/k 192 only with v 128)
@@ -151,6 +153,10 @@ class DeepseekV2Config:
         check_numbers(rope, "model.rope_scaling")
         check(rope_type in ("default", "yarn"),
               f"model.rope_scaling type {rope_type!r} is not supported; use None (plain RoPE) or type 'yarn'")
+        extra = next((k for k in rope if k not in ("type", "rope_type", *(YARN_KEYS if rope_type == "yarn" else ()))
+                      and not (k == "rope_theta" and rope[k] == self.rope_theta)), None)  # HF 5 copies rope_theta in
+        check(extra is None, f"model.rope_scaling['{extra}'] is not read with type {rope_type!r} (YaRN reads "
+              f"{', '.join(YARN_KEYS)}; the RoPE base is model.rope_theta={self.rope_theta}); fix its name or remove it")
         if rope_type == "yarn":
             check_yarn(rope, "model.rope_scaling")
 
