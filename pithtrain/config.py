@@ -491,6 +491,8 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
            "balance)") for k in ("lb_coef", "lb_type")],
         (dense and t.recompute == "selective", "train.recompute=selective recomputes the experts' activations, and the model "
          "has no MoE layer (train.recompute=full recomputes every layer)"),
+        (getattr(m, "topk_method", "noaux_tc") != "noaux_tc" and changed(m, "bias_update_speed"), "model.bias_update_speed "
+         f"moves noaux_tc's routing correction bias; topk_method={getattr(m, 'topk_method', '')!r} has none"),
         (changed(t, "mtp_coef") and not getattr(config.model, "num_nextn_predict_layers", 0),
          "train.mtp_coef has no effect without multi-token prediction layers (" + ("model.num_nextn_predict_layers=0)" if
          "num_nextn_predict_layers" in {f.name for f in dataclasses.fields(config.model)} else f"{config.model.model_type} has none)")),
