@@ -387,11 +387,14 @@ def check_numbers(mapping: dict, field: str, skip: str = "type") -> None:
 
 
 def check_yarn(rope: dict, field: str) -> None:
-    """YaRN's factor and original context set and > 0; its beta_fast/beta_slow > 0 where set (0, like None, is HF's default)."""
+    """YaRN's factor (it stretches the context) and original context set and >= 1; its beta_fast/beta_slow > 0 where
+    set (0, like None, is HF's default), beta_fast >= beta_slow (else the ramp between them runs backwards)."""
     for key in ("factor", "original_max_position_embeddings"):
-        check(rope.get(key) is not None and rope[key] > 0, f"{field}['{key}']={rope.get(key)}: must be set and > 0 for YaRN")
+        check(rope.get(key) is not None and rope[key] >= 1, f"{field}['{key}']={rope.get(key)}: must be set and >= 1 for YaRN")
     if bad := next((k for k in ("beta_fast", "beta_slow") if not (rope.get(k) or 1) > 0), None):
         raise ConfigError(f"{field}['{bad}']={rope[bad]}: must be > 0 (YaRN's rotation counts; unset: 32 and 1)")
+    check((rope.get("beta_fast") or 32) >= (rope.get("beta_slow") or 1), f"{field}['beta_fast']={rope.get('beta_fast')} "
+          f"is below beta_slow={rope.get('beta_slow')} (unset: 32 and 1); swap them")
 
 
 def hf_values(cls: type, hf: dict, nullable: frozenset = frozenset()) -> dict:
@@ -488,6 +491,8 @@ def ignored_options(config: RunConfig, world_size: int = 1) -> list[str]:
            "balance)") for k in ("lb_coef", "lb_type")],
         (dense and t.recompute == "selective", "train.recompute=selective recomputes the experts' activations, and the model "
          "has no MoE layer (train.recompute=full recomputes every layer)"),
+        (getattr(m, "topk_method", "noaux_tc") != "noaux_tc" and changed(m, "bias_update_speed"), "model.bias_update_speed "
+         f"moves noaux_tc's routing correction bias; topk_method={getattr(m, 'topk_method', '')!r} has none"),
         (changed(t, "mtp_coef") and not getattr(config.model, "num_nextn_predict_layers", 0),
          "train.mtp_coef has no effect without multi-token prediction layers (" + ("model.num_nextn_predict_layers=0)" if
          "num_nextn_predict_layers" in {f.name for f in dataclasses.fields(config.model)} else f"{config.model.model_type} has none)")),

@@ -146,3 +146,9 @@ def test_moe_options_on_a_model_without_moe_layers_are_warned_about():
     mtp.model.first_k_dense_replace = mtp.model.num_hidden_layers
     validate(mtp)
     assert ignored_options(mtp) == []
+    mtp.model.bias_update_speed = 0.01  # it moves noaux_tc's correction bias; V2's other routings have none
+    assert ignored_options(mtp) == []
+    from pithtrain.models.deepseek_v2 import DeepseekV2Config
+    v2 = dataclasses.replace(mtp, model=DeepseekV2Config(topk_method="group_limited_greedy", bias_update_speed=0.01))
+    assert ignored_options(v2) == ["warning: model.bias_update_speed moves noaux_tc's routing correction bias; "
+                                   "topk_method='group_limited_greedy' has none"]

@@ -123,6 +123,9 @@ def test_pipeline_chunks_and_packed_documents_match_reference():
         chunked = last(first(ids, pos, ExpertEngine(LocalDispatch()), doc_ids), pos, ExpertEngine(LocalDispatch()), doc_ids)
     assert torch.equal(whole, chunked)
     assert rel(whole, full.reference_forward(ids, pos, doc_ids)) <= 1e-5
+    cfg.topk_group, cfg.num_experts_per_tok = 0, 2  # one kept group (2 experts), model and oracle alike (the oracle kept none)
+    with torch.no_grad():
+        assert rel(full(ids, pos, ExpertEngine(LocalDispatch()), doc_ids), full.reference_forward(ids, pos, doc_ids)) <= 1e-5
 
 
 # ---- routing ----
@@ -285,6 +288,13 @@ def test_mla_attention_unpadded_v_equals_padded_and_softmax():
     (dict(rope_scaling={"type": "yarn", "factor": "4.0", "original_max_position_embeddings": 64}), r"'factor'\]='4.0'"),
     (dict(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_slow": -1.0}),
      r"'beta_slow'\]=-1.0"),
+    (dict(rope_scaling={"type": "yarn", "factor": 0.5, "original_max_position_embeddings": 64}), r"'factor'\]=0.5: .*>= 1"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 1, "beta_slow": 32}),
+     r"'beta_fast'\]=1 is below beta_slow=32"),
+    (dict(rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale_all_dims": 1.0}),
+     r"'mscale_all_dims'\] is not read with type 'yarn'"),  # a misspelt key was ignored: another softmax scale
+    (dict(rope_scaling={"factor": 4.0}), r"'factor'\] is not read with type 'default'"),
+    (dict(rope_scaling={**YARN, "rope_theta": 5e5}), r"'rope_theta'\] is not read .*model.rope_theta=10000.0"),
     (dict(qk_rope_head_dim=7), "qk_rope_head_dim"),
 ])
 def test_invalid_configs_name_the_field(change, field):

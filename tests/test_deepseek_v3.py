@@ -322,6 +322,10 @@ def test_kimi_configs_load():
                               "text_config": {**text, "model_type": "deepseek_v3"}, "vision_config": {"hidden_size": 1152}})
     assert k25 == k2 and "text_config" in err.getvalue() and len(err.getvalue().strip().splitlines()) == 1
     assert k2.to_hf()["model_type"] == "deepseek_v3" and DeepseekV3Config.from_hf(k2.to_hf()) == k2
+    # None / 0 (no shared expert, one group, one kept) export as the ints transformers needs (None failed its load)
+    loose = DeepseekV3Config(n_group=None, topk_group=0, n_shared_experts=None, n_routed_experts=8, num_experts_per_tok=2)
+    hf_loose = transformers.DeepseekV3Config(**loose.to_hf())
+    assert (hf_loose.n_group, hf_loose.topk_group, hf_loose.n_shared_experts) == (1, 1, 0)
     assert DeepseekV3Config in families()
     with pytest.raises(ConfigError, match="text_config"):
         config_from_hf({"model_type": "kimi_k25"})

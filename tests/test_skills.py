@@ -68,6 +68,8 @@ def test_validate_correctness_matches_steps_and_refuses_bad_input(tmp_path, caps
                                                      for n, line in enumerate(lines)))  # was: a TypeError traceback
     null = compare("--metrics", tmp_path / "mtp_null.jsonl", tmp_path / "mtp_null.jsonl")
     assert null.returncode == 1 and null.stdout.splitlines()[-1].startswith("FAIL: mtp_loss at step 2: nan vs nan"), null.stdout
+    one_mtp = compare("--metrics", tmp_path / "a.jsonl", tmp_path / "mtp_null.jsonl")  # was: PASS, mtp_loss unchecked
+    assert one_mtp.returncode == 1 and "only B logged mtp_loss" in one_mtp.stdout.splitlines()[-1], one_mtp.stdout
     (tmp_path / "text.jsonl").write_text(lines[0] + "oops\n")
     (tmp_path / "nolb.jsonl").write_text(json.dumps({"step": 1, "loss": 5.0, "grad_norm": 0.5}) + "\n")
     for bad, says in [(tmp_path / "none.jsonl", "none.jsonl: no such file"), (tmp_path, "a directory, not a file"),

@@ -38,6 +38,8 @@ from pithtrain.ops.grouped_gemm import Embedding, activation_mm, expert_mm, head
 from pithtrain.parallel.context import ContextParallel, context_attention_expand
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate")  # what ops/core.rope_inv_freq and the softmax scale read
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek and HF use this default, not rms_norm_eps
 # MLA's v head (128) is narrower than q and k's (192). Plain causal attention on CUDA hands v to SDPA as it is,
 # which runs cuDNN; v padded to 192 gets FlashAttention-2 (cuDNN's sm90 backward takes q/k 192 only with v 128)
@@ -151,6 +153,10 @@ class DeepseekV2Config:
         check_numbers(rope, "model.rope_scaling")
         check(rope_type in ("default", "yarn"),
               f"model.rope_scaling type {rope_type!r} is not supported; use None (plain RoPE) or type 'yarn'")
+        extra = next((k for k in rope if k not in ("type", "rope_type", *(YARN_KEYS if rope_type == "yarn" else ()))
+                      and not (k == "rope_theta" and rope[k] == self.rope_theta)), None)  # HF 5 copies rope_theta in
+        check(extra is None, f"model.rope_scaling['{extra}'] is not read with type {rope_type!r} (YaRN reads "
+              f"{', '.join(YARN_KEYS)}; the RoPE base is model.rope_theta={self.rope_theta}); fix its name or remove it")
         if rope_type == "yarn":
             check_yarn(rope, "model.rope_scaling")
 
@@ -179,6 +185,10 @@ class DeepseekV2Config:
         del out["rope_scaling"], out["rope_theta"]
         out["rope_parameters"] = {"rope_type": rope_type, "rope_theta": self.rope_theta, **rope}
         out["head_dim"] = self.qk_rope_head_dim  # what HF stores there for MLA configs
+        # None / 0 here: no shared expert, one group, one kept; transformers reads them as written (None fails its
+        # load, 0 groups divide by zero or keep none)
+        out.update(n_shared_experts=self.n_shared_experts or 0, **{k: getattr(self, k) or 1 for k in ("n_group", "topk_group")
+                                                                   if self.topk_method != "greedy"})
         out.update(model_type=self.model_type, architectures=["DeepseekV2ForCausalLM"], dtype="float32")
         return out
 
@@ -642,7 +652,7 @@ def _reference_routing(cfg: DeepseekV2Config, logits: torch.Tensor, bias: torch.
         per_group = biased.view(len(biased), cfg.n_group, -1)
         group_rank = (per_group.sort(-1, descending=True).values[..., :2].sum(-1) if cfg.topk_method == "noaux_tc"
                       else per_group.max(-1).values)
-        best_groups = group_rank.argsort(-1, descending=True)[:, : cfg.topk_group]
+        best_groups = group_rank.argsort(-1, descending=True)[:, : cfg.topk_group or 1]
         allowed = torch.zeros_like(group_rank).scatter(1, best_groups, 1.0).bool()
         biased = per_group.masked_fill(~allowed[..., None], float("-inf")).flatten(1)
     ids = biased.argsort(-1, descending=True)[:, : cfg.num_experts_per_tok]

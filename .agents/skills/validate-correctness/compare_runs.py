@@ -37,7 +37,10 @@ def compare(a, b, rtol, rtol_aux=None) -> tuple[bool, str]:
     if common and set(a) != set(b):
         only = [f"only {name} {sorted(set(x) - set(y))[:10]}" for name, x, y in (("A", a, b), ("B", b, a)) if set(x) - set(y)]
         problems.append(f"the runs logged different steps: {', '.join(only)}")
-    keys = KEYS + ((MTP,) if common and all(MTP in x[s] for x in (a, b) for s in common) else ())
+    logs_mtp = [bool(common) and all(MTP in x[s] for s in common) for x in (a, b)]
+    if logs_mtp[0] != logs_mtp[1]:  # multi-token prediction on in one run only: its loss is not the other's
+        problems.append(f"only {'AB'[logs_mtp[1]]} logged {MTP} (multi-token prediction in one run only)")
+    keys = KEYS + ((MTP,) if all(logs_mtp) else ())
     errors, over = {key: [] for key in keys}, []
     for step in common:
         for key in keys:
