@@ -205,6 +205,11 @@ def test_real_config_is_the_example():
     assert (bare.rope_theta, bare.max_position_embeddings) == (  # transformers' defaults
         Qwen3_5MoeTextConfig().rope_parameters["rope_theta"], Qwen3_5MoeTextConfig().max_position_embeddings)
     assert [cfg.layer_type(i) for i in range(8)] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    from pithtrain.config import ConfigError
+
+    for scaling in ({"rope_type": "yarn", "factor": 4.0}, {"type": "yarn", "factor": 4.0}):  # "type": the older spelling
+        with pytest.raises(ConfigError, match="rope_type 'yarn' is not supported"):
+            config_from_hf({**text, "rope_parameters": None, "rope_scaling": scaling})
 
 
 @pytest.mark.fast

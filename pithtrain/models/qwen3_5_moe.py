@@ -128,8 +128,8 @@ class Qwen3_5MoeConfig:
             raise ConfigError(f"model_type {hf.get('model_type')!r} with a text_config/vision_config is a multimodal "
                               f"config; set model_type to 'qwen3_5_moe' (or give the text_config alone)")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        check(rope.get("rope_type", rope.get("type", "default")) in ("default", None),
-              f"qwen3_5_moe: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        kind = rope.get("rope_type", rope.get("type", "default"))  # "type": the older rope_scaling spelling
+        check(kind in ("default", None), f"qwen3_5_moe: rope_type {kind!r} is not supported (only default RoPE)")
         values = {"rope_theta": 10000.0, "max_position_embeddings": 32768, **hf_values(cls, hf)}  # transformers' defaults
         for key in ("rope_theta", "partial_rotary_factor"):  # text positions: mrope's sections all equal plain RoPE
             if key in rope:
