@@ -183,6 +183,13 @@ def test_multimodal_checkpoint_takes_the_language_model(hf_model, tmp_path, caps
     ids = torch.randint(0, HF_CONFIG["vocab_size"], (1, 9))
     assert rel(model(ids, torch.arange(9)[None], ExpertEngine(LocalDispatch())), hf(ids).logits) <= 1e-5
     assert config_from_hf(text) == model.cfg
+    # train.init_from it: a differing field is named as the run's field, not as config.json's rope_parameters
+    from pithtrain.config import RunConfig, TrainConfig, UserError
+    from pithtrain.train.loop import check_init_from
+
+    run = RunConfig(model=dataclasses.replace(model.cfg, partial_rotary_factor=0.5), train=TrainConfig(init_from=str(mm)))
+    with pytest.raises(UserError, match=r"in model\.partial_rotary_factor \(0\.25 there, 0\.5 in the run\); "):
+        check_init_from(run, echo=False)
 
 
 @pytest.mark.fast
