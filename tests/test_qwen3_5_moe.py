@@ -187,7 +187,9 @@ def test_multimodal_checkpoint_takes_the_language_model(hf_model, tmp_path, caps
     from pithtrain.config import RunConfig, TrainConfig, UserError
     from pithtrain.train.loop import check_init_from
 
-    run = RunConfig(model=dataclasses.replace(model.cfg, partial_rotary_factor=0.5), train=TrainConfig(init_from=str(mm)))
+    run = RunConfig(model=dataclasses.replace(model.cfg, full_attention_interval=2), train=TrainConfig(init_from=str(mm)))
+    check_init_from(run, echo=False)  # an interval layer_types overrides: the same layers, taken
+    run.model = dataclasses.replace(model.cfg, partial_rotary_factor=0.5)
     with pytest.raises(UserError, match=r"in model\.partial_rotary_factor \(0\.25 there, 0\.5 in the run\); "):
         check_init_from(run, echo=False)
 

@@ -143,7 +143,7 @@ class Qwen3_5MoeConfig:
     def to_hf(self) -> dict:
         out = asdict(self)
         out["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
-        del out["rope_theta"], out["partial_rotary_factor"]
+        del out["rope_theta"], out["partial_rotary_factor"], out["full_attention_interval"]  # layer_types says it (HF's own)
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
                                   "partial_rotary_factor": self.partial_rotary_factor}
         out.update(model_type=self.model_type, architectures=["Qwen3_5MoeForCausalLM"], dtype="float32")
