@@ -183,6 +183,9 @@ def test_multimodal_checkpoint_takes_the_language_model(hf_model, tmp_path, caps
     ids = torch.randint(0, HF_CONFIG["vocab_size"], (1, 9))
     assert rel(model(ids, torch.arange(9)[None], ExpertEngine(LocalDispatch())), hf(ids).logits) <= 1e-5
     assert config_from_hf(text) == model.cfg
+    for top, inner in ((True, False), (False, True)):  # as transformers' Qwen3_5MoeForConditionalGeneration ties
+        outer = {"model_type": "qwen3_5_moe", "tie_word_embeddings": top, "text_config": {**text, "tie_word_embeddings": inner}}
+        assert config_from_hf(outer).tie_word_embeddings is top
     # train.init_from it: a differing field is named as the run's field, not as config.json's rope_parameters
     from pithtrain.config import RunConfig, TrainConfig, UserError
     from pithtrain.train.loop import check_init_from

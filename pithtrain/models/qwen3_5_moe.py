@@ -123,7 +123,7 @@ class Qwen3_5MoeConfig:
                   "model_type 'qwen3_5_moe' without a text_config: not a Qwen3.5-MoE checkpoint's config.json")
             print("qwen3_5_moe: a multimodal checkpoint; its language model (text_config) is used, "
                   "the vision tower and MTP weights are left out", file=sys.stderr)
-            hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
+            hf = {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", False)}  # transformers' tying
         elif "text_config" in hf or "vision_config" in hf:
             raise ConfigError(f"model_type {hf.get('model_type')!r} with a text_config/vision_config is a multimodal "
                               f"config; set model_type to 'qwen3_5_moe' (or give the text_config alone)")
