@@ -183,6 +183,10 @@ def test_multimodal_checkpoint_takes_the_language_model(hf_model, tmp_path, caps
     ids = torch.randint(0, HF_CONFIG["vocab_size"], (1, 9))
     assert rel(model(ids, torch.arange(9)[None], ExpertEngine(LocalDispatch())), hf(ids).logits) <= 1e-5
     assert config_from_hf(text) == model.cfg
+    from cli_util import run_script  # the add-new-model skill's parity check takes it: the round trip is the language model
+
+    result = run_script(".agents/skills/add-new-model/check_parity.py", mm, "--work", tmp_path / "parity")
+    assert result.stdout.strip().endswith("PASS: 5 checks"), result.stdout
     for top, inner in ((True, False), (False, True)):  # as transformers' Qwen3_5MoeForConditionalGeneration ties
         outer = {"model_type": "qwen3_5_moe", "tie_word_embeddings": top, "text_config": {**text, "tie_word_embeddings": inner}}
         assert config_from_hf(outer).tie_word_embeddings is top
