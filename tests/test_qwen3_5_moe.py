@@ -183,6 +183,10 @@ def test_multimodal_checkpoint_takes_the_language_model(hf_model, tmp_path, caps
     ids = torch.randint(0, HF_CONFIG["vocab_size"], (1, 9))
     assert rel(model(ids, torch.arange(9)[None], ExpertEngine(LocalDispatch())), hf(ids).logits) <= 1e-5
     assert config_from_hf(text) == model.cfg
+    (tmp_path / "text").mkdir()  # the text layout with MTP weights beside it: left out too, as transformers does
+    (tmp_path / "text" / "config.json").write_text(json.dumps(text))
+    save_file({**read_hf_state(hf_dir), "mtp.fc.weight": torch.randn(4, 4)}, str(tmp_path / "text" / "model.safetensors"))
+    assert rel(load_model(tmp_path / "text")(ids, torch.arange(9)[None], ExpertEngine(LocalDispatch())), hf(ids).logits) <= 1e-5
     from cli_util import run_script  # the add-new-model skill's parity check takes it: the round trip is the language model
 
     result = run_script(".agents/skills/add-new-model/check_parity.py", mm, "--work", tmp_path / "parity")

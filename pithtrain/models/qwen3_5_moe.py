@@ -475,7 +475,6 @@ class Qwen3_5MoeModel(nn.Module):
         """Load HF tensors (per-expert or fused expert layout; a multimodal checkpoint's language model
         under `model.language_model.`, its vision tower and MTP weights ignored); raises naming any
         missing or unexpected key."""
-        if any(k.startswith("model.language_model.") for k in hf):
-            hf = {k.replace("model.language_model.", "model.", 1): v for k, v in hf.items()
-                  if not k.startswith(("model.visual.", "mtp."))}
+        hf = {k.replace("model.language_model.", "model.", 1): v for k, v in hf.items()  # mtp.*: text layouts' too
+              if not k.startswith(("model.visual.", "mtp."))}  # (transformers ignores them in both)
         load_hf_state(self, hf)
