@@ -183,6 +183,26 @@ def test_multimodal_checkpoint_takes_the_language_model(hf_model, tmp_path, caps
     ids = torch.randint(0, HF_CONFIG["vocab_size"], (1, 9))
     assert rel(model(ids, torch.arange(9)[None], ExpertEngine(LocalDispatch())), hf(ids).logits) <= 1e-5
     assert config_from_hf(text) == model.cfg
+    (tmp_path / "text").mkdir()  # the text layout with MTP weights beside it: left out too, as transformers does
+    (tmp_path / "text" / "config.json").write_text(json.dumps(text))
+    save_file({**read_hf_state(hf_dir), "mtp.fc.weight": torch.randn(4, 4)}, str(tmp_path / "text" / "model.safetensors"))
+    assert rel(load_model(tmp_path / "text")(ids, torch.arange(9)[None], ExpertEngine(LocalDispatch())), hf(ids).logits) <= 1e-5
+    from cli_util import run_script  # the add-new-model skill's parity check takes it: the round trip is the language model
+
+    result = run_script(".agents/skills/add-new-model/check_parity.py", mm, "--work", tmp_path / "parity")
+    assert result.stdout.strip().endswith("PASS: 5 checks"), result.stdout
+    for top, inner in ((True, False), (False, True)):  # as transformers' Qwen3_5MoeForConditionalGeneration ties
+        outer = {"model_type": "qwen3_5_moe", "tie_word_embeddings": top, "text_config": {**text, "tie_word_embeddings": inner}}
+        assert config_from_hf(outer).tie_word_embeddings is top
+    # train.init_from it: a differing field is named as the run's field, not as config.json's rope_parameters
+    from pithtrain.config import RunConfig, TrainConfig, UserError
+    from pithtrain.train.loop import check_init_from
+
+    run = RunConfig(model=dataclasses.replace(model.cfg, full_attention_interval=2), train=TrainConfig(init_from=str(mm)))
+    check_init_from(run, echo=False)  # an interval layer_types overrides: the same layers, taken
+    run.model = dataclasses.replace(model.cfg, partial_rotary_factor=0.5)
+    with pytest.raises(UserError, match=r"in model\.partial_rotary_factor \(0\.25 there, 0\.5 in the run\); "):
+        check_init_from(run, echo=False)
 
 
 @pytest.mark.fast
@@ -205,6 +225,11 @@ def test_real_config_is_the_example():
     assert (bare.rope_theta, bare.max_position_embeddings) == (  # transformers' defaults
         Qwen3_5MoeTextConfig().rope_parameters["rope_theta"], Qwen3_5MoeTextConfig().max_position_embeddings)
     assert [cfg.layer_type(i) for i in range(8)] == ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"]
+    from pithtrain.config import ConfigError
+
+    for scaling in ({"rope_type": "yarn", "factor": 4.0}, {"type": "yarn", "factor": 4.0}):  # "type": the older spelling
+        with pytest.raises(ConfigError, match="rope_type 'yarn' is not supported"):
+            config_from_hf({**text, "rope_parameters": None, "rope_scaling": scaling})
 
 
 @pytest.mark.fast

@@ -123,13 +123,13 @@ class Qwen3_5MoeConfig:
                   "model_type 'qwen3_5_moe' without a text_config: not a Qwen3.5-MoE checkpoint's config.json")
             print("qwen3_5_moe: a multimodal checkpoint; its language model (text_config) is used, "
                   "the vision tower and MTP weights are left out", file=sys.stderr)
-            hf = {"tie_word_embeddings": hf.get("tie_word_embeddings", False), **hf["text_config"]}
+            hf = {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings", False)}  # transformers' tying
         elif "text_config" in hf or "vision_config" in hf:
             raise ConfigError(f"model_type {hf.get('model_type')!r} with a text_config/vision_config is a multimodal "
                               f"config; set model_type to 'qwen3_5_moe' (or give the text_config alone)")
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        check(rope.get("rope_type", rope.get("type", "default")) in ("default", None),
-              f"qwen3_5_moe: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        kind = rope.get("rope_type", rope.get("type", "default"))  # "type": the older rope_scaling spelling
+        check(kind in ("default", None), f"qwen3_5_moe: rope_type {kind!r} is not supported (only default RoPE)")
         values = {"rope_theta": 10000.0, "max_position_embeddings": 32768, **hf_values(cls, hf)}  # transformers' defaults
         for key in ("rope_theta", "partial_rotary_factor"):  # text positions: mrope's sections all equal plain RoPE
             if key in rope:
@@ -143,7 +143,7 @@ class Qwen3_5MoeConfig:
     def to_hf(self) -> dict:
         out = asdict(self)
         out["layer_types"] = [self.layer_type(i) for i in range(self.num_hidden_layers)]
-        del out["rope_theta"], out["partial_rotary_factor"]
+        del out["rope_theta"], out["partial_rotary_factor"], out["full_attention_interval"]  # layer_types says it (HF's own)
         out["rope_parameters"] = {"rope_type": "default", "rope_theta": self.rope_theta,
                                   "partial_rotary_factor": self.partial_rotary_factor}
         out.update(model_type=self.model_type, architectures=["Qwen3_5MoeForCausalLM"], dtype="float32")
@@ -475,7 +475,6 @@ class Qwen3_5MoeModel(nn.Module):
         """Load HF tensors (per-expert or fused expert layout; a multimodal checkpoint's language model
         under `model.language_model.`, its vision tower and MTP weights ignored); raises naming any
         missing or unexpected key."""
-        if any(k.startswith("model.language_model.") for k in hf):
-            hf = {k.replace("model.language_model.", "model.", 1): v for k, v in hf.items()
-                  if not k.startswith(("model.visual.", "mtp."))}
+        hf = {k.replace("model.language_model.", "model.", 1): v for k, v in hf.items()  # mtp.*: text layouts' too
+              if not k.startswith(("model.visual.", "mtp."))}  # (transformers ignores them in both)
         load_hf_state(self, hf)

@@ -524,6 +524,8 @@ def check_init_from(config: RunConfig, echo: bool, verify: bool = False, dataset
         raise UserError(f"train.init_from={path}: neither an HF directory (config.json and *.safetensors) nor a checkpoint "
                         "or a run directory with one; fix the path or set it to ''")
     theirs, ours = ckpt.model_config(source).to_hf(), config.model.to_hf()
+    for d in (theirs, ours):  # Qwen3.5 nests its fields rope_theta and partial_rotary_factor there: name those
+        d.update(d.pop("rope_parameters", None) if isinstance(d.get("rope_parameters"), dict) else {})
     differ = [k for k in sorted(theirs.keys() | ours.keys()) if theirs.get(k) != ours.get(k)]
     wrong = ["model_type"] if "model_type" in differ else [k for k in differ if k not in NOT_ARCHITECTURE]
     if ours.get("num_nextn_predict_layers") == 0:  # the source's multi-token prediction layers are left out on load
