@@ -71,7 +71,8 @@ def test_tokenize_train_convert_eval(tmp_path, capsys, monkeypatch):
     assert results["run"]["loss"] == pytest.approx(results["hf"]["loss"], rel=1e-6)
 
     # HF -> PithTrain checkpoint -> eval again, and transformers' own loss on the export
-    run_cli(["convert", str(hf_dir), str(tmp_path / "ckpt")], capsys)
+    said = run_cli(["convert", str(hf_dir), str(tmp_path / "ckpt")], capsys)  # names what it copied (a directory may lack some)
+    assert f"with tokenizer.json, tokenizer_config.json, special_tokens_map.json, generation_config.json of {hf_dir}" in said
     back = json.loads(run_cli(["eval", str(tmp_path / "ckpt"), "--tokens", str(tmp_path / "tokens.npy"), "--json"], capsys))
     assert back["loss"] == pytest.approx(results["hf"]["loss"], rel=1e-6)
     run_cli(["convert", str(tmp_path / "ckpt"), str(tmp_path / "hf_back")], capsys)  # and back: the tokenizer files kept

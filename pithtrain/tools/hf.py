@@ -196,7 +196,7 @@ def convert(src: str | Path, dst: str | Path, overwrite: bool = False, echo=prin
             kept = [name for name in TOKENIZER_FILES if (src / name).is_file()]  # for eval's check and the way back
             for name in kept:
                 shutil.copyfile(src / name, out / name)
-            return out, "a weights-only checkpoint (step 0)" + (f", with the tokenizer files of {src}" if kept else "")
+            return out, "a weights-only checkpoint (step 0)" + (f", with {', '.join(kept)} of {src}" if kept else "")
         ck = ckpt.resolve_checkpoint(src)
         dataset = (trained_on(ck, echo) if tokenizer else
                    echo(f"note: --no-tokenizer: {dst} holds the model alone (no tokenizer files, no token ids in config.json)"))
