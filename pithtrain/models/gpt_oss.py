@@ -126,7 +126,7 @@ class GptOssConfig:
 
     @classmethod
     def from_hf(cls, hf: dict) -> "GptOssConfig":
-        values = hf_values(cls, hf)
+        values = hf_values(cls, hf, frozenset({"sliding_window"}))  # null: no window (HF then refuses sliding layers), not 128
         # Aliases: hub config.json files also carry `experts_per_token`; HF maps `num_experts`.
         for ours, alias in (("num_experts_per_tok", "experts_per_token"), ("num_local_experts", "num_experts")):
             if ours not in values and hf.get(alias) is not None:
