@@ -305,6 +305,8 @@ def test_config_errors_name_the_field():
                             (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), r"\['rope_theta'\]='1e4'"),
                             (dict(rope_parameters={**yarn, "original_max_position_embeddings": 0}), "original_max_position_embeddings"),
                             (dict(rope_parameters={**yarn, "beta_fast": -32.0}), r"\['beta_fast'\]=-32.0"),
-                            (dict(rope_parameters={**yarn, "attention_factor": 0.0}), r"\['attention_factor'\]=0.0")):
+                            (dict(rope_parameters={**yarn, "attention_factor": 0.0}), r"\['attention_factor'\]=0.0"),
+                            (dict(rope_parameters={**yarn, "truncat": False}), r"keys \['truncat'\] that rope_type='yarn'"),
+                            (dict(rope_parameters={"rope_type": "default", "factor": 2.0}), r"keys \['factor'\]")):
         with pytest.raises(ConfigError, match=field_name):
             GptOssConfig(**bad).validate()

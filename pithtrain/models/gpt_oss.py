@@ -120,6 +120,10 @@ class GptOssConfig:
         check_numbers(rope, "model.rope_parameters")
         check(kind in ("yarn", "default"), f"model.rope_parameters rope_type={kind!r}: use 'yarn' (GPT-OSS) or 'default'")
         check(rope.get("rope_theta", 0) > 0, "model.rope_parameters needs rope_theta > 0")
+        known = {"rope_type", "rope_theta"} | ({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "truncate", "attention_factor", "mscale", "mscale_all_dim"} if kind == "yarn" else set())
+        check(not (extra := sorted(set(rope) - known)), f"model.rope_parameters has keys {extra} that rope_type={kind!r} "
+              f"does not read (a misspelling is silently a default); remove them, or use {sorted(known)}")
         if kind == "yarn":
             check_yarn(rope, "model.rope_parameters")
             check(rope["factor"] >= 1, f"model.rope_parameters factor={rope['factor']}: must be >= 1")
