@@ -395,6 +395,8 @@ def check_yarn(rope: dict, field: str) -> None:
         raise ConfigError(f"{field}['{bad}']={rope[bad]}: must be > 0 (YaRN's rotation counts; unset: 32 and 1)")
     check((rope.get("beta_fast") or 32) >= (rope.get("beta_slow") or 1), f"{field}['beta_fast']={rope.get('beta_fast')} "
           f"is below beta_slow={rope.get('beta_slow')} (unset: 32 and 1); swap them")
+    check(rope.get("attention_factor") is None or rope["attention_factor"] > 0, f"{field}['attention_factor']="
+          f"{rope.get('attention_factor')}: must be > 0 (it scales cos/sin; 0 makes attention uniform); unset: from factor")
 
 
 def hf_values(cls: type, hf: dict, nullable: frozenset = frozenset()) -> dict:

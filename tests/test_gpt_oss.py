@@ -262,7 +262,7 @@ def test_eval_cli_on_hf_dir(hf_dir, tmp_path):
 def test_config_from_hub_style_json():
     """The published gpt-oss-20b config.json (transformers-4 names: rope_scaling, top-level rope_theta,
     experts_per_token) gives exactly the model of examples/gpt_oss_20b.py, so train.init_from accepts it."""
-    from pithtrain.config import load_run_config
+    from pithtrain.config import ConfigError, load_run_config
     from pithtrain.models import config_from_hf
 
     hub = {
@@ -286,6 +286,8 @@ def test_config_from_hub_style_json():
     del hub["num_experts_per_tok"], hub["layer_types"]
     alias = config_from_hf(hub)
     assert alias.num_experts_per_tok == 4 and alias.layer_types is None and alias == cfg
+    with pytest.raises(ConfigError, match="sliding_window=None"):  # HF refuses it too: not silently the default 128
+        config_from_hf({**hub, "sliding_window": None}).validate()
     # HF's YaRN truncates when the key is absent; the config writes that default out
     assert GptOssConfig(rope_parameters={"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8}
                         ).rope_parameters == {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8,
@@ -302,6 +304,9 @@ def test_config_errors_name_the_field():
                             (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1.0}), "rope_type"),
                             (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), r"\['rope_theta'\]='1e4'"),
                             (dict(rope_parameters={**yarn, "original_max_position_embeddings": 0}), "original_max_position_embeddings"),
-                            (dict(rope_parameters={**yarn, "beta_fast": -32.0}), r"\['beta_fast'\]=-32.0")):
+                            (dict(rope_parameters={**yarn, "beta_fast": -32.0}), r"\['beta_fast'\]=-32.0"),
+                            (dict(rope_parameters={**yarn, "attention_factor": 0.0}), r"\['attention_factor'\]=0.0"),
+                            (dict(rope_parameters={**yarn, "truncat": False}), r"keys \['truncat'\] that rope_type='yarn'"),
+                            (dict(rope_parameters={"rope_type": "default", "factor": 2.0}), r"keys \['factor'\]")):
         with pytest.raises(ConfigError, match=field_name):
             GptOssConfig(**bad).validate()

@@ -161,6 +161,8 @@ def test_config_from_hf_real_qwen3_30b_a3b_schema():
     yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
     with pytest.raises(ValueError, match=r"model.rope_scaling=\{'rope_type': 'yarn'.*differ \(transformers uses rope_scaling"):
         config_from_hf(dict(hf, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, rope_scaling=yarn))
+    with pytest.raises(ValueError, match=r"model.rope_scaling rope_type='yarn' is not.*make it .'rope_type': 'default'"):
+        config_from_hf(dict(hf, rope_scaling={"type": "yarn", "factor": 4.0}))  # transformers 4's key
     same = {"rope_type": "default", "rope_theta": 1e6}
     assert config_from_hf(dict(hf, rope_parameters=same, rope_scaling=dict(same))) == cfg
 

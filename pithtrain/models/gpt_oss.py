@@ -120,13 +120,17 @@ class GptOssConfig:
         check_numbers(rope, "model.rope_parameters")
         check(kind in ("yarn", "default"), f"model.rope_parameters rope_type={kind!r}: use 'yarn' (GPT-OSS) or 'default'")
         check(rope.get("rope_theta", 0) > 0, "model.rope_parameters needs rope_theta > 0")
+        known = {"rope_type", "rope_theta"} | ({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                 "truncate", "attention_factor", "mscale", "mscale_all_dim"} if kind == "yarn" else set())
+        check(not (extra := sorted(set(rope) - known)), f"model.rope_parameters has keys {extra} that rope_type={kind!r} "
+              f"does not read (a misspelling is silently a default); remove them, or use {sorted(known)}")
         if kind == "yarn":
             check_yarn(rope, "model.rope_parameters")
             check(rope["factor"] >= 1, f"model.rope_parameters factor={rope['factor']}: must be >= 1")
 
     @classmethod
     def from_hf(cls, hf: dict) -> "GptOssConfig":
-        values = hf_values(cls, hf)
+        values = hf_values(cls, hf, frozenset({"sliding_window"}))  # null: no window (HF then refuses sliding layers), not 128
         # Aliases: hub config.json files also carry `experts_per_token`; HF maps `num_experts`.
         for ours, alias in (("num_experts_per_tok", "experts_per_token"), ("num_local_experts", "num_experts")):
             if ours not in values and hf.get(alias) is not None:

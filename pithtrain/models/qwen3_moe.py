@@ -85,8 +85,10 @@ class Qwen3MoeConfig:
     @classmethod
     def from_hf(cls, hf: dict) -> "Qwen3MoeConfig":
         rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-        check(rope.get("rope_type", rope.get("type", "default")) in ("default", None),
-              f"qwen3_moe: rope_type {rope.get('rope_type')!r} is not supported (only default RoPE)")
+        kind = rope.get("rope_type", rope.get("type", "default"))  # transformers 4 files spell it `type`
+        key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+        check(kind in ("default", None), f"model.{key} rope_type={kind!r} is not supported by PithTrain's qwen3_moe "
+              "(only default RoPE); make it {'rope_type': 'default', 'rope_theta': ...} to train at the original context")
         check(not (hf.get("use_sliding_window") and hf.get("sliding_window")),
               f"model.use_sliding_window=True (sliding_window={hf.get('sliding_window')}) is not supported by "
               "PithTrain's qwen3_moe (full causal attention only); set use_sliding_window false")
