@@ -386,6 +386,10 @@ def check_numbers(mapping: dict, field: str, skip: str = "type") -> None:
         raise ConfigError(f"{field}['{text}']={mapping[text]!r}: must be a number")
 
 
+YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+             "attention_factor", "truncate")  # what ops/core.rope_inv_freq and the models' softmax scales read
+
+
 def check_yarn(rope: dict, field: str) -> None:
     """YaRN's factor (it stretches the context) and original context set and >= 1; its beta_fast/beta_slow > 0 where
     set (0, like None, is HF's default), beta_fast >= beta_slow (else the ramp between them runs backwards)."""

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import ConfigError, UserError, check, check_numbers, check_positive, check_yarn, hf_values
+from pithtrain.config import (YARN_KEYS, ConfigError, UserError, check, check_numbers, check_positive, check_yarn,
+                              hf_values)
 from pithtrain.protocol import RoutingInfo, Stage1Out, all_layers, hf_state, init_by_name, load_hf_state, run_layer
 from pithtrain.models.routing import select_experts
 from pithtrain.ops.core import (apply_rope, attention, attention_mask, autocast_dtype, expert_tokens, rms_norm, rope_cos_sin,
@@ -38,8 +39,6 @@ from pithtrain.ops.grouped_gemm import Embedding, activation_mm, expert_mm, head
 from pithtrain.parallel.context import ContextParallel, context_attention_expand
 
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
-YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-             "attention_factor", "truncate")  # what ops/core.rope_inv_freq and the softmax scale read
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek and HF use this default, not rms_norm_eps
 # MLA's v head (128) is narrower than q and k's (192). Plain causal attention on CUDA hands v to SDPA as it is,
 # which runs cuDNN; v padded to 192 gets FlashAttention-2 (cuDNN's sm90 backward takes q/k 192 only with v 128)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pithtrain.config import check, check_numbers, check_positive, check_yarn, hf_values
+from pithtrain.config import YARN_KEYS, check, check_numbers, check_positive, check_yarn, hf_values
 from pithtrain.protocol import RoutingInfo, Stage1Out, hf_name, check_hf_leftovers, hf_tensor, init_by_name, run_layer
 from pithtrain.ops import attention, kernels
 from pithtrain.ops.attention import sink_attention  # the SDPA path (CPU)
@@ -120,8 +120,7 @@ class GptOssConfig:
         check_numbers(rope, "model.rope_parameters")
         check(kind in ("yarn", "default"), f"model.rope_parameters rope_type={kind!r}: use 'yarn' (GPT-OSS) or 'default'")
         check(rope.get("rope_theta", 0) > 0, "model.rope_parameters needs rope_theta > 0")
-        known = {"rope_type", "rope_theta"} | ({"factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-                 "truncate", "attention_factor", "mscale", "mscale_all_dim"} if kind == "yarn" else set())
+        known = {"rope_type", "rope_theta", *(YARN_KEYS if kind == "yarn" else ())}
         check(not (extra := sorted(set(rope) - known)), f"model.rope_parameters has keys {extra} that rope_type={kind!r} "
               f"does not read (a misspelling is silently a default); remove them, or use {sorted(known)}")
         if kind == "yarn":
